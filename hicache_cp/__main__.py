@@ -1,0 +1,5 @@
+import sys
+
+from hicache_cp.cli import main
+
+sys.exit(main())

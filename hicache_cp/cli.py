@@ -1,0 +1,53 @@
+"""`hicache-cp`: the command-line entry point.
+
+    hicache-cp replay        the main job: replay a trace through the cache, verify every byte
+    hicache-cp bench-alloc   host page allocator microbenchmark (metadata only, CPU)
+    hicache-cp bench-io      per-layer D2H/H2D copy engine vs the PCIe peak (GPU)
+    hicache-cp bench-pd      PD adapter vs raw Mooncake TransferEngine (loopback)
+    hicache-cp decode-peer   a decode-side peer that receives and verifies KV
+
+Each subcommand lives in its own module exposing `add_arguments(parser)`
+and `run(args) -> int`; modules are imported only when their command runs,
+so optional dependencies (CUDA, Mooncake) are needed only by their command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "replay": ("hicache_cp.replay", "replay a trace through the reference server (the main job)"),
+    "bench-alloc": ("hostmem.bench", "allocator microbenchmark on a fragmented pool"),
+    "bench-io": ("hicache_cp.io.bench", "copy-engine bandwidth and overlap on the GPU"),
+    "bench-pd": ("hicache_cp.pd.bench", "PD adapter throughput vs raw TransferEngine"),
+    "decode-peer": ("hicache_cp.pd.decode_peer", "run a decode peer that receives and verifies KV"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache-cp", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO, -vv: DEBUG logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:  # import only the module of the command being run
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return int(module.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

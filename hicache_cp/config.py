@@ -1,0 +1,296 @@
+"""One typed configuration for hicache-cp.
+
+Sources, later ones winning: built-in defaults and the model preset, a TOML
+file, environment variables `HICACHE_<FIELD>` (upper case, e.g.
+`HICACHE_HOST_BUDGET_BYTES=8589934592`, `HICACHE_WRITE_POLICY=write_back`),
+then command-line flags. Every value is validated in `__post_init__`; an
+error names the field, the value and the allowed range.
+
+TOML example::
+
+    model = "deepseek-v3.2"
+    page_size = 64
+    host_budget_bytes = 214748364800   # per rank, all parts together
+    l1_pages = 32768
+    l1_free_room = 0.05                # fraction of capacity (or an int: pages)
+    l2_free_room = 0.02
+    write_policy = "write_through_selective"
+    write_threshold = 2
+    eviction_policy = "lru"
+    io_backend = "auto"
+
+    [model_layout]                     # overrides of the preset
+    state_layers = [0, 2, 4, 6]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hicache_cp.errors import ConfigError
+from hicache_cp.layout import KVLayout
+
+
+class WritePolicy(enum.Enum):
+    WRITE_THROUGH = "write_through"  # back up every new page, per layer, during the forward
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # back up once a node was hit `write_threshold` times
+    WRITE_BACK = "write_back"  # back up when L1 evicts a node
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A model's KV geometry (bytes per token per layer of each part)."""
+
+    name: str
+    num_layers: int
+    kv_bytes_per_token: int
+    state_bytes_per_token: int = 0
+    state_layers: tuple[int, ...] | None = None  # None: every layer owns NSA state
+    draft_layers: int = 0
+    draft_kv_bytes_per_token: int = 0
+    draft_state_bytes_per_token: int = 0
+
+    def layout(self, page_size: int) -> KVLayout:
+        return KVLayout.build(
+            page_size=page_size,
+            num_layers=self.num_layers,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            state_bytes_per_token=self.state_bytes_per_token,
+            state_layers=self.state_layers,
+            draft_layers=self.draft_layers,
+            draft_kv_bytes_per_token=self.draft_kv_bytes_per_token,
+            draft_state_bytes_per_token=self.draft_state_bytes_per_token,
+        )
+
+
+PRESETS: dict[str, ModelLayout] = {
+    # Small enough to replay a whole trace on a CPU; every part present, and
+    # index skip (state on alternate layers) so compaction is exercised.
+    "tiny": ModelLayout(
+        name="tiny",
+        num_layers=4,
+        kv_bytes_per_token=16,
+        state_bytes_per_token=8,
+        state_layers=(0, 2),
+        draft_layers=1,
+        draft_kv_bytes_per_token=16,
+        draft_state_bytes_per_token=8,
+    ),
+    # DeepSeek-V3.2 class: MLA fp8 (512 fp8 + 16 scale + 128 rope) and the
+    # NSA indexer's index K (128 fp8 + 4 scale) on every layer, one MTP layer.
+    "deepseek-v3.2": ModelLayout(
+        name="deepseek-v3.2",
+        num_layers=61,
+        kv_bytes_per_token=656,
+        state_bytes_per_token=132,
+        draft_layers=1,
+        draft_kv_bytes_per_token=656,
+        draft_state_bytes_per_token=132,
+    ),
+}
+
+
+@dataclass
+class Config:
+    """Everything the cache needs; see the module docstring for sources."""
+
+    model: str = "tiny"
+    model_layout: ModelLayout | None = None  # filled from `model` unless given
+    page_size: int = 16
+    host_budget_bytes: int = 64 << 20
+    l1_pages: int = 2048
+    l1_free_room: float | int = 0.02
+    l2_free_room: float | int = 0.02
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    write_threshold: int = 2
+    eviction_policy: str = "lru"
+    io_backend: str = "auto"
+    cp_size: int = 1
+    debug_checks: bool = False
+    pin_host: bool | None = None  # None: pin when CUDA is available
+
+    def __post_init__(self) -> None:
+        if isinstance(self.write_policy, str):
+            self.write_policy = _enum(WritePolicy, "write_policy", self.write_policy)
+        if self.model_layout is None:
+            if self.model not in PRESETS:
+                raise ConfigError(f"model: unknown preset {self.model!r}; presets: {', '.join(PRESETS)}")
+            self.model_layout = PRESETS[self.model]
+        _positive("page_size", self.page_size)
+        _positive("host_budget_bytes", self.host_budget_bytes)
+        _at_least("l1_pages", self.l1_pages, 2)
+        _positive("write_threshold", self.write_threshold)
+        _positive("cp_size", self.cp_size)
+        for name in ("l1_free_room", "l2_free_room"):
+            _free_room(name, getattr(self, name))
+        from hicache_cp.policy import policy_names  # late: policy imports radix
+
+        if self.eviction_policy not in policy_names():
+            raise ConfigError(
+                f"eviction_policy: unknown policy {self.eviction_policy!r}; supported: {', '.join(policy_names())}"
+            )
+        from hicache_cp.io.base import backend_names
+
+        if self.io_backend not in ("auto", *backend_names()):
+            raise ConfigError(
+                f"io_backend: unknown backend {self.io_backend!r}; supported: auto, {', '.join(backend_names())}"
+            )
+        try:
+            layout = self.layout()
+        except ValueError as exc:
+            raise ConfigError(f"model_layout: {exc}") from None
+        for p in layout.parts:
+            if p.page_bytes % 8:
+                raise ConfigError(
+                    f"model_layout: {p.part.value} page of {p.page_bytes} bytes is not a multiple of 8 "
+                    f"(bytes_per_token {p.bytes_per_token} x page_size {self.page_size})"
+                )
+        if self.host_budget_bytes < 2 * layout.bytes_per_page:
+            raise ConfigError(
+                f"host_budget_bytes: {self.host_budget_bytes} is below two logical pages "
+                f"({2 * layout.bytes_per_page} bytes: every layer of every part, page 0 is the dummy)"
+            )
+
+    def layout(self) -> KVLayout:
+        assert self.model_layout is not None
+        return self.model_layout.layout(self.page_size)
+
+    def free_room_pages(self, tier: str, capacity: int) -> int:
+        """The free-room target of `tier` ("l1" or "l2") in pages."""
+        value = self.l1_free_room if tier == "l1" else self.l2_free_room
+        return int(value * capacity) if isinstance(value, float) else int(value)
+
+    # ---- sources ------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        overrides: dict[str, Any] | None = None,
+    ) -> Config:
+        """Build from a TOML file, then `HICACHE_*` variables, then `overrides`."""
+        values: dict[str, Any] = {}
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    values.update(tomllib.load(f))
+            except FileNotFoundError:
+                raise ConfigError(f"config file {path} does not exist") from None
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"config file {path}: {exc}") from None
+        values.update(_from_env(os.environ if env is None else env))
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Config:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown}; known: {', '.join(sorted(known))}")
+        values = dict(values)
+        model = values.get("model", "tiny")
+        if model not in PRESETS:
+            raise ConfigError(f"model: unknown preset {model!r}; presets: {', '.join(PRESETS)}")
+        layout_over = values.pop("model_layout", None)
+        if isinstance(layout_over, dict):
+            values["model_layout"] = _layout_with(PRESETS[model], layout_over)
+        elif layout_over is not None:
+            values["model_layout"] = layout_over
+        for name, value in list(values.items()):
+            values[name] = _coerce(name, known[name].type, value)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["write_policy"] = self.write_policy.value
+        return d
+
+
+def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
+    names = {f.name for f in dataclasses.fields(ModelLayout)}
+    unknown = sorted(set(over) - names)
+    if unknown:
+        raise ConfigError(f"model_layout: unknown field(s) {unknown}; known: {', '.join(sorted(names))}")
+    over = dict(over)
+    if over.get("state_layers") is not None:
+        over["state_layers"] = tuple(int(x) for x in over["state_layers"])
+    for name in names - {"name", "state_layers"}:
+        if name in over and (not isinstance(over[name], int) or isinstance(over[name], bool)):
+            raise ConfigError(f"model_layout.{name}: expected an integer, got {over[name]!r}")
+    return dataclasses.replace(base, **over)
+
+
+def _from_env(env: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Config):
+        if f.name == "model_layout":
+            continue
+        raw = env.get(f"HICACHE_{f.name.upper()}")
+        if raw is not None:
+            out[f.name] = raw
+    return out
+
+
+def _coerce(name: str, type_: Any, value: Any) -> Any:
+    """Turn strings (env, CLI) into the field's type; leave typed values alone."""
+    if not isinstance(value, str):
+        if name in ("l1_free_room", "l2_free_room") and isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a fraction or a page count, got {value!r}")
+        return value
+    t = str(type_)
+    try:
+        if name in ("l1_free_room", "l2_free_room"):
+            return float(value) if any(c in value for c in ".eE") else int(value)
+        if t.startswith("bool"):
+            return _bool(name, value)
+        if t == "int":
+            return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}: expected {t}, got {value!r}") from None
+    return value
+
+
+def _bool(name: str, value: str) -> bool | None:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    if v in ("", "none", "auto"):
+        return None
+    raise ConfigError(f"{name}: expected true/false, got {value!r}")
+
+
+def _enum(cls: type[enum.Enum], name: str, value: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        raise ConfigError(f"{name}: unknown value {value!r}; allowed: {', '.join(m.value for m in cls)}") from None
+
+
+def _positive(name: str, value: object) -> None:
+    _at_least(name, value, 1)
+
+
+def _at_least(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{name}: must be an integer >= {low}, got {value!r}")
+
+
+def _free_room(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}: expected a fraction in [0, 1) or a page count >= 0, got {value!r}")
+    if isinstance(value, float) and not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name}: a fraction must be in [0, 1), got {value}")
+    if isinstance(value, int) and value < 0:
+        raise ConfigError(f"{name}: a page count must be >= 0, got {value}")
+
+

@@ -1,0 +1,67 @@
+"""The project's exceptions.
+
+`ValueError`/`TypeError` are used for bad input from callers; the classes here
+are for broken consistency inside the cache: they carry the context an
+operator needs (node, pages, part, layer, rank) and are never turned into a
+silent miss or a partial hit (DOMAIN.md rule 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class HiCacheError(Exception):
+    """Base class of every error hicache-cp raises on purpose."""
+
+
+@dataclass
+class ConsistencyError(HiCacheError):
+    """Parts, layers or ranks of one logical KV object disagree.
+
+    Raised instead of returning a partial or target-only hit. Every field that
+    is known at the raise site is filled in; the message lists them all.
+    """
+
+    what: str
+    node: int | None = None
+    pages: object = None
+    part: str | None = None
+    layer: int | None = None
+    rank: int | None = None
+    details: dict[str, object] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        ctx = [
+            f"{k}={v}"
+            for k, v in (
+                ("node", self.node),
+                ("pages", _short(self.pages)),
+                ("part", self.part),
+                ("layer", self.layer),
+                ("rank", self.rank),
+            )
+            if v is not None
+        ]
+        ctx += [f"{k}={_short(v)}" for k, v in self.details.items()]
+        return f"{self.what} ({', '.join(ctx)})" if ctx else self.what
+
+
+class IllegalTransition(HiCacheError):
+    """A state machine was asked for a transition its table does not allow."""
+
+
+class ConfigError(HiCacheError, ValueError):
+    """A configuration value is out of range; the message names the field."""
+
+
+def _short(v: object, limit: int = 16) -> object:
+    """Abbreviate long page arrays in error messages."""
+    try:
+        n = len(v)  # type: ignore[arg-type]
+    except TypeError:
+        return v
+    if n <= limit:
+        return list(v)  # type: ignore[call-overload]
+    items = list(v[:limit])  # type: ignore[index]
+    return f"{items}... ({n} total)"

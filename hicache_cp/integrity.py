@@ -1,0 +1,75 @@
+"""Deterministic KV content, so every reader can check what it got.
+
+The reference server "computes" KV by writing bytes that are a function of
+the page's prefix (the chain hash of every page up to and including it), the
+part and the layer. A later request that hits the cache, or the decode peer
+that receives a transfer, recomputes the same bytes and compares.
+
+`content(prefix_hashes, part, layer, page_bytes)` is vectorised: one numpy
+expression over [pages, words], no Python loop per page. page_bytes must be
+a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from hicache_cp.layout import PART_ORDER, Part
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def chain_hashes(keys: list[bytes], parent: int = 0) -> np.ndarray:
+    """Prefix chain hash of each page: h_i = H(h_{i-1} || page tokens)."""
+    out = np.empty(len(keys), dtype=np.uint64)
+    h = parent.to_bytes(8, "little")
+    for i, key in enumerate(keys):
+        h = hashlib.blake2b(h + key, digest_size=8).digest()
+        out[i] = int.from_bytes(h, "little")
+    return out
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def content(prefix_hashes: np.ndarray, part: Part, layer: int, page_bytes: int) -> np.ndarray:
+    """The bytes of `part`, `layer` for pages with these prefix hashes: uint8 [n, page_bytes]."""
+    if page_bytes % 8:
+        raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
+    with np.errstate(over="ignore"):
+        salt = np.uint64((PART_ORDER.index(part) + 1) << 56) ^ (np.uint64(layer + 1) * _GOLDEN)
+        seeds = _splitmix(np.asarray(prefix_hashes, dtype=np.uint64) ^ salt)
+        words = np.arange(page_bytes // 8, dtype=np.uint64) * _GOLDEN
+        block = _splitmix(seeds[:, None] + words[None, :])
+    return block.view(np.uint8).reshape(len(seeds), page_bytes)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One page whose bytes differ from what computing it gives."""
+
+    request: int
+    position: int  # request-absolute page position
+    part: str
+    layer: int
+    rank: int = 0
+
+    def __str__(self) -> str:
+        return f"request {self.request} page {self.position} {self.part} layer {self.layer} rank {self.rank}"
+
+
+def compare(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """Indices of the rows (pages) of `actual` that differ from `expected`."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"shape mismatch {actual.shape} vs {expected.shape}")
+    return np.flatnonzero((actual != expected).any(axis=1))

@@ -1,0 +1,176 @@
+"""The copy-engine contract every io backend follows.
+
+One submission copies one layer of one part between L1 (device) pages and
+L2 (host) pages and returns a `CopyTicket`:
+
+    ticket = engine.submit_backup(part, layer, device_pages, host_pages)  # D2H
+    ticket = engine.submit_load(part, layer, host_pages, device_pages)    # H2D
+    ticket.query()              # non-blocking: PENDING, DONE or FAILED
+    ticket.make_compute_wait()  # the forward waits for this layer (CUDA: the
+                                # current stream waits on the event; no host block)
+    ticket.wait()               # host-blocking; control paths and tests only
+
+Ordering: submissions of one direction run in submission order (one D2H
+"stream", one H2D "stream"); the two directions overlap. A backup reads the
+device pages as they are when the copy runs, so the caller submits layer i's
+backup only after layer i was written (the layer hooks do exactly that).
+
+Page lists are CPU numpy int64 arrays of *physical* page ids of this rank's
+pools. An engine never synchronises the host on submission. A failed copy
+reports FAILED through its ticket (with the exception) and never raises out
+of `query()`; the cache turns it into an abort of the backup or load.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache_cp.layout import Part
+
+if TYPE_CHECKING:
+    from hicache_cp.pools import DevicePool, HostPool
+
+
+class Direction(enum.Enum):
+    D2H = "d2h"  # backup
+    H2D = "h2d"  # load back
+
+
+class TicketState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class CopyFailed(RuntimeError):
+    """A copy did not land; carries the part, layer and direction."""
+
+
+class CopyTicket(abc.ABC):
+    """Completion handle of one submitted copy (one layer of one part)."""
+
+    def __init__(self, direction: Direction, part: Part, layer: int, nbytes: int) -> None:
+        self.direction = direction
+        self.part = part
+        self.layer = layer
+        self.nbytes = nbytes
+
+    @abc.abstractmethod
+    def query(self) -> TicketState:
+        """Non-blocking completion check. Never raises for a failed copy."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block the host until the copy finished; raise CopyFailed if it failed."""
+
+    @abc.abstractmethod
+    def make_compute_wait(self) -> None:
+        """Order the caller's compute after this copy without blocking the host
+        where the backend allows it (CUDA); otherwise block (CPU)."""
+
+    @property
+    def error(self) -> BaseException | None:
+        return None
+
+    def describe(self) -> str:
+        return f"{self.direction.value} {self.part.value} layer {self.layer}"
+
+
+class CopyEngine(abc.ABC):
+    """Moves pages of one part and one layer between the two pools."""
+
+    name: str = "abstract"
+
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
+        if device_pool.layout != host_pool.layout:
+            raise ValueError("device and host pools were built for different layouts")
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.layout = host_pool.layout
+
+    def submit_backup(
+        self, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
+    ) -> CopyTicket:
+        """Copy `device_pages` of (part, layer) to `host_pages` (D2H)."""
+        return self._submit(Direction.D2H, part, layer, *self._check(part, layer, device_pages, host_pages))
+
+    def submit_load(
+        self, part: Part, layer: int, host_pages: np.ndarray, device_pages: np.ndarray
+    ) -> CopyTicket:
+        """Copy `host_pages` of (part, layer) to `device_pages` (H2D)."""
+        return self._submit(Direction.H2D, part, layer, *self._check(part, layer, device_pages, host_pages))
+
+    @abc.abstractmethod
+    def _submit(
+        self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
+    ) -> CopyTicket:
+        """Backend work: pages are validated int64 arrays of equal length."""
+
+    def close(self) -> None:
+        """Wait for outstanding copies and release backend resources."""
+
+    def _check(
+        self, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if not isinstance(device_pages, np.ndarray) or not isinstance(host_pages, np.ndarray):
+            raise TypeError("page lists must be CPU numpy arrays (control paths never take device tensors)")
+        if device_pages.shape != host_pages.shape or device_pages.ndim != 1:
+            raise ValueError(
+                f"{part.value} layer {layer}: device and host page counts differ "
+                f"({device_pages.shape} vs {host_pages.shape}); copies are never truncated"
+            )
+        self.layout.part(part).slot(layer)  # raises for a layer the part lacks
+        return device_pages.astype(np.int64, copy=False), host_pages.astype(np.int64, copy=False)
+
+
+EngineFactory = Callable[..., CopyEngine]
+_BACKENDS: dict[str, EngineFactory] = {}
+
+
+def register_backend(name: str) -> Callable[[EngineFactory], EngineFactory]:
+    """Class decorator adding an io backend to the registry under `name`."""
+
+    def deco(factory: EngineFactory) -> EngineFactory:
+        if name in _BACKENDS:
+            raise ValueError(f"io backend {name!r} registered twice")
+        _BACKENDS[name] = factory
+        return factory
+
+    return deco
+
+
+def backend_names() -> list[str]:
+    _load_builtin_backends()
+    return sorted(_BACKENDS)
+
+
+def make_engine(name: str, device_pool: DevicePool, host_pool: HostPool, **options: Any) -> CopyEngine:
+    """Build the io backend `name` ("auto" picks the best one for the pools)."""
+    _load_builtin_backends()
+    if name == "auto":
+        name = default_backend(device_pool)
+    try:
+        factory = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown io backend {name!r}; supported: {', '.join(['auto', *sorted(_BACKENDS)])}") from None
+    return factory(device_pool, host_pool, **options)
+
+
+def default_backend(device_pool: DevicePool) -> str:
+    """The fastest backend measured for the pools' placement (bench-io)."""
+    return "kernel" if device_pool.is_cuda else "cpu"
+
+
+def _load_builtin_backends() -> None:
+    # Imported lazily so that the CPU path never imports cuda-python code.
+    import hicache_cp.io.cpu  # noqa: F401
+
+    try:
+        import hicache_cp.io.cuda  # noqa: F401
+    except ImportError:  # the CUDA engine module is optional on CPU-only installs
+        pass

@@ -1,0 +1,233 @@
+"""The two in-flight operations of the cache, as explicit state machines.
+
+Backup (D2H, device pages -> reserved host pages):
+
+    RESERVED --first layer submitted--> WRITING --every layer of every part
+        |                                  |       landed, all ranks agree--> COMMITTED
+        |                                  v
+        +---------- a copy failed / abort -> FAILING --no copy in flight on
+                                                       any rank--> ABORTED
+
+    RESERVED and WRITING may also go straight to ABORTED when nothing is in
+    flight. Until COMMITTED the host copy is invisible to `match_prefix` and
+    its pages cannot be evicted; ABORTED releases the whole reservation.
+
+Load-back (H2D, host pages -> newly allocated device pages):
+
+    RESERVED --submitted--> LOADING --every layer of every part landed,
+        all ranks agree--> DONE
+    LOADING --a copy failed--> FAILING --drained everywhere--> ABORTED
+
+    While RESERVED/LOADING/FAILING the source host pages are pinned (not
+    evictable). ABORTED leaves the device pages with the nodes, but their
+    bytes are not the cached KV: the request holding them recomputes them.
+
+Each op keeps, per part, the set of layers submitted and landed, and the
+tickets still in flight. `local_vote()` condenses that into the two numbers
+the CP agreement reduces with MIN (see `hicache_cp.agreement`). Only
+`transition()` changes `state`, and it checks the table.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hicache_cp.errors import IllegalTransition
+from hicache_cp.io.base import CopyTicket, TicketState
+from hicache_cp.layout import KVLayout, Model, Part
+
+if TYPE_CHECKING:
+    from hicache_cp.radix import Node
+
+
+class BackupState(enum.Enum):
+    RESERVED = "reserved"
+    WRITING = "writing"
+    FAILING = "failing"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class LoadState(enum.Enum):
+    RESERVED = "reserved"
+    LOADING = "loading"
+    FAILING = "failing"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+_BACKUP_TABLE: dict[BackupState, frozenset[BackupState]] = {
+    BackupState.RESERVED: frozenset({BackupState.WRITING, BackupState.FAILING, BackupState.ABORTED}),
+    BackupState.WRITING: frozenset({BackupState.COMMITTED, BackupState.FAILING, BackupState.ABORTED}),
+    BackupState.FAILING: frozenset({BackupState.ABORTED}),
+    BackupState.COMMITTED: frozenset(),
+    BackupState.ABORTED: frozenset(),
+}
+
+_LOAD_TABLE: dict[LoadState, frozenset[LoadState]] = {
+    LoadState.RESERVED: frozenset({LoadState.LOADING, LoadState.FAILING, LoadState.ABORTED}),
+    LoadState.LOADING: frozenset({LoadState.DONE, LoadState.FAILING, LoadState.ABORTED}),
+    LoadState.FAILING: frozenset({LoadState.ABORTED}),
+    LoadState.DONE: frozenset(),
+    LoadState.ABORTED: frozenset(),
+}
+
+_op_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One rank's view of one op: `ok` (no failure seen) and `settled`
+    (nothing in flight and either every layer landed or the op is failing)."""
+
+    ok: bool
+    settled: bool
+
+
+@dataclass(eq=False)
+class _CopyOp:
+    """What backups and loads share: page lists, per-layer progress, tickets."""
+
+    layout: KVLayout
+    device_pages: np.ndarray  # logical L1 pages
+    host_pages: np.ndarray  # logical L2 pages
+    first_position: int  # request-absolute page position of the first page
+    id: int = field(default_factory=lambda: next(_op_ids))
+    submitted: dict[Part, set[int]] = field(default_factory=dict)
+    landed: dict[Part, set[int]] = field(default_factory=dict)
+    inflight: list[CopyTicket] = field(default_factory=list)
+    error: BaseException | None = None
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        assert len(self.device_pages) == len(self.host_pages), (len(self.device_pages), len(self.host_pages))
+        for p in self.layout.parts:
+            self.submitted[p.part] = set()
+            self.landed[p.part] = set()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages)
+
+    def all_submitted(self) -> bool:
+        return all(len(self.submitted[p.part]) == p.num_slots for p in self.layout.parts)
+
+    def all_landed(self) -> bool:
+        return all(len(self.landed[p.part]) == p.num_slots for p in self.layout.parts)
+
+    def layers_to_submit(self, model: Model, layer: int) -> list[Part]:
+        """Parts of `model` that own `layer` and have not submitted it yet."""
+        return [
+            p.part
+            for p in self.layout.parts_of(model)
+            if p.has_layer(layer) and layer not in self.submitted[p.part]
+        ]
+
+    def record_submit(self, part: Part, layer: int, tickets: list[CopyTicket]) -> None:
+        assert layer not in self.submitted[part], (self.id, part, layer)
+        self.submitted[part].add(layer)
+        if tickets:
+            self.inflight.extend(tickets)
+        else:  # this rank owns none of the pages: nothing to copy
+            self.landed[part].add(layer)
+
+    def reap(self) -> None:
+        """Move finished tickets out of flight; record landed layers and failures.
+
+        A layer counts as landed when no ticket of it is still in flight.
+        Non-blocking.
+        """
+        still: list[CopyTicket] = []
+        finished: list[CopyTicket] = []
+        for t in self.inflight:
+            state = t.query()
+            if state is TicketState.PENDING:
+                still.append(t)
+            elif state is TicketState.FAILED:
+                self.error = self.error or t.error or RuntimeError(f"{t.describe()} failed")
+            else:
+                finished.append(t)
+                self.nbytes += t.nbytes
+        self.inflight = still
+        pending_layers = {(t.part, t.layer) for t in still}
+        for t in finished:
+            if (t.part, t.layer) not in pending_layers:
+                self.landed[t.part].add(t.layer)
+
+
+@dataclass(eq=False)
+class BackupOp(_CopyOp):
+    """A D2H backup of a run of pages into a host reservation.
+
+    `layerwise` ops are driven by the forward's layer hooks; the others (the
+    all-layer fallback) submit every layer at once.
+    """
+
+    layerwise: bool = True
+    state: BackupState = BackupState.RESERVED
+    nodes: list[Node] = field(default_factory=list)
+
+    def transition(self, new: BackupState) -> None:
+        if new not in _BACKUP_TABLE[self.state]:
+            raise IllegalTransition(f"backup {self.id}: {self.state.value} -> {new.value} is not allowed")
+        self.state = new
+
+    def local_vote(self) -> Vote:
+        self.reap()
+        failing = self.state is BackupState.FAILING or self.error is not None
+        if failing:
+            return Vote(ok=False, settled=not self.inflight)
+        return Vote(ok=True, settled=not self.inflight and self.all_landed())
+
+    @property
+    def active(self) -> bool:
+        return self.state in (BackupState.RESERVED, BackupState.WRITING, BackupState.FAILING)
+
+
+@dataclass(eq=False)
+class LoadOp(_CopyOp):
+    """An H2D load of host-only nodes into newly allocated device pages."""
+
+    state: LoadState = LoadState.RESERVED
+    nodes: list[Node] = field(default_factory=list)
+    by_layer: dict[tuple[Part, int], list[CopyTicket]] = field(default_factory=dict)
+
+    def transition(self, new: LoadState) -> None:
+        if new not in _LOAD_TABLE[self.state]:
+            raise IllegalTransition(f"load {self.id}: {self.state.value} -> {new.value} is not allowed")
+        self.state = new
+
+    def record_submit(self, part: Part, layer: int, tickets: list[CopyTicket]) -> None:
+        super().record_submit(part, layer, tickets)
+        self.by_layer[(part, layer)] = tickets
+
+    def wait_layer(self, layer: int, model: Model = Model.TARGET) -> None:
+        """Make the forward wait until `layer` of every part of `model` is on the device.
+
+        On CUDA the current stream waits on the layer's events (no host block);
+        on CPU this blocks. A failed copy does not raise here: it is recorded
+        and the op aborts on every rank at the next `poll()`.
+        """
+        for p in self.layout.parts_of(model):
+            if not p.has_layer(layer):
+                continue
+            for t in self.by_layer.get((p.part, layer), ()):
+                try:
+                    t.make_compute_wait()
+                except Exception as exc:  # recorded; the agreed poll aborts the op
+                    self.error = self.error or exc
+
+    def local_vote(self) -> Vote:
+        self.reap()
+        if self.state is LoadState.FAILING or self.error is not None:
+            return Vote(ok=False, settled=not self.inflight)
+        return Vote(ok=True, settled=not self.inflight and self.all_landed())
+
+    @property
+    def active(self) -> bool:
+        return self.state in (LoadState.RESERVED, LoadState.LOADING, LoadState.FAILING)

@@ -1,0 +1,284 @@
+"""The two page pools: L1 (device) and L2 (host).
+
+Both pools hand out *logical* page ids through a `LanePageAllocator` and store
+bytes by *physical* page id on this rank (identical when cp_size == 1). Every
+part has its own buffer, laid out layer-first:
+
+    buffer[part][slot, physical_page, 0:page_bytes]
+
+so that one layer of consecutive pages is one contiguous byte range: the
+shape per-layer copies and transfers coalesce on.
+
+Page ids are shared by all parts: one reservation yields page ids valid in
+every part's buffer, which makes "the same number of pages in every part,
+atomically" true by construction and gives every part the same page
+capacity (DOMAIN.md rule 2: one budget, draft capacity equal to target's).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from hicache_cp import cp_mapping
+from hicache_cp.layout import KVLayout, Part, log_budget
+from hostmem.arena import HostArena
+from hostmem.extents import ExtentAllocator, pages_to_runs, runs_to_pages
+
+logger = logging.getLogger(__name__)
+
+
+class LanePageAllocator:
+    """Logical page allocator over `cp_size` lanes of physical pages.
+
+    The page at request-absolute position i comes from lane i mod cp_size, so
+    a prefix's pages have the same owners in every request that shares it.
+    Each lane is an `ExtentAllocator` over physical pages [0, physical_pages)
+    with physical page 0 held back as the dummy page; reserves prefer
+    contiguous physical runs. The allocator is replicated: every rank runs the
+    same calls and reaches the same state, so allocation needs no collective.
+
+    alloc/free: O(k log e) for k runs over e free extents; no per-page loop.
+    """
+
+    def __init__(self, physical_pages: int, cp_size: int = 1, name: str = "pool") -> None:
+        if physical_pages < 2:
+            raise ValueError(f"{name}: need at least 2 physical pages (page 0 is the dummy), got {physical_pages}")
+        if cp_size < 1:
+            raise ValueError(f"{name}: cp_size must be >= 1, got {cp_size}")
+        self.name = name
+        self.physical_pages = physical_pages
+        self.cp_size = cp_size
+        self.lanes = [ExtentAllocator(physical_pages) for _ in range(cp_size)]
+        for lane in self.lanes:
+            dummy = lane.reserve(1)
+            assert dummy is not None and dummy[0, 0] == 0, dummy
+
+    @property
+    def capacity(self) -> int:
+        """Allocatable logical pages (the dummy page excluded)."""
+        return (self.physical_pages - 1) * self.cp_size
+
+    @property
+    def free_pages(self) -> int:
+        return sum(lane.free_pages for lane in self.lanes)
+
+    @property
+    def used_pages(self) -> int:
+        return self.capacity - self.free_pages
+
+    def lane_free_pages(self) -> list[int]:
+        return [lane.free_pages for lane in self.lanes]
+
+    def fits(self, n: int, first_position: int = 0) -> bool:
+        need = self._lane_counts(n, first_position)
+        return all(lane.free_pages >= k for lane, k in zip(self.lanes, need))
+
+    def alloc(self, n: int, first_position: int = 0) -> np.ndarray | None:
+        """Logical pages for request positions [first_position, first_position + n).
+
+        Returns None (nothing reserved) when any lane is short.
+        """
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} pages")
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        need = self._lane_counts(n, first_position)
+        if not all(lane.free_pages >= k for lane, k in zip(self.lanes, need)):
+            return None
+        out = np.empty(n, dtype=np.int64)
+        lanes_of = (np.arange(first_position, first_position + n) % self.cp_size)
+        for rank, (lane, k) in enumerate(zip(self.lanes, need)):
+            if k == 0:
+                continue
+            runs = lane.reserve(int(k), prefer_contiguous=True)
+            assert runs is not None, (self.name, rank, k, lane.free_pages)
+            out[lanes_of == rank] = cp_mapping.to_logical(runs_to_pages(runs), rank, self.cp_size)
+        return out
+
+    def free(self, pages: np.ndarray) -> None:
+        """Return logical pages; ValueError (nothing freed) on a bad page."""
+        pages = np.asarray(pages, dtype=np.int64)
+        if len(pages) == 0:
+            return
+        if (pages <= 0).any() or (pages > self.capacity).any():
+            bad = pages[(pages <= 0) | (pages > self.capacity)]
+            raise ValueError(f"{self.name}: pages {bad[:16].tolist()} out of range [1, {self.capacity}]")
+        owners = cp_mapping.owner(pages, self.cp_size)
+        physical = cp_mapping.to_physical(pages, self.cp_size)
+        # Validate every lane before freeing any, so a bad call changes nothing.
+        lane_runs = [pages_to_runs(np.sort(physical[owners == r])) for r in range(self.cp_size)]
+        for rank, runs in enumerate(lane_runs):
+            try:
+                self.lanes[rank].validate_free(runs)
+            except ValueError as exc:
+                raise ValueError(f"{self.name} lane {rank}: {exc}") from None
+        for rank, runs in enumerate(lane_runs):
+            if len(runs):
+                self.lanes[rank].free(runs)
+
+    def fragmentation(self) -> float:
+        return max(lane.fragmentation for lane in self.lanes)
+
+    def num_free_extents(self) -> int:
+        return sum(lane.num_free_extents for lane in self.lanes)
+
+    def check_invariants(self) -> None:
+        for lane in self.lanes:
+            lane.check_invariants()
+
+    def _lane_counts(self, n: int, first_position: int) -> np.ndarray:
+        lanes = np.arange(first_position, first_position + n) % self.cp_size
+        return np.bincount(lanes, minlength=self.cp_size)
+
+
+class DevicePool:
+    """L1: per-part device buffers of this rank plus the logical page allocator.
+
+    `buffers` lets a real server hand in its own KV buffers (uint8 tensors of
+    shape [slots, physical_pages, page_bytes]); otherwise zeroed buffers are
+    made on `device` (host tensors stand in for GPU memory on CPU machines).
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        physical_pages: int,
+        *,
+        cp_size: int = 1,
+        rank: int = 0,
+        device: str | torch.device = "cpu",
+        buffers: dict[Part, torch.Tensor] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.cp_size = cp_size
+        self.allocator = LanePageAllocator(physical_pages, cp_size, name=f"L1 rank {rank}")
+        self.device = torch.device(device)
+        if buffers is None:
+            buffers = {
+                p.part: torch.zeros((p.num_slots, physical_pages, p.page_bytes), dtype=torch.uint8, device=self.device)
+                for p in layout.parts
+            }
+        self.buffers = _check_buffers(layout, physical_pages, buffers)
+        self.device = next(iter(self.buffers.values())).device
+        self._views = {} if self.is_cuda else {p: b.numpy() for p, b in self.buffers.items()}
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def physical_pages(self) -> int:
+        return self.allocator.physical_pages
+
+    def buffer(self, part: Part) -> torch.Tensor:
+        return self.buffers[part]
+
+    def layer_view(self, part: Part, slot: int) -> np.ndarray:
+        """numpy view [physical_pages, page_bytes] of one layer (CPU pools only)."""
+        if self.is_cuda:
+            raise TypeError("layer_view is for host-memory device pools; CUDA engines use buffer()")
+        return self._views[part][slot]
+
+
+class HostPool:
+    """L2: one `HostArena` per part (pinned where CUDA is), plus the allocator.
+
+    The arenas are sized from one byte budget (`KVLayout.split_budget`). Close
+    the pool (or use it as a context manager) to unregister pinned memory.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        budget_bytes: int,
+        *,
+        cp_size: int = 1,
+        rank: int = 0,
+        pin: bool | None = None,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.cp_size = cp_size
+        self.split = layout.split_budget(budget_bytes)
+        physical_pages = self.split.pages
+        if physical_pages < 2:
+            raise ValueError(
+                f"host budget {budget_bytes} B holds {physical_pages} page(s); need at least 2 "
+                f"(page 0 is the dummy page); one page is {layout.bytes_per_page} B"
+            )
+        log_budget(layout, self.split, rank)
+        self.allocator = LanePageAllocator(physical_pages, cp_size, name=f"L2 rank {rank}")
+        self.arenas: dict[Part, HostArena] = {}
+        self._views: dict[Part, np.ndarray] = {}
+        try:
+            for p in layout.parts:
+                arena = HostArena(p.bytes_per_page * physical_pages, pin=pin, name=f"L2 {p.part.value} rank {rank}")
+                self.arenas[p.part] = arena
+                self._views[p.part] = arena.numpy().reshape(p.num_slots, physical_pages, p.page_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def physical_pages(self) -> int:
+        return self.allocator.physical_pages
+
+    @property
+    def pinned(self) -> bool:
+        return all(a.pinned for a in self.arenas.values())
+
+    def layer_view(self, part: Part, slot: int) -> np.ndarray:
+        """numpy view [physical_pages, page_bytes] of one layer of one part."""
+        return self._views[part][slot]
+
+    def part_view(self, part: Part) -> np.ndarray:
+        return self._views[part]
+
+    def torch_view(self, part: Part) -> torch.Tensor:
+        """Zero-copy torch view [slots, physical_pages, page_bytes] of one part."""
+        return torch.from_numpy(self._views[part])
+
+    def page_address(self, part: Part, slot: int, physical_page: int) -> int:
+        p = self.layout.part(part)
+        return self.arenas[part].ptr + (slot * self.physical_pages + physical_page) * p.page_bytes
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every arena is fully pinned (no-op on plain memory)."""
+        for arena in self.arenas.values():
+            arena.wait_ready(arena.nbytes, timeout=timeout)
+
+    def close(self) -> None:
+        self._views.clear()
+        for arena in self.arenas.values():
+            arena.close()
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_buffers(layout: KVLayout, physical_pages: int, buffers: dict[Part, torch.Tensor]) -> dict[Part, torch.Tensor]:
+    expected = {p.part for p in layout.parts}
+    if set(buffers) != expected:
+        raise ValueError(
+            f"device buffers for parts {sorted(x.value for x in buffers)} but the layout has "
+            f"{sorted(x.value for x in expected)}"
+        )
+    devices = {b.device for b in buffers.values()}
+    if len(devices) != 1:
+        raise ValueError(f"device buffers live on several devices: {devices}")
+    for p in layout.parts:
+        b = buffers[p.part]
+        shape = (p.num_slots, physical_pages, p.page_bytes)
+        if tuple(b.shape) != shape or b.dtype != torch.uint8 or not b.is_contiguous():
+            raise ValueError(
+                f"{p.part.value} device buffer must be a contiguous uint8 tensor of shape {shape}, "
+                f"got {tuple(b.shape)} {b.dtype}"
+            )
+    return dict(buffers)

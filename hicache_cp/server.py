@@ -1,0 +1,168 @@
+"""A reference prefill-server loop that drives `HiCache` as a real server would.
+
+For each request: match and lock, load back the L2 continuation per layer,
+"compute" the missing pages layer by layer (target layers, then draft
+layers) writing deterministic KV bytes (`hicache_cp.integrity`) into L1,
+fire the target and draft layer hooks, insert, poll, unlock and keep free
+room. Once the load is agreed DONE, the bytes of every reused page (the
+device-resident prefix and the loaded pages), every part and every layer,
+are compared with what computing them gives; a mismatch is recorded with
+request, page, layer, part and rank.
+
+On CP ranks each rank writes and verifies only the pages it owns.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from hicache_cp import cp_mapping, integrity
+from hicache_cp.cache import HiCache
+from hicache_cp.integrity import Mismatch
+from hicache_cp.layout import Model, PartLayout
+from hicache_cp.ops import LoadOp, LoadState
+from hicache_cp.radix import page_keys
+
+logger = logging.getLogger(__name__)
+
+MAX_REPORTED_MISMATCHES = 100
+
+
+class RequestSink(Protocol):
+    """Receives each request's finished KV (the PD adapter implements it)."""
+
+    def send_request(self, request: int, page_table: np.ndarray, hashes: np.ndarray, cache: HiCache) -> None: ...
+
+
+@dataclass
+class RequestResult:
+    request: int
+    prompt_tokens: int
+    l1_hit_pages: int
+    l2_hit_pages: int
+    computed_pages: int
+    served: bool = True
+
+
+@dataclass
+class IntegrityReport:
+    checked_pages: int = 0  # page-layer-part units compared
+    mismatches: int = 0
+    examples: list[Mismatch] = field(default_factory=list)
+
+    def add(self, found: list[Mismatch]) -> None:
+        self.mismatches += len(found)
+        room = MAX_REPORTED_MISMATCHES - len(self.examples)
+        self.examples.extend(found[:room])
+        for m in found[:room]:
+            logger.warning("integrity mismatch: %s", m)
+
+
+class ReferenceServer:
+    """Serves requests one at a time through the cache; see the module docstring."""
+
+    def __init__(self, cache: HiCache, *, verify: bool = True, sink: RequestSink | None = None) -> None:
+        self.cache = cache
+        self.verify = verify
+        self.sink = sink
+        self.layout = cache.layout
+        self.integrity = IntegrityReport()
+        self.rejected = 0
+
+    def serve(self, request: int, tokens: np.ndarray) -> RequestResult:
+        cache = self.cache
+        keys = page_keys(tokens, self.layout.page_size)
+        hashes = integrity.chain_hashes(keys)
+        m = cache.match_prefix(tokens)
+        load = cache.load_back(m)
+        start = m.matched_pages
+        new = cache.alloc_device(len(keys) - start, start)
+        if new is None:
+            if load is not None:
+                self._finish_load(load)
+            cache.release(m.last_node)
+            self.rejected += 1
+            logger.warning("request %d rejected: L1 cannot hold its %d new pages", request, len(keys) - start)
+            return RequestResult(request, len(tokens), m.device_len, m.host_len, 0, served=False)
+        backup = cache.reserve_backup(new, start)
+        loaded = load.device_pages if load is not None else np.empty(0, np.int64)
+        page_table = np.concatenate([m.device_pages, loaded, new])
+        for model in (Model.TARGET, Model.DRAFT):
+            for layer in range(self.layout.num_layers(model)):
+                for op in m.waits:
+                    op.wait_layer(layer, model)
+                if load is not None:
+                    load.wait_layer(layer, model)
+                for part in self.layout.parts_of(model):
+                    if part.has_layer(layer):
+                        self._compute(part, layer, new, hashes[start:], start)
+                cache.on_layer_end(model, layer)
+        node = cache.insert(m, new, backup=backup)
+        cache.poll()
+        reused = start
+        if load is not None and not self._finish_load(load):
+            # An aborted load's pages hold no valid KV: recompute them in place.
+            reused = m.device_len
+            for part in self.layout.parts:
+                for layer in part.layer_ids:
+                    self._compute(part, layer, loaded, hashes[reused:start], reused)
+        if self.verify and reused:
+            for part in self.layout.parts:
+                for layer in part.layer_ids:
+                    self._verify(request, part, layer, page_table[:reused], hashes[:reused], 0)
+        if self.sink is not None:
+            self.sink.send_request(request, page_table, hashes, cache)
+        cache.release(node)
+        cache.ensure_free()
+        return RequestResult(request, len(tokens), m.device_len, m.host_len, len(new))
+
+    def _finish_load(self, load: LoadOp) -> bool:
+        """Poll until the load is agreed DONE (True) or ABORTED (False).
+
+        The forward already waited for every layer, so this only turns acks
+        into the rank-uniform decision.
+        """
+        while load.active:
+            self.cache.poll()
+        if load.state is LoadState.ABORTED:
+            return False
+        return True
+
+    # ---- bytes -------------------------------------------------------------------------------
+
+    def _owned(self, pages: np.ndarray, first_position: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's (physical pages, request-absolute positions) of `pages`."""
+        return cp_mapping.owned_pages(pages, self.cache.rank, self.cache.cp_size, first_position)
+
+    def _compute(self, part: PartLayout, layer: int, pages: np.ndarray, hashes: np.ndarray, first: int) -> None:
+        physical, positions = self._owned(pages, first)
+        if not len(physical):
+            return
+        data = integrity.content(hashes[positions - first], part.part, layer, part.page_bytes)
+        buf = self.cache.device_pool.buffer(part.part)[part.slot(layer)]
+        if buf.device.type == "cpu":
+            buf.numpy()[physical] = data
+        else:
+            idx = torch.from_numpy(physical).to(buf.device, non_blocking=True)
+            buf[idx] = torch.from_numpy(data).to(buf.device, non_blocking=True)
+
+    def _verify(
+        self, request: int, part: PartLayout, layer: int, pages: np.ndarray, hashes: np.ndarray, first: int
+    ) -> None:
+        physical, positions = self._owned(pages, first)
+        if not len(physical):
+            return
+        buf = self.cache.device_pool.buffer(part.part)[part.slot(layer)]
+        actual = buf.numpy()[physical] if buf.device.type == "cpu" else buf[torch.from_numpy(physical).to(buf.device)].cpu().numpy()
+        expected = integrity.content(hashes[positions - first], part.part, layer, part.page_bytes)
+        bad = integrity.compare(actual, expected)
+        self.integrity.checked_pages += len(physical)
+        if len(bad):
+            self.integrity.add(
+                [Mismatch(request, int(positions[i]), part.part.value, layer, self.cache.rank) for i in bad]
+            )

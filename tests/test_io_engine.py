@@ -1,0 +1,337 @@
+"""Copy-engine contract tests.
+
+CPU: the backend registry (selection and its error), the cpu backend's byte
+contract (exact bytes both ways, destination pages outside the set and the
+source untouched), input errors and failure reporting.
+
+GPU (marked `gpu`, skipped without CUDA): the same byte contract for every
+CUDA backend over random page sets of 1, 7, 64 and 1000 pages, the FAILED
+path, and ordering: a backup submitted right after compute wrote a layer
+copies the new bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_cp.io.base import CopyFailed, Direction, TicketState, backend_names, make_engine
+from hicache_cp.layout import KVLayout, Part
+from hicache_cp.pools import DevicePool, HostPool
+
+CUDA_BACKENDS = ("kernel", "direct", "staging")
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+
+
+def small_layout(page_bytes_per_token: int = 40) -> KVLayout:
+    # Index skip on the state part: layers 1 and 3 only (compact slots 0 and 1).
+    return KVLayout.build(
+        page_size=4, num_layers=4, kv_bytes_per_token=page_bytes_per_token,
+        state_bytes_per_token=12, state_layers=(1, 3),
+    )
+
+
+def random_pairs(rng: np.random.Generator, n: int, dev_pages: int, host_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """n distinct device pages and n distinct host pages, random order, page 0 excluded."""
+    dev = rng.choice(np.arange(1, dev_pages), size=n, replace=False).astype(np.int64)
+    host = rng.choice(np.arange(1, host_pages), size=n, replace=False).astype(np.int64)
+    return dev, host
+
+
+# -- registry ---------------------------------------------------------------------------
+
+
+def test_unknown_backend_lists_supported_names() -> None:
+    layout = small_layout()
+    dev = DevicePool(layout, 8)
+    with HostPool(layout, 8 * layout.bytes_per_page, pin=False) as host:
+        with pytest.raises(ValueError) as err:
+            make_engine("nope", dev, host)
+    msg = str(err.value)
+    for name in ("auto", "cpu", *CUDA_BACKENDS):
+        assert name in msg, msg
+
+
+def test_registry_has_every_backend_and_auto_picks_cpu_for_host_pools() -> None:
+    assert set(backend_names()) >= {"cpu", *CUDA_BACKENDS}
+    layout = small_layout()
+    dev = DevicePool(layout, 8)
+    with HostPool(layout, 8 * layout.bytes_per_page, pin=False) as host:
+        engine = make_engine("auto", dev, host)
+        assert engine.name == "cpu"
+        engine.close()
+
+
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+def test_cuda_backends_refuse_host_memory_device_pools(name: str) -> None:
+    layout = small_layout()
+    dev = DevicePool(layout, 8)
+    with HostPool(layout, 8 * layout.bytes_per_page, pin=False) as host:
+        with pytest.raises(ValueError, match="CUDA device pool"):
+            make_engine(name, dev, host)
+
+
+# -- cpu backend contract ---------------------------------------------------------------
+
+
+@pytest.fixture
+def cpu_pools():
+    layout = small_layout()
+    dev = DevicePool(layout, 64)
+    host = HostPool(layout, 80 * layout.bytes_per_page, pin=False)
+    yield layout, dev, host
+    host.close()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cpu_backend_copies_exact_bytes_both_ways(cpu_pools, seed: int) -> None:
+    layout, dev, host = cpu_pools
+    rng = np.random.default_rng(seed)
+    engine = make_engine("cpu", dev, host)
+    try:
+        for p in layout.parts:
+            for layer in p.layer_ids:
+                slot = p.slot(layer)
+                n = int(rng.integers(1, 40))
+                d_pages, h_pages = random_pairs(rng, n, dev.physical_pages, host.physical_pages)
+                dview, hview = dev.layer_view(p.part, slot), host.layer_view(p.part, slot)
+                # Backup: fresh source bytes, poisoned destination.
+                dview[:] = rng.integers(0, 256, dview.shape, dtype=np.uint8)
+                hview[:] = 0xAB
+                src_before, dst_before = dview.copy(), hview.copy()
+                engine.submit_backup(p.part, layer, d_pages, h_pages).wait()
+                np.testing.assert_array_equal(hview[h_pages], dview[d_pages])
+                untouched = np.setdiff1d(np.arange(host.physical_pages), h_pages)
+                np.testing.assert_array_equal(hview[untouched], dst_before[untouched])
+                np.testing.assert_array_equal(dview, src_before)
+                # Load: fresh host bytes, poisoned device.
+                hview[:] = rng.integers(0, 256, hview.shape, dtype=np.uint8)
+                dview[:] = 0xCD
+                src_before, dst_before = hview.copy(), dview.copy()
+                t = engine.submit_load(p.part, layer, h_pages, d_pages)
+                t.make_compute_wait()
+                assert t.query() is TicketState.DONE
+                np.testing.assert_array_equal(dview[d_pages], hview[h_pages])
+                untouched = np.setdiff1d(np.arange(dev.physical_pages), d_pages)
+                np.testing.assert_array_equal(dview[untouched], dst_before[untouched])
+                np.testing.assert_array_equal(hview, src_before)
+    finally:
+        engine.close()
+
+
+def test_cpu_backend_rejects_bad_input(cpu_pools) -> None:
+    _, dev, host = cpu_pools
+    engine = make_engine("cpu", dev, host)
+    try:
+        with pytest.raises(ValueError, match="counts differ"):
+            engine.submit_backup(Part.TARGET_KV, 0, np.array([1, 2]), np.array([3]))
+        with pytest.raises(TypeError, match="numpy"):
+            engine.submit_backup(Part.TARGET_KV, 0, [1, 2], np.array([3, 4]))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="has no layer 0"):
+            engine.submit_load(Part.TARGET_STATE, 0, np.array([1]), np.array([1]))
+    finally:
+        engine.close()
+
+
+def test_cpu_fault_hook_gives_failed_ticket(cpu_pools) -> None:
+    _, dev, host = cpu_pools
+
+    def fault(direction: Direction, part: Part, layer: int) -> None:
+        if layer == 2:
+            raise RuntimeError("injected")
+
+    engine = make_engine("cpu", dev, host, fault=fault)
+    try:
+        ok = engine.submit_backup(Part.TARGET_KV, 1, np.array([1]), np.array([1]))
+        bad = engine.submit_backup(Part.TARGET_KV, 2, np.array([1]), np.array([1]))
+        ok.wait()
+        with pytest.raises(CopyFailed, match="injected"):
+            bad.wait()
+        assert bad.query() is TicketState.FAILED  # query never raises
+        assert ok.query() is TicketState.DONE
+        assert isinstance(bad.error, RuntimeError)
+    finally:
+        engine.close()
+
+
+# -- CUDA backends ----------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def cuda_pools():
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    # 1040 B pages (16-byte vectors) on the kv part, 48 B (16 B) on the state part,
+    # plus a 1036 B layout below for the 4-byte vector path.
+    layout = small_layout(260)
+    dev = DevicePool(layout, 1200, device="cuda")
+    host = HostPool(layout, 1500 * layout.bytes_per_page, pin=True)
+    host.wait_ready()
+    yield layout, dev, host
+    host.close()
+
+
+def _check_roundtrip(engine, layout: KVLayout, dev: DevicePool, host: HostPool, rng: np.random.Generator, n: int) -> None:
+    for p in layout.parts:
+        layer = p.layer_ids[-1]
+        slot = p.slot(layer)
+        d_pages, h_pages = random_pairs(rng, n, dev.physical_pages, host.physical_pages)
+        dbuf = dev.buffer(p.part)[slot]
+        hview = host.torch_view(p.part)[slot]
+        # Backup.
+        dbuf.copy_(torch.randint(0, 256, dbuf.shape, dtype=torch.uint8, device=dbuf.device))
+        hview.fill_(0xAB)
+        src_before, dst_before = dbuf.cpu(), hview.clone()
+        engine.submit_backup(p.part, layer, d_pages, h_pages).wait()
+        assert torch.equal(hview[h_pages], src_before[d_pages]), (engine.name, p.part, n)
+        untouched = np.setdiff1d(np.arange(host.physical_pages), h_pages)
+        assert torch.equal(hview[untouched], dst_before[untouched])
+        assert torch.equal(dbuf.cpu(), src_before)
+        # Load.
+        hview.copy_(torch.randint(0, 256, hview.shape, dtype=torch.uint8))
+        dbuf.fill_(0xCD)
+        src_before, dst_before = hview.clone(), dbuf.cpu()
+        t = engine.submit_load(p.part, layer, h_pages, d_pages)
+        t.make_compute_wait()
+        after = dbuf.cpu()  # ordered after the load by make_compute_wait
+        assert t.query() is TicketState.DONE
+        assert torch.equal(after[d_pages], src_before[h_pages]), (engine.name, p.part, n)
+        untouched = np.setdiff1d(np.arange(dev.physical_pages), d_pages)
+        assert torch.equal(after[untouched], dst_before[untouched])
+        assert torch.equal(hview, src_before)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+@pytest.mark.parametrize("n", [1, 7, 64, 1000])
+def test_cuda_backend_copies_exact_bytes(cuda_pools, name: str, n: int) -> None:
+    layout, dev, host = cuda_pools
+    engine = make_engine(name, dev, host)
+    try:
+        _check_roundtrip(engine, layout, dev, host, np.random.default_rng(n), n)
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+def test_cuda_backend_odd_page_sizes(name: str) -> None:
+    # 1036 B pages: 4-byte vectors; 13 B pages: byte copies.
+    for bpt in (259, 13):
+        layout = KVLayout.build(page_size=4, num_layers=2, kv_bytes_per_token=bpt) if bpt != 13 else \
+            KVLayout.build(page_size=1, num_layers=2, kv_bytes_per_token=bpt)
+        dev = DevicePool(layout, 300, device="cuda")
+        with HostPool(layout, 400 * layout.bytes_per_page, pin=True) as host:
+            host.wait_ready()
+            engine = make_engine(name, dev, host)
+            try:
+                for n in (1, 64, 250):
+                    _check_roundtrip(engine, layout, dev, host, np.random.default_rng(n), n)
+            finally:
+                engine.close()
+
+
+@gpu
+@needs_cuda
+def test_auto_picks_a_cuda_backend(cuda_pools) -> None:
+    _, dev, host = cuda_pools
+    engine = make_engine("auto", dev, host)
+    assert engine.name in CUDA_BACKENDS
+    engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+def test_cuda_out_of_range_pages_rejected(cuda_pools, name: str) -> None:
+    _, dev, host = cuda_pools
+    engine = make_engine(name, dev, host)
+    try:
+        with pytest.raises(ValueError, match="outside the pool"):
+            engine.submit_backup(Part.TARGET_KV, 0, np.array([dev.physical_pages]), np.array([1]))
+        with pytest.raises(ValueError, match="outside the pool"):
+            engine.submit_load(Part.TARGET_KV, 0, np.array([-1]), np.array([1]))
+        empty = engine.submit_backup(Part.TARGET_KV, 0, np.empty(0, np.int64), np.empty(0, np.int64))
+        assert empty.query() is TicketState.DONE
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+def test_cuda_submission_failure_gives_failed_ticket(cuda_pools, monkeypatch) -> None:
+    _, dev, host = cuda_pools
+    engine = make_engine("kernel", dev, host)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected launch failure")
+
+    monkeypatch.setattr(engine.kernels, "launch", boom)
+    try:
+        t = engine.submit_backup(Part.TARGET_KV, 0, np.array([1, 2]), np.array([3, 4]))
+        assert t.query() is TicketState.FAILED
+        with pytest.raises(CopyFailed, match="injected"):
+            t.wait()
+        with pytest.raises(CopyFailed):
+            t.make_compute_wait()
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+def test_backup_sees_compute_written_right_before(cuda_pools, name: str) -> None:
+    """Compute writes a layer after a long matmul; the backup submitted right
+    after must copy the new bytes (the copy stream waits on compute)."""
+    layout, dev, host = cuda_pools
+    engine = make_engine(name, dev, host)
+    rng = np.random.default_rng(7)
+    try:
+        for value in (0x11, 0x77):
+            d_pages, h_pages = random_pairs(rng, 300, dev.physical_pages, host.physical_pages)
+            hview = host.torch_view(Part.TARGET_KV)[0]
+            hview.fill_(0)
+            a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+            for _ in range(8):  # tens of ms of compute queued before the write
+                a = a @ a
+                a = a / a.abs().amax().clamp(min=1)
+            dev.buffer(Part.TARGET_KV)[0].fill_(value)
+            t = engine.submit_backup(Part.TARGET_KV, 0, d_pages, h_pages)
+            t.wait()
+            assert bool((hview[h_pages] == value).all()), (name, value)
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+def test_loads_overlap_per_layer(cuda_pools, name: str) -> None:
+    """Loads of all layers submitted up front; the forward waits per layer and
+    reads each layer's new bytes."""
+    layout, dev, host = cuda_pools
+    engine = make_engine(name, dev, host)
+    rng = np.random.default_rng(3)
+    p = layout.part(Part.TARGET_KV)
+    try:
+        d_pages, h_pages = random_pairs(rng, 500, dev.physical_pages, host.physical_pages)
+        for layer in p.layer_ids:
+            host.torch_view(Part.TARGET_KV)[p.slot(layer)].fill_(layer + 1)
+            dev.buffer(Part.TARGET_KV)[p.slot(layer)].fill_(0)
+        tickets = [engine.submit_load(Part.TARGET_KV, layer, h_pages, d_pages) for layer in p.layer_ids]
+        idx = torch.from_numpy(d_pages).cuda()
+        sums = []
+        for layer, t in zip(p.layer_ids, tickets):
+            t.make_compute_wait()
+            sums.append(dev.buffer(Part.TARGET_KV)[p.slot(layer)].index_select(0, idx).to(torch.int64).sum())
+        expect = [(layer + 1) * len(d_pages) * p.page_bytes for layer in p.layer_ids]
+        assert [int(s) for s in sums] == expect
+    finally:
+        engine.close()
