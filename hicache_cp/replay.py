@@ -50,6 +50,10 @@ SUM_KEYS = tuple(k for k in REPORT_KEYS if k not in ("hit_rate", "wall_s", "requ
                                                       "l1_hit_tokens", "l2_hit_tokens", "miss_tokens"))  # fmt: skip
 
 
+EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to matter
+L2_TO_L1 = 8  # default L1 = L2 / 8
+
+
 class InputError(HiCacheError):
     """Bad command-line input: reported as one line, exit code 2."""
 
@@ -69,10 +73,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (default: the embedded workload)")
     p.add_argument("--model", choices=sorted(PRESETS), help="model preset (default: tiny)")
     p.add_argument("--config", type=Path, help="TOML config file (see hicache_cp.config)")
-    p.add_argument("--l1-pages", type=int, help="logical L1 capacity in pages (default: 2%% of the footprint)")
+    p.add_argument("--l1-pages", type=int, help="logical L1 capacity in pages (default: L2 / 8, at least 3 requests)")
     l2 = p.add_mutually_exclusive_group()
     l2.add_argument("--l2-gib", type=float, help="host budget per rank in GiB")
-    l2.add_argument("--l2-fraction", type=float, help="L2 as a fraction of the unique-block footprint (default 0.1)")
+    l2.add_argument(
+        "--l2-fraction",
+        type=float,
+        help="L2 as a fraction of the unique-block footprint (default 0.1 for a trace, 0.5 for the embedded workload)",
+    )
     p.add_argument("--tokens-per-block", type=int, help="tokens per 512-token trace block (default: one page)")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--policy", choices=policy_names(), help="eviction policy (default lru)")
@@ -148,15 +156,17 @@ def size(args: argparse.Namespace, config: Config, requests: list[TraceRequest])
     footprint = max(1, unique_blocks(requests) * pages_per_block)
     longest = max((len(r.hash_ids) for r in requests), default=1) * math.ceil(tpb / config.page_size)
     cp = args.cp_size
-    l1 = args.l1_pages or max(footprint // 50, 4 * longest)
-    if l1 < longest + cp:
-        raise InputError(f"--l1-pages {l1} cannot hold the longest request ({longest} pages)")
     if args.l2_gib is not None:
         budget = int(args.l2_gib * 2**30)
         l2 = (budget // layout.bytes_per_page - 1) * cp
     else:
-        l2 = max(1, math.ceil((args.l2_fraction or 0.1) * footprint))
+        fraction = args.l2_fraction or (0.1 if args.trace else EMBEDDED_L2_FRACTION)
+        l2 = max(1, math.ceil(fraction * footprint))
         budget = (math.ceil(l2 / cp) + 1) * layout.bytes_per_page
+    # L2 is typically 5-20x L1 (DOMAIN.md); L1 must still hold a few requests.
+    l1 = args.l1_pages or max(l2 // L2_TO_L1, 3 * longest)
+    if l1 < longest + cp:
+        raise InputError(f"--l1-pages {l1} cannot hold the longest request ({longest} pages)")
     return Sizing(footprint, l1, l2, math.ceil(l1 / cp) + 1, budget)
 
 

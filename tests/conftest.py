@@ -207,13 +207,15 @@ def run_request(
     stop_after: str | None = None,
     write: Callable[[Request, Model, int], None] | None = None,
     wait_load: bool = True,
+    settle: bool = True,
 ) -> Request:
     """Drive one request through the protocol of /tmp/smoke.py.
 
     `stop_after` names the last step to run (one of STEPS); the returned
     `Request` can be continued by hand. `write(req, model, layer)` runs before
-    each layer hook (to put known bytes into L1). With `wait_load` the poll
-    step polls until the request's load is no longer active.
+    each layer hook (to put known bytes into L1). With `settle` the poll step
+    first waits for every submitted copy (so backups commit at that poll);
+    with `wait_load` it polls until the request's load is no longer active.
     """
     if stop_after is not None and stop_after not in STEPS:
         raise ValueError(f"unknown step {stop_after!r}; steps: {STEPS}")
@@ -248,7 +250,10 @@ def run_request(
     r.insert()
     if stop("insert"):
         return r
-    cache.poll()
+    if settle:
+        land(cache)
+    else:
+        cache.poll()
     while wait_load and r.load is not None and r.load.active:
         land(cache)
     r.done.append("poll")

@@ -108,9 +108,11 @@ class CudaTicket(CopyTicket):
         nbytes: int,
         event: torch.cuda.Event | None,
         error: BaseException | None = None,
+        device_index: int = 0,
     ) -> None:
         super().__init__(direction, part, layer, nbytes)
         self._event = event
+        self._device_index = device_index
         self._error = error
         self._done = event is None and error is None  # an empty page list is done at once
 
@@ -147,7 +149,7 @@ class CudaTicket(CopyTicket):
         if self._error is not None:
             raise CopyFailed(f"{self.describe()} failed: {self._error}") from self._error
         if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)  # type: ignore[arg-type]
+            torch.cuda.current_stream(self._device_index).wait_event(self._event)
 
     @property
     def error(self) -> BaseException | None:
@@ -227,7 +229,7 @@ class CudaCopyEngine(CopyEngine):
             return CudaTicket(direction, part, layer, nbytes, None, error=exc)
         self._inflight[direction].append(_InFlight(event, keep))
         logger.debug("%s %s layer %d: %d pages submitted (%s)", direction.value, part.value, layer, len(device_pages), self.name)
-        return CudaTicket(direction, part, layer, nbytes, event)
+        return CudaTicket(direction, part, layer, nbytes, event, device_index=self.device_index)
 
     def _enqueue(
         self,

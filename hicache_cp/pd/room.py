@@ -88,7 +88,8 @@ class Room:
     failure: str | None = None
     dst_pages: np.ndarray | None = None  # decode page for each request position
     peer: str | None = None  # decode engine session
-    next_position: int = 0  # cumulative page offset the next chunk must start at
+    next_position: int = 0  # one past the last position this side sent
+    chunk_starts: set[int] = field(default_factory=set)  # chunk_first_position of chunks sent
     hashes: np.ndarray | None = None  # uint64 prefix hash per position sent
     sent: dict[tuple[Part, int], np.ndarray] = field(default_factory=dict)  # (part, layer) -> bool[num_pages]
     bytes_sent: dict[Part, int] = field(default_factory=dict)
@@ -98,6 +99,8 @@ class Room:
     first_submit: float | None = None
     transfer_done: float | None = None
     released: bool = False
+    mismatches: list[str] = field(default_factory=list)  # from the decode peer's verification
+    mismatch_count: int = 0
 
     @property
     def positions(self) -> np.ndarray:
@@ -144,10 +147,10 @@ class Room:
     def expired(self, now: float | None = None) -> bool:
         return not self.state.final and (time.monotonic() if now is None else now) > self.deadline
 
-    def conclude_without_destination(self) -> None:
+    def conclude_without_destination(self, detail: str = "") -> None:
         """The destination is gone: FAILED (WARNING) unless already complete."""
         if self.state is not RoomState.SUCCESS:
-            self.fail("no destination and transfer not complete")
+            self.fail("no destination and transfer not complete" + (f": {detail}" if detail else ""))
 
     def check_invariants(self) -> None:
         assert (self.state is RoomState.FAILED) == (self.failure is not None), (self.state, self.failure)

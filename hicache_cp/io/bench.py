@@ -1,0 +1,310 @@
+"""`hicache-cp bench-io`: what the CUDA copy engine gets out of PCIe.
+
+One run measures, on the current GPU:
+
+* peak: one big contiguous pinned copy D2H and H2D, and both at once on two
+  streams (the link's ceilings);
+* every CUDA backend's D2H and H2D bandwidth over random scattered page sets
+  of each `--pages` size (random permutations on both sides, so nothing
+  coalesces), against the peak;
+* the engine's bidirectional rate: backups and loads with the default
+  backend at the same time;
+* overlap: N layers, loads of all of them submitted up front, the forward
+  waiting per layer (`make_compute_wait`) before a matmul sized so compute
+  per layer is about copy per layer. `exposed_load_fraction` = (time with
+  loads - compute-only time) / copy-only time, clipped at 0.
+
+Timing: CUDA events around GPU work. Each timed batch is gated behind a GPU
+sleep on the compute stream, so every submission is queued before the GPU
+starts and the rate is the GPU's, not Python's; the host cost of one
+submission is reported separately (`submit_us`). Each number is the median
+of several repetitions. GB/s are 1e9 bytes per second.
+
+Without CUDA it prints one error line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache_cp.io.base import CopyEngine, default_backend, make_engine
+from hicache_cp.layout import KVLayout, Part
+
+BACKENDS = ("kernel", "direct", "staging")
+TARGETS = {"scattered_ratio_1024plus": 0.93, "scattered_ratio_64": 0.85, "bidir_ratio": 0.90, "exposed_load_fraction": 0.10}
+_REPEATS = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add bench-io's options to `parser`."""
+    parser.add_argument("--pages", default="64,1024,8192", help="comma-separated page counts per copy")
+    parser.add_argument("--page-bytes", type=int, default=41984, help="bytes of one page of one layer (default: 64 tokens x 656 B)")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="CUDA backends to measure")
+    parser.add_argument("--peak-mib", type=int, default=1024, help="size of the contiguous peak copies")
+    parser.add_argument("--overlap-layers", type=int, default=24, help="layers of the overlap test")
+    parser.add_argument("--overlap-pages", type=int, default=1024, help="pages per layer in the overlap test")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+class _Gate:
+    """Times GPU work queued behind a sleep on the current stream."""
+
+    def __init__(self) -> None:
+        self.sleep_ms = 20.0
+        # torch.cuda._sleep spins for a number of SM cycles: calibrate cycles per ms once.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # wake the clocks up
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        self.cycles_per_ms = 20_000_000 / max(start.elapsed_time(end), 1e-3)
+
+    def time_ms(self, enqueue: Callable[[], None]) -> tuple[float, float]:
+        """(GPU ms, host ms of enqueue). `enqueue` must leave the current
+        stream waiting for all of its work."""
+        for _ in range(4):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(self.sleep_ms * self.cycles_per_ms))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            enqueue()
+            host_ms = (time.perf_counter() - t0) * 1e3
+            end.record()
+            end.synchronize()
+            if host_ms < 0.8 * self.sleep_ms:
+                return start.elapsed_time(end), host_ms
+            self.sleep_ms = host_ms * 2  # the GPU caught up with Python: gate longer and retry
+        return start.elapsed_time(end), host_ms
+
+
+def _median_ms(gate: _Gate, enqueue: Callable[[], None], repeats: int = _REPEATS) -> tuple[float, float]:
+    enqueue()  # warm-up (compilation, allocator, first-touch of index buffers)
+    torch.cuda.synchronize()
+    runs = [gate.time_ms(enqueue) for _ in range(repeats)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def measure_peak(gate: _Gate, nbytes: int) -> dict[str, float]:
+    """Contiguous pinned copies: D2H, H2D, and both at once on two streams."""
+    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+
+    def on(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    d2h, _ = _median_ms(gate, lambda: on(streams[0], host[0], dev[0]))
+    h2d, _ = _median_ms(gate, lambda: on(streams[1], dev[1], host[1]))
+    both, _ = _median_ms(gate, lambda: (on(streams[0], host[0], dev[0]), on(streams[1], dev[1], host[1])))
+    return {"peak_d2h_gbps": _gbps(nbytes, d2h), "peak_h2d_gbps": _gbps(nbytes, h2d), "peak_bidir_gbps": _gbps(2 * nbytes, both)}
+
+
+def _pools(page_bytes: int, layers: int, pages: int) -> tuple[Any, Any]:
+    from hicache_cp.pools import DevicePool, HostPool
+
+    layout = KVLayout.build(page_size=1, num_layers=layers, kv_bytes_per_token=page_bytes)
+    dev = DevicePool(layout, pages, device="cuda")
+    host = HostPool(layout, pages * layout.bytes_per_page, pin=True)
+    host.wait_ready()
+    return dev, host
+
+
+def _page_sets(rng: np.random.Generator, count: int, n: int, dev_pages: int, host_pages: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [
+        (rng.permutation(np.arange(1, dev_pages))[:n].astype(np.int64), rng.permutation(np.arange(1, host_pages))[:n].astype(np.int64))
+        for _ in range(count)
+    ]
+
+
+def measure_backend(gate: _Gate, engine: CopyEngine, sizes: list[int], page_bytes: int, rng: np.random.Generator) -> dict[str, dict[str, float]]:
+    """D2H and H2D rate of one backend over random scattered page sets."""
+    layers = engine.layout.part(Part.TARGET_KV).layer_ids
+    out: dict[str, dict[str, float]] = {}
+    for n in sizes:
+        reps = int(np.clip((256 << 20) // (n * page_bytes), 3, 50))
+        sets = _page_sets(rng, reps, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages)
+        row: dict[str, float] = {}
+        for label, backup in (("d2h", True), ("h2d", False)):
+            def enqueue() -> None:
+                t = None
+                for i, (d, h) in enumerate(sets):
+                    layer = layers[i % len(layers)]
+                    t = engine.submit_backup(Part.TARGET_KV, layer, d, h) if backup else engine.submit_load(Part.TARGET_KV, layer, h, d)
+                assert t is not None
+                t.make_compute_wait()
+
+            ms, host_ms = _median_ms(gate, enqueue)
+            row[f"{label}_gbps"] = _gbps(reps * n * page_bytes, ms)
+            row[f"{label}_submit_us"] = host_ms * 1e3 / reps
+        out[str(n)] = row
+    return out
+
+
+def measure_bidir(gate: _Gate, engine: CopyEngine, n: int, page_bytes: int, rng: np.random.Generator) -> float:
+    """Backups (layer 0) and loads (layer 1) at once with one engine: GB/s total."""
+    reps = int(np.clip((256 << 20) // (n * page_bytes), 3, 50))
+    sets = _page_sets(rng, reps, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages)
+
+    def enqueue() -> None:
+        tickets = []
+        for d, h in sets:
+            tickets.append(engine.submit_backup(Part.TARGET_KV, 0, d, h))
+            tickets.append(engine.submit_load(Part.TARGET_KV, 1, h, d))
+        tickets[-2].make_compute_wait()
+        tickets[-1].make_compute_wait()
+
+    ms, _ = _median_ms(gate, enqueue)
+    return _gbps(2 * reps * n * page_bytes, ms)
+
+
+def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Generator) -> dict[str, float]:
+    """Per-layer load overlap: exposed load time as a fraction of copy-only time."""
+    layers = engine.layout.part(Part.TARGET_KV).layer_ids
+    d, h = _page_sets(rng, 1, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages)[0]
+
+    def loads() -> list[Any]:
+        return [engine.submit_load(Part.TARGET_KV, layer, h, d) for layer in layers]
+
+    copy_ms, _ = _median_ms(gate, lambda: loads()[-1].make_compute_wait())
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    mm_ms, _ = _median_ms(gate, lambda: [torch.matmul(a, b, out=c) for _ in range(20)])
+    per_layer = max(1, round(copy_ms / len(layers) / (mm_ms / 20)))
+
+    def compute(tickets: list[Any] | None) -> None:
+        for i in range(len(layers)):
+            if tickets is not None:
+                tickets[i].make_compute_wait()
+            for _ in range(per_layer):
+                torch.matmul(a, b, out=c)
+
+    compute_ms, _ = _median_ms(gate, lambda: compute(None))
+    with_ms, _ = _median_ms(gate, lambda: compute(loads()))
+    return {
+        "copy_ms": copy_ms, "compute_ms": compute_ms, "with_loads_ms": with_ms, "matmuls_per_layer": per_layer,
+        "exposed_load_fraction": max(0.0, (with_ms - compute_ms) / copy_ms),
+    }
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001 - a copy of the tree without git history
+        return "unknown"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print a table; write JSON if asked. Returns the exit status."""
+    if not torch.cuda.is_available():
+        print("bench-io: no CUDA device (torch.cuda.is_available() is False); this benchmark needs a GPU", file=sys.stderr)
+        return 2
+    sizes = [int(x) for x in str(args.pages).split(",") if x]
+    names = [x for x in str(args.backends).split(",") if x]
+    page_bytes = int(args.page_bytes)
+    rng = np.random.default_rng(0)
+    gate = _Gate()
+    result: dict[str, Any] = {
+        "command": " ".join(["hicache-cp", "bench-io", *sys.argv[1:]]),
+        "commit": _commit(),
+        "machine": torch.cuda.get_device_name(),
+        "page_bytes": page_bytes,
+    }
+    result.update(measure_peak(gate, int(args.peak_mib) << 20))
+    torch.cuda.empty_cache()
+    dev, host = _pools(page_bytes, 2, 2 * max(sizes) + 1)
+    result["backends"] = {}
+    for name in names:
+        engine = make_engine(name, dev, host)
+        result["backends"][name] = measure_backend(gate, engine, sizes, page_bytes, rng)
+        engine.close()
+    default = default_backend(dev)
+    result["default_backend"] = default
+    engine = make_engine(default, dev, host)
+    result["bidir_gbps"] = measure_bidir(gate, engine, max(1024, min(sizes)) if max(sizes) >= 1024 else max(sizes), page_bytes, rng)
+    engine.close()
+    result["bidir_ratio"] = result["bidir_gbps"] / result["peak_bidir_gbps"]
+    host.close()
+    del dev, host
+    torch.cuda.empty_cache()
+    odev, ohost = _pools(page_bytes, int(args.overlap_layers), 2 * int(args.overlap_pages) + 1)
+    result["overlap"] = {}
+    for name in names:
+        engine = make_engine(name, odev, ohost)
+        result["overlap"][name] = measure_overlap(gate, engine, int(args.overlap_pages), rng)
+        engine.close()
+    ohost.close()
+    result["exposed_load_fraction"] = result["overlap"][default]["exposed_load_fraction"] if default in result["overlap"] else None
+    result["targets"] = _targets(result)
+    _print_table(result)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _targets(r: dict[str, Any]) -> dict[str, Any]:
+    """Which targets each backend meets (ratios against the peak of the direction)."""
+    out: dict[str, Any] = {}
+    for name, rows in r["backends"].items():
+        met = {}
+        for n, row in rows.items():
+            need = TARGETS["scattered_ratio_64"] if int(n) < 1024 else TARGETS["scattered_ratio_1024plus"]
+            for d in ("d2h", "h2d"):
+                ratio = row[f"{d}_gbps"] / r[f"peak_{d}_gbps"]
+                row[f"{d}_ratio"] = ratio
+                met[f"{d}@{n}"] = ratio >= need
+        out[name] = met
+    out["bidir"] = r["bidir_ratio"] >= TARGETS["bidir_ratio"]
+    x = r["exposed_load_fraction"]
+    out["overlap"] = x is not None and x <= TARGETS["exposed_load_fraction"]
+    return out
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    print(f"bench-io on {r['machine']}, page {r['page_bytes']} B")
+    print(f"peak contiguous: D2H {r['peak_d2h_gbps']:.1f} GB/s, H2D {r['peak_h2d_gbps']:.1f} GB/s, both {r['peak_bidir_gbps']:.1f} GB/s")
+    print(f"{'backend':<9}{'pages':>7}{'D2H GB/s':>10}{'ratio':>7}{'H2D GB/s':>10}{'ratio':>7}{'submit us':>11}")
+    for name, rows in r["backends"].items():
+        for n, row in rows.items():
+            print(
+                f"{name:<9}{n:>7}{row['d2h_gbps']:>10.1f}{row['d2h_ratio']:>7.2f}{row['h2d_gbps']:>10.1f}"
+                f"{row['h2d_ratio']:>7.2f}{row['d2h_submit_us']:>6.0f}/{row['h2d_submit_us']:<4.0f}"
+            )
+    print(f"engine bidir ({r['default_backend']}): {r['bidir_gbps']:.1f} GB/s, ratio {r['bidir_ratio']:.2f}")
+    for name, o in r["overlap"].items():
+        print(
+            f"overlap {name:<8} copy {o['copy_ms']:.2f} ms, compute {o['compute_ms']:.2f} ms, "
+            f"with loads {o['with_loads_ms']:.2f} ms -> exposed {o['exposed_load_fraction']:.3f}"
+        )
+    print(f"targets: {json.dumps(r['targets'])}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicache-cp bench-io", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+"""Scenario tests of the cache's state machines (backup, load-back, eviction).
+
+Each test drives one story step by step and comments the state after each
+step. The CPU copy engine runs copies on worker threads; `Faults` (conftest)
+holds, delays or fails them so every intermediate state can be observed.
+`debug_checks=True` runs `check_invariants()` inside every mutating call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+from hicache_cp.config import WritePolicy
+from hicache_cp.errors import ConsistencyError, IllegalTransition
+from hicache_cp.io.base import Direction
+from hicache_cp.layout import Model, Part
+from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
+from hicache_cp.radix import HostState
+
+from conftest import Faults, expected_bytes, fill_pattern, land, run_request, tokens_of, wait_copies
+
+
+def evict_all_l1(cache) -> None:  # type: ignore[no-untyped-def]
+    """Raise the L1 free-room target to the whole pool for one ensure_free."""
+    old = cache.config.l1_free_room
+    cache.config.l1_free_room = cache.device_pool.allocator.capacity
+    try:
+        cache.ensure_free()
+    finally:
+        cache.config.l1_free_room = old
+
+
+def evict_all_l2(cache) -> None:  # type: ignore[no-untyped-def]
+    old = cache.config.l2_free_room
+    cache.config.l2_free_room = cache.host_pool.allocator.capacity
+    try:
+        cache.ensure_free()
+    finally:
+        cache.config.l2_free_room = old
+
+
+# ---- backup ------------------------------------------------------------------------------
+
+
+def test_backup_invisible_until_every_part_landed(make_cache) -> None:
+    cache = make_cache(l1_pages=32, host_pages=32)
+    l2 = cache.host_pool.allocator
+    free0 = l2.free_pages
+    r = run_request(cache, tokens_of(1, 2, 3), stop_after="reserve")
+    bk = r.bk
+    assert bk is not None
+    # RESERVED: 3 host pages taken, nothing submitted, no node yet.
+    assert bk.state is BackupState.RESERVED and l2.free_pages == free0 - 3
+    assert not bk.inflight and not any(bk.submitted.values())
+
+    r.target_layer(0)
+    # WRITING: the first target hook submitted target_kv and target_state of layer 0 only.
+    assert bk.state is BackupState.WRITING
+    assert bk.submitted[Part.TARGET_KV] == {0} and bk.submitted[Part.TARGET_STATE] == {0}
+    assert bk.submitted[Part.DRAFT_KV] == set() and bk.submitted[Part.DRAFT_STATE] == set()
+
+    for layer in (1, 2, 3):
+        r.target_layer(layer)
+    node = r.insert()
+    land(cache)
+    # Every target layer landed, the draft has not run: still WRITING, node PENDING,
+    # the host copy is invisible and not an L2 eviction candidate.
+    assert bk.state is BackupState.WRITING
+    assert bk.landed[Part.TARGET_KV] == {0, 1, 2, 3} and bk.landed[Part.TARGET_STATE] == {0, 2}
+    assert node.host_state is HostState.PENDING and not node.host_visible
+    assert node not in cache.tree.host_leaves and node not in cache.tree.device_leaves
+    probe = cache.match_prefix(tokens_of(1, 2, 3))
+    assert probe.host_len == 0 and probe.device_len == 3  # device hit only
+    cache.release(probe.last_node)
+    evict_all_l2(cache)  # nothing committed: nothing may be freed
+    assert l2.free_pages == free0 - 3 and node.host_pages is not None
+
+    r.draft_layer(0)
+    # Draft submitted but not polled yet: still WRITING.
+    assert bk.state is BackupState.WRITING and node.host_state is HostState.PENDING
+    land(cache)
+    # COMMITTED: every layer of every part landed; the host copy is visible.
+    assert bk.state is BackupState.COMMITTED
+    assert node.host_state is HostState.COMMITTED and node.backup is None
+    assert node.host_parts == {p.part for p in cache.layout.parts}
+    assert cache.in_flight() == ([], [])
+    r.release()
+    evict_all_l1(cache)
+    # L1 copy gone, L2 copy stays: the next match is a host hit.
+    assert node.device_pages is None and node.host_visible
+    m = cache.match_prefix(tokens_of(1, 2, 3))
+    assert m.device_len == 0 and m.host_len == 3 and m.host_nodes == [node]
+    cache.release(m.last_node)
+
+
+def test_copy_failure_aborts_and_releases(make_cache) -> None:
+    gate = threading.Event()
+
+    def fault(direction: Direction, part: Part, layer: int) -> None:
+        if part is Part.TARGET_KV and layer == 0:
+            raise RuntimeError("injected D2H failure")
+        if part is Part.TARGET_KV and layer == 3:
+            gate.wait(30)  # a slow copy keeps the op in flight
+
+    cache = make_cache(l1_pages=32, host_pages=32, fault=fault)
+    l2 = cache.host_pool.allocator
+    free0 = l2.free_pages
+    r = run_request(cache, tokens_of(5, 6), stop_after="insert")
+    bk, node = r.bk, r.node
+    assert bk is not None and node is not None
+    bk.inflight[0]._future.exception(timeout=30)  # the failing layer-0 copy finished
+    cache.poll()
+    # FAILING: a copy failed, layer 3 is still in flight: pages stay reserved, invisible.
+    assert bk.state is BackupState.FAILING
+    assert l2.free_pages == free0 - 2 and node.host_state is HostState.PENDING
+    assert cache.match_prefix(tokens_of(5, 6)).host_len == 0
+    cache.release(node)  # the probe's lock
+    gate.set()
+    land(cache)
+    # ABORTED: drained; the reservation is released and the node never became visible.
+    assert bk.state is BackupState.ABORTED
+    assert l2.free_pages == free0
+    assert node.host_state is HostState.NONE and node.host_pages is None and not node.host_parts
+    assert cache.metrics.backups_aborted == 1 and cache.metrics.backups_committed == 0
+    r.release()
+    evict_all_l1(cache)
+    # Nothing cached anywhere: a miss.
+    m = cache.match_prefix(tokens_of(5, 6))
+    assert m.matched_pages == 0
+    cache.release(m.last_node)
+
+
+def test_abort_waits_for_in_flight_copies(make_cache) -> None:
+    faults = Faults()
+    cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
+    l2 = cache.host_pool.allocator
+    free0 = l2.free_pages
+    faults.hold()  # every copy blocks at the gate
+    r = run_request(cache, tokens_of(7, 8, 9), stop_after="insert")
+    bk = r.bk
+    assert bk is not None and bk.state is BackupState.WRITING
+    cache.abort_backup(bk)
+    # FAILING: abort requested, copies still running: the pages must not be reused yet.
+    assert bk.state is BackupState.FAILING
+    for _ in range(3):
+        cache.poll()
+        assert bk.state is BackupState.FAILING and l2.free_pages == free0 - 3
+    cache.abort_backup(bk)  # a second request is a no-op
+    faults.open()
+    land(cache)
+    # ABORTED once drained: reservation released.
+    assert bk.state is BackupState.ABORTED and l2.free_pages == free0
+    assert r.node is not None and r.node.host_state is HostState.NONE
+    r.release()
+
+
+def test_backup_of_unattached_reservation_waits_for_insert(make_cache) -> None:
+    cache = make_cache(l1_pages=32, host_pages=32)
+    r = run_request(cache, tokens_of(1, 2), stop_after="draft")
+    land(cache)
+    # Every layer landed but no node yet: the op waits (no commit without a node).
+    assert r.bk is not None and r.bk.state is BackupState.WRITING
+    node = r.insert()
+    cache.poll()
+    assert r.bk.state is BackupState.COMMITTED and node.host_visible
+    r.release()
+
+
+def test_illegal_transitions_raise(make_cache) -> None:
+    cache = make_cache()
+    layout = cache.layout
+    bk = BackupOp(layout, np.array([1]), np.array([1]), 0)
+    with pytest.raises(IllegalTransition):
+        bk.transition(BackupState.COMMITTED)  # RESERVED -> COMMITTED skips WRITING
+    bk.transition(BackupState.WRITING)
+    bk.transition(BackupState.COMMITTED)
+    with pytest.raises(IllegalTransition):
+        bk.transition(BackupState.ABORTED)  # terminal
+    bk2 = BackupOp(layout, np.array([1]), np.array([1]), 0)
+    bk2.transition(BackupState.FAILING)
+    with pytest.raises(IllegalTransition):
+        bk2.transition(BackupState.COMMITTED)  # a failing op never commits
+    with pytest.raises(IllegalTransition):
+        bk2.transition(BackupState.WRITING)
+    ld = LoadOp(layout, np.array([1]), np.array([1]), 0)
+    with pytest.raises(IllegalTransition):
+        ld.transition(LoadState.DONE)  # RESERVED -> DONE skips LOADING
+    ld.transition(LoadState.LOADING)
+    ld.transition(LoadState.FAILING)
+    with pytest.raises(IllegalTransition):
+        ld.transition(LoadState.DONE)
+    ld.transition(LoadState.ABORTED)
+    with pytest.raises(IllegalTransition):
+        ld.transition(LoadState.LOADING)
+
+
+# ---- load back -----------------------------------------------------------------------------
+
+
+def test_load_back_per_layer_with_correct_bytes(make_cache) -> None:
+    faults = Faults()
+    cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
+    toks = tokens_of(11, 12, 13)
+    a = run_request(cache, toks, write=fill_pattern)
+    node = a.node
+    assert node is not None and node.host_visible
+    evict_all_l1(cache)
+    # The node lives in L2 only; wipe L1 so stale bytes cannot pass the check.
+    assert node.device_pages is None
+    for p in cache.layout.parts:
+        for s in range(p.num_slots):
+            cache.device_pool.layer_view(p.part, s)[:] = 0
+    l1 = cache.device_pool.allocator
+    l1_free0 = l1.free_pages
+
+    faults.hold()
+    b = run_request(cache, np.concatenate([toks, tokens_of(14)]), stop_after="load")
+    load = b.load
+    assert load is not None and b.m is not None
+    # LOADING (RESERVED is internal to load_back: pages assigned, every layer submitted).
+    assert load.state is LoadState.LOADING and b.m.host_nodes == [node]
+    assert node.load is load and node.on_device and l1.free_pages == l1_free0 - 3
+    # Source host pages are pinned: not an L2 eviction candidate, even under pressure.
+    assert node not in cache.tree.host_leaves
+    evict_all_l2(cache)
+    assert node.host_visible and node.host_pages is not None
+    cache.poll()
+    assert load.state is LoadState.LOADING  # nothing landed yet
+    faults.open()
+    # The forward waits per layer; after wait_layer(l) layer l is on the device.
+    for layer in range(cache.layout.num_layers(Model.TARGET)):
+        load.wait_layer(layer, Model.TARGET)
+        for p in cache.layout.parts_of(Model.TARGET):
+            if p.has_layer(layer):
+                view = cache.device_pool.layer_view(p.part, p.slot(layer))
+                for i, page in enumerate(node.device_pages):
+                    assert np.array_equal(view[page], expected_bytes(toks, i, p.part, layer, p.page_bytes))
+    load.wait_layer(0, Model.DRAFT)
+    for p in cache.layout.parts_of(Model.DRAFT):
+        view = cache.device_pool.layer_view(p.part, p.slot(0))
+        for i, page in enumerate(node.device_pages):
+            assert np.array_equal(view[page], expected_bytes(toks, i, p.part, 0, p.page_bytes))
+    land(cache)
+    # DONE: the node is on both tiers again, no op attached.
+    assert load.state is LoadState.DONE and node.load is None and node.on_device and node.host_visible
+    b.alloc()
+    b.reserve()
+    b.forward()
+    b.insert()
+    land(cache)
+    b.release()
+    assert cache.metrics.loads_done == 1
+
+
+def test_load_failure_aborts(make_cache) -> None:
+    """A failed load aborts on poll. Current contract (cache._decide_load): the L1
+    pages stay with the nodes, which the request still holds locked, and the
+    request must recompute them; the L2 copy stays committed."""
+    faults = Faults()
+    cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
+    toks = tokens_of(21, 22)
+    run_request(cache, toks)
+    evict_all_l1(cache)
+    l1 = cache.device_pool.allocator
+    l2 = cache.host_pool.allocator
+    l1_free0, l2_free0 = l1.free_pages, l2.free_pages
+    faults.fail_direction = Direction.H2D
+    faults.fail_next = 1
+    b = run_request(cache, toks, stop_after="load")
+    load = b.load
+    assert load is not None and load.state is LoadState.LOADING and l1.free_pages == l1_free0 - 2
+    node = b.m.host_nodes[0]  # type: ignore[union-attr]
+    load.wait_layer(0)  # a failed copy is recorded, not raised
+    assert load.error is not None
+    land(cache)
+    # ABORTED: nothing in flight any more; the node's L1 pages belong to the locked
+    # request (to recompute), the L2 copy is untouched and still visible.
+    assert load.state is LoadState.ABORTED and node.load is None
+    assert cache.in_flight() == ([], [])
+    assert node.host_visible and l2.free_pages == l2_free0
+    assert cache.metrics.loads_aborted == 1 and cache.metrics.loads_done == 0
+    assert node.lock_ref == 1 and node not in cache.tree.device_leaves  # the request holds it
+    b.release()
+    evict_all_l1(cache)
+    # Once released the recomputed pages are ordinary L1 pages: evictable, all returned.
+    assert l1.free_pages == l1_free0 and not node.on_device
+    # A later request loads it fine.
+    c = run_request(cache, toks)
+    assert c.load is not None and c.load.state is LoadState.DONE
+
+
+def test_load_failure_with_insert_before_poll_keeps_tree_consistent(make_cache) -> None:
+    """The protocol inserts before it polls: the pages inserted below a load that
+    then fails must leave every tree and allocator invariant intact."""
+    faults = Faults()
+    cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
+    toks = tokens_of(31, 32)
+    run_request(cache, toks)
+    evict_all_l1(cache)
+    l1 = cache.device_pool.allocator
+    l2 = cache.host_pool.allocator
+    l1_free0, l2_free0 = l1.free_pages, l2.free_pages
+    faults.fail_direction = Direction.H2D
+    faults.fail_next = 1
+    b = run_request(cache, np.concatenate([toks, tokens_of(33, 34)]), stop_after="insert")
+    # The load failed but is not polled yet; the request inserted 2 pages below it.
+    assert b.load is not None and b.node is not None and b.node.on_device
+    land(cache)
+    land(cache)
+    # The load aborted; the device prefix and the node below it stay consistent.
+    assert b.load.state is LoadState.ABORTED
+    cache.check_invariants()
+    b.release()
+    evict_all_l1(cache)
+    evict_all_l2(cache)
+    assert l1.free_pages == l1.capacity and l2.free_pages == l2.capacity
+    assert l1_free0 <= l1.capacity and l2_free0 <= l2.capacity
+
+
+# ---- eviction --------------------------------------------------------------------------------
+
+
+def test_l2_eviction_frees_all_parts_together(make_cache) -> None:
+    cache = make_cache(l1_pages=32, host_pages=16)
+    l2 = cache.host_pool.allocator
+    free0 = l2.free_pages
+    a = run_request(cache, tokens_of(1, 2, 3, 4))
+    node = a.node
+    assert node is not None and node.host_visible
+    assert l2.free_pages == free0 - 4
+    evict_all_l2(cache)
+    # One page id serves every part: freeing it frees all parts; nothing partial remains.
+    assert l2.free_pages == free0
+    assert node.host_state is HostState.NONE and node.host_pages is None and node.host_parts == frozenset()
+    assert node.on_device  # the L1 copy is untouched
+    evict_all_l1(cache)
+    assert len(list(cache.tree.nodes())) == 0  # fully evicted nodes are pruned
+
+
+def test_ensure_free_evicts_to_target_not_deficit(make_cache) -> None:
+    cache = make_cache(l1_pages=41, host_pages=64)  # 40 allocatable L1 pages
+    l1 = cache.device_pool.allocator
+    for i in range(10):  # ten unrelated 4-page prefixes fill L1
+        run_request(cache, tokens_of(100 + i, 1, 2, 3))
+    assert l1.free_pages == 0
+    cache.config.l1_free_room = 12  # target: 12 free pages
+    cache.ensure_free()
+    assert l1.free_pages >= 12
+    assert l1.free_pages < 12 + 4  # whole nodes, oldest first, no more than needed
+    # An allocation under pressure also evicts to target + need, not only the need.
+    cache.config.l1_free_room = 8
+    r = run_request(cache, tokens_of(200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14), stop_after="alloc")
+    assert l1.free_pages >= 8
+    r.abandon()
+
+
+def test_locked_nodes_are_never_evicted(make_cache) -> None:
+    cache = make_cache(l1_pages=17, host_pages=16)  # 16 L1 pages, 16 L2 pages
+    a = run_request(cache, tokens_of(1, 2, 3, 4), stop_after="poll")  # holds its lock
+    held = a.node
+    assert held is not None and held.lock_ref == 1
+    evict_all_l1(cache)
+    evict_all_l2(cache)
+    # Locked: keeps both its L1 and L2 copies whatever the pressure.
+    assert held.on_device and held.host_visible
+    # Another request cannot take its pages either.
+    r = run_request(cache, tokens_of(9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9), stop_after="match")
+    assert cache.alloc_device(13, 0) is None  # only 12 free; the locked 4 stay
+    r.release()
+    assert held.on_device
+    a.release()
+    evict_all_l1(cache)
+    assert not held.on_device
+
+
+def test_write_through_selective_after_threshold(make_cache, caplog) -> None:
+    cache = make_cache(write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE, write_threshold=2)
+    toks = tokens_of(1, 2, 3)
+    a = run_request(cache, toks)
+    # No backup during the forward under this policy.
+    assert a.bk is None and a.node is not None and a.node.host_state is HostState.NONE
+    with caplog.at_level(logging.WARNING, logger="hicache_cp.cache"):
+        b = run_request(cache, toks, stop_after="match")  # hit 1
+        assert b.m is not None and b.m.device_len == 3
+        assert a.node.host_state is HostState.NONE and not caplog.records
+        b.release()
+        c = run_request(cache, toks, stop_after="match")  # hit 2: threshold reached
+        # The all-layer fallback started a backup (PENDING), with a warning.
+        assert a.node.host_state is HostState.PENDING
+        assert any("all-layer" in rec.getMessage() for rec in caplog.records)
+        assert all(rec.levelno == logging.WARNING for rec in caplog.records)
+    c.release()
+    land(cache)
+    assert a.node.host_visible and cache.metrics.backups_all_layer == 1
+
+
+def test_write_back_backs_up_on_eviction_and_evicts_after_commit(make_cache) -> None:
+    faults = Faults()
+    cache = make_cache(write_policy=WritePolicy.WRITE_BACK, fault=faults)
+    l1 = cache.device_pool.allocator
+    a = run_request(cache, tokens_of(1, 2, 3), write=fill_pattern)
+    node = a.node
+    assert node is not None and a.bk is None and node.host_state is HostState.NONE
+    faults.hold()
+    evict_all_l1(cache)
+    # Eviction started a backup instead of dropping the only copy: still on device.
+    assert node.host_state is HostState.PENDING and node.on_device
+    used = l1.used_pages
+    evict_all_l1(cache)
+    assert node.on_device and l1.used_pages == used  # pending: not evictable
+    faults.open()
+    land(cache)
+    assert node.host_visible and node.on_device
+    evict_all_l1(cache)
+    # Committed: now the L1 copy goes, the L2 copy stays and loads back intact.
+    assert not node.on_device and node.host_visible
+    b = run_request(cache, tokens_of(1, 2, 3))
+    assert b.load is not None and b.load.state is LoadState.DONE
+    for p in cache.layout.parts:
+        for layer in p.layer_ids:
+            view = cache.device_pool.layer_view(p.part, p.slot(layer))
+            for i, page in enumerate(node.device_pages):
+                assert np.array_equal(view[page], expected_bytes(tokens_of(1, 2, 3), i, p.part, layer, p.page_bytes))
+
+
+# ---- consistency -----------------------------------------------------------------------------
+
+
+def test_committed_node_missing_a_part_raises(make_cache) -> None:
+    cache = make_cache()
+    a = run_request(cache, tokens_of(1, 2))
+    node = a.node
+    assert node is not None
+    evict_all_l1(cache)
+    cache.config.debug_checks = False  # the corruption would trip the invariant check first
+    node.host_parts = node.host_parts - {Part.DRAFT_STATE}
+    with pytest.raises(ConsistencyError) as info:
+        cache.match_prefix(tokens_of(1, 2))
+    err = info.value
+    assert err.node == node.id and err.part == "draft_state" and err.rank == 0
+    assert f"node={node.id}" in str(err) and "draft_state" in str(err)
+    cache.config.debug_checks = True
+    with pytest.raises(AssertionError, match="committed without every part"):
+        cache.check_invariants()
