@@ -601,6 +601,7 @@ class HiCache:
             d[f"{tier}_capacity_pages"] = a.capacity
             d[f"{tier}_free_pages"] = a.free_pages
             d[f"{tier}_fragmentation"] = a.fragmentation()
+            d[f"{tier}_lane_free_pages"] = a.lane_free_pages()  # lane r: the pages rank r holds
         d["backups_in_flight"] = len(self._backups)
         d["loads_in_flight"] = len(self._loads)
         return d

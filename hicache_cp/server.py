@@ -26,7 +26,7 @@ from hicache_cp.cache import HiCache
 from hicache_cp.integrity import Mismatch
 from hicache_cp.layout import Model, PartLayout
 from hicache_cp.ops import LoadOp, LoadState
-from hicache_cp.radix import page_keys
+from hicache_cp.radix import Node, page_keys
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ MAX_REPORTED_MISMATCHES = 100
 class RequestSink(Protocol):
     """Receives each request's finished KV (the PD adapter implements it)."""
 
-    def send_request(self, request: int, page_table: np.ndarray, hashes: np.ndarray, cache: HiCache) -> None: ...
+    def send_request(self, request: int, node: Node, hashes: np.ndarray, cache: HiCache) -> None:
+        """Called after insert, while `node` (the request's last page) is still locked."""
 
 
 @dataclass
@@ -116,7 +117,7 @@ class ReferenceServer:
                 for layer in part.layer_ids:
                     self._verify(request, part, layer, page_table[:reused], hashes[:reused], 0)
         if self.sink is not None:
-            self.sink.send_request(request, page_table, hashes, cache)
+            self.sink.send_request(request, node, hashes, cache)
         cache.release(node)
         cache.ensure_free()
         return RequestResult(request, len(tokens), m.device_len, m.host_len, len(new))

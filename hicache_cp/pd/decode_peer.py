@@ -23,6 +23,8 @@ is a dict with ``op`` and ``seq``; every reply echoes ``seq`` and has ``ok``:
            `integrity.content` and replies {mismatches, mismatch_count,
            missing}. The room's pages are freed.
     abort {room, reason} -> frees the room's pages; waiting ``done`` calls fail.
+        Rooms past their deadline are aborted the same way by a reaper thread
+        (a prefill rank that died never sends done or abort).
     stats {} -> {free_pages, rooms, rejected, verified_rooms}
     shutdown {} -> stops serving.
 """
@@ -54,6 +56,8 @@ __all__ = ["POISON", "DecodePeer", "add_arguments", "run", "run_decode_peer", "s
 
 #: Byte written over a room's destination pages before it opens.
 POISON = 0xA5
+#: Seconds between scans for rooms past their deadline.
+REAP_INTERVAL_S = 1.0
 #: Mismatches listed in a reply (the count is always exact).
 MAX_REPORTED = 64
 
@@ -112,6 +116,7 @@ class DecodePeer:
         self._threads.append(t)
 
     def serve_forever(self) -> None:
+        threading.Thread(target=self._reap_loop, name="decode-reaper", daemon=True).start()
         while not self._stop.is_set():
             try:
                 conn = self.listener.accept()
@@ -227,6 +232,15 @@ class DecodePeer:
                     break
                 room.cond.wait(left)
             return dict(room.result)
+
+    def _reap_loop(self) -> None:
+        """Free rooms past their deadline (a prefill rank that died never says done or abort)."""
+        while not self._stop.wait(REAP_INTERVAL_S):
+            now = time.monotonic()
+            with self._lock:
+                expired = [r for r in self.rooms.values() if r.deadline < now]
+            for room in expired:
+                self._abort(room.room_id, "deadline passed on the decode side")
 
     def _abort(self, room_id: int, reason: str) -> dict[str, Any]:
         with self._lock:

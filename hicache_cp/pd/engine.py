@@ -135,7 +135,8 @@ class TransferEngineAdapter:
         self.engine = TransferEngine()
         rc = self.engine.initialize(hostname, metadata_server, protocol, device_name)
         if rc != 0:
-            raise TransferError("initialize", code=rc, detail=f"{hostname} {metadata_server} {protocol} {device_name!r}")
+            raise TransferError("initialize", code=rc,
+                                detail=f"{hostname} {metadata_server} {protocol} {device_name!r}")
         self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()

@@ -89,7 +89,7 @@ class Room:
     dst_pages: np.ndarray | None = None  # decode page for each request position
     peer: str | None = None  # decode engine session
     next_position: int = 0  # one past the last position this side sent
-    chunk_starts: set[int] = field(default_factory=set)  # chunk_first_position of chunks sent
+    chunk_start: int | None = None  # chunk_first_position of the latest chunk sent
     hashes: np.ndarray | None = None  # uint64 prefix hash per position sent
     sent: dict[tuple[Part, int], np.ndarray] = field(default_factory=dict)  # (part, layer) -> bool[num_pages]
     bytes_sent: dict[Part, int] = field(default_factory=dict)

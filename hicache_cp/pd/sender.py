@@ -26,9 +26,10 @@ with `cp_mapping.to_physical`.
 Contracts (DOMAIN.md rules 8-10):
 
 * Position i goes to the decode room's ``dst_pages[i]``. Positions are
-  request-absolute; with ``chunk_first_position`` a chunk must start at or
-  after the end of this rank's previous chunk (a chunk-local 0 raises), and a
-  (part, layer, position) sent twice raises.
+  request-absolute; with ``chunk_first_position`` (the chunk's cumulative
+  page offset) a chunk must start at or after the end of this rank's
+  previous chunk, or repeat the latest chunk's start (more layers of it); a
+  chunk-local 0 raises, and so does a (part, layer, position) sent twice.
 * Source and destination counts must match exactly: mismatched array
   lengths, positions outside the room or pages outside the pool raise
   ValueError; nothing is truncated.
@@ -292,7 +293,7 @@ class PdSender:
                 raise ValueError(f"room {room_id}: position {pos[0]} precedes the chunk start "
                                  f"{chunk_first_position}; positions are request-absolute")
         if chunk_first_position is not None and chunk_first_position < room.next_position \
-                and not self._same_chunk(room, chunk_first_position):
+                and chunk_first_position != room.chunk_start:
             raise ValueError(f"room {room_id}: chunk starts at page {chunk_first_position} but this rank already "
                              f"sent up to page {room.next_position - 1}; pass the cumulative page offset")
         if n:
@@ -401,12 +402,8 @@ class PdSender:
         if len(pos):
             room.next_position = max(room.next_position, int(pos[-1]) + 1)
         if chunk_first_position is not None:
-            room.chunk_starts.add(chunk_first_position)
+            room.chunk_start = chunk_first_position
         return plan
-
-    @staticmethod
-    def _same_chunk(room: Room, chunk_first_position: int) -> bool:
-        return chunk_first_position in room.chunk_starts
 
     def finish(self, room_id: int) -> RoomResult:
         """Wait for every batch, tell the decode peer "done", return its verdict.

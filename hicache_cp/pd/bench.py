@@ -1,0 +1,178 @@
+"""`hicache-cp bench-pd`: the PD adapter's throughput against raw TransferEngine writes.
+
+Runs in one process on loopback: a `DecodePeer` (its own engine, served on a
+thread) and a `PdSender` over an L1 `DevicePool` and an L2 `HostPool` (their
+own engine). Each repeat opens a room and then, on the same coalesced runs
+(same source and destination addresses, same lengths):
+
+* raw: `batch_transfer_async_write` + `get_batch_transfer_status` straight on
+  the sender's engine, in batches of at most the adapter's in-flight cap
+  (the most a single peer accepts safely), each waited before the next;
+* adapter: `PdSender.send` (planning included) through the adapter's wait,
+  i.e. `RoomResult.transfer_s`; then the decode peer verifies every byte.
+
+Reports the median of each over the repeats; ratio = adapter / raw
+(target >= 0.90). `--json PATH` writes {adapter_gbps, raw_gbps, ratio,
+bytes, descriptors, pages, commit, machine, command}.
+
+    python -m hicache_cp.pd.bench --pages 512 --json pd.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hicache_cp import cp_mapping, integrity
+from hicache_cp.pd.decode_peer import DecodePeer, add_layout_arguments, layout_from_args
+from hicache_cp.pd.engine import TransferError, quiet_mooncake_logs
+
+logger = logging.getLogger(__name__)
+
+#: Repeats run first and not counted (engine connections and page faults warm up).
+WARMUP = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_layout_arguments(parser)
+    parser.add_argument("--pages", type=int, default=512, help="pages per request")
+    parser.add_argument("--l2-fraction", type=float, default=0.5, help="share of pages that live only in L2")
+    parser.add_argument("--pattern", choices=("contiguous", "random"), default="random",
+                        help="source page placement: one run per tier, or random sorted pages")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet_mooncake_logs()
+    from hicache_cp.pd.sender import PageHomes, PdSender
+    from hicache_cp.pools import DevicePool, HostPool
+
+    layout = layout_from_args(args)
+    n = args.pages
+    pool_pages = 2 * n + 1
+    rng = np.random.default_rng(args.seed)
+    authkey = os.urandom(16)
+    peer = DecodePeer(layout, n + 1, authkey=authkey)
+    peer.start()
+    l1 = DevicePool(layout, pool_pages)
+    l2 = HostPool(layout, layout.bytes_per_page * pool_pages, pin=False)
+    sender = PdSender(layout, l1, l2, decode_address=peer.address, authkey=authkey)
+    try:
+        pos = np.arange(n, dtype=np.int64)
+        tier = (pos < int(round(args.l2_fraction * n))).astype(np.int8)  # a cached L2 prefix, the rest in L1
+        pages = np.zeros(n, dtype=np.int64)
+        for t in (0, 1):
+            k = int((tier == t).sum())
+            if args.pattern == "contiguous":
+                phys = np.arange(1, k + 1)
+            else:
+                phys = np.sort(rng.choice(np.arange(1, pool_pages), k, replace=False))
+            pages[tier == t] = cp_mapping.to_logical(phys, 0, 1)
+        hashes = rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64)
+        for t, pool in ((0, l1), (1, l2)):
+            sel = tier == t
+            for p in layout.parts:
+                for slot, layer in enumerate(p.layer_ids):
+                    pool.layer_view(p.part, slot)[pages[sel]] = integrity.content(hashes[sel], p.part, layer,
+                                                                                  p.page_bytes)
+        homes = PageHomes(pos, tier, pages, hashes)
+        raw_gbps, adapter_gbps = [], []
+        plan = None
+        for rep in range(args.repeats + WARMUP):
+            room_id = rep + 1
+            sender.open_room(room_id, room_id, n)
+            plan = sender.plan(room_id, homes)
+            raw = plan.nbytes / _raw_write(sender, plan) / 1e9
+            sender.send(room_id, homes)
+            res = sender.finish(room_id)
+            if not res.ok:
+                raise SystemExit(f"bench-pd: adapter transfer failed: {res.failure}")
+            sender.rooms.forget(room_id)
+            if rep >= WARMUP:
+                raw_gbps.append(raw)
+                adapter_gbps.append(res.gbps)
+        assert plan is not None
+        raw, adapter = statistics.median(raw_gbps), statistics.median(adapter_gbps)
+        out = {
+            "adapter_gbps": round(adapter, 4), "raw_gbps": round(raw, 4), "ratio": round(adapter / raw, 4),
+            "bytes": plan.nbytes, "descriptors": len(plan.lens), "pages": n,
+            "mean_descriptor_bytes": plan.nbytes // max(1, len(plan.lens)),
+            "repeats": args.repeats, "pattern": args.pattern, "layout": layout.describe(),
+            "commit": _git_commit(), "machine": _machine(), "command": _command(),
+        }
+        print(f"{'path':<10}{'GB/s (median)':>15}  runs (after {WARMUP} warm-up)")
+        print(f"{'raw':<10}{raw:>15.3f}  {' '.join(f'{x:.3f}' for x in raw_gbps)}")
+        print(f"{'adapter':<10}{adapter:>15.3f}  {' '.join(f'{x:.3f}' for x in adapter_gbps)}")
+        print(f"ratio {adapter / raw:.3f}; {plan.nbytes / 2**20:.1f} MiB in {len(plan.lens)} descriptors "
+              f"({n} pages, {args.pattern}); target ratio >= 0.90")
+        if args.json is not None:
+            args.json.write_text(json.dumps(out, indent=2) + "\n")
+        return 0
+    finally:
+        sender.close()
+        peer.close()
+        l2.close()
+
+
+def _raw_write(sender: object, plan: object) -> float:
+    """Raw engine writes of the plan's runs; returns seconds."""
+    eng = sender.adapter.engine  # type: ignore[attr-defined]
+    peer = sender.peer  # type: ignore[attr-defined]
+    step = sender.adapter.max_in_flight  # type: ignore[attr-defined]
+    srcs, dsts, lens = plan.srcs, plan.dsts, plan.lens  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    for lo in range(0, len(lens), step):
+        bid = eng.batch_transfer_async_write(peer, srcs[lo:lo + step], dsts[lo:lo + step], lens[lo:lo + step])
+        if bid == 0 or eng.get_batch_transfer_status([bid]) != 0:
+            raise TransferError("raw batch write", peer=peer, transfers=len(lens[lo:lo + step]))
+    return time.perf_counter() - t0
+
+
+def _command() -> str:
+    argv = sys.argv[1:]
+    if "bench-pd" in argv:
+        argv = argv[argv.index("bench-pd") + 1:]
+    return " ".join(["hicache-cp bench-pd", *argv])
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.platform()}; {cpu}; {os.cpu_count()} cpus; python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicache-cp bench-pd", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

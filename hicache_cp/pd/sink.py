@@ -1,0 +1,99 @@
+"""Ship every request the reference server finishes to the decode peer.
+
+`PdSink` is the server's `RequestSink`: once a request is inserted (and
+still locked), each page is sent from its current home: from L2 when its
+host copy is committed (straight from the registered host arena, no
+load-back and no device read), otherwise from L1. Positions are
+request-absolute; with CP each rank sends only the pages it owns.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache_cp.cache import HiCache
+from hicache_cp.pd.sender import L1, L2, PageHomes, PdSender
+from hicache_cp.radix import Node
+
+logger = logging.getLogger(__name__)
+
+
+def page_homes(cache: HiCache, node: Node, hashes: np.ndarray) -> PageHomes:
+    """Where each page of the path root..node lives now (L2 preferred when committed)."""
+    path: list[Node] = []
+    n: Node | None = node
+    while n is not None and n is not cache.tree.root:
+        path.append(n)
+        n = n.parent
+    path.reverse()
+    tiers, pages = [], []
+    for n in path:
+        if n.host_visible:
+            tiers.append(np.full(n.num_pages, L2, np.int8))
+            pages.append(n.host_pages)
+        elif n.on_device:
+            tiers.append(np.full(n.num_pages, L1, np.int8))
+            pages.append(n.device_pages)
+        else:
+            raise ValueError(f"{n} holds no copy of its pages; the request must keep its path locked")
+    count = sum(n.num_pages for n in path)
+    if count != len(hashes):
+        raise ValueError(f"request path has {count} pages but {len(hashes)} hashes were given")
+    return PageHomes(np.arange(count), np.concatenate(tiers), np.concatenate(pages), hashes)
+
+
+@dataclass
+class PdTotals:
+    rooms: int = 0
+    failed_rooms: int = 0
+    pages: int = 0
+    pages_from_l2: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    mismatches: int = 0
+    transfer_s: float = 0.0
+    examples: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        gbps = self.bytes / self.transfer_s / 1e9 if self.transfer_s else 0.0
+        return {
+            "pd_rooms": self.rooms,
+            "pd_failed_rooms": self.failed_rooms,
+            "pd_pages": self.pages,
+            "pd_pages_from_l2": self.pages_from_l2,
+            "pd_bytes": self.bytes,
+            "pd_descriptors": self.descriptors,
+            "pd_gbps": round(gbps, 4),
+            "pd_mismatches": self.mismatches,
+            "pd_mismatch_examples": self.examples[:10],
+        }
+
+
+class PdSink:
+    """Opens a room per request, sends every part and layer, waits once, tallies."""
+
+    def __init__(self, sender: PdSender) -> None:
+        self.sender = sender
+        self.totals = PdTotals()
+
+    def send_request(self, request: int, node: Node, hashes: np.ndarray, cache: HiCache) -> None:
+        homes = page_homes(cache, node, hashes)
+        mine = homes.positions % cache.cp_size == cache.rank
+        self.sender.open_room(request, request, len(hashes))
+        self.sender.send(request, homes)
+        result = self.sender.finish(request)
+        t = self.totals
+        t.rooms += 1
+        t.pages += int(mine.sum())
+        t.pages_from_l2 += int((homes.tier[mine] == L2).sum())
+        t.bytes += result.nbytes
+        t.descriptors += result.descriptors
+        t.transfer_s += result.transfer_s
+        if not result.ok:
+            t.failed_rooms += 1
+            t.mismatches += result.mismatch_count
+            t.examples.extend(result.mismatches or [f"request {request}: {result.failure}"])
+            logger.warning("pd: request %d failed: %s", request, result.failure)

@@ -1,0 +1,587 @@
+"""Stateful and random stress tests of HiCache: random protocol interleavings
+with every invariant checked after every step.
+
+`Driver` owns one cache (or two CP ranks driven with identical calls) and
+exposes one method per action; the hypothesis machine and the seeded stress
+loop both drive it. Actions:
+
+    new request   match (+ lock) -> load_back -> alloc_device -> reserve_backup
+    target / draft layer hook of one open request, in any interleaving
+    insert, release, abandon (a request that stops mid-forward)
+    poll, copies land (some or all queued copies of one direction run)
+    fail next copy of one direction, abort_backup, ensure_free under pressure
+
+For hypothesis the copy engine's worker threads are replaced by manual
+executors (a test double): a copy runs only when a "copies land" rule (or a
+forward's wait on its load) runs it, so every example is deterministic. The
+stress loop keeps the real worker threads.
+
+Invariants checked after every step (besides `HiCache.check_invariants`,
+which covers page ownership, leaks, evictable sets and op bookkeeping):
+
+    * locked nodes keep their L1 pages (every node with lock_ref > 0, and
+      every node on an open request's path, is on the device)
+    * match_prefix never returns a pending host copy: every host node of a
+      match is COMMITTED, has no backup and holds every part
+    * after ensure_free each tier is at or above its free-room target, or
+      nothing more is evictable
+    * CP: both ranks' trees (structure, page ids, host states, locks) and
+      op states are identical after every step, also when only one rank's
+      copy fails
+    * at the end, with everything released and drained, evicting to the
+      whole capacity returns every page of both tiers
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import Request, TwoRankAgreement, tiny_config, tokens_of, tree_snapshot  # noqa: E402
+from hicache_cp.cache import HiCache  # noqa: E402
+from hicache_cp.config import WritePolicy  # noqa: E402
+from hicache_cp.io.base import Direction  # noqa: E402
+from hicache_cp.layout import Model, Part  # noqa: E402
+from hicache_cp.radix import HostState  # noqa: E402
+
+STEPS_RUN = {"hypothesis": 0, "hypothesis_cp": 0}
+EVENTS: dict[str, int] = {}  # summed cache metrics of the hypothesis examples (coverage report)
+_COUNTED = ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages",
+            "evictions_l1", "evictions_l2", "backups_all_layer", "l1_alloc_failures")
+
+
+class ManualExecutor:
+    """Stands in for a copy worker: jobs run in submission order, only when asked."""
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[cf.Future[None], Callable[..., None], tuple[Any, ...]]] = deque()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> cf.Future[None]:
+        fut: cf.Future[None] = cf.Future()
+        self.queue.append((fut, fn, args))
+        return fut
+
+    def run(self, k: int | None = None) -> None:
+        n = len(self.queue) if k is None else min(k, len(self.queue))
+        for _ in range(n):
+            fut, fn, args = self.queue.popleft()
+            fut.set_running_or_notify_cancel()
+            try:
+                fn(*args)
+            except BaseException as exc:  # a failed copy
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.run()
+
+
+class FailNext:
+    """Fault hook: fail the next `pending[direction]` copies of a direction."""
+
+    def __init__(self) -> None:
+        self.pending = {d: 0 for d in Direction}
+        self.failed = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, direction: Direction, part: Part, layer: int) -> None:
+        with self._lock:
+            if self.pending[direction] > 0:
+                self.pending[direction] -= 1
+                self.failed += 1
+                raise RuntimeError(f"injected failure: {direction.value} {part.value} layer {layer}")
+
+
+class OpenRequest:
+    """One request on every rank (identical calls), with its forward progress."""
+
+    def __init__(self, reqs: list[Request]) -> None:
+        self.reqs = reqs
+        self.next_target = 0
+        self.draft_done = False
+        self.inserted = False
+
+    @property
+    def forward_done(self) -> bool:
+        return self.next_target == self.reqs[0].cache.layout.num_layers(Model.TARGET) and self.draft_done
+
+
+class Driver:
+    def __init__(
+        self,
+        *,
+        ranks: int = 1,
+        manual: bool = True,
+        write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
+        l1_pages: int = 13,
+        host_pages: int = 24,
+    ) -> None:
+        self.manual = manual
+        self.faults = FailNext()
+        agreements: list[Any] = list(TwoRankAgreement.pair()) if ranks == 2 else [None]
+        self.caches: list[HiCache] = []
+        self.execs: list[dict[Direction, ManualExecutor]] = []
+        for rank in range(ranks):
+            cfg = tiny_config(
+                l1_pages=l1_pages, host_pages=host_pages, cp_size=ranks, write_policy=write_policy
+            )
+            cache = HiCache(cfg, agreement=agreements[rank], rank=rank)
+            # In CP only the last rank fails copies: the others must follow it.
+            cache.engine.fault = self.faults if rank == ranks - 1 else None  # type: ignore[attr-defined]
+            if manual:
+                ex = {d: ManualExecutor() for d in Direction}
+                for w in cache.engine._workers.values():  # type: ignore[attr-defined]
+                    w.shutdown(wait=True)
+                cache.engine._workers = ex  # type: ignore[attr-defined]
+                self.execs.append(ex)
+            self.caches.append(cache)
+        self.open: list[OpenRequest] = []
+        self.all_parts = frozenset(p.part for p in self.caches[0].layout.parts)
+
+    @property
+    def cache(self) -> HiCache:
+        return self.caches[0]
+
+    # ---- actions ---------------------------------------------------------------------------
+
+    def new_request(self, pages: list[int]) -> None:
+        tokens = tokens_of(*pages)
+        reqs = [Request(c, tokens) for c in self.caches]
+        for r in reqs:
+            r.match()
+            self._check_match(r)
+            r.load_back()
+        ok = [r.alloc() for r in reqs]
+        assert len(set(ok)) == 1, f"ranks disagree on alloc: {ok}"
+        if not ok[0]:
+            for r in reqs:
+                r.abandon()
+            return
+        for r in reqs:
+            r.reserve()
+        assert len({r.bk is None for r in reqs}) == 1, "ranks disagree on reserve_backup"
+        self.open.append(OpenRequest(reqs))
+
+    def target_hook(self, i: int) -> None:
+        o = self._pick(i, lambda o: not o.inserted and o.next_target < self.cache.layout.num_layers(Model.TARGET))
+        if o is None:
+            return
+        self._let_loads_land()
+        for r in o.reqs:
+            r.target_layer(o.next_target)
+        o.next_target += 1
+
+    def draft_hook(self, i: int) -> None:
+        o = self._pick(i, lambda o: not o.inserted and not o.draft_done)
+        if o is None:
+            return
+        self._let_loads_land()
+        for r in o.reqs:
+            r.draft_layer(0)
+        o.draft_done = True
+
+    def insert(self, i: int) -> None:
+        o = self._pick(i, lambda o: not o.inserted and o.forward_done)
+        if o is None:
+            return
+        for r in o.reqs:
+            r.insert()
+        o.inserted = True
+
+    def release(self, i: int) -> None:
+        o = self._pick(i, lambda o: o.inserted)
+        if o is None:
+            return
+        for r in o.reqs:
+            r.release()
+        self.open.remove(o)
+
+    def abandon(self, i: int) -> None:
+        """A request stops mid-forward: abort its reservation, free its pages, unlock."""
+        o = self._pick(i, lambda o: not o.inserted)
+        if o is None:
+            return
+        for r in o.reqs:
+            r.abandon()
+        self.open.remove(o)
+
+    def advance(self, i: int, steps: int = 1) -> None:
+        """Take request i through its next `steps` protocol steps in order:
+        target layers, the draft layer, insert, release."""
+        if not self.open:
+            return
+        o = self.open[i % len(self.open)]
+        for _ in range(steps):
+            if o not in self.open:
+                return
+            nt = self.cache.layout.num_layers(Model.TARGET)
+            if o.next_target < nt:
+                self.target_hook(self._rank_index(o, lambda x: not x.inserted and x.next_target < nt))
+            elif not o.draft_done:
+                self.draft_hook(self._rank_index(o, lambda x: not x.inserted and not x.draft_done))
+            elif not o.inserted:
+                self.insert(self._rank_index(o, lambda x: not x.inserted and x.forward_done))
+            else:
+                self.release(self._rank_index(o, lambda x: x.inserted))
+
+    def _rank_index(self, o: OpenRequest, pred: Callable[[OpenRequest], bool]) -> int:
+        return [x for x in self.open if pred(x)].index(o)
+
+    def poll(self) -> None:
+        if len(self.caches) == 2:
+            from conftest import poll_both
+
+            poll_both(*self.caches)
+        else:
+            self.cache.poll()
+
+    def copies_land(self, direction: Direction | None = None, k: int | None = None) -> None:
+        """Run k queued copies of one direction (all of both directions when None)."""
+        if self.manual:
+            for ex in self.execs:
+                for d, e in ex.items():
+                    if direction is None or d is direction:
+                        e.run(k)
+        else:
+            for c in self.caches:
+                backups, loads = c.in_flight()
+                for op in [*backups, *loads]:
+                    for t in list(op.inflight):
+                        try:
+                            t.wait()
+                        except Exception:
+                            pass
+
+    def fail_next(self, direction: Direction) -> None:
+        """Fail the next copy of `direction` (with manual executors: only when one is
+        queued, so a failure hits a copy already in flight rather than a later op)."""
+        if self.manual and not self.execs[-1][direction].queue:
+            return
+        self.faults.pending[direction] = 1
+
+    def abort_backup(self, i: int) -> None:
+        active = [
+            k for k, op in enumerate(self.cache.in_flight()[0]) if op.state.value in ("reserved", "writing")
+        ]
+        if not active:
+            return
+        k = active[i % len(active)]
+        for c in self.caches:
+            c.abort_backup(c.in_flight()[0][k])
+
+    def ensure_free(self, l1_target: int, l2_target: int) -> None:
+        for c in self.caches:
+            c.config.l1_free_room = l1_target
+            c.config.l2_free_room = l2_target
+            c.ensure_free()
+            l1, l2 = c.device_pool.allocator, c.host_pool.allocator
+            # Evict to the target, or until nothing more is evictable.
+            assert l1.free_pages >= min(l1_target, l1.capacity) or not c.tree.device_leaves, (
+                f"L1 free {l1.free_pages} < target {l1_target} with evictable {c.tree.device_leaves}"
+            )
+            assert l2.free_pages >= min(l2_target, l2.capacity) or not c.tree.host_leaves, (
+                f"L2 free {l2.free_pages} < target {l2_target} with evictable {c.tree.host_leaves}"
+            )
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def _check_match(self, r: Request) -> None:
+        m = r.m
+        assert m is not None
+        for node in m.host_nodes:
+            assert node.host_state is HostState.COMMITTED and node.backup is None, f"pending host copy visible: {node}"
+            assert node.host_parts == self.all_parts, f"partial host hit: {node} has {node.host_parts}"
+            assert not node.on_device
+        assert m.device_len + m.host_len <= len(m.keys)
+
+    def check(self) -> None:
+        for c in self.caches:
+            c.check_invariants()
+            for n in c.tree.nodes():
+                if n.lock_ref > 0:
+                    assert n.on_device, f"locked {n} lost its L1 pages"
+        for o in self.open:
+            for r in o.reqs:
+                node = r.held_node
+                while node is not None and node is not r.cache.tree.root:
+                    assert node.on_device and node.parent is not None, f"held {node} evicted"
+                    assert node.lock_ref > 0, f"held {node} not locked"
+                    node = node.parent
+        if len(self.caches) == 2:
+            a, b = self.caches
+            assert tree_snapshot(a) == tree_snapshot(b), "CP ranks' trees diverged"
+            sa = [(op.state, op.num_pages) for op in a.in_flight()[0] + a.in_flight()[1]]  # type: ignore[operator]
+            sb = [(op.state, op.num_pages) for op in b.in_flight()[0] + b.in_flight()[1]]  # type: ignore[operator]
+            assert sa == sb, f"CP ranks' ops diverged: {sa} vs {sb}"
+            for x, y in zip(a.in_flight()[0], b.in_flight()[0]):
+                assert np.array_equal(x.host_pages, y.host_pages)
+
+    def finish(self) -> None:
+        """Land everything, close every request, drain, then evict all: no page leaks."""
+        self.copies_land()
+        for o in list(self.open):
+            if o.inserted:
+                self.release(0 if o is self.open[0] else self.open.index(o))
+            else:
+                for r in o.reqs:
+                    r.abandon()
+                self.open.remove(o)
+        for _ in range(4):
+            self.copies_land()
+            self.poll()
+        self.check()
+        for c in self.caches:
+            assert c.in_flight() == ([], []), c.in_flight()
+        for _ in range(12):  # write_back: L1 eviction backs up first, evicts after commit, a level a round
+            self.ensure_free(10**6, 10**6)
+            self.copies_land()
+            self.poll()
+            self.check()
+        for c in self.caches:
+            assert c.in_flight() == ([], []), c.in_flight()
+            assert c.device_pool.allocator.free_pages == c.device_pool.allocator.capacity
+            assert c.host_pool.allocator.free_pages == c.host_pool.allocator.capacity
+            assert list(c.tree.nodes()) == []
+        self.check()
+
+    def close(self) -> None:
+        for c in self.caches:
+            c.engine.fault = None  # type: ignore[attr-defined]
+            c.close()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _pick(self, i: int, pred: Callable[[OpenRequest], bool]) -> OpenRequest | None:
+        cands = [o for o in self.open if pred(o)]
+        return cands[i % len(cands)] if cands else None
+
+    def _let_loads_land(self) -> None:
+        """A forward waits on its loads: with manual executors the H2D copies must run."""
+        if self.manual:
+            self.copies_land(Direction.H2D)
+
+
+# ---- hypothesis ---------------------------------------------------------------------------------
+
+# Small alphabets so prefixes are shared: the first page is one of two.
+PAGE_IDS = st.tuples(st.integers(0, 1), st.lists(st.integers(0, 2), max_size=4)).map(lambda t: [t[0], *t[1]])
+INDEX = st.integers(0, 7)
+TARGET = st.integers(0, 14)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    ranks = 1
+    counter = "hypothesis"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d: Driver | None = None
+
+    @initialize(policy=st.sampled_from(list(WritePolicy)))
+    def start(self, policy: WritePolicy) -> None:
+        self.d = Driver(ranks=self.ranks, write_policy=policy)
+
+    @rule(pages=PAGE_IDS)
+    def new_request(self, pages: list[int]) -> None:
+        assert self.d is not None
+        if len(self.d.open) < 4:
+            self.d.new_request(pages)
+
+    @rule(i=INDEX)
+    def target_hook(self, i: int) -> None:
+        self.d.target_hook(i)  # type: ignore[union-attr]
+
+    @rule(i=INDEX)
+    def draft_hook(self, i: int) -> None:
+        self.d.draft_hook(i)  # type: ignore[union-attr]
+
+    @rule(i=INDEX)
+    def insert(self, i: int) -> None:
+        self.d.insert(i)  # type: ignore[union-attr]
+
+    @rule(i=INDEX)
+    def release(self, i: int) -> None:
+        self.d.release(i)  # type: ignore[union-attr]
+
+    @rule(i=INDEX)
+    def abandon(self, i: int) -> None:
+        self.d.abandon(i)  # type: ignore[union-attr]
+
+    @rule(i=INDEX, steps=st.integers(1, 7))
+    def advance(self, i: int, steps: int) -> None:
+        self.d.advance(i, steps)  # type: ignore[union-attr]
+
+    @rule()
+    def poll(self) -> None:
+        self.d.poll()  # type: ignore[union-attr]
+
+    @rule(direction=st.sampled_from(list(Direction)), k=st.integers(1, 8))
+    def some_copies_land(self, direction: Direction, k: int) -> None:
+        self.d.copies_land(direction, k)  # type: ignore[union-attr]
+
+    @rule()
+    def copies_land_and_poll(self) -> None:
+        self.d.copies_land()  # type: ignore[union-attr]
+        self.d.poll()  # type: ignore[union-attr]
+
+    # Failures and aborts act one draw in four, so that most backups can commit.
+    @rule(direction=st.sampled_from(list(Direction)), act=st.integers(0, 3))
+    def fail_next_copy(self, direction: Direction, act: int) -> None:
+        if act == 0 or direction is Direction.H2D:  # loads are rarer than backups
+            self.d.fail_next(direction)  # type: ignore[union-attr]
+
+    @rule(i=INDEX, act=st.integers(0, 3))
+    def abort_backup(self, i: int, act: int) -> None:
+        if act == 0:
+            self.d.abort_backup(i)  # type: ignore[union-attr]
+
+    @rule(l1=TARGET, l2=TARGET)
+    def ensure_free(self, l1: int, l2: int) -> None:
+        self.d.ensure_free(l1, l2)  # type: ignore[union-attr]
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if self.d is not None:
+            STEPS_RUN[self.counter] += 1
+            self.d.check()
+
+    def teardown(self) -> None:
+        if self.d is not None:
+            for k in _COUNTED:
+                EVENTS[k] = EVENTS.get(k, 0) + int(self.d.cache.stats()[k])  # type: ignore[call-overload]
+            try:
+                self.d.finish()
+            finally:
+                self.d.close()
+
+
+class CpCacheMachine(CacheMachine):
+    ranks = 2
+    counter = "hypothesis_cp"
+
+
+_settings = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = settings(max_examples=200, stateful_step_count=100, **_settings)  # type: ignore[arg-type]
+
+TestCpCacheMachine = CpCacheMachine.TestCase
+TestCpCacheMachine.settings = settings(max_examples=60, stateful_step_count=80, **_settings)  # type: ignore[arg-type]
+
+
+def test_steps_reported() -> None:
+    """Runs last in this file: report how many random steps the machines ran."""
+    total = STEPS_RUN["hypothesis"]
+    if total:
+        print(f"\nstateful steps: {STEPS_RUN}; events: {EVENTS}")
+        for k in ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"):
+            assert EVENTS.get(k, 0) > 0, f"the machine never reached {k}"
+        assert total >= 10_000, f"only {total} hypothesis steps ran"
+
+
+# ---- CP: one rank's copy fails ------------------------------------------------------------------
+
+
+def test_cp_one_rank_failure_aborts_both() -> None:
+    d = Driver(ranks=2)
+    try:
+        c0, c1 = d.caches
+        d.new_request([1, 2, 3, 0])
+        d.faults.pending[Direction.D2H] = 1  # rank 1's next D2H copy fails; rank 0's copies succeed
+        o = d.open[0]
+        for _ in range(4):
+            d.target_hook(0)
+        d.draft_hook(0)
+        d.insert(0)
+        d.copies_land()
+        d.check()
+        assert d.faults.failed == 1
+        bk0, bk1 = o.reqs[0].bk, o.reqs[1].bk
+        assert bk0 is not None and bk1 is not None
+        assert bk0.local_vote().ok and not bk1.local_vote().ok  # only rank 1 saw the failure
+        d.poll()
+        d.check()
+        # Both ranks aborted together: same state, same released pages, identical trees.
+        assert bk0.state is bk1.state and bk0.state.value == "aborted"
+        for c in (c0, c1):
+            assert c.host_pool.allocator.free_pages == c.host_pool.allocator.capacity
+            assert c.metrics.backups_aborted == 1 and c.metrics.backups_committed == 0
+        node0, node1 = o.reqs[0].node, o.reqs[1].node
+        assert node0 is not None and node1 is not None
+        assert node0.host_state is node1.host_state is HostState.NONE
+        # Each rank copied only the pages it owns.
+        assert tree_snapshot(c0) == tree_snapshot(c1)
+        d.release(0)
+        d.finish()
+    finally:
+        d.close()
+
+
+# ---- seeded plain-random stress ------------------------------------------------------------
+
+
+def stress(seed: int, steps: int, *, ranks: int = 1, manual: bool = False, policy: WritePolicy | None = None) -> int:
+    """Random protocol actions with the real (threaded) copy engine; returns steps run."""
+    rng = random.Random(seed)
+    policy = policy or rng.choice(list(WritePolicy))
+    d = Driver(ranks=ranks, manual=manual, write_policy=policy)
+    actions: list[tuple[float, Callable[[], None]]] = [
+        (6, lambda: d.new_request([rng.randrange(2)] + [rng.randrange(3) for _ in range(rng.randint(0, 4))]) if len(d.open) < 4 else None),
+        (10, lambda: d.target_hook(rng.randrange(8))),
+        (4, lambda: d.draft_hook(rng.randrange(8))),
+        (4, lambda: d.insert(rng.randrange(8))),
+        (4, lambda: d.release(rng.randrange(8))),
+        (1, lambda: d.abandon(rng.randrange(8))),
+        (4, d.poll),
+        (4, lambda: d.advance(rng.randrange(8), rng.randint(1, 7))),
+        (2, lambda: (d.copies_land(), d.poll())),
+        (0.5, lambda: d.fail_next(rng.choice(list(Direction)))),
+        (0.3, lambda: d.abort_backup(rng.randrange(8))),
+        (2, lambda: d.ensure_free(rng.randrange(15), rng.randrange(15))),
+    ]
+    weights = [w for w, _ in actions]
+    try:
+        for _ in range(steps):
+            _, act = rng.choices(actions, weights)[0]
+            act()
+            d.check()
+        d.finish()
+    finally:
+        d.close()
+    return steps
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_seeded_stress(seed: int) -> None:
+    stress(seed, 1500)
+
+
+def test_seeded_stress_cp() -> None:
+    stress(7, 800, ranks=2, manual=True)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="seeded random stress of HiCache (threaded copy engine)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--ranks", type=int, choices=(1, 2), default=1)
+    args = ap.parse_args()
+    n = stress(args.seed, args.steps, ranks=args.ranks, manual=args.ranks == 2)
+    print(f"ok: {n} steps, seed {args.seed}, ranks {args.ranks}")
