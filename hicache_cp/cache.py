@@ -416,11 +416,15 @@ class HiCache:
         if not ops:
             return
         votes = self.agreement.reduce([op.local_vote() for op in ops])
-        for op, vote in zip(ops, votes):
-            if isinstance(op, BackupOp):
-                self._decide_backup(op, vote.ok, vote.settled)
-            else:
+        decisions = list(zip(ops, votes))
+        # Loads first: an aborted load fails the backups computed on top of it.
+        for op, vote in decisions:
+            if isinstance(op, LoadOp):
                 self._decide_load(op, vote.ok, vote.settled)
+        for op, vote in decisions:
+            if isinstance(op, BackupOp):
+                failing = op.state is BackupState.FAILING
+                self._decide_backup(op, vote.ok and not failing, vote.settled)
         self._backups = [op for op in self._backups if op.active]
         self._loads = [op for op in self._loads if op.active]
         self._debug_check()
@@ -479,6 +483,7 @@ class HiCache:
                 for node in op.nodes:
                     node.load = None
                     self.tree.refresh_family(node)
+                self._fail_backups_below(op.nodes[-1])
                 tokens = op.num_pages * self.layout.page_size
                 self.metrics.l2_hit_tokens -= tokens
                 self.metrics.miss_tokens += tokens
@@ -487,6 +492,18 @@ class HiCache:
                     "rank %d: load %d aborted, its %d L1 pages must be recomputed: %s",
                     self.rank, op.id, op.num_pages, op.error,
                 )
+
+    def _fail_backups_below(self, node: Node) -> None:
+        """Abort in-flight backups of `node`'s subtree: their pages were computed
+        while `node`'s KV was not valid. Unattached reservations of the same
+        request are aborted too (they start at or after the node's end)."""
+        for op in self._backups:
+            if op.state not in (BackupState.RESERVED, BackupState.WRITING):
+                continue
+            below = any(_is_descendant(n, node) for n in op.nodes) if op.nodes else op.first_position >= node.end_position
+            if below:
+                op.error = op.error or RuntimeError(f"load of {node} aborted under this backup")
+                op.transition(BackupState.FAILING)
 
     def drain(self, timeout_polls: int = 1_000_000) -> None:
         """Poll until nothing is in flight (shutdown and tests; blocks)."""
@@ -654,3 +671,12 @@ class HiCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_descendant(node: Node, ancestor: Node) -> bool:
+    n: Node | None = node
+    while n is not None:
+        if n is ancestor:
+            return True
+        n = n.parent
+    return False

@@ -23,10 +23,12 @@ PD hook (`--pd`): the decode peer is another engineer's module. When
 `hicache_cp.pd.sender` and `hicache_cp.pd.launch_hooks` exist, the parent
 calls ``launch_hooks.start_decode_peer(args, config, requests) -> peer``
 (``peer.rank_info`` is picklable and handed to every rank; ``peer.stop() ->
-dict`` goes to report["pd"]) and each rank calls
-``launch_hooks.make_sink(rank_info, rank=r, cp_size=N) -> RequestSink``
-(an optional ``sink.close() -> dict`` goes to its per-rank entry). Without
-them `--pd` fails with a one-line error.
+dict`` goes to report["pd"]) and each rank passes
+``lambda cache: launch_hooks.make_sink(rank_info, cache) -> RequestSink`` to
+`replay_rank` as its sink factory (the cache carries rank, cp_size and the
+pools to register); the ranks' ``pd_*`` counters go to their per-rank
+entries, ``pd_*bytes`` are also summed. Without them `--pd` fails with a
+one-line error.
 """
 
 from __future__ import annotations
@@ -141,16 +143,24 @@ def _rank_main(
 ) -> None:
     """Child process body: join the group, run `fn`, report back. Never raises."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    # Report before leaving the group: a rank that raised must be heard before
+    # its peers see the connection drop in a collective and report that instead.
     try:
         group = cp.init_process_group(rank, world_size, port=port, backend=backend)
-        try:
-            agreement = cp.cp_agreement(group)
-            result = fn(RankContext(rank, world_size, group, agreement), *fn_args)
-        finally:
-            cp.destroy_process_group()
+    except BaseException:
+        results_q.put(("error", rank, traceback.format_exc()))
+        return
+    try:
+        agreement = cp.cp_agreement(group)
+        result = fn(RankContext(rank, world_size, group, agreement), *fn_args)
         results_q.put(("ok", rank, result))
     except BaseException:
         results_q.put(("error", rank, traceback.format_exc()))
+    finally:
+        try:
+            cp.destroy_process_group()
+        except Exception:  # the group may be broken by a failed peer; the process exits anyway
+            pass
 
 
 def _collect(procs: list[Any], results_q: Any, timeout_s: float) -> list[Any]:
@@ -185,12 +195,23 @@ def _collect(procs: list[Any], results_q: Any, timeout_s: float) -> list[Any]:
             errors.append((rank, payload))
             first_error_at = first_error_at or time.monotonic()
     if errors:
+        # A peer's failure shows up on the other ranks as a broken collective:
+        # put the rank that failed for its own reason first.
+        errors.sort(key=lambda e: _is_collective_error(e[1]))
         first_rank, first_text = errors[0]
         others = "".join(
             f"\n--- rank {r} also failed (likely a consequence) ---\n{_last_lines(t)}" for r, t in errors[1:]
         )
         raise RankFailed(f"CP rank {first_rank} of {n} failed:\n{first_text.rstrip()}{others}")
     return [results[r] for r in range(n)]
+
+
+_COLLECTIVE_ERROR_MARKS = ("DistBackendError", "Connection closed by peer", "Connection reset by peer",
+                          "ProcessGroupGloo", "ProcessGroupNCCL", "Broken pipe")
+
+
+def _is_collective_error(text: str) -> bool:
+    return any(mark in text for mark in _COLLECTIVE_ERROR_MARKS)
 
 
 def _last_lines(text: str, k: int = 3) -> str:
@@ -241,15 +262,13 @@ def _replay_rank(
     """One rank of `run_ranks` (runs in the child)."""
     from hicache_cp.replay import replay_rank
 
-    sink = _pd_hooks().make_sink(pd_info, rank=ctx.rank, cp_size=ctx.world_size) if pd_info is not None else None
-    try:
-        report = replay_rank(args, config, requests, rank=ctx.rank, agreement=ctx.agreement, sink=sink,
-                             progress=ctx.rank == 0)
-    finally:
-        pd_rank = sink.close() if sink is not None and hasattr(sink, "close") else None
+    sink_factory = None
+    if pd_info is not None:
+        make_sink = _pd_hooks().make_sink
+        sink_factory = lambda cache: make_sink(pd_info, cache)  # noqa: E731 - built in the child, never pickled
+    report = replay_rank(args, config, requests, rank=ctx.rank, agreement=ctx.agreement,
+                         sink_factory=sink_factory, progress=ctx.rank == 0)
     report["collectives"] = ctx.agreement.collectives
-    if pd_rank is not None:
-        report["pd_rank"] = pd_rank
     return report
 
 
@@ -272,6 +291,9 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, wall_s: float) -> dict
     out = dict(base)
     for k in PER_RANK_SUM_KEYS:
         out[k] = sum(int(rep.get(k, 0)) for rep in reports)
+    for k in base:  # PD transfer bytes are counted per sending rank (DOMAIN.md rule 10)
+        if k.startswith("pd_") and k.endswith("bytes"):
+            out[k] = sum(int(rep.get(k, 0)) for rep in reports)
     out["mismatch_examples"] = [m for rep in reports for m in rep.get("mismatch_examples", [])][:10]
     out["wall_s"] = round(wall_s, 3)
     out["per_rank"] = [_per_rank(r, rep) for r, rep in enumerate(reports)]
@@ -297,8 +319,7 @@ def _per_rank(rank: int, rep: dict[str, Any]) -> dict[str, Any]:
         "collectives": rep.get("collectives"),
         "wall_s": rep.get("wall_s"),
     }
-    if "pd_rank" in rep:
-        entry["pd"] = rep["pd_rank"]
+    entry.update({k: v for k, v in rep.items() if k.startswith("pd_")})
     return entry
 
 
@@ -317,5 +338,5 @@ def _pd_hooks() -> Any:
             raise
         raise InputError(
             "--pd: the PD replay integration is not available yet (hicache_cp.pd.launch_hooks with "
-            "start_decode_peer(args, config, requests) and make_sink(rank_info, rank=, cp_size=) is missing)"
+            "start_decode_peer(args, config, requests) and make_sink(rank_info, cache) is missing)"
         ) from None

@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from hicache_cp.agreement import Agreement
@@ -194,15 +195,20 @@ def replay_rank(
     *,
     rank: int = 0,
     agreement: Agreement | None = None,
-    sink: RequestSink | None = None,
+    sink_factory: Callable[[HiCache], RequestSink] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Replay every request on this rank; return this rank's report."""
+    """Replay every request on this rank; return this rank's report.
+
+    `sink_factory` builds the request sink (the PD sender) once the cache and
+    its pools exist; its `totals.as_dict()` joins the report.
+    """
     device = _device(args.device)
     tpb = tokens_per_block(args, config)
     t0 = time.perf_counter()
     samples: list[dict[str, Any]] = []
     with HiCache(config, rank=rank, agreement=agreement, device=device) as cache:
+        sink = sink_factory(cache) if sink_factory is not None else None
         server = ReferenceServer(cache, verify=not args.no_verify, sink=sink)
         every = max(1, len(requests) // 200)
         for i, req in enumerate(_progress(requests, progress and rank == 0)):
@@ -212,8 +218,12 @@ def replay_rank(
         cache.drain()
         cache.check_invariants()
         stats = cache.stats()
+        if sink is not None:
+            stats.update(sink.totals.as_dict())  # type: ignore[attr-defined]
+            sink.close()  # type: ignore[attr-defined]
     wall = time.perf_counter() - t0
     report = {k: stats[k] for k in REPORT_KEYS if k in stats}
+    report.update({k: v for k, v in stats.items() if k.startswith("pd_")})
     report.update(
         requests=len(requests),
         integrity_checked_pages=server.integrity.checked_pages,

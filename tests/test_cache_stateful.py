@@ -159,13 +159,20 @@ class Driver:
 
     # ---- actions ---------------------------------------------------------------------------
 
-    def new_request(self, pages: list[int]) -> None:
+    def new_request(self, pages: list[int], fail_load: bool = False) -> None:
+        """With `fail_load` the first copy of this request's load fails (on the last rank)."""
         tokens = tokens_of(*pages)
         reqs = [Request(c, tokens) for c in self.caches]
+        if fail_load and self.manual:
+            self.copies_land(Direction.H2D)  # earlier loads land as they are
         for r in reqs:
             r.match()
             self._check_match(r)
             r.load_back()
+        if fail_load and self.manual:
+            self.faults.pending[Direction.H2D] = 1
+            self.copies_land(Direction.H2D)
+            self.faults.pending[Direction.H2D] = 0
         ok = [r.alloc() for r in reqs]
         assert len(set(ok)) == 1, f"ranks disagree on alloc: {ok}"
         if not ok[0]:
@@ -396,11 +403,11 @@ class CacheMachine(RuleBasedStateMachine):
     def start(self, policy: WritePolicy) -> None:
         self.d = Driver(ranks=self.ranks, write_policy=policy)
 
-    @rule(pages=PAGE_IDS)
-    def new_request(self, pages: list[int]) -> None:
+    @rule(pages=PAGE_IDS, fail_load=st.integers(0, 3))
+    def new_request(self, pages: list[int], fail_load: int) -> None:
         assert self.d is not None
         if len(self.d.open) < 4:
-            self.d.new_request(pages)
+            self.d.new_request(pages, fail_load=fail_load == 0)
 
     @rule(i=INDEX)
     def target_hook(self, i: int) -> None:
@@ -421,6 +428,18 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(i=INDEX)
     def abandon(self, i: int) -> None:
         self.d.abandon(i)  # type: ignore[union-attr]
+
+    @rule(pages=PAGE_IDS, fail_load=st.integers(0, 5))
+    def full_request(self, pages: list[int], fail_load: int) -> None:
+        """A whole request: new, forward, insert, copies land, poll, release."""
+        assert self.d is not None
+        if len(self.d.open) < 4:
+            self.d.new_request(pages, fail_load=fail_load == 0)
+            if self.d.open and self.d.open[-1].reqs[0].tokens.size == len(pages) * 16:
+                self.d.advance(len(self.d.open) - 1, 6)
+                self.d.copies_land()
+                self.d.poll()
+                self.d.advance(len(self.d.open) - 1, 1)
 
     @rule(i=INDEX, steps=st.integers(1, 7))
     def advance(self, i: int, steps: int) -> None:
@@ -489,8 +508,9 @@ def test_steps_reported() -> None:
     total = STEPS_RUN["hypothesis"]
     if total:
         print(f"\nstateful steps: {STEPS_RUN}; events: {EVENTS}")
+        # The machine is derandomized: these guard against it silently degenerating.
         for k in ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"):
-            assert EVENTS.get(k, 0) > 0, f"the machine never reached {k}"
+            assert EVENTS.get(k, 0) > 0, f"the machine never reached {k}: {EVENTS}"
         assert total >= 10_000, f"only {total} hypothesis steps ran"
 
 

@@ -97,3 +97,6 @@ class PdSink:
             t.mismatches += result.mismatch_count
             t.examples.extend(result.mismatches or [f"request {request}: {result.failure}"])
             logger.warning("pd: request %d failed: %s", request, result.failure)
+
+    def close(self) -> None:
+        self.sender.close()
