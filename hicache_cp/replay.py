@@ -311,6 +311,7 @@ def compute_bounds(requests: list[TraceRequest], config: Config, args: argparse.
 def print_table(report: dict[str, Any]) -> None:
     rows = [(k, report[k]) for k in REPORT_KEYS if k in report]
     rows += [(k, report[k]) for k in ("rejected_requests", "l2_used_pages", "l2_capacity_pages") if k in report]
+    rows += [(k, v) for k, v in report.items() if k.startswith("pd_") and not isinstance(v, list)]
     for k in ("pd", "bounds", "per_rank"):
         if k in report:
             rows.append((k, json.dumps(report[k]) if not isinstance(report[k], list) else ""))
