@@ -162,8 +162,15 @@ def make_engine(name: str, device_pool: DevicePool, host_pool: HostPool, **optio
 
 
 def default_backend(device_pool: DevicePool) -> str:
-    """The fastest backend measured for the pools' placement (bench-io)."""
-    return "kernel" if device_pool.is_cuda else "cpu"
+    """The fastest backend measured for the pools' placement (bench-io).
+
+    CUDA: "direct" (bench/results/io-h200.json, 42 KB pages, scattered on
+    both sides: 0.90-1.00 of the link's peak in both directions, and loads
+    hide behind compute, exposed fraction 0.05). The "kernel" backend moves
+    bytes nearly as fast but its CTAs take SMs from the forward (exposed
+    fraction 0.34), and "staging" pays one DMA per scattered host page.
+    """
+    return "direct" if device_pool.is_cuda else "cpu"
 
 
 def _load_builtin_backends() -> None:

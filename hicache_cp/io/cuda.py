@@ -370,12 +370,50 @@ class DirectCopyEngine(CudaCopyEngine):
         page_bytes = self.layout.part(part).page_bytes
         dev0, host0, lengths = coalesce_pairs(device_pages, host_pages)
         dev_addr = self.device_layer_ptr(part, slot) + dev0 * page_bytes
-        host_addr = self.host_layer_ptr(part, slot) + host0 * page_bytes
-        if direction is Direction.D2H:
-            srcs, dsts = dev_addr, host_addr
-        else:
-            srcs, dsts = host_addr, dev_addr
-        memcpy(self, srcs, dsts, lengths * page_bytes, stream)
+        host_off = self.host_layer_ptr(part, slot) - self._host_dev_base[part] + host0 * page_bytes
+        host_dma(self, direction, part, host_off, dev_addr, lengths * page_bytes, stream)
+
+
+def split_at_chunks(
+    host_offsets: np.ndarray, others: np.ndarray, sizes: np.ndarray, chunk: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split DMA runs so no run crosses a multiple of `chunk` on the host side.
+
+    The arena registers its memory in chunks (HostArena's
+    register_chunk_bytes) and one cudaMemcpyAsync spanning two
+    registrations fails with cudaErrorInvalidValue (seen on the H200). Runs
+    that fit stay as they are; the rare crossing ones are cut. Returns
+    `(host_offsets, other_addresses, sizes)`.
+    """
+    first, last = host_offsets // chunk, (host_offsets + sizes - 1) // chunk
+    cross = np.flatnonzero(first != last)
+    if len(cross) == 0:
+        return host_offsets, others, sizes
+    keep = np.ones(len(sizes), dtype=bool)
+    keep[cross] = False
+    h, o, n = [host_offsets[keep]], [others[keep]], [sizes[keep]]
+    for i in cross.tolist():
+        a, b, size = int(host_offsets[i]), int(others[i]), int(sizes[i])
+        while size > 0:
+            piece = min(size, (a // chunk + 1) * chunk - a)
+            h.append(np.array([a])), o.append(np.array([b])), n.append(np.array([piece]))
+            a, b, size = a + piece, b + piece, size - piece
+    return np.concatenate(h), np.concatenate(o), np.concatenate(n)
+
+
+def host_dma(
+    engine: DirectCopyEngine | StagingCopyEngine, direction: Direction, part: Part,
+    host_offsets: np.ndarray, others: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream,
+) -> None:
+    """DMAs between arena byte offsets `host_offsets` and device addresses `others`."""
+    arena = engine.host_pool.arenas[part]
+    chunk = int(getattr(arena, "register_chunk_bytes", None) or getattr(arena, "_chunk", 1 << 30))
+    host_offsets, others, sizes = split_at_chunks(host_offsets, others, sizes, chunk)
+    host_addr = engine._host_dev_base[part] + host_offsets
+    if direction is Direction.D2H:
+        memcpy(engine, others, host_addr, sizes, stream)
+    else:
+        memcpy(engine, host_addr, others, sizes, stream)
 
 
 def memcpy(engine: DirectCopyEngine | StagingCopyEngine, srcs: np.ndarray, dsts: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream) -> None:
@@ -445,19 +483,19 @@ class StagingCopyEngine(CudaCopyEngine):
         host_sorted, dev_sorted = host_pages[order], device_pages[order]
         layer = self.device_pool.buffer(part)[slot]  # [physical_pages, page_bytes]
         staging = self._staging[direction]
-        host_base = self.host_layer_ptr(part, slot)
+        host_base = self.host_layer_ptr(part, slot) - self._host_dev_base[part]  # arena byte offset
         for lo in range(0, len(host_sorted), cap):
             hs, ds = host_sorted[lo : lo + cap], dev_sorted[lo : lo + cap]
             k = len(hs)
             stage = staging[: k * page_bytes].view(k, page_bytes)
             idx = self.index_to_device([ds], keep)[0]
             starts, lengths = _runs_of(hs)
-            host_addr = host_base + hs[starts] * page_bytes
+            host_off = host_base + hs[starts] * page_bytes
             stage_addr = stage.data_ptr() + starts * page_bytes
             sizes = lengths * page_bytes
             if direction is Direction.D2H:
                 torch.index_select(layer, 0, idx, out=stage)
-                memcpy(self, stage_addr, host_addr, sizes, stream)
+                host_dma(self, direction, part, host_off, stage_addr, sizes, stream)
             else:
-                memcpy(self, host_addr, stage_addr, sizes, stream)
+                host_dma(self, direction, part, host_off, stage_addr, sizes, stream)
                 layer.index_copy_(0, idx, stage)
