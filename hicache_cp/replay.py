@@ -21,8 +21,6 @@ import json
 import logging
 import math
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ from hicache_cp.errors import HiCacheError
 from hicache_cp.policy import policy_names
 from hicache_cp.server import ReferenceServer, RequestSink
 from hicache_cp.trace import TraceError, TraceRequest, load_trace, request_tokens, unique_blocks
+from hostmem.provenance import git_commit, machine
 from hicache_cp.workload import default_workload
 
 logger = logging.getLogger(__name__)
@@ -287,8 +286,8 @@ def _run_info(args: argparse.Namespace, config: Config, tpb: int) -> dict[str, A
         "l1_logical_pages": sizing.l1_logical_pages,
         "l2_logical_pages": sizing.l2_logical_pages,
         "trace": str(args.trace) if args.trace else "embedded",
-        "commit": _commit(),
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "commit": git_commit(),
+        "machine": machine(),
         "command": " ".join(["hicache-cp", "replay", *sys.argv[2:]]) if len(sys.argv) > 1 else "hicache-cp replay",
     }
 
@@ -333,11 +332,3 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(report, f, indent=2, default=str)
     os.replace(tmp, path)
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None

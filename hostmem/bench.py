@@ -36,9 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,6 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from hostmem.provenance import git_commit, machine
 from hostmem.extents import ExtentAllocator, Runs, pages_to_runs, runs_to_pages
 
 logger = logging.getLogger(__name__)
@@ -403,35 +401,6 @@ def _tensor_runs(pages: torch.Tensor) -> Runs:
 # -- reporting ---------------------------------------------------------------
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.platform()}; {cpu}; {os.cpu_count()} cpus; python {platform.python_version()}"
-
-
 def _print_table(results: dict[str, dict[str, Any]], total_ops: int) -> None:
     header = (
         f"{'allocator':<12}{'ops':>9}{'reserve p50':>13}{'p99':>10}"
@@ -492,8 +461,8 @@ def run_config(cfg: BenchConfig) -> dict[str, Any]:
         "speedup_vs_naive_scan": round(timings["naive_scan"].median_total_ns / ours_ns, 1),
         "speedup_vs_slot_list": round(timings["slot_list"].median_total_ns / ours_ns, 1),
         "wall_s": round(time.perf_counter() - t0, 2),
-        "commit": _git_commit(),
-        "machine": _machine(),
+        "commit": git_commit(),
+        "machine": machine(),
         "command": cfg.command,
     }
 

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,29 +40,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hostmem import cuda  # noqa: E402
+from hostmem.provenance import git_commit  # noqa: E402
 from hostmem.arena import HostArena  # noqa: E402
 
 logger = logging.getLogger("bench_pinning")
 
 GIB = 1 << 30
 REPEATS = 3
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parents[1],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -222,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("benchmark setup failed")
         results = {"gib": args.gib, "bandwidth": {}, "errors": {"setup": f"{type(exc).__name__}: {exc}"}}
     results.update(
-        commit=_commit(),
+        commit=git_commit(),
         machine=(
             f"{torch.cuda.get_device_name()}; {platform.node()}; {os.cpu_count()} cpus; "
             f"torch {torch.__version__}"

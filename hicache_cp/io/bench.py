@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hostmem.provenance import git_commit
 from hicache_cp.io.base import CopyEngine, default_backend, make_engine
 from hicache_cp.layout import KVLayout, Part
 
@@ -219,13 +219,6 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
     }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001 - a copy of the tree without git history
-        return "unknown"
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table; write JSON if asked. Returns the exit status."""
     if not torch.cuda.is_available():
@@ -238,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     gate = _Gate()
     result: dict[str, Any] = {
         "command": " ".join(["hicache-cp", "bench-io", *sys.argv[1:]]),
-        "commit": _commit(),
+        "commit": git_commit(),
         "machine": torch.cuda.get_device_name(),
         "page_bytes": page_bytes,
     }

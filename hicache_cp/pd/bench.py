@@ -24,15 +24,14 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from hostmem.provenance import git_commit, machine
 from hicache_cp import cp_mapping, integrity
 from hicache_cp.pd.decode_peer import DecodePeer, add_layout_arguments, layout_from_args
 from hicache_cp.pd.engine import TransferError, quiet_mooncake_logs
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             "bytes": plan.nbytes, "descriptors": len(plan.lens), "pages": n,
             "mean_descriptor_bytes": plan.nbytes // max(1, len(plan.lens)),
             "repeats": args.repeats, "pattern": args.pattern, "layout": layout.describe(),
-            "commit": _git_commit(), "machine": _machine(), "command": _command(),
+            "commit": git_commit(), "machine": machine(), "command": _command(),
         }
         print(f"{'path':<10}{'GB/s (median)':>15}  runs (after {WARMUP} warm-up)")
         print(f"{'raw':<10}{raw:>15.3f}  {' '.join(f'{x:.3f}' for x in raw_gbps)}")
@@ -145,27 +144,6 @@ def _command() -> str:
     if "bench-pd" in argv:
         argv = argv[argv.index("bench-pd") + 1:]
     return " ".join(["hicache-cp bench-pd", *argv])
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.platform()}; {cpu}; {os.cpu_count()} cpus; python {platform.python_version()}"
 
 
 def main(argv: list[str] | None = None) -> int:

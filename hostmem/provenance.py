@@ -1,0 +1,41 @@
+"""Where a benchmark result came from: the commit and the machine.
+
+Every benchmark JSON records both (with the command line) so that numbers
+can be compared only with numbers of the same code on the same hardware.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def git_commit() -> str | None:
+    """Short hash of the checkout this package runs from; None outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def machine() -> str:
+    """Platform, CPU model, core count and Python version, on one line."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.platform()}; {cpu}; {os.cpu_count()} cpus; python {platform.python_version()}"
