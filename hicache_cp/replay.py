@@ -46,8 +46,6 @@ REPORT_KEYS = (
     "bytes_d2h", "bytes_h2d", "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2",
     "integrity_checked_pages", "integrity_mismatches", "wall_s",
 )  # fmt: skip
-SUM_KEYS = tuple(k for k in REPORT_KEYS if k not in ("hit_rate", "wall_s", "requests", "prompt_tokens",
-                                                      "l1_hit_tokens", "l2_hit_tokens", "miss_tokens"))  # fmt: skip
 
 
 EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to matter
