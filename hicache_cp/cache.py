@@ -27,7 +27,8 @@ rank. A failed copy aborts the whole backup and releases its reservation;
 nothing is ever returned as a partial hit.
 
 Synchronisation: no call blocks on a copy except `LoadOp.wait_layer` (which
-on CUDA only orders streams) and `drain()` (shutdown, tests).
+on CUDA only orders streams), `settle()` (a server's end-of-forward sync)
+and `drain()` (shutdown, tests).
 """
 
 from __future__ import annotations
@@ -505,18 +506,29 @@ class HiCache:
                 op.error = op.error or RuntimeError(f"load of {node} aborted under this backup")
                 op.transition(BackupState.FAILING)
 
+    def settle(self) -> None:
+        """Wait for every copy in flight on this rank, then poll once (blocks).
+
+        Every op that had all its layers submitted is decided afterwards
+        (committed or aborted) identically on every rank, so the cache state no
+        longer depends on copy timing. A server calls it where it syncs anyway
+        (the end of a forward); on CP ranks every rank must call it at the same
+        step, like `poll`.
+        """
+        for op in [*self._backups, *self._loads]:
+            for t in op.inflight:
+                try:
+                    t.wait()
+                except Exception:  # recorded in the op's vote
+                    pass
+        self.poll()
+
     def drain(self, timeout_polls: int = 1_000_000) -> None:
-        """Poll until nothing is in flight (shutdown and tests; blocks)."""
+        """Settle until nothing is in flight (shutdown and tests; blocks)."""
         for _ in range(timeout_polls):
             if not self._backups and not self._loads:
                 return
-            for op in [*self._backups, *self._loads]:
-                for t in op.inflight:
-                    try:
-                        t.wait()
-                    except Exception:  # recorded by the op's vote
-                        pass
-            self.poll()
+            self.settle()
             if any(op.nodes == [] and op.state is not BackupState.FAILING for op in self._backups):
                 break  # unattached backups wait for their insert
         if self._loads or any(op.nodes for op in self._backups):
