@@ -13,7 +13,8 @@ rank with the same calls):
     for layer in target layers:
         load.wait_layer(layer)                # the forward waits per layer
         ...compute layer, write KV of `new`...
-        cache.on_layer_end(Model.TARGET, layer)           # D2H of that layer starts
+        cache.on_layer_end(Model.TARGET, layer, [bk])     # D2H of that layer starts
+                                              # (for this forward's reservations)
     for layer in draft layers: ...same with Model.DRAFT
     node = cache.insert(m, new, backup=bk)    # pages join the tree; host copy stays
                                               # invisible until committed
@@ -34,6 +35,7 @@ and `drain()` (shutdown, tests).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 import logging
 from dataclasses import dataclass, field
 
@@ -275,15 +277,21 @@ class HiCache:
         self.metrics.backups_started += 1
         return op
 
-    def on_layer_end(self, model: Model, layer: int) -> None:
-        """Layer hook: `layer` of `model` is written in L1; back it up.
+    def on_layer_end(self, model: Model, layer: int, backups: Iterable[BackupOp | None]) -> None:
+        """Layer hook of one forward: `layer` of `model` is written in L1 for the
+        requests whose reservations are `backups` (None entries: requests that
+        reserved nothing); back that layer up for them.
 
-        Target hooks copy target parts only and draft hooks draft parts only:
-        the draft may not have written a layer when the target's hook fires.
+        Scoped to the forward's own reservations: another request's forward
+        may not have written this layer yet. Target hooks copy target parts
+        only and draft hooks draft parts only: the draft may not have written
+        a layer when the target's hook fires.
         """
-        for op in self._backups:
-            if not op.layerwise or op.state not in (BackupState.RESERVED, BackupState.WRITING):
+        for op in backups:
+            if op is None or op.state not in (BackupState.RESERVED, BackupState.WRITING):
                 continue
+            if not op.layerwise:
+                raise ValueError(f"backup {op.id} is an all-layer backup; layer hooks drive reservations only")
             for part in op.layers_to_submit(model, layer):
                 op.record_submit(part, layer, self._submit(op, Direction.D2H, part, layer))
                 if op.state is BackupState.RESERVED:

@@ -106,7 +106,7 @@ class ReferenceServer:
                 for part in self.layout.parts_of(model):
                     if part.has_layer(layer):
                         self._compute(part, layer, new, hashes[start:], start)
-                cache.on_layer_end(model, layer)
+                cache.on_layer_end(model, layer, [backup])
         node = cache.insert(m, new, backup=backup)
         cache.poll()
         reused = start

@@ -157,7 +157,7 @@ class Request:
             self.load.wait_layer(layer, Model.TARGET)
         if write is not None:
             write(self, Model.TARGET, layer)
-        self.cache.on_layer_end(Model.TARGET, layer)
+        self.cache.on_layer_end(Model.TARGET, layer, [self.bk])
         self.target_layers_done.append(layer)
 
     def draft_layer(self, layer: int, write: Callable[[Request, Model, int], None] | None = None) -> None:
@@ -165,7 +165,7 @@ class Request:
             self.load.wait_layer(layer, Model.DRAFT)
         if write is not None:
             write(self, Model.DRAFT, layer)
-        self.cache.on_layer_end(Model.DRAFT, layer)
+        self.cache.on_layer_end(Model.DRAFT, layer, [self.bk])
         self.draft_layers_done.append(layer)
 
     def forward(self, write: Callable[[Request, Model, int], None] | None = None, draft: bool = True) -> None:

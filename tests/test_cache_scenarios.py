@@ -97,6 +97,47 @@ def test_backup_invisible_until_every_part_landed(make_cache) -> None:
     cache.release(m.last_node)
 
 
+def test_layer_hooks_back_up_only_their_own_forward(make_cache) -> None:
+    """Two forwards in flight: B's draft hook must not copy A's draft layer,
+    which A has not written yet (the stress test's byte check found this)."""
+    cache = make_cache(l1_pages=32, host_pages=32)
+    a = run_request(cache, tokens_of(1, 2), stop_after="target", write=fill_pattern)
+    b = run_request(cache, tokens_of(3, 4), stop_after="draft", write=fill_pattern)
+    assert a.bk is not None and b.bk is not None
+    assert b.bk.submitted[Part.DRAFT_KV] == {0}
+    assert a.bk.submitted[Part.DRAFT_KV] == set(), "A's draft layer was copied before A wrote it"
+    for layer in range(cache.layout.num_layers(Model.DRAFT)):
+        a.draft_layer(layer, fill_pattern)
+    for r in (a, b):
+        r.insert()
+    land(cache)
+    for r in (a, b):
+        assert r.node is not None and r.node.host_visible
+        r.release()
+    evict_all_l1(cache)
+    # Both come back from L2 with exactly the bytes their forwards wrote.
+    for toks in (tokens_of(1, 2), tokens_of(3, 4)):
+        r = run_request(cache, toks, stop_after="poll")
+        assert r.load is not None and r.load.state is LoadState.DONE
+        for p in cache.layout.parts:
+            for layer in p.layer_ids:
+                view = cache.device_pool.layer_view(p.part, p.slot(layer))
+                for i, page in enumerate(r.load.device_pages):
+                    assert np.array_equal(view[page], expected_bytes(toks, i, p.part, layer, p.page_bytes))
+        r.release()
+
+
+def test_layer_hooks_reject_all_layer_backups(make_cache) -> None:
+    cache = make_cache(l1_pages=32, host_pages=32, write_policy="write_back")
+    r = run_request(cache, tokens_of(5, 6))
+    assert r.node is not None
+    bk = cache.start_backup(r.node)
+    assert bk is not None and not bk.layerwise
+    with pytest.raises(ValueError, match="all-layer backup"):
+        cache.on_layer_end(Model.TARGET, 0, [bk])
+    land(cache)
+
+
 def test_copy_failure_aborts_and_releases(make_cache) -> None:
     gate = threading.Event()
 

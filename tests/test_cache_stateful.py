@@ -30,6 +30,12 @@ which covers page ownership, leaks, evictable sets and op bookkeeping):
       copy fails
     * at the end, with everything released and drained, evicting to the
       whole capacity returns every page of both tiers
+    * bytes (one rank): each forward writes known bytes into its new L1
+      pages; every load agreed DONE must have brought back exactly those
+      bytes, every part, every layer
+
+`CudaCacheMachine` runs the same machine on the CUDA copy engines (real
+streams and events, pinned host pool), without injected copy failures.
 """
 
 from __future__ import annotations
@@ -45,23 +51,26 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import Request, TwoRankAgreement, tiny_config, tokens_of, tree_snapshot  # noqa: E402
+from conftest import Request, TwoRankAgreement, expected_bytes, tiny_config, tokens_of, tree_snapshot  # noqa: E402
 from hicache_cp.cache import HiCache  # noqa: E402
 from hicache_cp.config import WritePolicy  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
-from hicache_cp.layout import Model, Part  # noqa: E402
+from hicache_cp.layout import Model, Part, PartLayout  # noqa: E402
+from hicache_cp.ops import LoadState  # noqa: E402
 from hicache_cp.radix import HostState  # noqa: E402
 
-STEPS_RUN = {"hypothesis": 0, "hypothesis_cp": 0}
+STEPS_RUN = {"hypothesis": 0, "hypothesis_cp": 0, "hypothesis_cuda": 0}
 EVENTS: dict[str, int] = {}  # summed cache metrics of the hypothesis examples (coverage report)
 _COUNTED = ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages",
             "evictions_l1", "evictions_l2", "backups_all_layer", "l1_alloc_failures")
+VERIFIED = {"pages": 0}  # loaded pages whose bytes were compared, all machines
 
 
 class ManualExecutor:
@@ -130,20 +139,26 @@ class Driver:
         write_policy: WritePolicy = WritePolicy.WRITE_THROUGH,
         l1_pages: int = 13,
         host_pages: int = 24,
+        io_backend: str = "cpu",
     ) -> None:
-        self.manual = manual
+        self.cuda = io_backend != "cpu"
+        self.manual = manual and not self.cuda
         self.faults = FailNext()
         agreements: list[Any] = list(TwoRankAgreement.pair()) if ranks == 2 else [None]
         self.caches: list[HiCache] = []
         self.execs: list[dict[Direction, ManualExecutor]] = []
+        # Byte checks index the pools by logical page: one rank only.
+        self.write = write_known_bytes if ranks == 1 else None
         for rank in range(ranks):
             cfg = tiny_config(
-                l1_pages=l1_pages, host_pages=host_pages, cp_size=ranks, write_policy=write_policy
-            )
-            cache = HiCache(cfg, agreement=agreements[rank], rank=rank)
-            # In CP only the last rank fails copies: the others must follow it.
-            cache.engine.fault = self.faults if rank == ranks - 1 else None  # type: ignore[attr-defined]
-            if manual:
+                l1_pages=l1_pages, host_pages=host_pages, cp_size=ranks, write_policy=write_policy,
+                io_backend=io_backend, pin_host=self.cuda,
+            )  # fmt: skip
+            cache = HiCache(cfg, agreement=agreements[rank], rank=rank, device="cuda" if self.cuda else "cpu")
+            if not self.cuda:  # the fault hook is the cpu backend's test double
+                # In CP only the last rank fails copies: the others must follow it.
+                cache.engine.fault = self.faults if rank == ranks - 1 else None  # type: ignore[attr-defined]
+            if self.manual:
                 ex = {d: ManualExecutor() for d in Direction}
                 for w in cache.engine._workers.values():  # type: ignore[attr-defined]
                     w.shutdown(wait=True)
@@ -190,7 +205,7 @@ class Driver:
             return
         self._let_loads_land()
         for r in o.reqs:
-            r.target_layer(o.next_target)
+            r.target_layer(o.next_target, self.write)
         o.next_target += 1
 
     def draft_hook(self, i: int) -> None:
@@ -199,7 +214,7 @@ class Driver:
             return
         self._let_loads_land()
         for r in o.reqs:
-            r.draft_layer(0)
+            r.draft_layer(0, self.write)
         o.draft_done = True
 
     def insert(self, i: int) -> None:
@@ -214,6 +229,15 @@ class Driver:
         o = self._pick(i, lambda o: o.inserted)
         if o is None:
             return
+        if self.write is not None:
+            # Like a server: the load is decided before the request ends, and an
+            # aborted one is recomputed before its pages are unlocked.
+            load = o.reqs[0].load
+            while load is not None and load.active:
+                self.copies_land(Direction.H2D)
+                self.poll()
+            recompute_aborted_load(o.reqs[0])
+            check_loaded_bytes(o.reqs[0])
         for r in o.reqs:
             r.release()
         self.open.remove(o)
@@ -223,6 +247,12 @@ class Driver:
         o = self._pick(i, lambda o: not o.inserted)
         if o is None:
             return
+        if self.write is not None:
+            load = o.reqs[0].load
+            while load is not None and load.active:
+                self.copies_land(Direction.H2D)
+                self.poll()
+            recompute_aborted_load(o.reqs[0])
         for r in o.reqs:
             r.abandon()
         self.open.remove(o)
@@ -276,8 +306,9 @@ class Driver:
 
     def fail_next(self, direction: Direction) -> None:
         """Fail the next copy of `direction` (with manual executors: only when one is
-        queued, so a failure hits a copy already in flight rather than a later op)."""
-        if self.manual and not self.execs[-1][direction].queue:
+        queued, so a failure hits a copy already in flight rather than a later op).
+        CUDA engines have no fault hook: a no-op there."""
+        if self.cuda or (self.manual and not self.execs[-1][direction].queue):
             return
         self.faults.pending[direction] = 1
 
@@ -368,7 +399,8 @@ class Driver:
 
     def close(self) -> None:
         for c in self.caches:
-            c.engine.fault = None  # type: ignore[attr-defined]
+            if not self.cuda:
+                c.engine.fault = None  # type: ignore[attr-defined]
             c.close()
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -381,6 +413,53 @@ class Driver:
         """A forward waits on its loads: with manual executors the H2D copies must run."""
         if self.manual:
             self.copies_land(Direction.H2D)
+
+
+# ---- bytes -------------------------------------------------------------------------------------
+
+
+def _write_pages(cache: HiCache, tokens: np.ndarray, pages: np.ndarray, first: int, part: PartLayout, layer: int) -> None:
+    rows = [expected_bytes(tokens, first + i, part.part, layer, part.page_bytes) for i in range(len(pages))]
+    buf = cache.device_pool.buffer(part.part)[part.slot(layer)]
+    buf[torch.from_numpy(pages).to(buf.device)] = torch.from_numpy(np.stack(rows)).to(buf.device)
+
+
+def write_known_bytes(req: Request, model: Model, layer: int) -> None:
+    """The forward of `layer`: known bytes into the request's new L1 pages (any device)."""
+    m = req.m
+    assert m is not None and req.new is not None
+    if len(req.new):
+        for p in req.cache.layout.parts_of(model):
+            if p.has_layer(layer):
+                _write_pages(req.cache, req.tokens, req.new, m.matched_pages, p, layer)
+
+
+def recompute_aborted_load(req: Request) -> None:
+    """What a server does when a load aborts: recompute the loaded pages in place."""
+    load = req.load
+    if load is not None and load.state is LoadState.ABORTED:
+        for p in req.cache.layout.parts:
+            for layer in p.layer_ids:
+                _write_pages(req.cache, req.tokens, load.device_pages, load.first_position, p, layer)
+
+
+def check_loaded_bytes(req: Request) -> None:
+    """A load agreed DONE brought back exactly what the forward wrote, every part and layer."""
+    load = req.load
+    if load is None or load.state is not LoadState.DONE:
+        return
+    cache, first = req.cache, load.first_position
+    for p in cache.layout.parts:
+        for layer in p.layer_ids:
+            buf = cache.device_pool.buffer(p.part)[p.slot(layer)]
+            got = buf[torch.from_numpy(load.device_pages).to(buf.device)].cpu().numpy()
+            for i in range(len(load.device_pages)):
+                want = expected_bytes(req.tokens, first + i, p.part, layer, p.page_bytes)
+                assert np.array_equal(got[i], want), (
+                    f"loaded bytes differ: page {first + i}, part {p.part.value}, layer {layer}, "
+                    f"device page {load.device_pages[i]}"
+                )
+    VERIFIED["pages"] += len(load.device_pages)
 
 
 # ---- hypothesis ---------------------------------------------------------------------------------
@@ -494,6 +573,16 @@ class CpCacheMachine(CacheMachine):
     counter = "hypothesis_cp"
 
 
+class CudaCacheMachine(CacheMachine):
+    """The same machine on a CUDA engine: real streams and events, a smaller budget."""
+
+    counter = "hypothesis_cuda"
+
+    @initialize(policy=st.sampled_from(list(WritePolicy)), backend=st.sampled_from(["kernel", "direct", "staging"]))
+    def start(self, policy: WritePolicy, backend: str) -> None:  # type: ignore[override]
+        self.d = Driver(write_policy=policy, io_backend=backend, l1_pages=9, host_pages=16)
+
+
 _settings = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 TestCacheMachine = CacheMachine.TestCase
@@ -501,6 +590,11 @@ TestCacheMachine.settings = settings(max_examples=200, stateful_step_count=100, 
 
 TestCpCacheMachine = CpCacheMachine.TestCase
 TestCpCacheMachine.settings = settings(max_examples=60, stateful_step_count=80, **_settings)  # type: ignore[arg-type]
+
+TestCudaCacheMachine = pytest.mark.gpu(
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(CudaCacheMachine.TestCase)
+)
+TestCudaCacheMachine.settings = settings(max_examples=40, stateful_step_count=60, **_settings)  # type: ignore[arg-type]
 
 
 def test_steps_reported() -> None:
@@ -512,6 +606,7 @@ def test_steps_reported() -> None:
         for k in ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"):
             assert EVENTS.get(k, 0) > 0, f"the machine never reached {k}: {EVENTS}"
         assert total >= 10_000, f"only {total} hypothesis steps ran"
+        assert VERIFIED["pages"] > 0, "no loaded page was ever byte-checked"
 
 
 # ---- CP: one rank's copy fails ------------------------------------------------------------------

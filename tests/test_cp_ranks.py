@@ -70,7 +70,7 @@ def _forward_and_insert(cache: HiCache, tokens: np.ndarray) -> tuple[Any, Node]:
     assert bk is not None
     for model in (Model.TARGET, Model.DRAFT):
         for layer in range(cache.layout.num_layers(model)):
-            cache.on_layer_end(model, layer)
+            cache.on_layer_end(model, layer, [bk])
     return bk, cache.insert(m, new, backup=bk)
 
 
