@@ -13,7 +13,12 @@ from pathlib import Path
 
 
 def git_commit() -> str | None:
-    """Short hash of the checkout this package runs from; None outside git."""
+    """Short hash of the checkout this package runs from; None outside git.
+
+    `HICACHE_COMMIT` overrides it, for copies of a working tree without its
+    .git (the device machine gets such a copy)."""
+    if os.environ.get("HICACHE_COMMIT"):
+        return os.environ["HICACHE_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

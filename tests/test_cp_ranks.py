@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from hicache_cp import replay
 from hicache_cp.cache import HiCache
@@ -320,3 +321,21 @@ def test_replay_cp2_matches_cp1() -> None:
     # Each rank holds about half the host memory of the single rank.
     for r in ranks:
         assert r["host_bytes"] <= one["host_bytes"] / 2 + one["host_bytes"] / one["l2_capacity_pages"] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("backend", ["direct", "kernel"])
+def test_replay_cp2_on_two_gpus_matches_cp1(backend: str) -> None:
+    """Two real ranks on two GPUs (NCCL agreement, CUDA copy engine): the same
+    hits as one GPU at equal logical capacity, every page verified."""
+    p = argparse.ArgumentParser()
+    replay.add_arguments(p)
+    common = ["--limit", "60", "--device", "cuda", "--io-backend", backend]
+    one = replay.replay(p.parse_args(common))
+    two = replay.replay(p.parse_args([*common, "--cp-size", "2"]))
+    assert one["integrity_mismatches"] == 0 and two["integrity_mismatches"] == 0
+    assert two["integrity_checked_pages"] > 0 and two["rejected_requests"] == 0
+    assert two["l1_hit_tokens"] + two["l2_hit_tokens"] == one["l1_hit_tokens"] + one["l2_hit_tokens"]
+    assert two["l2_hit_tokens"] > 0 and two["bytes_h2d"] > 0
+    assert [r["rank"] for r in two["per_rank"]] == [0, 1]

@@ -10,9 +10,13 @@ One run measures, on the current GPU:
 * the engine's bidirectional rate: backups and loads with the default
   backend at the same time;
 * overlap: N layers, loads of all of them submitted up front, the forward
-  waiting per layer (`make_compute_wait`) before a matmul sized so compute
-  per layer is about copy per layer. `exposed_load_fraction` = (time with
-  loads - compute-only time) / copy-only time, clipped at 0.
+  waiting per layer (`make_compute_wait`) before matmuls sized so compute
+  per layer is at least copy per layer (the target's condition).
+  `exposed_load_fraction` = (time with loads - compute-only time) /
+  copy-only time, clipped at 0; its floor is one layer's copy (1 / N), which
+  nothing can hide;
+* the kernel backend at several grid caps (`--kernel-sm-fractions`): how
+  much of its gap to the peak is the grid cap.
 
 Timing: CUDA events around GPU work. Each timed batch is gated behind a GPU
 sleep on the compute stream, so every submission is queued before the GPU
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -56,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-mib", type=int, default=1024, help="size of the contiguous peak copies")
     parser.add_argument("--overlap-layers", type=int, default=24, help="layers of the overlap test")
     parser.add_argument("--overlap-pages", type=int, default=1024, help="pages per layer in the overlap test")
+    parser.add_argument("--kernel-sm-fractions", default="0.25,0.5,1.0", help="grid caps of the kernel backend sweep ('' skips it)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
@@ -202,7 +208,7 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
     mm_ms, _ = _median_ms(gate, lambda: [torch.matmul(a, b, out=c) for _ in range(20)])
-    per_layer = max(1, round(copy_ms / len(layers) / (mm_ms / 20)))
+    per_layer = max(1, math.ceil(copy_ms / len(layers) / (mm_ms / 20)))  # compute >= copy per layer
 
     def compute(tickets: list[Any] | None) -> None:
         for i in range(len(layers)):
@@ -215,7 +221,7 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
     with_ms, _ = _median_ms(gate, lambda: compute(loads()))
     return {
         "copy_ms": copy_ms, "compute_ms": compute_ms, "with_loads_ms": with_ms, "matmuls_per_layer": per_layer,
-        "exposed_load_fraction": max(0.0, (with_ms - compute_ms) / copy_ms),
+        "layers": len(layers), "exposed_load_fraction": max(0.0, (with_ms - compute_ms) / copy_ms),
     }
 
 
@@ -270,6 +276,17 @@ def run(args: argparse.Namespace) -> int:
             result["bidir_ratio"] = result["bidir_gbps"] / result["peak_bidir_gbps"]
         _progress(f"bidir {name}: {result['bidir_by_backend'][name]}")
         save()
+    fractions = [float(x) for x in str(args.kernel_sm_fractions).split(",") if x]
+    result["kernel_sm_sweep"] = {}
+    for f in fractions:
+        try:
+            engine = make_engine("kernel", dev, host, sm_fraction=f)
+            result["kernel_sm_sweep"][str(f)] = measure_backend(gate, engine, [n for n in sizes if n <= 1024], page_bytes, rng)
+            engine.close()
+        except Exception as exc:  # noqa: BLE001
+            result["kernel_sm_sweep"][str(f)] = {"error": repr(exc)}
+        _progress(f"kernel sm_fraction {f}: {json.dumps(result['kernel_sm_sweep'][str(f)])}")
+        save()
     host.close()
     del dev, host
     torch.cuda.empty_cache()
@@ -297,10 +314,16 @@ def _progress(line: str) -> None:
     print(f"[bench-io] {line}", flush=True)
 
 
+def _measured_rows(r: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, rows by page count) of every backend, then of the kernel sweep."""
+    sweep = [(f"kernel@{f}", rows) for f, rows in r.get("kernel_sm_sweep", {}).items()]
+    return [*r["backends"].items(), *sweep]
+
+
 def _targets(r: dict[str, Any]) -> dict[str, Any]:
     """Which targets each backend meets (ratios against the peak of the direction)."""
     out: dict[str, Any] = {}
-    for name, rows in r["backends"].items():
+    for name, rows in _measured_rows(r):
         if "error" in rows:
             out[name] = rows["error"]
             continue
@@ -321,14 +344,14 @@ def _targets(r: dict[str, Any]) -> dict[str, Any]:
 def _print_table(r: dict[str, Any]) -> None:
     print(f"bench-io on {r['machine']}, page {r['page_bytes']} B")
     print(f"peak contiguous: D2H {r['peak_d2h_gbps']:.1f} GB/s, H2D {r['peak_h2d_gbps']:.1f} GB/s, both {r['peak_bidir_gbps']:.1f} GB/s")
-    print(f"{'backend':<9}{'pages':>7}{'D2H GB/s':>10}{'ratio':>7}{'H2D GB/s':>10}{'ratio':>7}{'submit us':>11}")
-    for name, rows in r["backends"].items():
+    print(f"{'backend':<12}{'pages':>7}{'D2H GB/s':>10}{'ratio':>7}{'H2D GB/s':>10}{'ratio':>7}{'submit us':>11}")
+    for name, rows in _measured_rows(r):
         if "error" in rows:
-            print(f"{name:<9} failed: {rows['error']}")
+            print(f"{name:<12} failed: {rows['error']}")
             continue
         for n, row in rows.items():
             print(
-                f"{name:<9}{n:>7}{row['d2h_gbps']:>10.1f}{row['d2h_ratio']:>7.2f}{row['h2d_gbps']:>10.1f}"
+                f"{name:<12}{n:>7}{row['d2h_gbps']:>10.1f}{row['d2h_ratio']:>7.2f}{row['h2d_gbps']:>10.1f}"
                 f"{row['h2d_ratio']:>7.2f}{row['d2h_submit_us']:>6.0f}/{row['h2d_submit_us']:<4.0f}"
             )
     if "bidir_gbps" in r:
