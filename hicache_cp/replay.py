@@ -36,7 +36,7 @@ from hicache_cp.errors import HiCacheError
 from hicache_cp.policy import policy_names
 from hicache_cp.server import ReferenceServer, RequestSink
 from hicache_cp.trace import TraceError, TraceRequest, load_trace, request_tokens, unique_blocks
-from hostmem.provenance import git_commit, machine
+from hostmem.provenance import command_line, git_commit, machine
 from hicache_cp.workload import default_workload
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,10 @@ def tokens_per_block(args: argparse.Namespace, config: Config) -> int:
 
 
 def size(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> Sizing:
-    """Turn the CLI's logical capacities into per-rank pool sizes."""
+    """Turn the CLI's logical capacities into per-rank pool sizes.
+
+    Depends on the config's layout and page size only, so the config that
+    `build_config` returns gives the same sizing again."""
     layout = config.layout()
     tpb = tokens_per_block(args, config)
     pages_per_block = max(1, tpb // config.page_size)
@@ -181,7 +184,6 @@ def build_config(args: argparse.Namespace, requests: list[TraceRequest]) -> Conf
     config = Config.from_dict(
         {**base.to_dict(), "l1_pages": sizing.l1_physical_pages, "host_budget_bytes": sizing.host_budget_bytes}
     )
-    args.sizing = sizing
     return config
 
 
@@ -234,7 +236,7 @@ def replay_rank(
         host_bytes=cache.host_pool.split.used_bytes,
         stats=stats,
         samples=samples,
-        **_run_info(args, config, tpb),
+        **_run_info(args, config, requests, tpb),
     )
     if args.plot and rank == 0 and args.cp_size == 1:
         from hicache_cp.plot import plot_replay
@@ -271,8 +273,8 @@ def _device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _run_info(args: argparse.Namespace, config: Config, tpb: int) -> dict[str, Any]:
-    sizing: Sizing = args.sizing
+def _run_info(args: argparse.Namespace, config: Config, requests: list[TraceRequest], tpb: int) -> dict[str, Any]:
+    sizing = size(args, config, requests)
     return {
         "model": config.model,
         "policy": config.eviction_policy,
@@ -286,7 +288,7 @@ def _run_info(args: argparse.Namespace, config: Config, tpb: int) -> dict[str, A
         "trace": str(args.trace) if args.trace else "embedded",
         "commit": git_commit(),
         "machine": machine(),
-        "command": " ".join(["hicache-cp", "replay", *sys.argv[2:]]) if len(sys.argv) > 1 else "hicache-cp replay",
+        "command": command_line("replay"),
     }
 
 
@@ -294,7 +296,7 @@ def compute_bounds(requests: list[TraceRequest], config: Config, args: argparse.
     from hicache_cp.bounds import belady_hit_rate, infinite_capacity_hit_rate
 
     pages_per_block = max(1, tokens_per_block(args, config) // config.page_size)
-    capacity_blocks = max(1, args.sizing.l2_logical_pages // pages_per_block)
+    capacity_blocks = max(1, size(args, config, requests).l2_logical_pages // pages_per_block)
     inf = infinite_capacity_hit_rate(requests)
     bel = belady_hit_rate(requests, capacity_blocks)
     return {

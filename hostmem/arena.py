@@ -259,6 +259,13 @@ class HostArena:
         return self._nbytes
 
     @property
+    def register_chunk_bytes(self) -> int:
+        """Bytes per cudaHostRegister call. A single DMA must not cross a chunk
+        boundary: each chunk is its own registration, and the driver rejects a
+        copy spanning two (cudaErrorInvalidValue, seen on the H200)."""
+        return self._chunk
+
+    @property
     def pinned(self) -> bool:
         """Whether the arena registers its memory with CUDA (see ``ready_bytes`` for how far)."""
         return self._pin

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -44,3 +45,12 @@ def machine() -> str:
     except OSError:
         pass
     return f"{platform.platform()}; {cpu}; {os.cpu_count()} cpus; python {platform.python_version()}"
+
+
+def command_line(subcommand: str) -> str:
+    """`hicache-cp SUBCOMMAND ARGS...` as this process was started (console
+    script or `python -m hicache_cp`), for the record in a result file."""
+    argv = sys.argv[1:]
+    if subcommand in argv:
+        argv = argv[argv.index(subcommand) + 1 :]
+    return " ".join(["hicache-cp", subcommand, *argv])

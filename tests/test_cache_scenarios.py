@@ -21,7 +21,7 @@ from hicache_cp.layout import Model, Part
 from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
 from hicache_cp.radix import HostState
 
-from conftest import Faults, expected_bytes, fill_pattern, land, run_request, tokens_of, wait_copies
+from conftest import Faults, expected_bytes, fill_pattern, land, run_request, tokens_of
 
 
 def evict_all_l1(cache) -> None:  # type: ignore[no-untyped-def]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from hicache_cp.io.base import CopyFailed, Direction, TicketState, backend_names, make_engine
@@ -335,3 +337,22 @@ def test_loads_overlap_per_layer(cuda_pools, name: str) -> None:
         assert [int(s) for s in sums] == expect
     finally:
         engine.close()
+
+
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 3000)), min_size=1, max_size=20),
+    chunk=st.sampled_from([256, 1000, 1024, 4096]),
+)
+def test_split_at_chunks_covers_every_byte_and_never_crosses(runs: list[tuple[int, int]], chunk: int) -> None:
+    """Runs cut at the arena's registration chunks: same bytes, same pairing, no piece crosses."""
+    from hicache_cp.io.cuda import split_at_chunks
+
+    host = np.array([h for h, _ in runs], dtype=np.int64)
+    sizes = np.array([n for _, n in runs], dtype=np.int64)
+    other = np.cumsum(np.concatenate([[0], sizes[:-1]])) + 10**6  # distinct device ranges
+    h, o, n = split_at_chunks(host, other, sizes, chunk)
+    assert (n > 0).all() and n.sum() == sizes.sum()
+    assert ((h // chunk) == ((h + n - 1) // chunk)).all()
+    want = {(int(a) + k, int(b) + k) for a, b, s in zip(host, other, sizes) for k in range(int(s))}
+    got = {(int(a) + k, int(b) + k) for a, b, s in zip(h, o, n) for k in range(int(s))}
+    assert got == want

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hostmem.provenance import git_commit
+from hostmem.provenance import command_line, git_commit
 from hicache_cp.io.base import CopyEngine, default_backend, make_engine
 from hicache_cp.layout import KVLayout, Part
 
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     gate = _Gate()
     result: dict[str, Any] = {
-        "command": " ".join(["hicache-cp", "bench-io", *sys.argv[1:]]),
+        "command": command_line("bench-io"),
         "commit": git_commit(),
         "machine": torch.cuda.get_device_name(),
         "page_bytes": page_bytes,

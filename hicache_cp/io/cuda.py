@@ -407,8 +407,7 @@ def host_dma(
 ) -> None:
     """DMAs between arena byte offsets `host_offsets` and device addresses `others`."""
     arena = engine.host_pool.arenas[part]
-    chunk = int(getattr(arena, "register_chunk_bytes", None) or getattr(arena, "_chunk", 1 << 30))
-    host_offsets, others, sizes = split_at_chunks(host_offsets, others, sizes, chunk)
+    host_offsets, others, sizes = split_at_chunks(host_offsets, others, sizes, arena.register_chunk_bytes)
     host_addr = engine._host_dev_base[part] + host_offsets
     if direction is Direction.D2H:
         memcpy(engine, others, host_addr, sizes, stream)

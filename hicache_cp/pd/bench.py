@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hostmem.provenance import git_commit, machine
+from hostmem.provenance import command_line, git_commit, machine
 from hicache_cp import cp_mapping, integrity
 from hicache_cp.pd.decode_peer import DecodePeer, add_layout_arguments, layout_from_args
 from hicache_cp.pd.engine import TransferError, quiet_mooncake_logs
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             "bytes": plan.nbytes, "descriptors": len(plan.lens), "pages": n,
             "mean_descriptor_bytes": plan.nbytes // max(1, len(plan.lens)),
             "repeats": args.repeats, "pattern": args.pattern, "layout": layout.describe(),
-            "commit": git_commit(), "machine": machine(), "command": _command(),
+            "commit": git_commit(), "machine": machine(), "command": command_line("bench-pd"),
         }
         print(f"{'path':<10}{'GB/s (median)':>15}  runs (after {WARMUP} warm-up)")
         print(f"{'raw':<10}{raw:>15.3f}  {' '.join(f'{x:.3f}' for x in raw_gbps)}")
@@ -137,13 +137,6 @@ def _raw_write(sender: object, plan: object) -> float:
         if bid == 0 or eng.get_batch_transfer_status([bid]) != 0:
             raise TransferError("raw batch write", peer=peer, transfers=len(lens[lo:lo + step]))
     return time.perf_counter() - t0
-
-
-def _command() -> str:
-    argv = sys.argv[1:]
-    if "bench-pd" in argv:
-        argv = argv[argv.index("bench-pd") + 1:]
-    return " ".join(["hicache-cp bench-pd", *argv])
 
 
 def main(argv: list[str] | None = None) -> int:
