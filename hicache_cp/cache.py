@@ -146,6 +146,8 @@ class HiCache:
         waits: list[LoadOp] = []
         last = self.tree.root
         for node in path:
+            if node.stale_load is not None:
+                break  # its L1 pages are being recomputed: a miss, never garbage
             if node.on_device and not host_nodes:
                 device.append(node.device_pages)  # type: ignore[arg-type]
                 if node.load is not None and node.load not in waits:
@@ -306,6 +308,8 @@ class HiCache:
         """
         if not node.on_device or node.host_state is not HostState.NONE or node.load is not None:
             raise ValueError(f"{node} cannot be backed up (needs device pages and no host copy)")
+        if node.stale_load is not None:
+            raise ValueError(f"{node} cannot be backed up: its L1 pages are awaiting recompute after an aborted load")
         host = self._reserve_host(node.num_pages, node.first_position)
         if host is None:
             return None
@@ -486,11 +490,13 @@ class HiCache:
                 op.transition(LoadState.FAILING)
             if settled:
                 # The L1 pages stay with the nodes (their request still holds
-                # them locked) but their bytes are not the cached KV: the
-                # request must recompute them before anything reads them.
+                # them locked) but their bytes are not the cached KV: marked
+                # stale (no device hit, no backup) until the request has
+                # recomputed them and called `recomputed`.
                 op.transition(LoadState.ABORTED)
                 for node in op.nodes:
                     node.load = None
+                    node.stale_load = op
                     self.tree.refresh_family(node)
                 self._fail_backups_below(op.nodes[-1])
                 tokens = op.num_pages * self.layout.page_size
@@ -501,6 +507,19 @@ class HiCache:
                     "rank %d: load %d aborted, its %d L1 pages must be recomputed: %s",
                     self.rank, op.id, op.num_pages, op.error,
                 )
+
+    def recomputed(self, load: LoadOp) -> None:
+        """The request of aborted `load` rewrote its L1 pages: they are cached KV again.
+
+        Until this call those nodes are no device hit and are never backed up.
+        """
+        if load.state is not LoadState.ABORTED:
+            raise ValueError(f"load {load.id} is {load.state.value}, not aborted: nothing to recompute")
+        for node in load.nodes:
+            if node.stale_load is load:
+                node.stale_load = None
+                self.tree.refresh_family(node)
+        self._debug_check()
 
     def _fail_backups_below(self, node: Node) -> None:
         """Abort in-flight backups of `node`'s subtree: their pages were computed
@@ -574,12 +593,14 @@ class HiCache:
         return alloc.fits(need, first_position)
 
     def _evict_l1(self, node: Node) -> Node | None:
-        if self.config.write_policy is WritePolicy.WRITE_BACK and node.host_state is HostState.NONE:
+        stale = node.stale_load is not None  # garbage: dropped, never backed up
+        if self.config.write_policy is WritePolicy.WRITE_BACK and node.host_state is HostState.NONE and not stale:
             if self.start_backup(node) is not None:
                 return None  # evictable once the backup commits
         pages = node.device_pages
         assert pages is not None
         node.device_pages = None
+        node.stale_load = None
         self.device_pool.allocator.free(pages)
         self.metrics.evictions_l1 += len(pages)
         self.tree.refresh_family(node)

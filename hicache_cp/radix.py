@@ -11,6 +11,9 @@ Each node covers a run of pages and records where they live:
     host_state    NONE / PENDING (backup in flight: invisible, not evictable)
                   / COMMITTED (every layer of every part landed)
     backup, load  the in-flight op touching the node, if any
+    stale_load    the aborted load whose L1 pages hold no valid KV yet (its
+                  request recomputes them, then `HiCache.recomputed`): not a
+                  device hit, never backed up, until then
     lock_ref      requests using the node (counted on the whole root path)
 
 Invariants (`RadixTree.check_invariants`): device residency is closed
@@ -61,6 +64,7 @@ class Node:
     host_parts: frozenset[Part] = frozenset()
     backup: object | None = None  # BackupOp while PENDING
     load: object | None = None  # LoadOp while loading
+    stale_load: object | None = None  # aborted LoadOp until its request recomputed the pages
     children: dict[PageKey, Node] = field(default_factory=dict)
     lock_ref: int = 0
     hit_count: int = 0
@@ -148,6 +152,7 @@ class RadixTree:
             host_parts=node.host_parts,
             backup=node.backup,
             load=node.load,
+            stale_load=node.stale_load,
             lock_ref=node.lock_ref,
             hit_count=node.hit_count,
             last_access=node.last_access,
@@ -161,7 +166,7 @@ class RadixTree:
         parent.children[upper.key[0]] = upper
         upper.children[node.key[0]] = node
         node.parent = upper
-        for op in (node.backup, node.load):
+        for op in (node.backup, node.load, node.stale_load):
             if op is not None:
                 op.nodes.append(upper)  # type: ignore[attr-defined]
         self.refresh(upper)
@@ -261,6 +266,9 @@ class RadixTree:
                 assert n.host_pages is not None and n.backup is None, f"{n}: COMMITTED with a backup in flight"
             if n.load is not None:
                 assert n.on_device and n.host_visible, f"{n}: loading without device pages or a host copy"
+            if n.stale_load is not None:
+                assert n.on_device and n.load is None and n.backup is None, f"{n}: stale without device pages, or with an op"
+                assert n in n.stale_load.nodes, f"{n}: not listed by its aborted load"  # type: ignore[attr-defined]
             free = n.lock_ref == 0 and n.load is None
             if free and n.on_device and n.backup is None and not any(c.on_device for c in n.children.values()):
                 expect_dev.add(n)

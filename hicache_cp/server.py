@@ -116,6 +116,7 @@ class ReferenceServer:
             for part in self.layout.parts:
                 for layer in part.layer_ids:
                     self._compute(part, layer, loaded, hashes[reused:start], reused)
+            cache.recomputed(load)
         if self.verify and reused:
             for part in self.layout.parts:
                 for layer in part.layer_ids:

@@ -334,6 +334,66 @@ def test_load_failure_aborts(make_cache) -> None:
     assert c.load is not None and c.load.state is LoadState.DONE
 
 
+def _abort_a_load(cache, faults: Faults, toks: np.ndarray):  # type: ignore[no-untyped-def]
+    """Cache `toks` in L2 only, then start a request whose load of them fails."""
+    a = run_request(cache, toks, write=fill_pattern)
+    assert a.node is not None
+    if not a.node.host_visible:  # write_back: back it up by hand so it can be loaded
+        cache.start_backup(a.node)
+        land(cache)
+    evict_all_l1(cache)
+    faults.fail_direction, faults.fail_next = Direction.H2D, 1
+    b = run_request(cache, toks, stop_after="poll")
+    assert b.load is not None and b.load.state is LoadState.ABORTED
+    node = b.m.host_nodes[0]  # type: ignore[union-attr]
+    assert node.stale_load is b.load and node.on_device
+    return b, node
+
+
+def test_aborted_load_pages_are_no_hit_until_recomputed(make_cache) -> None:
+    """Between a load's abort and its request's recompute the node's L1 pages
+    hold garbage: another request must miss them, not read them; `recomputed`
+    makes them a device hit again."""
+    faults = Faults()
+    cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
+    toks = tokens_of(41, 42)
+    b, node = _abort_a_load(cache, faults, toks)
+    probe = cache.match_prefix(toks)
+    assert probe.device_len == 0 and probe.host_len == 0  # a miss (the L2 copy is shadowed by L1)
+    cache.release(probe.last_node)
+    for p in cache.layout.parts:  # the owner recomputes in place, then says so
+        for layer in p.layer_ids:
+            view = cache.device_pool.layer_view(p.part, p.slot(layer))
+            for i, page in enumerate(b.load.device_pages):
+                view[page] = expected_bytes(toks, i, p.part, layer, p.page_bytes)
+    with pytest.raises(ValueError, match="not aborted"):
+        cache.recomputed(LoadOp(cache.layout, np.array([1]), np.array([1]), 0))
+    cache.recomputed(b.load)
+    assert node.stale_load is None
+    hit = cache.match_prefix(toks)
+    assert hit.device_len == 2
+    cache.release(hit.last_node)
+    b.release()
+
+
+def test_stale_pages_of_an_abandoned_request_are_never_backed_up(make_cache) -> None:
+    """The owner went away without recomputing: once the L2 copy is evicted the
+    stale L1 pages are the only copy, and they must be dropped, not backed up."""
+    faults = Faults()
+    cache = make_cache(l1_pages=32, host_pages=32, fault=faults, write_policy="write_back")
+    b, node = _abort_a_load(cache, faults, tokens_of(43, 44))
+    b.release()
+    evict_all_l2(cache)
+    assert node.host_state is HostState.NONE and node.stale_load is not None
+    with pytest.raises(ValueError, match="awaiting recompute"):
+        cache.start_backup(node)
+    started = cache.metrics.backups_started
+    evict_all_l1(cache)  # write_back would back up an unbacked node first: not this one
+    assert cache.metrics.backups_started == started
+    assert cache.device_pool.allocator.free_pages == cache.device_pool.allocator.capacity
+    assert list(cache.tree.nodes()) == []
+
+
 def test_load_failure_with_insert_before_poll_keeps_tree_consistent(make_cache) -> None:
     """The protocol inserts before it polls: the pages inserted below a load that
     then fails must leave every tree and allocator invariant intact."""

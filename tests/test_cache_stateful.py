@@ -247,13 +247,7 @@ class Driver:
         o = self._pick(i, lambda o: not o.inserted)
         if o is None:
             return
-        if self.write is not None:
-            load = o.reqs[0].load
-            while load is not None and load.active:
-                self.copies_land(Direction.H2D)
-                self.poll()
-            recompute_aborted_load(o.reqs[0])
-        for r in o.reqs:
+        for r in o.reqs:  # an aborted load's stale pages stay behind: the cache must cope
             r.abandon()
         self.open.remove(o)
 
@@ -441,6 +435,7 @@ def recompute_aborted_load(req: Request) -> None:
         for p in req.cache.layout.parts:
             for layer in p.layer_ids:
                 _write_pages(req.cache, req.tokens, load.device_pages, load.first_position, p, layer)
+        req.cache.recomputed(load)
 
 
 def check_loaded_bytes(req: Request) -> None:

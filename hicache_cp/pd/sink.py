@@ -35,6 +35,8 @@ def page_homes(cache: HiCache, node: Node, hashes: np.ndarray) -> PageHomes:
             tiers.append(np.full(n.num_pages, L2, np.int8))
             pages.append(n.host_pages)
         elif n.on_device:
+            if n.stale_load is not None:
+                raise ValueError(f"{n}: its L1 pages await recompute after an aborted load, and no host copy is committed")
             tiers.append(np.full(n.num_pages, L1, np.int8))
             pages.append(n.device_pages)
         else:
