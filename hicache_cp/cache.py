@@ -60,21 +60,26 @@ _ALL_LAYER_WARN_EVERY = 1000
 
 @dataclass
 class MatchResult:
-    """What `match_prefix` found. `last_node` is locked until `release`."""
+    """What `match_prefix` found. `last_node` is locked until `release`.
+
+    The lengths are fixed at match time. `host_nodes` is the continuation as
+    of the match: another request's match may split those nodes later, so
+    `load_back` must come right after `match_prefix` (it checks).
+    """
 
     keys: list[PageKey]
     device_pages: np.ndarray  # logical L1 pages of the device-resident prefix
     host_nodes: list[Node]  # committed L2-only continuation, in order
     last_node: Node
     waits: list[LoadOp] = field(default_factory=list)  # loads the device prefix still depends on
+    host_len: int = field(init=False)  # pages of the host continuation
+
+    def __post_init__(self) -> None:
+        self.host_len = sum(n.num_pages for n in self.host_nodes)
 
     @property
     def device_len(self) -> int:
         return len(self.device_pages)
-
-    @property
-    def host_len(self) -> int:
-        return sum(n.num_pages for n in self.host_nodes)
 
     @property
     def matched_pages(self) -> int:
@@ -222,6 +227,13 @@ class HiCache:
         if not match.host_nodes:
             return None
         n = match.host_len
+        if sum(node.num_pages for node in match.host_nodes) != n:
+            raise ConsistencyError(
+                "the host continuation was split between match_prefix and load_back",
+                node=match.host_nodes[0].id,
+                pages=n,
+                rank=self.rank,
+            )
         first = match.host_nodes[0].first_position
         pages = self.alloc_device(n, first)
         if pages is None:
@@ -258,6 +270,7 @@ class HiCache:
         self.metrics.miss_tokens += match.host_len * self.layout.page_size
         match.last_node = new_last
         match.host_nodes = []
+        match.host_len = 0
 
     # ---- backup ------------------------------------------------------------------------
 
@@ -314,6 +327,7 @@ class HiCache:
         if host is None:
             return None
         op = BackupOp(self.layout, node.device_pages, host, node.first_position, layerwise=False)  # type: ignore[arg-type]
+        op.after, _ = self._prefix_loads(node)  # a stale node is refused above; so is its subtree
         self._attach(op, node)
         self._backups.append(op)
         self.metrics.backups_started += 1
@@ -345,6 +359,19 @@ class HiCache:
         host = self.host_pool.allocator.alloc(n, first_position)
         assert host is not None
         return host
+
+    def _prefix_loads(self, node: Node) -> tuple[list[LoadOp], bool]:
+        """Loads still in flight on the root path of `node` (its KV was computed
+        on them), and whether a node of that path is stale (a load aborted)."""
+        loads: list[LoadOp] = []
+        stale = False
+        n: Node | None = node
+        while n is not None:
+            if n.load is not None and n.load not in loads:
+                loads.append(n.load)  # type: ignore[arg-type]
+            stale = stale or n.stale_load is not None
+            n = n.parent
+        return loads, stale
 
     def _attach(self, op: BackupOp, node: Node) -> None:
         node.host_pages = op.host_pages
@@ -384,7 +411,13 @@ class HiCache:
             assert node.first_position >= start, f"{node} straddles the insert boundary {start}"
             lo = node.first_position - start
             mine = device_pages[lo : lo + node.num_pages]
-            if node.on_device:  # inserted meanwhile by another request: keep the tree's
+            if node.stale_load is not None and node.lock_ref == 0:
+                # stale and held by nobody: this request's fresh pages replace them
+                surplus.append(node.device_pages)  # type: ignore[arg-type]
+                node.device_pages = mine.copy()
+                node.stale_load = None
+                self.tree.refresh_family(node)
+            elif node.on_device:  # inserted meanwhile by another request: keep the tree's
                 surplus.append(mine)
             else:  # evicted from L1 and recomputed by this request
                 node.device_pages = mine.copy()
@@ -398,12 +431,16 @@ class HiCache:
             new_node = self.tree.add_child(parent, keys[covered : covered + len(rest)], rest)
             new_node.last_access = self.clock
         if backup is not None:
+            backup.after, on_stale = self._prefix_loads(new_node)
             exact = (
                 new_node is not parent
                 and backup.first_position == new_node.first_position
                 and backup.num_pages == new_node.num_pages
             )
-            if exact and backup.state in (BackupState.RESERVED, BackupState.WRITING):
+            if on_stale:
+                backup.error = backup.error or RuntimeError("computed on a prefix whose load aborted")
+                self.abort_backup(backup)
+            elif exact and backup.state in (BackupState.RESERVED, BackupState.WRITING):
                 self._attach(backup, new_node)
             else:
                 self.abort_backup(backup)
@@ -430,7 +467,8 @@ class HiCache:
             return
         votes = self.agreement.reduce([op.local_vote() for op in ops])
         decisions = list(zip(ops, votes))
-        # Loads first: an aborted load fails the backups computed on top of it.
+        # Loads first: an aborted load fails the backups computed on top of it
+        # (`BackupOp.after`) in the same poll.
         for op, vote in decisions:
             if isinstance(op, LoadOp):
                 self._decide_load(op, vote.ok, vote.settled)
@@ -443,9 +481,14 @@ class HiCache:
         self._debug_check()
 
     def _decide_backup(self, op: BackupOp, ok: bool, settled: bool) -> None:
+        if ok and any(load.state is LoadState.ABORTED for load in op.after):
+            op.error = op.error or RuntimeError("a load of the prefix these pages were computed on aborted")
+            ok = False
         if ok and settled:
             if not op.nodes:  # forward done but `insert` not called yet
                 return
+            if any(load.active for load in op.after):
+                return  # the prefix is still loading: its outcome decides this copy's
             op.transition(BackupState.COMMITTED)
             for node in op.nodes:
                 node.host_state = HostState.COMMITTED
@@ -492,13 +535,14 @@ class HiCache:
                 # The L1 pages stay with the nodes (their request still holds
                 # them locked) but their bytes are not the cached KV: marked
                 # stale (no device hit, no backup) until the request has
-                # recomputed them and called `recomputed`.
+                # recomputed them and called `recomputed`. Whatever was
+                # computed on top of them is stale for good.
                 op.transition(LoadState.ABORTED)
                 for node in op.nodes:
                     node.load = None
                     node.stale_load = op
                     self.tree.refresh_family(node)
-                self._fail_backups_below(op.nodes[-1])
+                self._mark_stale_below(op)  # their backups fail through `BackupOp.after`
                 tokens = op.num_pages * self.layout.page_size
                 self.metrics.l2_hit_tokens -= tokens
                 self.metrics.miss_tokens += tokens
@@ -508,30 +552,37 @@ class HiCache:
                     self.rank, op.id, op.num_pages, op.error,
                 )
 
+    def _mark_stale_below(self, load: LoadOp) -> None:
+        """Mark the L1 nodes under an aborted load's nodes stale: a forward that
+        waited on the load may have computed them from invalid KV. (Some were
+        loaded from a valid host copy instead; treating them as misses too
+        keeps the rule simple, and loads rarely abort.)"""
+        top = min(load.nodes, key=lambda n: n.first_position)
+        own = set(map(id, load.nodes))
+        stack = list(top.children.values())
+        while stack:
+            node = stack.pop()
+            if node.on_device and node.load is None and id(node) not in own:  # loading: bytes from L2, valid
+                node.stale_load = load
+            stack.extend(node.children.values())
+
     def recomputed(self, load: LoadOp) -> None:
-        """The request of aborted `load` rewrote its L1 pages: they are cached KV again.
+        """The request of aborted `load` rewrote the loaded L1 pages: they are
+        cached KV again. Call it before releasing the request.
 
         Until this call those nodes are no device hit and are never backed up.
+        Nodes computed on top of the aborted load stay stale: a later insert
+        of freshly computed pages replaces them.
         """
         if load.state is not LoadState.ABORTED:
             raise ValueError(f"load {load.id} is {load.state.value}, not aborted: nothing to recompute")
         for node in load.nodes:
             if node.stale_load is load:
+                if node.lock_ref == 0:
+                    raise ValueError(f"{node}: recomputed() after the request released it")
                 node.stale_load = None
                 self.tree.refresh_family(node)
         self._debug_check()
-
-    def _fail_backups_below(self, node: Node) -> None:
-        """Abort in-flight backups of `node`'s subtree: their pages were computed
-        while `node`'s KV was not valid. Unattached reservations of the same
-        request are aborted too (they start at or after the node's end)."""
-        for op in self._backups:
-            if op.state not in (BackupState.RESERVED, BackupState.WRITING):
-                continue
-            below = any(_is_descendant(n, node) for n in op.nodes) if op.nodes else op.first_position >= node.end_position
-            if below:
-                op.error = op.error or RuntimeError(f"load of {node} aborted under this backup")
-                op.transition(BackupState.FAILING)
 
     def settle(self) -> None:
         """Wait for every copy in flight on this rank, then poll once (blocks).
@@ -712,12 +763,3 @@ class HiCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _is_descendant(node: Node, ancestor: Node) -> bool:
-    n: Node | None = node
-    while n is not None:
-        if n is ancestor:
-            return True
-        n = n.parent
-    return False

@@ -171,6 +171,9 @@ class BackupOp(_CopyOp):
     layerwise: bool = True
     state: BackupState = BackupState.RESERVED
     nodes: list[Node] = field(default_factory=list)
+    #: Loads of the prefix that were in flight when these pages were computed:
+    #: the backup commits only after all of them are DONE, and fails if one aborts.
+    after: list[LoadOp] = field(default_factory=list)
 
     def transition(self, new: BackupState) -> None:
         if new not in _BACKUP_TABLE[self.state]:

@@ -11,9 +11,11 @@ Each node covers a run of pages and records where they live:
     host_state    NONE / PENDING (backup in flight: invisible, not evictable)
                   / COMMITTED (every layer of every part landed)
     backup, load  the in-flight op touching the node, if any
-    stale_load    the aborted load whose L1 pages hold no valid KV yet (its
-                  request recomputes them, then `HiCache.recomputed`): not a
-                  device hit, never backed up, until then
+    stale_load    the aborted load that made these L1 pages invalid: the
+                  load's own nodes (listed by the op) until its request has
+                  recomputed them (`HiCache.recomputed`), and the L1 nodes
+                  below them for good; a stale node is no device hit, is never
+                  backed up, and is replaced by a fresh insert or dropped
     lock_ref      requests using the node (counted on the whole root path)
 
 Invariants (`RadixTree.check_invariants`): device residency is closed
@@ -64,7 +66,7 @@ class Node:
     host_parts: frozenset[Part] = frozenset()
     backup: object | None = None  # BackupOp while PENDING
     load: object | None = None  # LoadOp while loading
-    stale_load: object | None = None  # aborted LoadOp until its request recomputed the pages
+    stale_load: object | None = None  # the aborted LoadOp that made the L1 pages invalid
     children: dict[PageKey, Node] = field(default_factory=dict)
     lock_ref: int = 0
     hit_count: int = 0
@@ -166,9 +168,11 @@ class RadixTree:
         parent.children[upper.key[0]] = upper
         upper.children[node.key[0]] = node
         node.parent = upper
-        for op in (node.backup, node.load, node.stale_load):
+        for op in (node.backup, node.load):
             if op is not None:
                 op.nodes.append(upper)  # type: ignore[attr-defined]
+        if node.stale_load is not None and node in node.stale_load.nodes:  # type: ignore[attr-defined]
+            node.stale_load.nodes.append(upper)  # type: ignore[attr-defined]
         self.refresh(upper)
         self.refresh(node)
         return upper
@@ -267,8 +271,7 @@ class RadixTree:
             if n.load is not None:
                 assert n.on_device and n.host_visible, f"{n}: loading without device pages or a host copy"
             if n.stale_load is not None:
-                assert n.on_device and n.load is None and n.backup is None, f"{n}: stale without device pages, or with an op"
-                assert n in n.stale_load.nodes, f"{n}: not listed by its aborted load"  # type: ignore[attr-defined]
+                assert n.on_device and n.load is None, f"{n}: stale without device pages, or being loaded"
             free = n.lock_ref == 0 and n.load is None
             if free and n.on_device and n.backup is None and not any(c.on_device for c in n.children.values()):
                 expect_dev.add(n)

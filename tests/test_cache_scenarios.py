@@ -394,6 +394,29 @@ def test_stale_pages_of_an_abandoned_request_are_never_backed_up(make_cache) -> 
     assert list(cache.tree.nodes()) == []
 
 
+def test_backup_computed_on_an_aborted_load_aborts_and_its_pages_are_stale(make_cache) -> None:
+    """Pages computed on a prefix whose load then aborts: their backup depends
+    on the load (`after`), so it aborts in the same poll even though all its own
+    copies landed, and the pages are stale (no hit, never backed up)."""
+    faults = Faults()
+    cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
+    prefix = tokens_of(51, 52)
+    run_request(cache, prefix)
+    evict_all_l1(cache)
+    faults.fail_direction, faults.fail_next = Direction.H2D, 1
+    b = run_request(cache, np.concatenate([prefix, tokens_of(53)]), stop_after="insert")
+    assert b.load is not None and b.bk is not None and b.bk.after == [b.load]
+    land(cache)
+    assert b.bk.all_landed(), "the backup's own copies all landed"
+    assert b.load.state is LoadState.ABORTED and b.bk.state is BackupState.ABORTED
+    assert b.node is not None and b.node.host_state is HostState.NONE
+    assert b.node.stale_load is b.load  # computed on invalid KV
+    probe = cache.match_prefix(np.concatenate([prefix, tokens_of(53)]))
+    assert probe.matched_pages == 0  # neither the loaded prefix nor what was computed on it
+    cache.release(probe.last_node)
+    b.release()
+
+
 def test_load_failure_with_insert_before_poll_keeps_tree_consistent(make_cache) -> None:
     """The protocol inserts before it polls: the pages inserted below a load that
     then fails must leave every tree and allocator invariant intact."""

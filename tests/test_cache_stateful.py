@@ -70,7 +70,7 @@ STEPS_RUN = {"hypothesis": 0, "hypothesis_cp": 0, "hypothesis_cuda": 0}
 EVENTS: dict[str, int] = {}  # summed cache metrics of the hypothesis examples (coverage report)
 _COUNTED = ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages",
             "evictions_l1", "evictions_l2", "backups_all_layer", "l1_alloc_failures")
-VERIFIED = {"pages": 0}  # loaded pages whose bytes were compared, all machines
+VERIFIED = dict.fromkeys(STEPS_RUN, 0)  # loaded pages whose bytes were compared, per machine
 
 
 class ManualExecutor:
@@ -149,6 +149,7 @@ class Driver:
         self.execs: list[dict[Direction, ManualExecutor]] = []
         # Byte checks index the pools by logical page: one rank only.
         self.write = write_known_bytes if ranks == 1 else None
+        self.verified_pages = 0
         for rank in range(ranks):
             cfg = tiny_config(
                 l1_pages=l1_pages, host_pages=host_pages, cp_size=ranks, write_policy=write_policy,
@@ -237,7 +238,7 @@ class Driver:
                 self.copies_land(Direction.H2D)
                 self.poll()
             recompute_aborted_load(o.reqs[0])
-            check_loaded_bytes(o.reqs[0])
+            self.verified_pages += check_loaded_bytes(o.reqs[0])
         for r in o.reqs:
             r.release()
         self.open.remove(o)
@@ -438,11 +439,12 @@ def recompute_aborted_load(req: Request) -> None:
         req.cache.recomputed(load)
 
 
-def check_loaded_bytes(req: Request) -> None:
-    """A load agreed DONE brought back exactly what the forward wrote, every part and layer."""
+def check_loaded_bytes(req: Request) -> int:
+    """A load agreed DONE brought back exactly what the forward wrote, every part
+    and layer. Returns the number of pages checked."""
     load = req.load
     if load is None or load.state is not LoadState.DONE:
-        return
+        return 0
     cache, first = req.cache, load.first_position
     for p in cache.layout.parts:
         for layer in p.layer_ids:
@@ -454,7 +456,7 @@ def check_loaded_bytes(req: Request) -> None:
                     f"loaded bytes differ: page {first + i}, part {p.part.value}, layer {layer}, "
                     f"device page {load.device_pages[i]}"
                 )
-    VERIFIED["pages"] += len(load.device_pages)
+    return len(load.device_pages)
 
 
 # ---- hypothesis ---------------------------------------------------------------------------------
@@ -557,6 +559,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.d is not None:
             for k in _COUNTED:
                 EVENTS[k] = EVENTS.get(k, 0) + int(self.d.cache.stats()[k])  # type: ignore[call-overload]
+            VERIFIED[self.counter] += self.d.verified_pages
             try:
                 self.d.finish()
             finally:
@@ -601,7 +604,16 @@ def test_steps_reported() -> None:
         for k in ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"):
             assert EVENTS.get(k, 0) > 0, f"the machine never reached {k}: {EVENTS}"
         assert total >= 10_000, f"only {total} hypothesis steps ran"
-        assert VERIFIED["pages"] > 0, "no loaded page was ever byte-checked"
+        assert VERIFIED["hypothesis"] > 0, "no loaded page was ever byte-checked"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_machine_ran() -> None:
+    """Runs after TestCudaCacheMachine: it took real steps and byte-checked loads."""
+    print(f"\nCUDA machine: {STEPS_RUN['hypothesis_cuda']} steps, {VERIFIED['hypothesis_cuda']} loaded pages byte-checked")
+    assert STEPS_RUN["hypothesis_cuda"] >= 500
+    assert VERIFIED["hypothesis_cuda"] > 0
 
 
 # ---- CP: one rank's copy fails ------------------------------------------------------------------
