@@ -297,6 +297,17 @@ def test_load_back_per_layer_with_correct_bytes(make_cache) -> None:
     assert cache.metrics.loads_done == 1
 
 
+def _l2_only_then_fail_next_load(cache, faults: Faults, toks: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+    """Cache `toks` in L2 only (backed up, evicted from L1); the next load copy fails."""
+    a = run_request(cache, toks, write=fill_pattern)
+    assert a.node is not None
+    if not a.node.host_visible:  # write_back: back it up by hand so it can be loaded
+        cache.start_backup(a.node)
+        land(cache)
+    evict_all_l1(cache)
+    faults.fail_direction, faults.fail_next = Direction.H2D, 1
+
+
 def test_load_failure_aborts(make_cache) -> None:
     """A failed load aborts on poll. Current contract (cache._decide_load): the L1
     pages stay with the nodes, which the request still holds locked, and the
@@ -304,13 +315,10 @@ def test_load_failure_aborts(make_cache) -> None:
     faults = Faults()
     cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
     toks = tokens_of(21, 22)
-    run_request(cache, toks)
-    evict_all_l1(cache)
+    _l2_only_then_fail_next_load(cache, faults, toks)
     l1 = cache.device_pool.allocator
     l2 = cache.host_pool.allocator
     l1_free0, l2_free0 = l1.free_pages, l2.free_pages
-    faults.fail_direction = Direction.H2D
-    faults.fail_next = 1
     b = run_request(cache, toks, stop_after="load")
     load = b.load
     assert load is not None and load.state is LoadState.LOADING and l1.free_pages == l1_free0 - 2
@@ -336,13 +344,7 @@ def test_load_failure_aborts(make_cache) -> None:
 
 def _abort_a_load(cache, faults: Faults, toks: np.ndarray):  # type: ignore[no-untyped-def]
     """Cache `toks` in L2 only, then start a request whose load of them fails."""
-    a = run_request(cache, toks, write=fill_pattern)
-    assert a.node is not None
-    if not a.node.host_visible:  # write_back: back it up by hand so it can be loaded
-        cache.start_backup(a.node)
-        land(cache)
-    evict_all_l1(cache)
-    faults.fail_direction, faults.fail_next = Direction.H2D, 1
+    _l2_only_then_fail_next_load(cache, faults, toks)
     b = run_request(cache, toks, stop_after="poll")
     assert b.load is not None and b.load.state is LoadState.ABORTED
     node = b.m.host_nodes[0]  # type: ignore[union-attr]
@@ -401,9 +403,7 @@ def test_backup_computed_on_an_aborted_load_aborts_and_its_pages_are_stale(make_
     faults = Faults()
     cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
     prefix = tokens_of(51, 52)
-    run_request(cache, prefix)
-    evict_all_l1(cache)
-    faults.fail_direction, faults.fail_next = Direction.H2D, 1
+    _l2_only_then_fail_next_load(cache, faults, prefix)
     b = run_request(cache, np.concatenate([prefix, tokens_of(53)]), stop_after="insert")
     assert b.load is not None and b.bk is not None and b.bk.after == [b.load]
     land(cache)
@@ -423,13 +423,10 @@ def test_load_failure_with_insert_before_poll_keeps_tree_consistent(make_cache) 
     faults = Faults()
     cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
     toks = tokens_of(31, 32)
-    run_request(cache, toks)
-    evict_all_l1(cache)
+    _l2_only_then_fail_next_load(cache, faults, toks)
     l1 = cache.device_pool.allocator
     l2 = cache.host_pool.allocator
     l1_free0, l2_free0 = l1.free_pages, l2.free_pages
-    faults.fail_direction = Direction.H2D
-    faults.fail_next = 1
     b = run_request(cache, np.concatenate([toks, tokens_of(33, 34)]), stop_after="insert")
     # The load failed but is not polled yet; the request inserted 2 pages below it.
     assert b.load is not None and b.node is not None and b.node.on_device

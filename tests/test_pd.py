@@ -8,6 +8,7 @@ against `integrity.content`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -159,6 +160,18 @@ class Prefill:
             pool.close()
 
 
+@contextlib.contextmanager
+def one_sender(address, adapter, layout: KVLayout | None = None, **kw):
+    """A one-rank prefill (pools with content) and its sender; both closed after."""
+    pre = Prefill(layout or tiny_layout())
+    (s,) = pre.senders(address, adapter, **kw)
+    try:
+        yield pre, s
+    finally:
+        s.close()
+        pre.close()
+
+
 def finish_all(senders, room_id):
     """finish() on every rank at once (the decode peer answers when all ranks said done)."""
     results = [None] * len(senders)
@@ -212,11 +225,9 @@ def test_byte_exact_all_parts(decode_peer, adapter, cp_size: int) -> None:
 def test_runs_coalesce_and_in_flight_cap(decode_peer, adapter) -> None:
     from hicache_cp.pd.sender import PageHomes
 
-    layout = tiny_layout()
-    pre = Prefill(layout)
-    (s,) = pre.senders(decode_peer, adapter)
     rng = np.random.default_rng(7)
-    try:
+    with one_sender(decode_peer, adapter) as (pre, s):
+        layout = pre.layout
         homes = pre.request(40, rng, tiers=np.zeros(40, dtype=int))
         # Contiguous L1 pages 1..40 in order: runs break only where the decode pages do.
         homes = PageHomes(homes.positions, homes.tier, np.arange(1, 41), homes.prefix_hashes)
@@ -242,9 +253,6 @@ def test_runs_coalesce_and_in_flight_cap(decode_peer, adapter) -> None:
             adapter.max_in_flight = old
         res = s.finish(300)
         assert res.ok, res.failure
-    finally:
-        s.close()
-        pre.close()
 
 
 @needs_mooncake
@@ -253,19 +261,14 @@ def test_registration_mismatch_fails_on_both_sides(decode_peer, adapter) -> None
     rejected_before = len(stats(decode_peer)["rejected"])
     for layout, needle in ((tiny_layout(draft_state=False), "draft_state registered"),
                            (tiny_layout(state_layers=(0, 1)), "target_state layer_ids")):
-        pre = Prefill(layout)
-        (s,) = pre.senders(decode_peer, adapter)
         released: list[Room] = []
-        try:
+        with one_sender(decode_peer, adapter, layout) as (_, s):
             with pytest.raises(RegistrationMismatch) as err:
                 s.open_room(400, 400, 4, release=released.append)
             assert needle in str(err.value)
             assert "prefill=" in str(err.value) and "decode=" in str(err.value)
             assert released and released[0].state is RoomState.FAILED  # the room failed with both values
             assert needle in (released[0].failure or "")
-        finally:
-            s.close()
-            pre.close()
     rejected = stats(decode_peer)["rejected"]
     assert len(rejected) == rejected_before + 2  # the decode side refused (and logged) both
     assert "draft_state" in rejected[-2] and "target_state layer_ids" in rejected[-1]
@@ -276,11 +279,9 @@ def test_registration_mismatch_fails_on_both_sides(decode_peer, adapter) -> None
 def test_chunked_per_layer_lands_at_absolute_positions(decode_peer, adapter) -> None:
     from hicache_cp.pd.sender import PageHomes
 
-    layout = tiny_layout()
-    pre = Prefill(layout)
-    (s,) = pre.senders(decode_peer, adapter)
     rng = np.random.default_rng(3)
-    try:
+    with one_sender(decode_peer, adapter) as (pre, s):
+        layout = pre.layout
         homes = pre.request(12, rng)
         s.open_room(500, 500, 12)
         for first in (0, 5, 9):  # chunks of 5, 4, 3 pages at cumulative offsets
@@ -296,19 +297,13 @@ def test_chunked_per_layer_lands_at_absolute_positions(decode_peer, adapter) -> 
         res = s.finish(500)
         assert res.ok, res.failure  # decode verified all 12 positions at their absolute places
         assert res.pages_per_part["target_kv"] == 12
-    finally:
-        s.close()
-        pre.close()
 
 
 @needs_mooncake
 @pytest.mark.mooncake
 def test_l2_only_pages_sent_without_load_back(decode_peer, adapter) -> None:
-    layout = tiny_layout()
-    pre = Prefill(layout)
-    (s,) = pre.senders(decode_peer, adapter)
     rng = np.random.default_rng(11)
-    try:
+    with one_sender(decode_peer, adapter) as (pre, s):
         homes = pre.request(17, rng, tiers=np.ones(17, dtype=int))
         for buf in pre.l1[0].buffers.values():
             buf.fill_(0x5A)  # poison L1
@@ -319,19 +314,13 @@ def test_l2_only_pages_sent_without_load_back(decode_peer, adapter) -> None:
         assert res.ok, res.failure
         for p, b in pre.l1[0].buffers.items():
             assert bool((b == snapshot[p]).all()), f"L1 {p.value} was touched"
-    finally:
-        s.close()
-        pre.close()
 
 
 @needs_mooncake
 @pytest.mark.mooncake
 def test_timeout_aborts_releases_and_refuses_late_chunks(decode_peer, adapter) -> None:
-    layout = tiny_layout()
-    pre = Prefill(layout)
-    (s,) = pre.senders(decode_peer, adapter, timeout_s=0.5)
     rng = np.random.default_rng(5)
-    try:
+    with one_sender(decode_peer, adapter, timeout_s=0.5) as (pre, s):
         free_before = stats(decode_peer)["free_pages"]
         homes = pre.request(6, rng)
         released: list[Room] = []
@@ -346,9 +335,6 @@ def test_timeout_aborts_releases_and_refuses_late_chunks(decode_peer, adapter) -
             s.send_layer(700, Part.TARGET_KV, 1, homes)
         assert not s.finish(700).ok
         assert stats(decode_peer)["free_pages"] == free_before  # decode reclaimed its pages too
-    finally:
-        s.close()
-        pre.close()
 
 
 @needs_mooncake
@@ -391,11 +377,9 @@ def test_decode_peer_killed_mid_transfer(adapter) -> None:
 @needs_mooncake
 @pytest.mark.mooncake
 def test_corrupt_page_is_reported_by_position_layer_part(decode_peer, adapter) -> None:
-    layout = tiny_layout()
-    pre = Prefill(layout)
-    (s,) = pre.senders(decode_peer, adapter)
     rng = np.random.default_rng(13)
-    try:
+    with one_sender(decode_peer, adapter) as (pre, s):
+        layout = pre.layout
         homes = pre.request(8, rng, tiers=np.ones(8, dtype=int))
         ph = int(cp_mapping.to_physical(homes.pages[5:6], 1)[0])
         slot = layout.part(Part.TARGET_STATE).slot(2)
@@ -405,6 +389,3 @@ def test_corrupt_page_is_reported_by_position_layer_part(decode_peer, adapter) -
         res = s.finish(900)
         assert res.state is RoomState.FAILED and res.mismatch_count == 1
         assert res.mismatches == ["request 42 page 5 target_state layer 2 rank 0"]
-    finally:
-        s.close()
-        pre.close()
