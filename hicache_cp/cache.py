@@ -82,6 +82,13 @@ class MatchResult:
         return len(self.device_pages)
 
     @property
+    def prefix_failed(self) -> bool:
+        """A load this device prefix waited on aborted: the prefix KV this
+        request read is invalid and it must recompute (its own pages are
+        already stale and their backups fail)."""
+        return any(op.state is LoadState.ABORTED for op in self.waits)
+
+    @property
     def matched_pages(self) -> int:
         return self.device_len + self.host_len
 

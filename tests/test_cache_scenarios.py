@@ -417,6 +417,26 @@ def test_backup_computed_on_an_aborted_load_aborts_and_its_pages_are_stale(make_
     b.release()
 
 
+def test_a_request_that_waited_on_an_aborted_load_learns_it(make_cache) -> None:
+    """B matches A's nodes while A's load is in flight (a device hit that waits);
+    the load aborts: B's match says its prefix failed."""
+    faults = Faults()
+    cache = make_cache(l1_pages=32, host_pages=32, fault=faults)
+    toks = tokens_of(61, 62)
+    _l2_only_then_fail_next_load(cache, faults, toks)
+    faults.hold()
+    a = run_request(cache, toks, stop_after="load")
+    b = run_request(cache, np.concatenate([toks, tokens_of(63)]), stop_after="match")
+    assert b.m is not None and b.m.device_len == 2 and b.m.waits == [a.load]
+    assert not b.m.prefix_failed
+    faults.open()
+    land(cache)
+    assert a.load is not None and a.load.state is LoadState.ABORTED
+    assert b.m.prefix_failed
+    b.release()
+    a.release()
+
+
 def test_load_failure_with_insert_before_poll_keeps_tree_consistent(make_cache) -> None:
     """The protocol inserts before it polls: the pages inserted below a load that
     then fails must leave every tree and allocator invariant intact."""
