@@ -118,9 +118,7 @@ class ReferenceServer:
                     self._compute(part, layer, loaded, hashes[reused:start], reused)
             cache.recomputed(load)
         if self.verify and reused:
-            for part in self.layout.parts:
-                for layer in part.layer_ids:
-                    self._verify(request, part, layer, page_table[:reused], hashes[:reused], 0)
+            self._verify(request, page_table[:reused], hashes[:reused])
         if self.sink is not None:
             self.sink.send_request(request, node, hashes, cache)
         cache.release(node)
@@ -135,7 +133,7 @@ class ReferenceServer:
         into the rank-uniform decision.
         """
         while load.active:
-            self.cache.poll()
+            self.cache.settle()  # waits for the copies, then one agreed poll: no spinning
         if load.state is LoadState.ABORTED:
             return False
         return True
@@ -150,26 +148,35 @@ class ReferenceServer:
         physical, positions = self._owned(pages, first)
         if not len(physical):
             return
-        data = integrity.content(hashes[positions - first], part.part, layer, part.page_bytes)
         buf = self.cache.device_pool.buffer(part.part)[part.slot(layer)]
         if buf.device.type == "cpu":
-            buf.numpy()[physical] = data
-        else:
+            buf.numpy()[physical] = integrity.content(hashes[positions - first], part.part, layer, part.page_bytes)
+        else:  # generated on the GPU, on the compute stream: a real kernel the copies overlap with
             idx = torch.from_numpy(physical).to(buf.device, non_blocking=True)
-            buf[idx] = torch.from_numpy(data).to(buf.device, non_blocking=True)
+            buf[idx] = integrity.content_torch(hashes[positions - first], part.part, layer, part.page_bytes, buf.device)
 
-    def _verify(
-        self, request: int, part: PartLayout, layer: int, pages: np.ndarray, hashes: np.ndarray, first: int
-    ) -> None:
-        physical, positions = self._owned(pages, first)
+    def _verify(self, request: int, pages: np.ndarray, hashes: np.ndarray) -> None:
+        """Compare every part and layer of this rank's share of the reused pages
+        (positions 0..) with what computing them gives. On GPU the comparison
+        runs there and one host sync per request brings back the verdicts."""
+        physical, positions = self._owned(pages, 0)
         if not len(physical):
             return
+        checks = [(part, layer) for part in self.layout.parts for layer in part.layer_ids]
+        bad_rows = [self._bad_rows(part, layer, physical, hashes[positions]) for part, layer in checks]
+        bad = torch.stack(bad_rows).cpu().numpy() if isinstance(bad_rows[0], torch.Tensor) else np.stack(bad_rows)
+        self.integrity.checked_pages += len(physical) * len(checks)
+        for (part, layer), row in zip(checks, bad):
+            if row.any():
+                self.integrity.add(
+                    [Mismatch(request, int(positions[i]), part.part.value, layer, self.cache.rank) for i in np.flatnonzero(row)]
+                )
+
+    def _bad_rows(self, part: PartLayout, layer: int, physical: np.ndarray, hashes: np.ndarray) -> np.ndarray | torch.Tensor:
+        """Per page: do its bytes of `part`, `layer` differ from the computed ones?"""
         buf = self.cache.device_pool.buffer(part.part)[part.slot(layer)]
-        actual = buf.numpy()[physical] if buf.device.type == "cpu" else buf[torch.from_numpy(physical).to(buf.device)].cpu().numpy()
-        expected = integrity.content(hashes[positions - first], part.part, layer, part.page_bytes)
-        bad = integrity.compare(actual, expected)
-        self.integrity.checked_pages += len(physical)
-        if len(bad):
-            self.integrity.add(
-                [Mismatch(request, int(positions[i]), part.part.value, layer, self.cache.rank) for i in bad]
-            )
+        if buf.device.type == "cpu":
+            expected = integrity.content(hashes, part.part, layer, part.page_bytes)
+            return (buf.numpy()[physical] != expected).any(axis=1)
+        expected_t = integrity.content_torch(hashes, part.part, layer, part.page_bytes, buf.device)
+        return (buf[torch.from_numpy(physical).to(buf.device)] != expected_t).any(dim=1)
