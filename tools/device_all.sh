@@ -3,7 +3,9 @@
 # is scarce). Run from the repository root, on nvidia-h200-x2 for the 2-GPU
 # steps:
 #   HICACHE_COMMIT=<hash> STEPS="tests io" bash tools/device_all.sh
-# STEPS picks from: tests io replay pinning (default: all). The replays need
+# STEPS picks from: tests io replay replay2 pinning (default: all but replay2:
+# replay runs one GPU, replay2 two GPUs with NCCL); LIMIT caps the replayed
+# requests (default: the whole trace). The replays need
 # the trace copied to .devdata/ (carried, never committed). Results go to
 # $OUT (or bench/results). HICACHE_COMMIT names the commit in every JSON (the
 # device gets the working tree without .git).
@@ -13,6 +15,7 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENAB
 DEST=${OUT:-bench/results}
 TRACE=${TRACE:-.devdata/synthetic_trace.jsonl}
 STEPS=${STEPS:-tests io replay pinning}
+LIMIT=${LIMIT:+--limit $LIMIT}
 mkdir -p "$DEST"
 step() { echo; echo "=== $* ($(date +%T))"; }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -31,14 +34,15 @@ if want io; then
 fi
 
 if want replay; then
-  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    step "replay cp2 on two GPUs (NCCL), DeepSeek-V3.2 layout"
-    timeout 130 python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml --limit 500 \
-      --l2-fraction 0.1 --device cuda --cp-size 2 --json "$DEST/cp2-h200x2.json" 2>&1 | grep -v "replay:" | tail -30
-  fi
   step "replay cp1 on one GPU, DeepSeek-V3.2 layout"
-  timeout 100 python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml --limit 500 \
+  timeout 400 python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
     --l2-fraction 0.1 --device cuda --json "$DEST/replay-h200-cp1.json" 2>&1 | grep -v "replay:" | tail -30
+fi
+
+if want replay2; then
+  step "replay cp2 on two GPUs (NCCL), DeepSeek-V3.2 layout"
+  timeout 400 python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
+    --l2-fraction 0.1 --device cuda --cp-size 2 --json "$DEST/cp2-h200x2.json" 2>&1 | grep -v "replay:" | tail -30
 fi
 
 if want pinning; then
