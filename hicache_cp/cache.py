@@ -35,8 +35,8 @@ and `drain()` (shutdown, tests).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np

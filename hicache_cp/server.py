@@ -4,14 +4,18 @@ For each request: match and lock, load back the L2 continuation per layer,
 "compute" the missing pages layer by layer (target layers, then draft
 layers) writing deterministic KV bytes (`hicache_cp.integrity`) into L1,
 fire the target and draft layer hooks, insert, poll, unlock, settle and keep
-free room. `HiCache.settle` stands for the sync a real prefill server makes
-at the end of each forward (it samples the first token): backups still in
-flight then are the last layers' tails, and settling them makes every cache
-decision independent of copy timing, so a replay gives the same hits on any
-machine, at any CP size. Copies still overlap compute inside the forward. Once the load is agreed DONE, the bytes of every reused page (the
+free room. Once the load is agreed DONE, the bytes of every reused page (the
 device-resident prefix and the loaded pages), every part and every layer,
 are compared with what computing them gives; a mismatch is recorded with
-request, page, layer, part and rank.
+request, page, layer, part and rank. On GPU the bytes are generated and
+compared there (`integrity.content_torch`), so the compute is a real kernel
+the copies overlap with.
+
+`HiCache.settle` stands for the sync a real prefill server makes at the end
+of each forward (it samples the first token): backups still in flight then
+are the last layers' tails, and settling them makes every cache decision
+independent of copy timing, so a replay gives the same hits on any machine
+and at any CP size. Copies still overlap compute inside the forward.
 
 On CP ranks each rank writes and verifies only the pages it owns.
 """

@@ -24,23 +24,22 @@ from hicache_cp.radix import HostState
 from conftest import Faults, expected_bytes, fill_pattern, land, run_request, tokens_of
 
 
-def evict_all_l1(cache) -> None:  # type: ignore[no-untyped-def]
-    """Raise the L1 free-room target to the whole pool for one ensure_free."""
-    old = cache.config.l1_free_room
-    cache.config.l1_free_room = cache.device_pool.allocator.capacity
+def _evict_all(cache, field: str, pool) -> None:  # type: ignore[no-untyped-def]
+    """Raise one tier's free-room target to its whole pool for one ensure_free."""
+    old = getattr(cache.config, field)
+    setattr(cache.config, field, pool.allocator.capacity)
     try:
         cache.ensure_free()
     finally:
-        cache.config.l1_free_room = old
+        setattr(cache.config, field, old)
+
+
+def evict_all_l1(cache) -> None:  # type: ignore[no-untyped-def]
+    _evict_all(cache, "l1_free_room", cache.device_pool)
 
 
 def evict_all_l2(cache) -> None:  # type: ignore[no-untyped-def]
-    old = cache.config.l2_free_room
-    cache.config.l2_free_room = cache.host_pool.allocator.capacity
-    try:
-        cache.ensure_free()
-    finally:
-        cache.config.l2_free_room = old
+    _evict_all(cache, "l2_free_room", cache.host_pool)
 
 
 # ---- backup ------------------------------------------------------------------------------
