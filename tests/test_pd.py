@@ -344,32 +344,29 @@ def test_decode_peer_killed_mid_transfer(adapter) -> None:
 
     layout = tiny_layout()
     proc, address = spawn_decode_peer(layout, DECODE_PAGES, AUTHKEY)
-    pre = Prefill(layout)
-    (s,) = pre.senders(address, adapter, timeout_s=3.0)
     rng = np.random.default_rng(9)
     try:
-        homes = pre.request(20, rng)
-        released: list[Room] = []
-        s.open_room(800, 800, 20, release=released.append)
-        s.send_layer(800, Part.TARGET_KV, 0, homes)
-        proc.terminate()
-        proc.join(5)
-        t0 = time.monotonic()
-        try:
-            for p in layout.parts:
-                for layer in p.layer_ids:
-                    if (p.part, layer) != (Part.TARGET_KV, 0):
-                        s.send_layer(800, p.part, layer, homes)
-            res = s.finish(800)
-            assert res.state is RoomState.FAILED, res
-        except RoomFailed:  # the engine may refuse the submission outright
-            pass
-        assert time.monotonic() - t0 < 4.0
-        assert len(released) == 1 and released[0].state is RoomState.FAILED
-        assert s.rooms.get(800).failure
+        with one_sender(address, adapter, layout, timeout_s=3.0) as (pre, s):
+            homes = pre.request(20, rng)
+            released: list[Room] = []
+            s.open_room(800, 800, 20, release=released.append)
+            s.send_layer(800, Part.TARGET_KV, 0, homes)
+            proc.terminate()
+            proc.join(5)
+            t0 = time.monotonic()
+            try:
+                for p in layout.parts:
+                    for layer in p.layer_ids:
+                        if (p.part, layer) != (Part.TARGET_KV, 0):
+                            s.send_layer(800, p.part, layer, homes)
+                res = s.finish(800)
+                assert res.state is RoomState.FAILED, res
+            except RoomFailed:  # the engine may refuse the submission outright
+                pass
+            assert time.monotonic() - t0 < 4.0
+            assert len(released) == 1 and released[0].state is RoomState.FAILED
+            assert s.rooms.get(800).failure
     finally:
-        s.close()
-        pre.close()
         if proc.is_alive():
             proc.kill()
 
