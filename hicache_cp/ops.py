@@ -24,7 +24,7 @@ Load-back (H2D, host pages -> newly allocated device pages):
 
 Each op keeps, per part, the set of layers submitted and landed, and the
 tickets still in flight. `local_vote()` condenses that into the two numbers
-the CP agreement reduces with MIN (see `hicache_cp.agreement`). Only
+the CP agreement reduces with MIN (see `hicache_cp.cp.agreement`). Only
 `transition()` changes `state`, and it checks the table.
 """
 
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache_cp.cp.agreement import Vote
 from hicache_cp.errors import IllegalTransition
 from hicache_cp.io.base import CopyTicket, TicketState
 from hicache_cp.layout import KVLayout, Model, Part
@@ -78,15 +79,6 @@ _LOAD_TABLE: dict[LoadState, frozenset[LoadState]] = {
 }
 
 _op_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Vote:
-    """One rank's view of one op: `ok` (no failure seen) and `settled`
-    (nothing in flight and either every layer landed or the op is failing)."""
-
-    ok: bool
-    settled: bool
 
 
 @dataclass(eq=False)

@@ -22,7 +22,7 @@ import logging
 import numpy as np
 import torch
 
-from hicache_cp import cp_mapping
+from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.layout import KVLayout, Part, log_budget
 from hostmem.arena import HostArena
 from hostmem.extents import ExtentAllocator, pages_to_runs, runs_to_pages

@@ -198,6 +198,19 @@ class RadixTree:
         self.refresh(parent)
         return parent
 
+    def prune(self, node: Node) -> None:
+        """Remove `node` and then its ancestors while they hold nothing: no
+        children, no device pages, no host copy, no lock. O(depth)."""
+        while (
+            node is not self.root
+            and node.parent is not None
+            and not node.children
+            and node.device_pages is None
+            and node.host_state is HostState.NONE
+            and node.lock_ref == 0
+        ):
+            node = self.remove_leaf(node)
+
     # ---- locks -----------------------------------------------------------------------
 
     def lock(self, node: Node) -> None:

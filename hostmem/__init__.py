@@ -5,7 +5,6 @@
 * :mod:`hostmem.arena`: :class:`HostArena`, one large host buffer touched in
   parallel and pinned for CUDA chunk by chunk.
 * :mod:`hostmem.cuda`: the single adapter to cuda-python.
-* :mod:`hostmem.bench`: the ``bench-alloc`` allocator microbenchmark.
 
 ``HostArena`` is imported lazily (it pulls in torch), so importing the
 allocator stays cheap.

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hicache_cp.agreement import Agreement
+from hicache_cp.cp.agreement import Agreement
 from hicache_cp.cache import HiCache, MatchResult
 from hicache_cp.config import Config
 from hicache_cp.io.base import Direction

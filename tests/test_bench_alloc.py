@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hostmem import bench
+from hicache_cp.harness.bench import alloc as bench
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

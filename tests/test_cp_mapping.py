@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache_cp import cp_mapping as cpm
+from hicache_cp.cp import mapping as cpm
 from hicache_cp.pools import LanePageAllocator
 
 

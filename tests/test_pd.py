@@ -19,7 +19,8 @@ import pytest
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
-from hicache_cp import cp_mapping, integrity  # noqa: E402
+from hicache_cp.cp import mapping as cp_mapping
+from hicache_cp.harness import integrity  # noqa: E402
 from hicache_cp.errors import IllegalTransition  # noqa: E402
 from hicache_cp.layout import KVLayout, Part  # noqa: E402
 from hicache_cp.pd.registration import RegistrationDescriptor, RegistrationMismatch, check_compatible  # noqa: E402
@@ -91,7 +92,7 @@ def test_check_compatible_lists_both_sides() -> None:
 # -- engine-backed ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def decode_peer():
-    from hicache_cp.pd.decode_peer import spawn_decode_peer
+    from hicache_cp.harness.decode_peer import spawn_decode_peer
 
     proc, address = spawn_decode_peer(tiny_layout(), DECODE_PAGES, AUTHKEY)
     yield address
@@ -340,7 +341,7 @@ def test_timeout_aborts_releases_and_refuses_late_chunks(decode_peer, adapter) -
 @needs_mooncake
 @pytest.mark.mooncake
 def test_decode_peer_killed_mid_transfer(adapter) -> None:
-    from hicache_cp.pd.decode_peer import spawn_decode_peer
+    from hicache_cp.harness.decode_peer import spawn_decode_peer
 
     layout = tiny_layout()
     proc, address = spawn_decode_peer(layout, DECODE_PAGES, AUTHKEY)

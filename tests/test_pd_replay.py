@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_cp.cli import main
+from hicache_cp.harness.cli import main
 
 mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake TransferEngine not importable (libibverbs1?)")
 pytestmark = pytest.mark.mooncake

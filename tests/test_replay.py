@@ -15,15 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache_cp import replay as R
+from hicache_cp.harness.replay import command as R
+from hicache_cp.harness.replay.rank import REPORT_KEYS
 from hicache_cp.cache import HiCache
-from hicache_cp.cli import main
+from hicache_cp.harness.cli import main
 from hicache_cp.config import Config
 from hicache_cp.io.base import Direction
 from hicache_cp.radix import HostState
-from hicache_cp.server import ReferenceServer, RequestResult
-from hicache_cp.trace import request_tokens
-from hicache_cp.workload import default_workload
+from hicache_cp.harness.engines.synthetic import ReferenceServer, RequestResult
+from hicache_cp.harness.trace import request_tokens
+from hicache_cp.harness.workload import default_workload
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 
@@ -38,7 +39,7 @@ def test_embedded_workload_replays_with_zero_mismatches(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     assert main(["replay", "--limit", "120", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    for key in R.REPORT_KEYS:
+    for key in REPORT_KEYS:
         assert key in report, key
     assert report["requests"] == 120
     assert report["integrity_checked_pages"] > 0

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hostmem import cuda  # noqa: E402
-from hostmem.provenance import git_commit  # noqa: E402
+from hicache_cp.harness.provenance import git_commit  # noqa: E402
 from hostmem.arena import HostArena  # noqa: E402
 
 logger = logging.getLogger("bench_pinning")

@@ -15,7 +15,7 @@ rc=${PIPESTATUS[0]}
 if [ "$rc" -ne 0 ]; then
   echo "gpu tests failed (rc=$rc); running bench-io anyway" >&2
 fi
-$PY -m hicache_cp.io.bench --json "$DEST/io-h200.json" "$@" 2>&1 | tee "$DEST/io-bench.log"
+$PY -m hicache_cp.harness.bench.io --json "$DEST/io-h200.json" "$@" 2>&1 | tee "$DEST/io-bench.log"
 brc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && exit "$rc"
 exit "$brc"

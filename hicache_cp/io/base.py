@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +132,16 @@ class CopyEngine(abc.ABC):
 EngineFactory = Callable[..., CopyEngine]
 _BACKENDS: dict[str, EngineFactory] = {}
 
+# Built-in backends: name -> module that registers it. Imported only when a
+# backend is asked for, so the CPU path never imports cuda-python code and
+# the backends (which import this module) are never imported by it.
+BUILTIN: dict[str, str] = {
+    "cpu": "hicache_cp.io.cpu",
+    "kernel": "hicache_cp.io.cuda",
+    "direct": "hicache_cp.io.cuda",
+    "staging": "hicache_cp.io.cuda",
+}
+
 
 def register_backend(name: str) -> Callable[[EngineFactory], EngineFactory]:
     """Class decorator adding an io backend to the registry under `name`."""
@@ -145,19 +156,20 @@ def register_backend(name: str) -> Callable[[EngineFactory], EngineFactory]:
 
 
 def backend_names() -> list[str]:
-    _load_builtin_backends()
-    return sorted(_BACKENDS)
+    """Every backend name `make_engine` accepts besides "auto"."""
+    return sorted(set(BUILTIN) | set(_BACKENDS))
 
 
 def make_engine(name: str, device_pool: DevicePool, host_pool: HostPool, **options: Any) -> CopyEngine:
     """Build the io backend `name` ("auto" picks the best one for the pools)."""
-    _load_builtin_backends()
     if name == "auto":
         name = default_backend(device_pool)
+    if name not in _BACKENDS and name in BUILTIN:
+        importlib.import_module(BUILTIN[name])
     try:
         factory = _BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown io backend {name!r}; supported: {', '.join(['auto', *sorted(_BACKENDS)])}") from None
+        raise ValueError(f"unknown io backend {name!r}; supported: {', '.join(['auto', *backend_names()])}") from None
     return factory(device_pool, host_pool, **options)
 
 
@@ -171,13 +183,3 @@ def default_backend(device_pool: DevicePool) -> str:
     fraction 0.34), and "staging" pays one DMA per scattered host page.
     """
     return "direct" if device_pool.is_cuda else "cpu"
-
-
-def _load_builtin_backends() -> None:
-    # Imported lazily so that the CPU path never imports cuda-python code.
-    import hicache_cp.io.cpu  # noqa: F401
-
-    try:
-        import hicache_cp.io.cuda  # noqa: F401
-    except ImportError:  # the CUDA engine module is optional on CPU-only installs
-        pass

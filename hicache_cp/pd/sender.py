@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from hicache_cp import cp_mapping
+from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.layout import KVLayout, Part, PartLayout
 from hicache_cp.pd.engine import TransferEngineAdapter, TransferError, TransferTimeout

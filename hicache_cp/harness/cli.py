@@ -19,11 +19,11 @@ import logging
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "replay": ("hicache_cp.replay", "replay a trace through the reference server (the main job)"),
-    "bench-alloc": ("hostmem.bench", "allocator microbenchmark on a fragmented pool"),
-    "bench-io": ("hicache_cp.io.bench", "copy-engine bandwidth and overlap on the GPU"),
-    "bench-pd": ("hicache_cp.pd.bench", "PD adapter throughput vs raw TransferEngine"),
-    "decode-peer": ("hicache_cp.pd.decode_peer", "run a decode peer that receives and verifies KV"),
+    "replay": ("hicache_cp.harness.replay.command", "replay a trace through the reference server (the main job)"),
+    "bench-alloc": ("hicache_cp.harness.bench.alloc", "allocator microbenchmark on a fragmented pool"),
+    "bench-io": ("hicache_cp.harness.bench.io", "copy-engine bandwidth and overlap on the GPU"),
+    "bench-pd": ("hicache_cp.harness.bench.pd", "PD adapter throughput vs raw TransferEngine"),
+    "decode-peer": ("hicache_cp.harness.decode_peer", "run a decode peer that receives and verifies KV"),
 }
 
 

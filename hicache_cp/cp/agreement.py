@@ -20,8 +20,19 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from hicache_cp.ops import Vote
+from hicache_cp.errors import ConsistencyError
+
+
+
+@dataclass(frozen=True)
+class Vote:
+    """One rank's view of one op: `ok` (no failure seen) and `settled`
+    (nothing in flight and either every layer landed or the op is failing)."""
+
+    ok: bool
+    settled: bool
 
 
 class Agreement(abc.ABC):
@@ -72,8 +83,6 @@ class DistributedAgreement(Agreement):
         self.collectives += 1
         out = buf.cpu()
         if int(out[0]) != n or int(-out[1]) != n:
-            from hicache_cp.errors import ConsistencyError
-
             raise ConsistencyError(
                 "CP ranks disagree on the number of in-flight ops",
                 rank=self.rank,

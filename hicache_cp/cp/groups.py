@@ -1,6 +1,6 @@
 """Context-parallel process groups: one process per CP rank.
 
-Runs in: every CP rank's process. `hicache_cp.launch` spawns the ranks of a
+Runs in: every CP rank's process. `hicache_cp.harness.launch` spawns the ranks of a
 replay on one machine; under torchrun each rank calls `init_process_group()`
 with no arguments and the torchrun environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is used:
@@ -11,7 +11,7 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is used:
     ...
     destroy_process_group()
 
-    torchrun --nproc-per-node 2 -m hicache_cp.cp --trace t.jsonl --l2-fraction 0.1
+    torchrun --nproc-per-node 2 -m hicache_cp.harness.torchrun --trace t.jsonl --l2-fraction 0.1
 
 Backends: gloo when CUDA is absent (the agreement tensor stays on the CPU),
 NCCL when it is present (the agreement tensor lives on the rank's GPU,
@@ -26,7 +26,7 @@ op lists are replicated metadata), and the only rank-local facts - whether
 this rank's share of a copy landed or failed - are condensed into votes that
 one MIN all-reduce per `HiCache.poll()` combines. A failure (0) on any rank
 wins, so every rank commits, waits or aborts the same op at the same poll.
-See `hicache_cp.agreement` for the vote encoding and the op-count check.
+See `hicache_cp.cp.agreement` for the vote encoding and the op-count check.
 Nothing in a path that ends in the collective may branch on rank-local state.
 """
 
@@ -35,10 +35,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 from dataclasses import dataclass
 
-from hicache_cp.agreement import DistributedAgreement
+from hicache_cp.cp.agreement import DistributedAgreement
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 # A dead peer must surface as an error, not a half-hour hang in a collective
@@ -152,47 +151,3 @@ def destroy_process_group() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """torchrun entry: every rank replays; rank 0 prints the combined report.
-
-    Takes the `hicache-cp replay` options; --cp-size is the torchrun world size.
-    """
-    import argparse
-    import logging
-
-    import torch.distributed as dist
-
-    from hicache_cp import launch, replay
-
-    parser = argparse.ArgumentParser(prog="python -m hicache_cp.cp", description=main.__doc__)
-    replay.add_arguments(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.pd:
-        raise SystemExit("python -m hicache_cp.cp: --pd is not supported under torchrun; use hicache-cp replay --pd")
-    group = init_process_group()
-    args.cp_size = group.world_size
-    try:
-        requests = replay.load_requests(args)
-        config = replay.build_config(args, requests)
-        agreement = cp_agreement(group)
-        report = replay.replay_rank(args, config, requests, rank=group.rank, agreement=agreement,
-                                    progress=group.rank == 0)
-        report["collectives"] = agreement.collectives
-        reports: list[dict[str, object] | None] = [None] * group.world_size
-        dist.all_gather_object(reports, report)
-    finally:
-        destroy_process_group()
-    if group.rank != 0:
-        return 0
-    combined = launch.combine_reports(reports, wall_s=max(float(r["wall_s"]) for r in reports))  # type: ignore[index, arg-type]
-    replay.print_table(combined)
-    if args.json:
-        replay.write_json(args.json, combined)
-    return 1 if combined["integrity_mismatches"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Allocator microbenchmark: ``hicache-cp bench-alloc`` (or ``python -m hostmem.bench``).
+"""Allocator microbenchmark: ``hicache-cp bench-alloc`` (or ``python -m hicache_cp.harness.bench.alloc``).
 
 Measures what DOMAIN.md rule 6 asks to keep visible: the metadata cost of a
 contiguity-preferring host page allocator on a fragmented pool of realistic
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hostmem.provenance import git_commit, machine
+from hicache_cp.harness.provenance import git_commit, machine
 from hostmem.extents import ExtentAllocator, Runs, pages_to_runs, runs_to_pages
 
 logger = logging.getLogger(__name__)
@@ -507,7 +507,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hostmem.bench``: parse ``argv`` and :func:`run`."""
+    """``python -m hicache_cp.harness.bench.alloc``: parse ``argv`` and :func:`run`."""
     parser = argparse.ArgumentParser(prog="hicache-cp bench-alloc", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -15,7 +15,7 @@ Reports the median of each over the repeats; ratio = adapter / raw
 (target >= 0.90). `--json PATH` writes {adapter_gbps, raw_gbps, ratio,
 bytes, descriptors, pages, commit, machine, command}.
 
-    python -m hicache_cp.pd.bench --pages 512 --json pd.json
+    python -m hicache_cp.harness.bench.pd --pages 512 --json pd.json
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hostmem.provenance import command_line, git_commit, machine
-from hicache_cp import cp_mapping, integrity
-from hicache_cp.pd.decode_peer import DecodePeer, add_layout_arguments, layout_from_args
+from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_cp.cp import mapping as cp_mapping
+from hicache_cp.harness import integrity
+from hicache_cp.harness.decode_peer import DecodePeer, add_layout_arguments, layout_from_args
 from hicache_cp.pd.engine import TransferError, quiet_mooncake_logs
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,11 @@
-"""Ship every request the reference server finishes to the decode peer.
+"""`hicache-cp replay --pd`: the decode peer process and each rank's request sink.
 
-`PdSink` is the server's `RequestSink`: once a request is inserted (and
-still locked), each page is sent from its current home: from L2 when its
+The replay starts one decode peer process for the whole run (`start_decode_peer`,
+in the parent; the peer is not CP and receives the full logical layout) and
+each rank builds its sink once its cache exists (`make_sink`).
+
+`PdSink` is the reference server's `RequestSink`: once a request is inserted
+(and still locked), each page is sent from its current home: from L2 when its
 host copy is committed (straight from the registered host arena, no
 load-back and no device read), otherwise from L1. Positions are
 request-absolute; with CP each rank sends only the pages it owns.
@@ -9,12 +13,20 @@ request-absolute; with CP each rank sends only the pages it owns.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
+import os
 from dataclasses import dataclass, field
+from multiprocessing.connection import Client
+from typing import Any
 
 import numpy as np
 
 from hicache_cp.cache import HiCache
+from hicache_cp.config import Config
+from hicache_cp.harness.decode_peer import shutdown_decode_peer, spawn_decode_peer
+from hicache_cp.harness.trace import TraceRequest
 from hicache_cp.pd.sender import L1, L2, PageHomes, PdSender
 from hicache_cp.radix import Node
 
@@ -102,3 +114,54 @@ class PdSink:
 
     def close(self) -> None:
         self.sender.close()
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a rank needs to reach the decode peer (picklable)."""
+
+    address: tuple[str, int]
+    authkey: bytes
+
+
+class DecodePeerProcess:
+    def __init__(self, process: Any, info: PeerInfo) -> None:
+        self.process = process
+        self.rank_info = info
+
+    def stop(self) -> dict[str, Any]:
+        """Collect the peer's counters, shut it down, and return them."""
+        with Client(self.rank_info.address, authkey=self.rank_info.authkey) as c:
+            c.send({"op": "stats", "seq": 0})
+            stats = c.recv()
+        shutdown_decode_peer(self.rank_info.address, self.rank_info.authkey)
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.terminate()
+        return {
+            "decode_verified_rooms": stats.get("verified_rooms"),
+            "decode_rejected": stats.get("rejected"),
+            "decode_open_rooms_at_exit": stats.get("rooms"),
+        }
+
+
+def start_decode_peer(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> DecodePeerProcess:
+    # Rooms are served one request at a time; room for the two longest requests.
+    longest = max((len(r.hash_ids) for r in requests), default=1)
+    pages = 2 * longest * math.ceil((args.tokens_per_block or config.page_size) / config.page_size) + 2
+    authkey = os.urandom(16)
+    process, address = spawn_decode_peer(config.layout(), pages, authkey)
+    return DecodePeerProcess(process, PeerInfo(address, authkey))
+
+
+def make_sink(info: PeerInfo, cache: HiCache) -> PdSink:
+    sender = PdSender(
+        cache.layout,
+        cache.device_pool,
+        cache.host_pool,
+        decode_address=info.address,
+        authkey=info.authkey,
+        rank=cache.rank,
+        cp_size=cache.cp_size,
+    )
+    return PdSink(sender)

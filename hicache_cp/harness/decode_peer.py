@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp import integrity
+from hicache_cp.harness import integrity
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pd.engine import TransferEngineAdapter, quiet_mooncake_logs
 from hicache_cp.pd.registration import RegistrationDescriptor, differences

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hostmem.provenance import command_line, git_commit
+from hicache_cp.harness.provenance import command_line, git_commit
 from hicache_cp.io.base import CopyEngine, default_backend, make_engine
 from hicache_cp.layout import KVLayout, Part
 

@@ -1,5 +1,0 @@
-import sys
-
-from hicache_cp.cli import main
-
-sys.exit(main())

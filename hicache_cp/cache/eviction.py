@@ -1,0 +1,122 @@
+"""Space in both tiers: allocation with eviction, and the free-room targets.
+
+L1 pages are handed to requests (`alloc_device`) and L2 pages to backups
+(`reserve_host`); both evict first when the tier is under its free-room
+target. Eviction goes down to the target, not only the deficit (DOMAIN.md
+rule 5): evicting just the deficit keeps the cache at the cliff and repeats
+evict/allocate on every request. Victims are the tree's evictable leaves in
+the policy's order; a node whose eviction empties its parent makes the
+parent a candidate in the same pass.
+
+Under `write_back`, an L1 victim without a host copy is backed up instead
+(the lifecycle's all-layer backup) and leaves L1 once that commits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from hicache_cp.cache.state import CacheState
+from hicache_cp.config import WritePolicy
+from hicache_cp.radix import HostState, Node
+
+logger = logging.getLogger(__name__)
+
+
+class Evictor:
+    """Allocates pages of both tiers, evicting by policy to the free-room targets."""
+
+    def __init__(self, state: CacheState) -> None:
+        self.s = state
+        #: write_back: start a backup of an L1 victim that has no host copy;
+        #: returns whether one started (set by the facade to the lifecycle's).
+        self.backup_victim: Callable[[Node], bool] = lambda node: False
+
+    def alloc_device(self, n: int, first_position: int) -> np.ndarray | None:
+        """L1 pages for request positions [first_position, first_position + n), or None."""
+        s = self.s
+        if not self.make_room("l1", n, first_position):
+            s.metrics.l1_alloc_failures += 1
+            logger.warning("rank %d: L1 cannot fit %d pages even after eviction", s.rank, n)
+            return None
+        pages = s.device_pool.allocator.alloc(n, first_position)
+        assert pages is not None
+        s.loose_device_pages += n
+        return pages
+
+    def free_device(self, pages: np.ndarray) -> None:
+        self.s.device_pool.allocator.free(pages)
+        self.s.loose_device_pages -= len(pages)
+
+    def reserve_host(self, n: int, first_position: int) -> np.ndarray | None:
+        """L2 pages for a backup, or None (counted as a skipped backup)."""
+        s = self.s
+        if not self.make_room("l2", n, first_position):
+            s.metrics.backups_skipped += 1
+            return None
+        host = s.host_pool.allocator.alloc(n, first_position)
+        assert host is not None
+        return host
+
+    def ensure_free(self) -> None:
+        """Evict each tier back up to its free-room target when under it."""
+        self.make_room("l1", 0, 0)
+        self.make_room("l2", 0, 0)
+
+    def make_room(self, tier: str, need: int, first_position: int) -> bool:
+        """Evict until `tier` has `need` pages for these positions plus its
+        free-room target free, or nothing more is evictable. Returns whether
+        `need` pages fit now. O(k log k) over the k evictable leaves."""
+        s = self.s
+        pool = s.device_pool if tier == "l1" else s.host_pool
+        alloc = pool.allocator
+        target = s.config.free_room_pages(tier, alloc.capacity)
+        if alloc.free_pages >= target + need and alloc.fits(need, first_position):
+            return True
+        goal = min(target + need, alloc.capacity)
+        leaves = s.tree.device_leaves if tier == "l1" else s.tree.host_leaves
+        heap = [(s.policy.key(n), n.id, n) for n in leaves]
+        heapq.heapify(heap)
+        while heap and not (alloc.free_pages >= goal and alloc.fits(need, first_position)):
+            _, _, node = heapq.heappop(heap)
+            if node not in leaves:
+                continue
+            parent = self._evict_l1(node) if tier == "l1" else self._evict_l2(node)
+            if parent is not None and parent in leaves:
+                heapq.heappush(heap, (s.policy.key(parent), parent.id, parent))
+        return alloc.fits(need, first_position)
+
+    def _evict_l1(self, node: Node) -> Node | None:
+        s = self.s
+        stale = node.stale_load is not None  # garbage: dropped, never backed up
+        if s.config.write_policy is WritePolicy.WRITE_BACK and node.host_state is HostState.NONE and not stale:
+            if self.backup_victim(node):
+                return None  # evictable once the backup commits
+        pages = node.device_pages
+        assert pages is not None
+        node.device_pages = None
+        node.stale_load = None
+        s.device_pool.allocator.free(pages)
+        s.metrics.evictions_l1 += len(pages)
+        s.tree.refresh_family(node)
+        parent = node.parent
+        s.tree.prune(node)
+        return parent
+
+    def _evict_l2(self, node: Node) -> Node | None:
+        s = self.s
+        pages = node.host_pages
+        assert pages is not None and node.host_state is HostState.COMMITTED
+        node.host_pages = None
+        node.host_state = HostState.NONE
+        node.host_parts = frozenset()
+        s.host_pool.allocator.free(pages)
+        s.metrics.evictions_l2 += len(pages)
+        s.tree.refresh_family(node)
+        parent = node.parent
+        s.tree.prune(node)
+        return parent

@@ -1,0 +1,336 @@
+"""HiCache: the L1 + L2 cache manager a prefill server talks to.
+
+One radix tree indexes both tiers; every page of it is one logical object of
+all parts (target KV, target NSA state, draft KV, draft state). The protocol
+of one request (runs in the prefill server's scheduler process, on every CP
+rank with the same calls):
+
+    m = cache.match_prefix(tokens)            # L1 prefix + committed L2 continuation;
+                                              # locks the matched path
+    load = cache.load_back(m)                 # L1 pages for the L2 part, H2D per layer
+    new = cache.alloc_device(n, m.matched_pages)          # L1 pages for the miss
+    bk = cache.reserve_backup(new, m.matched_pages)       # write-through: L2 reservation
+    for layer in target layers:
+        load.wait_layer(layer)                # the forward waits per layer
+        ...compute layer, write KV of `new`...
+        cache.on_layer_end(Model.TARGET, layer, [bk])     # D2H of that layer starts
+                                              # (for this forward's reservations)
+    for layer in draft layers: ...same with Model.DRAFT
+    node = cache.insert(m, new, backup=bk)    # pages join the tree; host copy stays
+                                              # invisible until committed
+    cache.poll()                              # agreed acks -> commits / aborts
+    cache.release(node)                       # the request's lock
+    cache.ensure_free()                       # back to the free-room targets
+
+Visibility (DOMAIN.md rule 3): a host copy becomes visible to `match_prefix`
+only when its backup commits, i.e. every layer of every part landed on every
+rank. A failed copy aborts the whole backup and releases its reservation;
+nothing is ever returned as a partial hit.
+
+Synchronisation: no call blocks on a copy except `LoadOp.wait_layer` (which
+on CUDA only orders streams), `settle()` (a server's end-of-forward sync)
+and `drain()` (shutdown, tests).
+
+This class is a facade: the work happens in `prefix` (match, insert),
+`lifecycle` (backups and loads, decisions), `eviction` (space and free room)
+over one shared `state.CacheState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from hicache_cp.cache.eviction import Evictor
+from hicache_cp.cache.lifecycle import Lifecycle
+from hicache_cp.cache.match import MatchResult
+from hicache_cp.cache.prefix import Prefixes
+from hicache_cp.cache.state import CacheState
+from hicache_cp.config import Config
+from hicache_cp.cp.agreement import Agreement, LocalAgreement
+from hicache_cp.io.base import CopyEngine, make_engine
+from hicache_cp.layout import KVLayout, Model
+from hicache_cp.metrics import CacheMetrics
+from hicache_cp.ops import BackupOp, LoadOp
+from hicache_cp.policy import EvictionPolicy, make_policy
+from hicache_cp.pools import DevicePool, HostPool
+from hicache_cp.radix import Node, RadixTree
+
+
+class HiCache:
+    """The cache manager. One instance per rank; see the module docstring."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        device_pool: DevicePool | None = None,
+        host_pool: HostPool | None = None,
+        engine: CopyEngine | None = None,
+        agreement: Agreement | None = None,
+        rank: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        layout = config.layout()
+        device_pool = device_pool or DevicePool(layout, config.l1_pages, cp_size=config.cp_size, rank=rank, device=device)
+        host_pool = host_pool or HostPool(
+            layout, config.host_budget_bytes, cp_size=config.cp_size, rank=rank, pin=config.pin_host
+        )
+        for pool in (device_pool, host_pool):
+            if pool.layout != layout or pool.cp_size != config.cp_size:
+                raise ValueError("pools were built for another layout or cp_size than the config")
+        agreement = agreement or LocalAgreement()
+        if agreement.world_size != config.cp_size:
+            raise ValueError(f"agreement spans {agreement.world_size} ranks but cp_size is {config.cp_size}")
+        self._state = CacheState(
+            config=config,
+            layout=layout,
+            rank=rank,
+            cp_size=config.cp_size,
+            device_pool=device_pool,
+            host_pool=host_pool,
+            engine=engine or make_engine(config.io_backend, device_pool, host_pool),
+            agreement=agreement,
+            policy=make_policy(config.eviction_policy),
+            tree=RadixTree(layout.page_size),
+        )
+        self._evictor = Evictor(self._state)
+        self._lifecycle = Lifecycle(self._state, self._evictor)
+        self._prefixes = Prefixes(self._state, self._lifecycle)
+        self._evictor.backup_victim = lambda node: self._lifecycle.start_backup(node) is not None
+
+    # ---- what the cache is built of (read-only views) ---------------------------------
+
+    @property
+    def config(self) -> Config:
+        return self._state.config
+
+    @property
+    def layout(self) -> KVLayout:
+        return self._state.layout
+
+    @property
+    def rank(self) -> int:
+        return self._state.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self._state.cp_size
+
+    @property
+    def device_pool(self) -> DevicePool:
+        return self._state.device_pool
+
+    @property
+    def host_pool(self) -> HostPool:
+        return self._state.host_pool
+
+    @property
+    def engine(self) -> CopyEngine:
+        return self._state.engine
+
+    @property
+    def agreement(self) -> Agreement:
+        return self._state.agreement
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._state.policy
+
+    @property
+    def tree(self) -> RadixTree:
+        return self._state.tree
+
+    @property
+    def metrics(self) -> CacheMetrics:
+        return self._state.metrics
+
+    # ---- lookup ------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: np.ndarray) -> MatchResult:
+        """Longest cached prefix of `tokens`: device pages, then committed host pages.
+
+        Side effects: may split a node (the match ends on a boundary), ticks the
+        clock, updates hit counts, locks the path to `last_node`, and under
+        `write_through_selective` starts backups of nodes that reached the hit
+        threshold. Raises ConsistencyError for a visible host copy missing a
+        part. O(matched pages).
+        """
+        m = self._prefixes.match_prefix(tokens)
+        self._state.debug_check()
+        return m
+
+    # ---- L1 pages ----------------------------------------------------------------------
+
+    def alloc_device(self, n: int, first_position: int) -> np.ndarray | None:
+        """L1 pages for request positions [first_position, first_position + n).
+
+        Evicts down to the L1 free-room target when needed. Returns None when
+        not enough is evictable (the caller must not proceed with the request).
+        The caller owns the pages until `insert` or `free_device`.
+        """
+        return self._evictor.alloc_device(n, first_position)
+
+    def free_device(self, pages: np.ndarray) -> None:
+        """Return pages from `alloc_device` that never joined the tree."""
+        self._evictor.free_device(pages)
+
+    # ---- load back ---------------------------------------------------------------------
+
+    def load_back(self, match: MatchResult) -> LoadOp | None:
+        """Start loading the host-only continuation into new L1 pages.
+
+        Allocates L1 (evicting if needed), assigns the pages to the nodes at
+        once (they stay locked by the request) and submits H2D for every layer
+        of every part in forward order; the forward waits per layer with
+        `LoadOp.wait_layer`. Returns None if there is nothing to load, or when
+        L1 cannot take it: then the host continuation is dropped from the
+        match (it becomes a miss) and the request recomputes those pages.
+        """
+        op = self._lifecycle.load_back(match)
+        self._state.debug_check()
+        return op
+
+    def recomputed(self, load: LoadOp) -> None:
+        """The request of aborted `load` rewrote the loaded L1 pages: they are
+        cached KV again. Call it before releasing the request.
+
+        Until this call those nodes are no device hit and are never backed up.
+        Nodes computed on top of the aborted load stay stale: a later insert
+        of freshly computed pages replaces them.
+        """
+        self._lifecycle.recomputed(load)
+        self._state.debug_check()
+
+    # ---- backup ------------------------------------------------------------------------
+
+    def reserve_backup(self, device_pages: np.ndarray, first_position: int) -> BackupOp | None:
+        """Reserve L2 pages for pages the forward is about to compute.
+
+        Only under `write_through`; other policies back up later. The layer
+        hooks (`on_layer_end`) submit each layer as it finishes; `insert`
+        attaches the op to the new node. Returns None (no backup) when the
+        policy does not back up now or L2 cannot make room.
+        """
+        return self._lifecycle.reserve_backup(device_pages, first_position)
+
+    def on_layer_end(self, model: Model, layer: int, backups: Iterable[BackupOp | None]) -> None:
+        """Layer hook of one forward: `layer` of `model` is written in L1 for the
+        requests whose reservations are `backups` (None entries: requests that
+        reserved nothing); back that layer up for them.
+
+        Scoped to the forward's own reservations: another request's forward
+        may not have written this layer yet. Target hooks copy target parts
+        only and draft hooks draft parts only: the draft may not have written
+        a layer when the target's hook fires.
+        """
+        self._lifecycle.on_layer_end(model, layer, backups)
+
+    def start_backup(self, node: Node) -> BackupOp | None:
+        """Back up an already computed node, every layer at once.
+
+        The all-layer fallback (write_through_selective, write_back): it is not
+        overlapped with a forward, so it warns (rate-limited). Returns None
+        when L2 cannot make room.
+        """
+        return self._lifecycle.start_backup(node)
+
+    def abort_backup(self, op: BackupOp) -> None:
+        """Ask for an abort; the pages are released once nothing is in flight
+        on any rank (at a later `poll`)."""
+        self._lifecycle.abort_backup(op)
+
+    # ---- insert ------------------------------------------------------------------------
+
+    def insert(self, match: MatchResult, device_pages: np.ndarray, backup: BackupOp | None = None) -> Node:
+        """Add a request's pages to the tree; move its lock to the new last node.
+
+        `device_pages` are the request's pages for positions
+        [match.matched_pages, match.matched_pages + len(device_pages)), from
+        `alloc_device`; the tree takes them over. Pages another request
+        inserted meanwhile are kept and the duplicates freed. `backup` (from
+        `reserve_backup` for exactly these pages) is attached so its copy
+        becomes visible when it commits; if the pages did not form one new
+        node it is aborted instead. Returns the node to `release` later.
+        """
+        node = self._prefixes.insert(match, device_pages, backup)
+        self._state.debug_check()
+        return node
+
+    def release(self, node: Node) -> None:
+        """Drop a request's lock taken by `match_prefix`/`insert`."""
+        self._state.tree.unlock(node)
+
+    # ---- completion --------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Turn agreed completions into commits and failures into aborts.
+
+        Non-blocking; one collective over the CP group when anything is in
+        flight (none otherwise).
+        """
+        self._lifecycle.poll()
+        self._state.debug_check()
+
+    def settle(self) -> None:
+        """Wait for every copy in flight on this rank, then poll once (blocks).
+
+        Every op that had all its layers submitted is decided afterwards
+        (committed or aborted) identically on every rank, so the cache state no
+        longer depends on copy timing. A server calls it where it syncs anyway
+        (the end of a forward); on CP ranks every rank must call it at the same
+        step, like `poll`.
+        """
+        self._lifecycle.settle()
+        self._state.debug_check()
+
+    def drain(self, timeout_polls: int = 1_000_000) -> None:
+        """Settle until nothing is in flight (shutdown and tests; blocks)."""
+        self._lifecycle.drain(timeout_polls)
+
+    # ---- eviction ----------------------------------------------------------------------
+
+    def ensure_free(self) -> None:
+        """Evict each tier back up to its free-room target when under it.
+
+        Evicts until the target is reached, not just the deficit (DOMAIN.md
+        rule 5), or until nothing more is evictable.
+        """
+        self._evictor.ensure_free()
+        self._state.debug_check()
+
+    # ---- introspection -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, object]:
+        """A snapshot of the counters and both tiers' occupancy."""
+        s = self._state
+        d = s.metrics.as_dict()
+        for tier, pool in (("l1", s.device_pool), ("l2", s.host_pool)):
+            a = pool.allocator
+            d[f"{tier}_capacity_pages"] = a.capacity
+            d[f"{tier}_free_pages"] = a.free_pages
+            d[f"{tier}_fragmentation"] = a.fragmentation()
+            d[f"{tier}_lane_free_pages"] = a.lane_free_pages()  # lane r: the pages rank r holds
+        d["backups_in_flight"] = len(s.backups)
+        d["loads_in_flight"] = len(s.loads)
+        return d
+
+    def in_flight(self) -> tuple[list[BackupOp], list[LoadOp]]:
+        """The backups and loads not yet decided, in creation order."""
+        return list(self._state.backups), list(self._state.loads)
+
+    def check_invariants(self) -> None:
+        """Assert every cross-structure invariant (O(tree size)); see the docs."""
+        self._state.check_invariants()
+
+    def close(self) -> None:
+        """Stop the io engine and release pinned host memory."""
+        self._state.engine.close()
+        self._state.host_pool.close()
+
+    def __enter__(self) -> HiCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,345 @@
+"""Backups and loads from start to decision, driven by the ops state machines.
+
+    load_back(match)            L1 pages for the host continuation, H2D of every layer
+    reserve_backup(pages, pos)  write-through: L2 reservation for pages about to be computed
+    on_layer_end(model, l, ops) one forward's layer hook: D2H of that layer for its ops
+    start_backup(node)          the all-layer fallback (selective write-through, write-back)
+    poll()                      agreed acks -> commits / done loads, failures -> aborts
+    settle(), drain()           wait for copies, then decide (end of forward, shutdown)
+
+Every decision goes through `poll`, which condenses each op in flight into a
+vote and reduces the votes over the CP group in one collective (DOMAIN.md
+rule 7): all ranks commit, wait or abort the same op at the same step. A
+backup's host copy turns visible only at its commit (rule 3); a failed copy
+aborts the whole op and releases its reservation (nothing partial is ever
+visible). An aborted load leaves its L1 pages *stale* until its request has
+recomputed them (`recomputed`); whatever was computed on top of them is
+stale for good and its backups fail (`BackupOp.after`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+
+from hicache_cp.cache.eviction import Evictor
+from hicache_cp.cache.match import MatchResult
+from hicache_cp.cache.state import CacheState
+from hicache_cp.config import WritePolicy
+from hicache_cp.cp import mapping as cp_mapping
+from hicache_cp.errors import ConsistencyError
+from hicache_cp.io.base import CopyTicket, Direction
+from hicache_cp.layout import Model, Part
+from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
+from hicache_cp.radix import HostState, Node
+
+logger = logging.getLogger(__name__)
+
+_ALL_LAYER_WARN_EVERY = 1000
+
+
+class Lifecycle:
+    """Starts backups and loads, submits their copies and decides them."""
+
+    def __init__(self, state: CacheState, evictor: Evictor) -> None:
+        self.s = state
+        self.evictor = evictor
+
+    # ---- load back ---------------------------------------------------------------------
+
+    def load_back(self, match: MatchResult) -> LoadOp | None:
+        """See `HiCache.load_back`."""
+        s = self.s
+        if not match.host_nodes:
+            return None
+        n = match.host_len
+        if sum(node.num_pages for node in match.host_nodes) != n:
+            raise ConsistencyError(
+                "the host continuation was split between match_prefix and load_back",
+                node=match.host_nodes[0].id,
+                pages=n,
+                rank=s.rank,
+            )
+        first = match.host_nodes[0].first_position
+        pages = self.evictor.alloc_device(n, first)
+        if pages is None:
+            s.metrics.loads_skipped += 1
+            self._truncate_match(match)
+            return None
+        s.loose_device_pages -= n
+        op = LoadOp(s.layout, pages, match.host_pages, first)
+        offset = 0
+        for node in match.host_nodes:
+            node.device_pages = pages[offset : offset + node.num_pages]
+            node.load = op
+            op.nodes.append(node)
+            offset += node.num_pages
+            s.tree.refresh_family(node)
+        self._submit_all_layers(op, Direction.H2D)
+        op.transition(LoadState.LOADING)
+        s.loads.append(op)
+        s.metrics.loads_started += 1
+        logger.debug("rank %d: load %d started, %d pages", s.rank, op.id, n)
+        return op
+
+    def _truncate_match(self, match: MatchResult) -> None:
+        """Drop the host continuation: the lock moves back to the device prefix."""
+        s = self.s
+        new_last = match.host_nodes[0].parent
+        assert new_last is not None
+        s.tree.lock(new_last)
+        s.tree.unlock(match.last_node)
+        s.metrics.l2_hit_tokens -= match.host_len * s.layout.page_size
+        s.metrics.miss_tokens += match.host_len * s.layout.page_size
+        match.last_node = new_last
+        match.host_nodes = []
+        match.host_len = 0
+
+    def recomputed(self, load: LoadOp) -> None:
+        """See `HiCache.recomputed`."""
+        if load.state is not LoadState.ABORTED:
+            raise ValueError(f"load {load.id} is {load.state.value}, not aborted: nothing to recompute")
+        for node in load.nodes:
+            if node.stale_load is load:
+                if node.lock_ref == 0:
+                    raise ValueError(f"{node}: recomputed() after the request released it")
+                node.stale_load = None
+                self.s.tree.refresh_family(node)
+
+    # ---- backup ------------------------------------------------------------------------
+
+    def reserve_backup(self, device_pages: np.ndarray, first_position: int) -> BackupOp | None:
+        """See `HiCache.reserve_backup`."""
+        s = self.s
+        if s.config.write_policy is not WritePolicy.WRITE_THROUGH or len(device_pages) == 0:
+            return None
+        host = self.evictor.reserve_host(len(device_pages), first_position)
+        if host is None:
+            return None
+        op = BackupOp(s.layout, np.asarray(device_pages, np.int64), host, first_position, layerwise=True)
+        s.backups.append(op)
+        s.metrics.backups_started += 1
+        return op
+
+    def on_layer_end(self, model: Model, layer: int, backups: Iterable[BackupOp | None]) -> None:
+        """See `HiCache.on_layer_end`."""
+        for op in backups:
+            if op is None or op.state not in (BackupState.RESERVED, BackupState.WRITING):
+                continue
+            if not op.layerwise:
+                raise ValueError(f"backup {op.id} is an all-layer backup; layer hooks drive reservations only")
+            for part in op.layers_to_submit(model, layer):
+                op.record_submit(part, layer, self._submit(op, Direction.D2H, part, layer))
+                if op.state is BackupState.RESERVED:
+                    op.transition(BackupState.WRITING)
+
+    def start_backup(self, node: Node) -> BackupOp | None:
+        """See `HiCache.start_backup`."""
+        s = self.s
+        if not node.on_device or node.host_state is not HostState.NONE or node.load is not None:
+            raise ValueError(f"{node} cannot be backed up (needs device pages and no host copy)")
+        if node.stale_load is not None:
+            raise ValueError(f"{node} cannot be backed up: its L1 pages are awaiting recompute after an aborted load")
+        host = self.evictor.reserve_host(node.num_pages, node.first_position)
+        if host is None:
+            return None
+        op = BackupOp(s.layout, node.device_pages, host, node.first_position, layerwise=False)  # type: ignore[arg-type]
+        op.after, _ = prefix_loads(node)  # a stale node is refused above; so is its subtree
+        self.attach(op, node)
+        s.backups.append(op)
+        s.metrics.backups_started += 1
+        s.metrics.backups_all_layer += 1
+        if s.metrics.backups_all_layer % _ALL_LAYER_WARN_EVERY == 1:
+            logger.warning(
+                "rank %d: all-layer backup path in use (%s, %d so far): copies are not overlapped with the forward",
+                s.rank,
+                s.config.write_policy.value,
+                s.metrics.backups_all_layer,
+            )
+        self._submit_all_layers(op, Direction.D2H)
+        op.transition(BackupState.WRITING)
+        return op
+
+    def abort_backup(self, op: BackupOp) -> None:
+        """See `HiCache.abort_backup`."""
+        if op.state in (BackupState.RESERVED, BackupState.WRITING):
+            op.transition(BackupState.FAILING)
+
+    def attach(self, op: BackupOp, node: Node) -> None:
+        """The node's host copy is `op`'s reservation, PENDING until it commits."""
+        node.host_pages = op.host_pages
+        node.host_state = HostState.PENDING
+        node.backup = op
+        op.nodes.append(node)
+        self.s.tree.refresh_family(node)
+
+    # ---- decisions -----------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """See `HiCache.poll`."""
+        s = self.s
+        ops: list[BackupOp | LoadOp] = [*s.backups, *s.loads]
+        if not ops:
+            return
+        votes = s.agreement.reduce([op.local_vote() for op in ops])
+        decisions = list(zip(ops, votes))
+        # Loads first: an aborted load fails the backups computed on top of it
+        # (`BackupOp.after`) in the same poll.
+        for op, vote in decisions:
+            if isinstance(op, LoadOp):
+                self._decide_load(op, vote.ok, vote.settled)
+        for op, vote in decisions:
+            if isinstance(op, BackupOp):
+                failing = op.state is BackupState.FAILING
+                self._decide_backup(op, vote.ok and not failing, vote.settled)
+        s.backups = [op for op in s.backups if op.active]
+        s.loads = [op for op in s.loads if op.active]
+
+    def settle(self) -> None:
+        """See `HiCache.settle`."""
+        for op in [*self.s.backups, *self.s.loads]:
+            for t in op.inflight:
+                try:
+                    t.wait()
+                except Exception:  # recorded in the op's vote
+                    pass
+        self.poll()
+
+    def drain(self, timeout_polls: int) -> None:
+        """See `HiCache.drain`."""
+        s = self.s
+        for _ in range(timeout_polls):
+            if not s.backups and not s.loads:
+                return
+            self.settle()
+            if any(op.nodes == [] and op.state is not BackupState.FAILING for op in s.backups):
+                break  # unattached backups wait for their insert
+        if s.loads or any(op.nodes for op in s.backups):
+            raise RuntimeError(f"rank {s.rank}: ops still in flight after drain: {s.backups + s.loads}")
+
+    def _decide_backup(self, op: BackupOp, ok: bool, settled: bool) -> None:
+        s = self.s
+        if ok and any(load.state is LoadState.ABORTED for load in op.after):
+            op.error = op.error or RuntimeError("a load of the prefix these pages were computed on aborted")
+            ok = False
+        if ok and settled:
+            if not op.nodes:  # forward done but `insert` not called yet
+                return
+            if any(load.active for load in op.after):
+                return  # the prefix is still loading: its outcome decides this copy's
+            op.transition(BackupState.COMMITTED)
+            for node in op.nodes:
+                node.host_state = HostState.COMMITTED
+                node.host_parts = s.all_parts
+                node.backup = None
+                s.tree.refresh_family(node)
+            s.metrics.backups_committed += 1
+            s.metrics.bytes_d2h += op.nbytes
+            logger.debug("rank %d: backup %d committed (%d pages)", s.rank, op.id, op.num_pages)
+        elif not ok:
+            if op.state is not BackupState.FAILING:
+                op.transition(BackupState.FAILING)
+            if settled:
+                self._abort_backup_now(op)
+
+    def _abort_backup_now(self, op: BackupOp) -> None:
+        s = self.s
+        op.transition(BackupState.ABORTED)
+        for node in op.nodes:
+            node.host_pages = None
+            node.host_state = HostState.NONE
+            node.host_parts = frozenset()
+            node.backup = None
+            s.tree.refresh_family(node)
+        s.host_pool.allocator.free(op.host_pages)
+        s.metrics.backups_aborted += 1
+        logger.warning("rank %d: backup %d aborted, %d host pages released: %s", s.rank, op.id, op.num_pages, op.error)
+        for node in list(op.nodes):
+            s.tree.prune(node)
+
+    def _decide_load(self, op: LoadOp, ok: bool, settled: bool) -> None:
+        s = self.s
+        if ok and settled:
+            op.transition(LoadState.DONE)
+            for node in op.nodes:
+                node.load = None
+                s.tree.refresh_family(node)
+            s.metrics.loads_done += 1
+            s.metrics.bytes_h2d += op.nbytes
+        elif not ok:
+            if op.state is not LoadState.FAILING:
+                op.transition(LoadState.FAILING)
+            if settled:
+                # The L1 pages stay with the nodes (their request still holds
+                # them locked) but their bytes are not the cached KV: marked
+                # stale (no device hit, no backup) until the request has
+                # recomputed them and called `recomputed`. Whatever was
+                # computed on top of them is stale for good.
+                op.transition(LoadState.ABORTED)
+                for node in op.nodes:
+                    node.load = None
+                    node.stale_load = op
+                    s.tree.refresh_family(node)
+                self._mark_stale_below(op)  # their backups fail through `BackupOp.after`
+                tokens = op.num_pages * s.layout.page_size
+                s.metrics.l2_hit_tokens -= tokens
+                s.metrics.miss_tokens += tokens
+                s.metrics.loads_aborted += 1
+                logger.warning(
+                    "rank %d: load %d aborted, its %d L1 pages must be recomputed: %s",
+                    s.rank, op.id, op.num_pages, op.error,
+                )
+
+    def _mark_stale_below(self, load: LoadOp) -> None:
+        """Mark the L1 nodes under an aborted load's nodes stale: a forward that
+        waited on the load may have computed them from invalid KV. (Some were
+        loaded from a valid host copy instead; treating them as misses too
+        keeps the rule simple, and loads rarely abort.)"""
+        top = min(load.nodes, key=lambda n: n.first_position)
+        own = set(map(id, load.nodes))
+        stack = list(top.children.values())
+        while stack:
+            node = stack.pop()
+            if node.on_device and node.load is None and id(node) not in own:  # loading: bytes from L2, valid
+                node.stale_load = load
+            stack.extend(node.children.values())
+
+    # ---- io ----------------------------------------------------------------------------
+
+    def _submit_all_layers(self, op: BackupOp | LoadOp, direction: Direction) -> None:
+        """Submit every layer of every part, in forward order (the all-layer paths)."""
+        for model in (Model.TARGET, Model.DRAFT):
+            for layer in range(self.s.layout.num_layers(model)):
+                for part in op.layers_to_submit(model, layer):
+                    op.record_submit(part, layer, self._submit(op, direction, part, layer))
+
+    def _submit(self, op: BackupOp | LoadOp, direction: Direction, part: Part, layer: int) -> list[CopyTicket]:
+        """Submit this rank's share of one layer of one part; [] if it owns none."""
+        s = self.s
+        dev, host = op.device_pages, op.host_pages
+        if s.cp_size > 1:
+            mine = cp_mapping.owned_mask(dev, s.rank, s.cp_size)
+            if not mine.any():
+                return []
+            dev, host = dev[mine], host[mine]
+        dev = cp_mapping.to_physical(dev, s.cp_size)
+        host = cp_mapping.to_physical(host, s.cp_size)
+        if direction is Direction.D2H:
+            return [s.engine.submit_backup(part, layer, dev, host)]
+        return [s.engine.submit_load(part, layer, host, dev)]
+
+
+def prefix_loads(node: Node) -> tuple[list[LoadOp], bool]:
+    """Loads still in flight on the root path of `node` (its KV was computed
+    on them), and whether a node of that path is stale (a load aborted)."""
+    loads: list[LoadOp] = []
+    stale = False
+    n: Node | None = node
+    while n is not None:
+        if n.load is not None and n.load not in loads:
+            loads.append(n.load)  # type: ignore[arg-type]
+        stale = stale or n.stale_load is not None
+        n = n.parent
+    return loads, stale

@@ -1,0 +1,51 @@
+"""`MatchResult`: what `match_prefix` found for one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache_cp.ops import LoadOp, LoadState
+from hicache_cp.radix import Node, PageKey
+
+
+@dataclass
+class MatchResult:
+    """What `match_prefix` found. `last_node` is locked until `release`.
+
+    The lengths are fixed at match time. `host_nodes` is the continuation as
+    of the match: another request's match may split those nodes later, so
+    `load_back` must come right after `match_prefix` (it checks).
+    """
+
+    keys: list[PageKey]
+    device_pages: np.ndarray  # logical L1 pages of the device-resident prefix
+    host_nodes: list[Node]  # committed L2-only continuation, in order
+    last_node: Node
+    waits: list[LoadOp] = field(default_factory=list)  # loads the device prefix still depends on
+    host_len: int = field(init=False)  # pages of the host continuation
+
+    def __post_init__(self) -> None:
+        self.host_len = sum(n.num_pages for n in self.host_nodes)
+
+    @property
+    def device_len(self) -> int:
+        return len(self.device_pages)
+
+    @property
+    def prefix_failed(self) -> bool:
+        """A load this device prefix waited on aborted: the prefix KV this
+        request read is invalid and it must recompute (its own pages are
+        already stale and their backups fail)."""
+        return any(op.state is LoadState.ABORTED for op in self.waits)
+
+    @property
+    def matched_pages(self) -> int:
+        return self.device_len + self.host_len
+
+    @property
+    def host_pages(self) -> np.ndarray:
+        if not self.host_nodes:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([n.host_pages for n in self.host_nodes])  # type: ignore[misc]

@@ -1,0 +1,144 @@
+"""Prefix matching and insertion: the tree side of a request.
+
+`match_prefix` finds the longest cached prefix (L1 pages, then the committed
+L2 continuation) and locks it; `insert` adds the request's computed pages
+and attaches its write-through backup. Both keep the radix tree's
+invariants; neither copies bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from hicache_cp.cache.lifecycle import Lifecycle, prefix_loads
+from hicache_cp.cache.match import MatchResult
+from hicache_cp.cache.state import CacheState
+from hicache_cp.config import WritePolicy
+from hicache_cp.errors import ConsistencyError
+from hicache_cp.ops import BackupOp, BackupState, LoadOp
+from hicache_cp.radix import HostState, Node, page_keys
+
+logger = logging.getLogger(__name__)
+
+
+class Prefixes:
+    """`match_prefix` and `insert` over the shared tree."""
+
+    def __init__(self, state: CacheState, lifecycle: Lifecycle) -> None:
+        self.s = state
+        self.lifecycle = lifecycle
+
+    def match_prefix(self, tokens: np.ndarray) -> MatchResult:
+        """See `HiCache.match_prefix`."""
+        s = self.s
+        s.clock += 1
+        keys = page_keys(tokens, s.layout.page_size)
+        path = s.tree.match(keys)
+        device: list[np.ndarray] = []
+        host_nodes: list[Node] = []
+        waits: list[LoadOp] = []
+        last = s.tree.root
+        for node in path:
+            if node.stale_load is not None:
+                break  # its L1 pages are being recomputed: a miss, never garbage
+            if node.on_device and not host_nodes:
+                device.append(node.device_pages)  # type: ignore[arg-type]
+                if node.load is not None and node.load not in waits:
+                    waits.append(node.load)  # type: ignore[arg-type]
+            elif not node.on_device and node.host_visible:
+                self._check_parts(node)
+                host_nodes.append(node)
+            else:
+                break
+            last = node
+        used = path[: path.index(last) + 1] if last is not s.tree.root else []
+        for node in used:
+            node.hit_count += 1
+            node.last_access = s.clock
+        s.tree.lock(last)
+        dev = np.concatenate(device) if device else np.empty(0, dtype=np.int64)
+        m = MatchResult(keys, dev, host_nodes, last, waits)
+        s.metrics.record_match(len(tokens), m.device_len, m.host_len, s.layout.page_size)
+        if s.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for node in used:
+                if node.on_device and node.host_state is HostState.NONE and node.hit_count >= s.config.write_threshold:
+                    self.lifecycle.start_backup(node)
+        return m
+
+    def _check_parts(self, node: Node) -> None:
+        s = self.s
+        if node.host_parts != s.all_parts:
+            missing = sorted(p.value for p in s.all_parts - node.host_parts)
+            raise ConsistencyError(
+                "committed host copy is missing parts",
+                node=node.id,
+                pages=node.host_pages,
+                part=",".join(missing),
+                rank=s.rank,
+            )
+
+    def insert(self, match: MatchResult, device_pages: np.ndarray, backup: BackupOp | None) -> Node:
+        """See `HiCache.insert`."""
+        s = self.s
+        keys = match.keys
+        start = match.matched_pages
+        device_pages = np.asarray(device_pages, dtype=np.int64)
+        if start + len(device_pages) > len(keys):
+            raise ValueError(
+                f"insert of {len(device_pages)} pages at position {start} exceeds the request's {len(keys)} pages"
+            )
+        s.loose_device_pages -= len(device_pages)
+        path = s.tree.match(keys[: start + len(device_pages)])
+        covered = path[-1].end_position if path else 0
+        parent = path[-1] if path else s.tree.root
+        surplus: list[np.ndarray] = []
+        for node in path:
+            if node.end_position <= start:
+                continue  # the request's own matched prefix
+            assert node.first_position >= start, f"{node} straddles the insert boundary {start}"
+            lo = node.first_position - start
+            mine = device_pages[lo : lo + node.num_pages]
+            if node.stale_load is not None and node.lock_ref == 0:
+                # stale and held by nobody: this request's fresh pages replace them
+                surplus.append(node.device_pages)  # type: ignore[arg-type]
+                node.device_pages = mine.copy()
+                node.stale_load = None
+                s.tree.refresh_family(node)
+            elif node.on_device:  # inserted meanwhile by another request: keep the tree's
+                surplus.append(mine)
+            else:  # evicted from L1 and recomputed by this request
+                node.device_pages = mine.copy()
+                s.tree.refresh_family(node)
+        if surplus:
+            s.device_pool.allocator.free(np.concatenate(surplus))
+        dup = max(0, covered - start)
+        new_node = parent
+        rest = device_pages[dup:]
+        if len(rest):
+            new_node = s.tree.add_child(parent, keys[covered : covered + len(rest)], rest)
+            new_node.last_access = s.clock
+        if backup is not None:
+            self._attach_backup(backup, new_node, parent)
+        s.tree.lock(new_node)
+        s.tree.unlock(match.last_node)
+        match.last_node = new_node
+        return new_node
+
+    def _attach_backup(self, backup: BackupOp, new_node: Node, parent: Node) -> None:
+        """Attach a write-through backup to the node its pages formed, or abort
+        it when they formed none (inserted meanwhile) or sit on a stale prefix."""
+        backup.after, on_stale = prefix_loads(new_node)
+        exact = (
+            new_node is not parent
+            and backup.first_position == new_node.first_position
+            and backup.num_pages == new_node.num_pages
+        )
+        if on_stale:
+            backup.error = backup.error or RuntimeError("computed on a prefix whose load aborted")
+            self.lifecycle.abort_backup(backup)
+        elif exact and backup.state in (BackupState.RESERVED, BackupState.WRITING):
+            self.lifecycle.attach(backup, new_node)
+        else:
+            self.lifecycle.abort_backup(backup)

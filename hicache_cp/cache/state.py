@@ -1,0 +1,83 @@
+"""What every part of the cache manager shares: pools, tree, ops in flight, counters.
+
+One `CacheState` per `HiCache`. The components (`prefix`, `lifecycle`,
+`eviction`) each hold it and change it only through their own methods; the
+facade (`hicache_cp.cache.hicache`) builds them and is the only public entry.
+`check_invariants` asserts every cross-structure invariant of the whole
+state (docs/architecture.md lists them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hicache_cp.config import Config
+from hicache_cp.cp.agreement import Agreement
+from hicache_cp.io.base import CopyEngine
+from hicache_cp.layout import KVLayout, Part
+from hicache_cp.metrics import CacheMetrics
+from hicache_cp.ops import BackupOp, LoadOp
+from hicache_cp.policy import EvictionPolicy
+from hicache_cp.pools import DevicePool, HostPool
+from hicache_cp.radix import HostState, RadixTree
+
+
+@dataclass(eq=False)
+class CacheState:
+    config: Config
+    layout: KVLayout
+    rank: int
+    cp_size: int
+    device_pool: DevicePool
+    host_pool: HostPool
+    engine: CopyEngine
+    agreement: Agreement
+    policy: EvictionPolicy
+    tree: RadixTree
+    metrics: CacheMetrics = field(default_factory=CacheMetrics)
+    clock: int = 0  # one tick per match_prefix: the policies' notion of time
+    backups: list[BackupOp] = field(default_factory=list)  # active, creation order (the agreement's order)
+    loads: list[LoadOp] = field(default_factory=list)  # active, creation order
+    loose_device_pages: int = 0  # handed out by alloc_device, not yet in the tree
+    all_parts: frozenset[Part] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.all_parts = frozenset(p.part for p in self.layout.parts)
+
+    def debug_check(self) -> None:
+        """`check_invariants` after an operation, when `debug_checks` asks for it."""
+        if self.config.debug_checks:
+            self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """Assert every cross-structure invariant (O(tree size))."""
+        self.tree.check_invariants()
+        self.device_pool.allocator.check_invariants()
+        self.host_pool.allocator.check_invariants()
+        nodes = list(self.tree.nodes())
+        dev = [n.device_pages for n in nodes if n.device_pages is not None]
+        dev_all = np.concatenate(dev) if dev else np.empty(0, np.int64)
+        assert len(np.unique(dev_all)) == len(dev_all), "an L1 page is owned by two nodes"
+        assert self.device_pool.allocator.used_pages == len(dev_all) + self.loose_device_pages, (
+            f"L1 leak: allocator uses {self.device_pool.allocator.used_pages}, tree holds {len(dev_all)}, "
+            f"requests hold {self.loose_device_pages}"
+        )
+        host = [n.host_pages for n in nodes if n.host_pages is not None]
+        host += [op.host_pages for op in self.backups if not op.nodes]
+        host_all = np.concatenate(host) if host else np.empty(0, np.int64)
+        assert len(np.unique(host_all)) == len(host_all), "an L2 page is owned twice"
+        assert self.host_pool.allocator.used_pages == len(host_all), (
+            f"L2 leak: allocator uses {self.host_pool.allocator.used_pages}, tree and reservations hold {len(host_all)}"
+        )
+        for n in nodes:
+            if n.host_state is HostState.COMMITTED:
+                assert n.host_parts == self.all_parts, f"{n}: committed without every part"
+            if n.backup is not None:
+                assert n.backup in self.backups and n.backup.active, f"{n}: backup not tracked"  # type: ignore[operator]
+            if n.load is not None:
+                assert n.load in self.loads, f"{n}: load not tracked"  # type: ignore[operator]
+        for op in self.backups:
+            for n in op.nodes:
+                assert n.backup is op and n.host_state is HostState.PENDING, f"backup {op.id}: {n} not pending on it"

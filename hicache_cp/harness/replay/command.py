@@ -1,0 +1,81 @@
+"""`hicache-cp replay`: the main job.
+
+Replays a Mooncake-format trace (or the embedded default workload) through
+the reference prefill server with hicache-cp as its L2, verifies every
+reused byte, and reports hit rates per tier, bytes moved and integrity:
+
+    hicache-cp replay                                   # embedded workload, tiny model
+    hicache-cp replay --trace t.jsonl --l2-fraction 0.1 --json out.json --bounds
+
+Modules: `setup` (requests, sizing, configuration), `rank` (one rank's
+loop), `multirank` (CP ranks and the decode peer as processes), `report`
+(bounds, table, JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from hicache_cp.config import PRESETS
+from hicache_cp.harness.replay.multirank import run_ranks
+from hicache_cp.harness.replay.rank import replay_rank
+from hicache_cp.harness.replay.report import compute_bounds, print_table, write_json
+from hicache_cp.harness.replay.setup import InputError, build_config, check_args, load_requests
+from hicache_cp.harness.trace import TraceError
+from hicache_cp.policy import policy_names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (default: the embedded workload)")
+    p.add_argument("--model", choices=sorted(PRESETS), help="model preset (default: tiny)")
+    p.add_argument("--config", type=Path, help="TOML config file (see hicache_cp.config)")
+    p.add_argument("--l1-pages", type=int, help="logical L1 capacity in pages (default: L2 / 8, at least 3 requests)")
+    l2 = p.add_mutually_exclusive_group()
+    l2.add_argument("--l2-gib", type=float, help="host budget per rank in GiB")
+    l2.add_argument(
+        "--l2-fraction",
+        type=float,
+        help="L2 as a fraction of the unique-block footprint (default 0.1 for a trace, 0.5 for the embedded workload)",
+    )
+    p.add_argument("--tokens-per-block", type=int, help="tokens per 512-token trace block (default: one page)")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--policy", choices=policy_names(), help="eviction policy (default lru)")
+    p.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"])
+    p.add_argument("--io-backend", help="io backend (default auto)")
+    p.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks, one process each")
+    p.add_argument("--pd", action="store_true", help="ship every request's KV to a decode peer process")
+    p.add_argument("--bounds", action="store_true", help="also compute the infinite-capacity and Belady bounds")
+    p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte integrity check")
+    p.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")
+    p.add_argument("--json", type=Path, help="write the report as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG of hit rate and occupancy here")
+    p.add_argument("--device", default="auto", help="L1 device: cpu, cuda or auto")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = replay(args)
+    except (InputError, TraceError, ValueError) as exc:
+        print(f"hicache-cp replay: error: {exc}", file=sys.stderr)
+        return 2
+    print_table(report)
+    if args.json:
+        write_json(args.json, report)
+    return 1 if report["integrity_mismatches"] else 0
+
+
+def replay(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the whole replay described by `args`; return the report dict."""
+    check_args(args)
+    requests = load_requests(args)
+    config = build_config(args, requests)
+    if args.cp_size > 1 or args.pd:
+        report = run_ranks(args, config, requests)
+    else:
+        report = replay_rank(args, config, requests)
+    if args.bounds:
+        report["bounds"] = compute_bounds(requests, config, args)
+    return report

@@ -1,0 +1,123 @@
+"""The replay on several processes: CP ranks, and the decode peer for `--pd`.
+
+`run_ranks` is what `hicache-cp replay --cp-size N` (or `--pd`) calls: every
+rank replays the same requests with the same calls (DOMAIN.md rule 7, see
+`hicache_cp.cp`) and the parent checks that the replicated decisions (hit
+tokens, commits, evictions) agree on every rank - a divergence is a bug and
+raises `ConsistencyError` with both values - and sums the per-rank byte and
+integrity counters. With `--pd` one decode peer process receives every
+rank's pages; the ranks' `pd_*` counters go to their per-rank entries and
+`pd_*bytes` are also summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hicache_cp.config import Config
+from hicache_cp.errors import ConsistencyError
+from hicache_cp.harness.launch import DEFAULT_RUN_TIMEOUT_S, RankContext, spawn_ranks
+from hicache_cp.harness.replay.rank import replay_rank
+from hicache_cp.harness.trace import TraceRequest
+
+# Counters each rank measures for its own pages: summed over ranks.
+PER_RANK_SUM_KEYS = ("bytes_d2h", "bytes_h2d", "integrity_checked_pages", "integrity_mismatches", "host_bytes")
+# Decisions every rank makes identically: taken from rank 0, checked on all.
+REPLICATED_KEYS = (
+    "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "hit_rate",
+    "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2", "rejected_requests",
+    "l2_used_pages", "l2_capacity_pages", "l1_capacity_pages",
+)  # fmt: skip
+
+
+def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> dict[str, Any]:
+    """Replay `requests` on `args.cp_size` rank processes; return the combined report.
+
+    The whole run's deadline is `HICACHE_CP_RANK_TIMEOUT_S` (default one hour)."""
+    peer = None
+    rank_info = None
+    if args.pd:
+        from hicache_cp.harness import pd_replay
+
+        peer = pd_replay.start_decode_peer(args, config, requests)
+        rank_info = peer.rank_info
+    timeout = float(os.environ.get("HICACHE_CP_RANK_TIMEOUT_S", DEFAULT_RUN_TIMEOUT_S))
+    t0 = time.perf_counter()
+    try:
+        reports = spawn_ranks(_replay_rank, args.cp_size, (args, config, requests, rank_info), timeout_s=timeout)
+    finally:
+        pd_report = peer.stop() if peer is not None else None
+    combined = combine_reports(reports, wall_s=time.perf_counter() - t0)
+    if pd_report is not None:
+        combined["pd"] = pd_report
+    return combined
+
+
+def _replay_rank(
+    ctx: RankContext, args: argparse.Namespace, config: Config, requests: list[TraceRequest], pd_info: Any
+) -> dict[str, Any]:
+    """One rank of `run_ranks` (runs in the child)."""
+    sink_factory = None
+    if pd_info is not None:
+        from hicache_cp.harness import pd_replay
+
+        sink_factory = lambda cache: pd_replay.make_sink(pd_info, cache)  # noqa: E731 - built in the child, never pickled
+    report = replay_rank(args, config, requests, rank=ctx.rank, agreement=ctx.agreement,
+                         sink_factory=sink_factory, progress=ctx.rank == 0)
+    report["collectives"] = ctx.agreement.collectives
+    return report
+
+
+def combine_reports(reports: Sequence[dict[str, Any]], *, wall_s: float) -> dict[str, Any]:
+    """One report from every rank's: replicated values checked and taken from
+    rank 0, per-rank counters summed, a `per_rank` table added.
+
+    Raises ConsistencyError naming the key, the ranks and both values when a
+    replicated decision differs between ranks.
+    """
+    base = reports[0]
+    for r, rep in enumerate(reports[1:], start=1):
+        for k in REPLICATED_KEYS:
+            if k in base and rep.get(k) != base[k]:
+                raise ConsistencyError(
+                    f"CP ranks diverged on {k}: rank 0 has {base[k]!r}, rank {r} has {rep.get(k)!r}",
+                    rank=r,
+                    details={"key": k, "rank0": base[k], f"rank{r}": rep.get(k)},
+                )
+    out = dict(base)
+    for k in PER_RANK_SUM_KEYS:
+        out[k] = sum(int(rep.get(k, 0)) for rep in reports)
+    for k in base:  # PD transfer bytes are counted per sending rank (DOMAIN.md rule 10)
+        if k.startswith("pd_") and k.endswith("bytes"):
+            out[k] = sum(int(rep.get(k, 0)) for rep in reports)
+    out["mismatch_examples"] = [m for rep in reports for m in rep.get("mismatch_examples", [])][:10]
+    out["wall_s"] = round(wall_s, 3)
+    out["per_rank"] = [_per_rank(r, rep) for r, rep in enumerate(reports)]
+    return out
+
+
+def _per_rank(rank: int, rep: dict[str, Any]) -> dict[str, Any]:
+    """This rank's own lane of L2 (physical pages; the dummy page excluded)."""
+    cp_size = int(rep.get("cp_size", 1))
+    stats = rep.get("stats", {})
+    capacity = int(rep["l2_capacity_pages"]) // cp_size
+    lane_free = stats.get("l2_lane_free_pages")
+    used = capacity - int(lane_free[rank]) if lane_free is not None else None
+    entry = {
+        "rank": rank,
+        "l2_used_pages": used,
+        "l2_capacity_pages": capacity,
+        "host_bytes": rep.get("host_bytes"),
+        "bytes_d2h": rep.get("bytes_d2h"),
+        "bytes_h2d": rep.get("bytes_h2d"),
+        "integrity_checked_pages": rep.get("integrity_checked_pages"),
+        "integrity_mismatches": rep.get("integrity_mismatches"),
+        "collectives": rep.get("collectives"),
+        "wall_s": rep.get("wall_s"),
+    }
+    entry.update({k: v for k, v in rep.items() if k.startswith("pd_")})
+    return entry

@@ -1,0 +1,55 @@
+"""`torchrun ... -m hicache_cp.harness.torchrun`: the replay with one process per CP rank under torchrun.
+
+    torchrun --nproc-per-node 2 -m hicache_cp.harness.torchrun --trace t.jsonl --l2-fraction 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hicache_cp.cp import groups
+from hicache_cp.harness.replay import command, setup
+from hicache_cp.harness.replay.multirank import combine_reports
+from hicache_cp.harness.replay.rank import replay_rank
+from hicache_cp.harness.replay.report import print_table, write_json
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry: every rank replays; rank 0 prints the combined report.
+
+    Takes the `hicache-cp replay` options; --cp-size is the torchrun world size.
+    """
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(prog="python -m hicache_cp.harness.torchrun", description=main.__doc__)
+    command.add_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.pd:
+        raise SystemExit("python -m hicache_cp.harness.torchrun: --pd is not supported under torchrun; use hicache-cp replay --pd")
+    group = groups.init_process_group()
+    args.cp_size = group.world_size
+    try:
+        requests = setup.load_requests(args)
+        config = setup.build_config(args, requests)
+        agreement = groups.cp_agreement(group)
+        report = replay_rank(args, config, requests, rank=group.rank, agreement=agreement,
+                                    progress=group.rank == 0)
+        report["collectives"] = agreement.collectives
+        reports: list[dict[str, object] | None] = [None] * group.world_size
+        dist.all_gather_object(reports, report)
+    finally:
+        groups.destroy_process_group()
+    if group.rank != 0:
+        return 0
+    combined = combine_reports(reports, wall_s=max(float(r["wall_s"]) for r in reports))  # type: ignore[index, arg-type]
+    print_table(combined)
+    if args.json:
+        write_json(args.json, combined)
+    return 1 if combined["integrity_mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
