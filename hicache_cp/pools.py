@@ -18,6 +18,7 @@ capacity (DOMAIN.md rule 2: one budget, draft capacity equal to target's).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -135,11 +136,15 @@ class LanePageAllocator:
 
 
 class DevicePool:
-    """L1: per-part device buffers of this rank plus the logical page allocator.
+    """L1: per-part, per-layer device buffers of this rank plus the logical page allocator.
 
-    `buffers` lets a real server hand in its own KV buffers (uint8 tensors of
-    shape [slots, physical_pages, page_bytes]); otherwise zeroed buffers are
-    made on `device` (host tensors stand in for GPU memory on CPU machines).
+    Each layer of each part is one uint8 tensor [physical_pages, page_bytes]
+    (`layer(part, slot)`). A real server hands in its own KV buffers through
+    `buffers`: per part either one contiguous tensor [slots, physical_pages,
+    page_bytes] or one tensor per compact slot (an engine such as vLLM
+    allocates every layer separately), each viewable as [physical_pages,
+    page_bytes] uint8 (page-major). Otherwise zeroed buffers are made on
+    `device` (host tensors stand in for GPU memory on CPU machines).
     """
 
     def __init__(
@@ -150,21 +155,21 @@ class DevicePool:
         cp_size: int = 1,
         rank: int = 0,
         device: str | torch.device = "cpu",
-        buffers: dict[Part, torch.Tensor] | None = None,
+        buffers: Mapping[Part, torch.Tensor | Sequence[torch.Tensor]] | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.cp_size = cp_size
         self.allocator = LanePageAllocator(physical_pages, cp_size, name=f"L1 rank {rank}")
-        self.device = torch.device(device)
         if buffers is None:
             buffers = {
-                p.part: torch.zeros((p.num_slots, physical_pages, p.page_bytes), dtype=torch.uint8, device=self.device)
+                p.part: torch.zeros((p.num_slots, physical_pages, p.page_bytes), dtype=torch.uint8, device=device)
                 for p in layout.parts
             }
-        self.buffers = _check_buffers(layout, physical_pages, buffers)
-        self.device = next(iter(self.buffers.values())).device
-        self._views = {} if self.is_cuda else {p: b.numpy() for p, b in self.buffers.items()}
+        self.buffers = dict(buffers)
+        self._layers = _layer_tensors(layout, physical_pages, buffers)
+        self.device = next(iter(self._layers.values()))[0].device
+        self._views = {} if self.is_cuda else {p: [t.numpy() for t in ts] for p, ts in self._layers.items()}
 
     @property
     def is_cuda(self) -> bool:
@@ -174,13 +179,26 @@ class DevicePool:
     def physical_pages(self) -> int:
         return self.allocator.physical_pages
 
+    def layer(self, part: Part, slot: int) -> torch.Tensor:
+        """One layer of one part: uint8 [physical_pages, page_bytes]."""
+        return self._layers[part][slot]
+
+    def layer_ptr(self, part: Part, slot: int) -> int:
+        """Device address of page 0 of one layer."""
+        return int(self._layers[part][slot].data_ptr())
+
     def buffer(self, part: Part) -> torch.Tensor:
-        return self.buffers[part]
+        """The whole part as one tensor [slots, physical_pages, page_bytes]
+        (pools whose part was given, or made, as one tensor)."""
+        buf = self.buffers[part]
+        if not isinstance(buf, torch.Tensor):
+            raise TypeError(f"{part.value} was given as one tensor per layer; use layer(part, slot)")
+        return buf
 
     def layer_view(self, part: Part, slot: int) -> np.ndarray:
         """numpy view [physical_pages, page_bytes] of one layer (CPU pools only)."""
         if self.is_cuda:
-            raise TypeError("layer_view is for host-memory device pools; CUDA engines use buffer()")
+            raise TypeError("layer_view is for host-memory device pools; CUDA engines use layer()")
         return self._views[part][slot]
 
 
@@ -263,22 +281,45 @@ class HostPool:
         self.close()
 
 
-def _check_buffers(layout: KVLayout, physical_pages: int, buffers: dict[Part, torch.Tensor]) -> dict[Part, torch.Tensor]:
+def _layer_tensors(
+    layout: KVLayout, physical_pages: int, buffers: Mapping[Part, torch.Tensor | Sequence[torch.Tensor]]
+) -> dict[Part, list[torch.Tensor]]:
+    """Validate the given buffers and cut them into per-layer uint8 [pages, page_bytes] tensors."""
     expected = {p.part for p in layout.parts}
     if set(buffers) != expected:
         raise ValueError(
             f"device buffers for parts {sorted(x.value for x in buffers)} but the layout has "
             f"{sorted(x.value for x in expected)}"
         )
-    devices = {b.device for b in buffers.values()}
+    out: dict[Part, list[torch.Tensor]] = {}
+    for p in layout.parts:
+        given = buffers[p.part]
+        if isinstance(given, torch.Tensor):
+            shape = (p.num_slots, physical_pages, p.page_bytes)
+            if tuple(given.shape) != shape or given.dtype != torch.uint8 or not given.is_contiguous():
+                raise ValueError(
+                    f"{p.part.value} device buffer must be a contiguous uint8 tensor of shape {shape}, "
+                    f"got {tuple(given.shape)} {given.dtype}"
+                )
+            layers = list(given.unbind(0))
+        else:
+            layers = [_as_pages(p.part.value, slot, t, physical_pages, p.page_bytes) for slot, t in enumerate(given)]
+            if len(layers) != p.num_slots:
+                raise ValueError(f"{p.part.value}: {len(layers)} layer buffers given, the layout has {p.num_slots}")
+        out[p.part] = layers
+    devices = {t.device for layers in out.values() for t in layers}
     if len(devices) != 1:
         raise ValueError(f"device buffers live on several devices: {devices}")
-    for p in layout.parts:
-        b = buffers[p.part]
-        shape = (p.num_slots, physical_pages, p.page_bytes)
-        if tuple(b.shape) != shape or b.dtype != torch.uint8 or not b.is_contiguous():
-            raise ValueError(
-                f"{p.part.value} device buffer must be a contiguous uint8 tensor of shape {shape}, "
-                f"got {tuple(b.shape)} {b.dtype}"
-            )
-    return dict(buffers)
+    return out
+
+
+def _as_pages(part: str, slot: int, t: torch.Tensor, physical_pages: int, page_bytes: int) -> torch.Tensor:
+    """View one layer's tensor (any dtype, page-major, contiguous) as uint8 [pages, page_bytes]."""
+    if not t.is_contiguous():
+        raise ValueError(f"{part} layer slot {slot}: the buffer must be contiguous")
+    flat = t.view(torch.uint8).reshape(-1)
+    if flat.numel() != physical_pages * page_bytes:
+        raise ValueError(
+            f"{part} layer slot {slot}: {flat.numel()} bytes, expected {physical_pages} pages x {page_bytes} B"
+        )
+    return flat.view(physical_pages, page_bytes)

@@ -356,3 +356,47 @@ def test_split_at_chunks_covers_every_byte_and_never_crosses(runs: list[tuple[in
     want = {(int(a) + k, int(b) + k) for a, b, s in zip(host, other, sizes) for k in range(int(s))}
     got = {(int(a) + k, int(b) + k) for a, b, s in zip(h, o, n) for k in range(int(s))}
     assert got == want
+
+
+# -- per-layer device buffers (an engine's own KV tensors) ----------------------------------
+
+
+def test_device_pool_takes_one_engine_tensor_per_layer() -> None:
+    """An engine that allocates every layer separately, in its own dtype and
+    shape (page-major), hands those tensors in: copies land in them, and the
+    bytes outside the copied pages stay as they were."""
+    layout = small_layout()
+    pages = 16
+    own = {
+        p.part: [torch.zeros((pages, p.page_bytes // 2), dtype=torch.bfloat16) for _ in p.layer_ids]
+        for p in layout.parts
+    }
+    dev = DevicePool(layout, pages, buffers=own)
+    rng = np.random.default_rng(0)
+    with HostPool(layout, 20 * layout.bytes_per_page, pin=False) as host:
+        engine = make_engine("cpu", dev, host)
+        try:
+            for p in layout.parts:
+                for layer in p.layer_ids:
+                    slot = p.slot(layer)
+                    hview = host.layer_view(p.part, slot)
+                    hview[:] = rng.integers(0, 256, hview.shape, dtype=np.uint8)
+                    d_pages, h_pages = random_pairs(rng, 5, pages, host.physical_pages)
+                    engine.submit_load(p.part, layer, h_pages, d_pages).wait()
+                    got = own[p.part][slot].view(torch.uint8).numpy()  # the engine's tensor itself
+                    np.testing.assert_array_equal(got[d_pages], hview[h_pages])
+                    untouched = np.setdiff1d(np.arange(pages), d_pages)
+                    assert not got[untouched].any()
+                    assert dev.layer_ptr(p.part, slot) == own[p.part][slot].data_ptr()
+        finally:
+            engine.close()
+
+
+def test_device_pool_rejects_layer_tensors_of_the_wrong_size() -> None:
+    layout = small_layout()
+    bad = {p.part: [torch.zeros((8, p.page_bytes + 2), dtype=torch.uint8) for _ in p.layer_ids] for p in layout.parts}
+    with pytest.raises(ValueError, match="expected 8 pages"):
+        DevicePool(layout, 8, buffers=bad)
+    short = {p.part: [torch.zeros((8, p.page_bytes), dtype=torch.uint8)] for p in layout.parts}
+    with pytest.raises(ValueError, match="layer buffers given"):
+        DevicePool(layout, 8, buffers=short)

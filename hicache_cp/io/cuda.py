@@ -249,8 +249,7 @@ class CudaCopyEngine(CopyEngine):
 
     def device_layer_ptr(self, part: Part, slot: int) -> int:
         """Device address of page 0 of one layer of the device pool."""
-        buf = self.device_pool.buffer(part)
-        return buf.data_ptr() + slot * buf.stride(0)
+        return self.device_pool.layer_ptr(part, slot)
 
     def host_layer_ptr(self, part: Part, slot: int) -> int:
         """Device (= host, UVA) address of page 0 of one layer of the host pool."""
@@ -480,7 +479,7 @@ class StagingCopyEngine(CudaCopyEngine):
             raise ValueError(f"staging buffer of {self.staging_bytes} B holds no {page_bytes} B page")
         order = np.argsort(host_pages, kind="stable")
         host_sorted, dev_sorted = host_pages[order], device_pages[order]
-        layer = self.device_pool.buffer(part)[slot]  # [physical_pages, page_bytes]
+        layer = self.device_pool.layer(part, slot)  # [physical_pages, page_bytes]
         staging = self._staging[direction]
         host_base = self.host_layer_ptr(part, slot) - self._host_dev_base[part]  # arena byte offset
         for lo in range(0, len(host_sorted), cap):

@@ -94,9 +94,17 @@ class RegistrationDescriptor:
 
     @classmethod
     def from_device_pool(cls, pool: object) -> RegistrationDescriptor:
-        """L1: a `DevicePool` (its buffers' data_ptr(); host tensors on CPU)."""
-        bases = {part: int(buf.data_ptr()) for part, buf in pool.buffers.items()}  # type: ignore[attr-defined]
-        return cls.from_buffers("L1", pool.layout, bases, pool.physical_pages)  # type: ignore[attr-defined]
+        """L1: a `DevicePool`, one buffer per layer (host tensors on CPU)."""
+        layout: KVLayout = pool.layout  # type: ignore[attr-defined]
+        parts = [
+            PartRegistration(
+                part=p.part.value, layer_ids=list(p.layer_ids), page_bytes=p.page_bytes, slots=p.num_slots,
+                pages=pool.physical_pages,  # type: ignore[attr-defined]
+                bases=[pool.layer_ptr(p.part, s) for s in range(p.num_slots)],  # type: ignore[attr-defined]
+                page_stride=p.page_bytes)
+            for p in layout.parts
+        ]
+        return cls("L1", layout.page_size, parts)
 
     @classmethod
     def from_host_pool(cls, pool: object) -> RegistrationDescriptor:
@@ -115,8 +123,18 @@ class RegistrationDescriptor:
         return any(p.part == part.value for p in self.parts)
 
     def regions(self) -> list[tuple[int, int]]:
-        """(base, nbytes) of each part's whole buffer, to register with the engine."""
-        return [(p.bases[0], p.slots * p.pages * p.page_bytes) for p in self.parts]
+        """(base, nbytes) of the memory to register with the engine: each
+        part's layer buffers, adjacent ones merged (one region per part when
+        the part is one contiguous buffer)."""
+        out: list[tuple[int, int]] = []
+        for p in self.parts:
+            layer_bytes = p.pages * p.page_stride
+            for base in p.bases:
+                if out and out[-1][0] + out[-1][1] == base:
+                    out[-1] = (out[-1][0], out[-1][1] + layer_bytes)
+                else:
+                    out.append((base, layer_bytes))
+        return out
 
     # -- serialisation -----------------------------------------------------
     def to_dict(self) -> dict[str, object]:

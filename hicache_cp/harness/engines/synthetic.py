@@ -153,7 +153,7 @@ class ReferenceServer:
         physical, positions = self._owned(pages, first)
         if not len(physical):
             return
-        buf = self.cache.device_pool.buffer(part.part)[part.slot(layer)]
+        buf = self.cache.device_pool.layer(part.part, part.slot(layer))
         if buf.device.type == "cpu":
             buf.numpy()[physical] = integrity.content(hashes[positions - first], part.part, layer, part.page_bytes)
         else:  # generated on the GPU, on the compute stream: a real kernel the copies overlap with
@@ -179,7 +179,7 @@ class ReferenceServer:
 
     def _bad_rows(self, part: PartLayout, layer: int, physical: np.ndarray, hashes: np.ndarray) -> np.ndarray | torch.Tensor:
         """Per page: do its bytes of `part`, `layer` differ from the computed ones?"""
-        buf = self.cache.device_pool.buffer(part.part)[part.slot(layer)]
+        buf = self.cache.device_pool.layer(part.part, part.slot(layer))
         if buf.device.type == "cpu":
             expected = integrity.content(hashes, part.part, layer, part.page_bytes)
             return (buf.numpy()[physical] != expected).any(axis=1)
