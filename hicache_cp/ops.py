@@ -23,7 +23,12 @@ Load-back (H2D, host pages -> newly allocated device pages):
     bytes are not the cached KV: the request holding them recomputes them.
 
 Each op keeps, per part, the set of layers submitted and landed, and the
-tickets still in flight. `local_vote()` condenses that into the two numbers
+tickets still in flight. "Landed" means the bytes landed: a layer of a part
+counts as landed only when copies covering every page of the op that this
+rank owns were submitted and have completed. A submission that covers fewer
+pages fails the op (`ConsistencyError` with part, layer and rank context,
+agreed at the next poll), and a backup whose forward ended with a layer of
+a part never submitted fails at `insert` (`missing_layers`). `local_vote()` condenses that into the two numbers
 the CP agreement reduces with MIN (see `hicache_cp.cp.agreement`). Only
 `transition()` changes `state`, and it checks the table.
 """
@@ -38,7 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hicache_cp.cp.agreement import Vote
-from hicache_cp.errors import IllegalTransition
+from hicache_cp.errors import ConsistencyError, IllegalTransition
 from hicache_cp.io.base import CopyTicket, TicketState
 from hicache_cp.layout import KVLayout, Model, Part
 
@@ -89,6 +94,8 @@ class _CopyOp:
     device_pages: np.ndarray  # logical L1 pages
     host_pages: np.ndarray  # logical L2 pages
     first_position: int  # request-absolute page position of the first page
+    local_pages: int = -1  # pages of the op this rank owns and copies (CP); -1: all of them
+    rank: int = 0
     id: int = field(default_factory=lambda: next(_op_ids))
     submitted: dict[Part, set[int]] = field(default_factory=dict)
     landed: dict[Part, set[int]] = field(default_factory=dict)
@@ -96,8 +103,13 @@ class _CopyOp:
     error: BaseException | None = None
     nbytes: int = 0
 
+    kind = "op"
+
     def __post_init__(self) -> None:
         assert len(self.device_pages) == len(self.host_pages), (len(self.device_pages), len(self.host_pages))
+        if self.local_pages < 0:
+            self.local_pages = len(self.device_pages)
+        assert self.local_pages <= len(self.device_pages), (self.local_pages, len(self.device_pages))
         for p in self.layout.parts:
             self.submitted[p.part] = set()
             self.landed[p.part] = set()
@@ -112,6 +124,15 @@ class _CopyOp:
     def all_landed(self) -> bool:
         return all(len(self.landed[p.part]) == p.num_slots for p in self.layout.parts)
 
+    def missing_layers(self) -> dict[Part, list[int]]:
+        """Layers of each part never submitted (empty when all were)."""
+        out = {}
+        for p in self.layout.parts:
+            missing = [layer for layer in p.layer_ids if layer not in self.submitted[p.part]]
+            if missing:
+                out[p.part] = missing
+        return out
+
     def layers_to_submit(self, model: Model, layer: int) -> list[Part]:
         """Parts of `model` that own `layer` and have not submitted it yet."""
         return [
@@ -121,8 +142,27 @@ class _CopyOp:
         ]
 
     def record_submit(self, part: Part, layer: int, tickets: list[CopyTicket]) -> None:
+        """Record the copies submitted for one layer of one part.
+
+        They must cover every page this rank owns (`local_pages`): an empty
+        list is right only for a rank that owns none. Anything else records a
+        ConsistencyError, so the op fails on every rank at the next poll and
+        that layer never counts as landed.
+        """
         assert layer not in self.submitted[part], (self.id, part, layer)
         self.submitted[part].add(layer)
+        page_bytes = self.layout.part(part).page_bytes
+        covered = sum(t.nbytes for t in tickets) // page_bytes
+        if covered != self.local_pages:
+            self.error = self.error or ConsistencyError(
+                f"{self.kind} {self.id}: copies submitted for {covered} of the {self.local_pages} pages this rank owns",
+                pages=self.device_pages,
+                part=part.value,
+                layer=layer,
+                rank=self.rank,
+            )
+            self.inflight.extend(tickets)
+            return
         if tickets:
             self.inflight.extend(tickets)
         else:  # this rank owns none of the pages: nothing to copy
@@ -131,8 +171,8 @@ class _CopyOp:
     def reap(self) -> None:
         """Move finished tickets out of flight; record landed layers and failures.
 
-        A layer counts as landed when no ticket of it is still in flight.
-        Non-blocking.
+        A layer counts as landed when none of its tickets is still in flight
+        and none failed (a failure fails the op instead). Non-blocking.
         """
         still: list[CopyTicket] = []
         finished: list[CopyTicket] = []
@@ -146,6 +186,8 @@ class _CopyOp:
                 finished.append(t)
                 self.nbytes += t.nbytes
         self.inflight = still
+        if self.error is not None:
+            return
         pending_layers = {(t.part, t.layer) for t in still}
         for t in finished:
             if (t.part, t.layer) not in pending_layers:
@@ -162,6 +204,7 @@ class BackupOp(_CopyOp):
 
     layerwise: bool = True
     state: BackupState = BackupState.RESERVED
+    kind = "backup"
     nodes: list[Node] = field(default_factory=list)
     #: Loads of the prefix that were in flight when these pages were computed:
     #: the backup commits only after all of them are DONE, and fails if one aborts.
@@ -189,6 +232,7 @@ class LoadOp(_CopyOp):
     """An H2D load of host-only nodes into newly allocated device pages."""
 
     state: LoadState = LoadState.RESERVED
+    kind = "load"
     nodes: list[Node] = field(default_factory=list)
     by_layer: dict[tuple[Part, int], list[CopyTicket]] = field(default_factory=dict)
 

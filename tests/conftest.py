@@ -288,6 +288,24 @@ def land(cache: HiCache) -> None:
     cache.poll()
 
 
+def _evict_all(cache, field: str, pool) -> None:  # type: ignore[no-untyped-def]
+    """Raise one tier's free-room target to its whole pool for one ensure_free."""
+    old = getattr(cache.config, field)
+    setattr(cache.config, field, pool.allocator.capacity)
+    try:
+        cache.ensure_free()
+    finally:
+        setattr(cache.config, field, old)
+
+
+def evict_all_l1(cache) -> None:  # type: ignore[no-untyped-def]
+    _evict_all(cache, "l1_free_room", cache.device_pool)
+
+
+def evict_all_l2(cache) -> None:  # type: ignore[no-untyped-def]
+    _evict_all(cache, "l2_free_room", cache.host_pool)
+
+
 def tokens_of(*page_ids: int) -> np.ndarray:
     """A token sequence whose pages are identified by `page_ids` (equal id, equal page)."""
     return np.concatenate([np.full(PAGE, i, dtype=np.int64) for i in page_ids]) if page_ids else np.empty(0, np.int64)
@@ -373,6 +391,14 @@ class TwoRankAgreement(Agreement):
         if self.rank == 0:
             s.calls += 1
         return out
+
+    def min_int(self, value: int) -> int:
+        s = self.shared
+        s.votes[self.rank] = [value]  # type: ignore[list-item]
+        s.barrier.wait()
+        out = min(s.votes[0][0], s.votes[1][0])  # type: ignore[type-var]
+        s.barrier.wait()
+        return out  # type: ignore[return-value]
 
 
 def poll_both(c0: HiCache, c1: HiCache) -> None:

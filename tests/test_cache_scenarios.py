@@ -21,25 +21,7 @@ from hicache_cp.layout import Model, Part
 from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
 from hicache_cp.radix import HostState
 
-from conftest import Faults, expected_bytes, fill_pattern, land, run_request, tokens_of
-
-
-def _evict_all(cache, field: str, pool) -> None:  # type: ignore[no-untyped-def]
-    """Raise one tier's free-room target to its whole pool for one ensure_free."""
-    old = getattr(cache.config, field)
-    setattr(cache.config, field, pool.allocator.capacity)
-    try:
-        cache.ensure_free()
-    finally:
-        setattr(cache.config, field, old)
-
-
-def evict_all_l1(cache) -> None:  # type: ignore[no-untyped-def]
-    _evict_all(cache, "l1_free_room", cache.device_pool)
-
-
-def evict_all_l2(cache) -> None:  # type: ignore[no-untyped-def]
-    _evict_all(cache, "l2_free_room", cache.host_pool)
+from conftest import Faults, evict_all_l1, evict_all_l2, expected_bytes, fill_pattern, land, run_request, tokens_of
 
 
 # ---- backup ------------------------------------------------------------------------------

@@ -340,3 +340,21 @@ def test_replay_cp2_on_two_gpus_matches_cp1(backend: str) -> None:
     assert two["l1_hit_tokens"] + two["l2_hit_tokens"] == one["l1_hit_tokens"] + one["l2_hit_tokens"]
     assert two["l2_hit_tokens"] > 0 and two["bytes_h2d"] > 0
     assert [r["rank"] for r in two["per_rank"]] == [0, 1]
+
+
+def _disagreeing_op_lists(ctx: RankContext) -> None:
+    """Rank 1 has one op more in flight than rank 0 (a replication bug)."""
+    from hicache_cp.cp.agreement import Vote
+
+    votes = [Vote(ok=True, settled=False)] * (2 + ctx.rank)
+    ctx.agreement.reduce(votes)
+
+
+def test_agreement_catches_ranks_with_different_op_counts() -> None:
+    """The op count rides along with the votes: ranks whose op lists diverged
+    fail loudly with both counts instead of mixing two ops' votes."""
+    with pytest.raises(RankFailed) as info:
+        spawn_ranks(_disagreeing_op_lists, 2, timeout_s=TIMEOUT_S)
+    text = str(info.value)
+    assert "CP ranks disagree on the number of in-flight ops" in text
+    assert "min_ops=2" in text and "max_ops=3" in text

@@ -161,3 +161,34 @@ def test_malformed_trace_names_the_line(content: str, line: int, tmp_path: Path,
     assert f"{trace}:{line}:" in err
     assert "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_checker_that_skips_a_part_fails_the_run(monkeypatch, tmp_path) -> None:
+    """Integrity coverage is computed, not assumed: a checker that silently
+    skips the draft parts covers fewer units than were reused, and the run
+    exits 1 although no byte it did compare differs."""
+    from hicache_cp.harness.cli import main
+    from hicache_cp.harness.engines.synthetic import ReferenceServer
+    from hicache_cp.layout import Model
+
+    real = ReferenceServer._units
+    monkeypatch.setattr(
+        ReferenceServer, "_units", lambda self: [(p, l) for p, l in real(self) if p.part.model is Model.TARGET]
+    )
+    out = tmp_path / "r.json"
+    assert main(["replay", "--limit", "40", "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["integrity_mismatches"] == 0
+    assert 0 < report["integrity_checked_units"] < report["integrity_expected_units"]
+    assert any("covered" in f for f in report["integrity_failures"])
+
+
+def test_checked_units_equal_expected_units(tmp_path) -> None:
+    from hicache_cp.harness.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["replay", "--limit", "60", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["integrity_expected_units"] > 0
+    assert report["integrity_checked_units"] == report["integrity_expected_units"]
+    assert report["integrity_failures"] == []

@@ -69,7 +69,7 @@ class Lifecycle:
             self._truncate_match(match)
             return None
         s.loose_device_pages -= n
-        op = LoadOp(s.layout, pages, match.host_pages, first)
+        op = LoadOp(s.layout, pages, match.host_pages, first, self._local_pages(pages), s.rank)
         offset = 0
         for node in match.host_nodes:
             node.device_pages = pages[offset : offset + node.num_pages]
@@ -118,7 +118,10 @@ class Lifecycle:
         host = self.evictor.reserve_host(len(device_pages), first_position)
         if host is None:
             return None
-        op = BackupOp(s.layout, np.asarray(device_pages, np.int64), host, first_position, layerwise=True)
+        device_pages = np.asarray(device_pages, np.int64)
+        op = BackupOp(
+            s.layout, device_pages, host, first_position, self._local_pages(device_pages), s.rank, layerwise=True
+        )
         s.backups.append(op)
         s.metrics.backups_started += 1
         return op
@@ -145,7 +148,8 @@ class Lifecycle:
         host = self.evictor.reserve_host(node.num_pages, node.first_position)
         if host is None:
             return None
-        op = BackupOp(s.layout, node.device_pages, host, node.first_position, layerwise=False)  # type: ignore[arg-type]
+        pages: np.ndarray = node.device_pages  # type: ignore[assignment]
+        op = BackupOp(s.layout, pages, host, node.first_position, self._local_pages(pages), s.rank, layerwise=False)
         op.after, _ = prefix_loads(node)  # a stale node is refused above; so is its subtree
         self.attach(op, node)
         s.backups.append(op)
@@ -217,7 +221,11 @@ class Lifecycle:
             if any(op.nodes == [] and op.state is not BackupState.FAILING for op in s.backups):
                 break  # unattached backups wait for their insert
         if s.loads or any(op.nodes for op in s.backups):
-            raise RuntimeError(f"rank {s.rank}: ops still in flight after drain: {s.backups + s.loads}")
+            unsubmitted = {op.id: op.missing_layers() for op in s.backups if op.missing_layers()}
+            raise RuntimeError(
+                f"rank {s.rank}: ops still in flight after drain: {s.backups + s.loads}; "
+                f"layers never submitted by a layer hook: {unsubmitted}"
+            )
 
     def _decide_backup(self, op: BackupOp, ok: bool, settled: bool) -> None:
         s = self.s
@@ -314,6 +322,12 @@ class Lifecycle:
             for layer in range(self.s.layout.num_layers(model)):
                 for part in op.layers_to_submit(model, layer):
                     op.record_submit(part, layer, self._submit(op, direction, part, layer))
+
+    def _local_pages(self, device_pages: np.ndarray) -> int:
+        """How many of these logical pages this rank owns (and copies)."""
+        if self.s.cp_size == 1:
+            return len(device_pages)
+        return int(cp_mapping.owned_mask(device_pages, self.s.rank, self.s.cp_size).sum())
 
     def _submit(self, op: BackupOp | LoadOp, direction: Direction, part: Part, layer: int) -> list[CopyTicket]:
         """Submit this rank's share of one layer of one part; [] if it owns none."""

@@ -2,7 +2,7 @@
 
 Each `poll()` condenses every in-flight op into a `Vote` per rank (`ok`: no
 failure seen; `settled`: nothing in flight and either fully landed or
-failing) and reduces all votes with one MIN all-reduce over a small packed
+failing) and reduces all votes with a MIN all-reduce over a small packed
 tensor, so a failure (0) on any rank wins and every rank applies the same
 decision at the same step:
 
@@ -12,8 +12,11 @@ decision at the same step:
     otherwise              -> still in flight
 
 Ops are listed in creation order, which every rank shares because the cache
-metadata is replicated. At most one collective per poll, none when no op is
-in flight.
+metadata is replicated. A poll with ops in flight costs two tiny collectives:
+first the op count (a fixed-size [n, -n] MIN, so ranks whose op lists
+diverged - a bug - are caught with both counts, where a vote tensor of
+another length would break or hang the collective), then the votes. None
+when no op is in flight.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from hicache_cp.errors import ConsistencyError
 
@@ -43,12 +48,19 @@ class Agreement(abc.ABC):
     def reduce(self, votes: Sequence[Vote]) -> list[Vote]:
         """Element-wise MIN of every rank's votes (same length on every rank)."""
 
+    @abc.abstractmethod
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+
 
 class LocalAgreement(Agreement):
     """A single rank agrees with itself."""
 
     def reduce(self, votes: Sequence[Vote]) -> list[Vote]:
         return list(votes)
+
+    def min_int(self, value: int) -> int:
+        return value
 
 
 class DistributedAgreement(Agreement):
@@ -67,26 +79,26 @@ class DistributedAgreement(Agreement):
         self.collectives = 0
 
     def reduce(self, votes: Sequence[Vote]) -> list[Vote]:
-        import torch
-
         n = len(votes)
-        packed = torch.empty(2 * n + 1, dtype=torch.int32)
-        packed[0] = n
-        for i, v in enumerate(votes):
-            packed[1 + 2 * i] = int(v.ok)
-            packed[2 + 2 * i] = int(v.settled)
-        # The op count rides along so that ranks whose op lists diverged are
-        # caught (a bug) instead of silently mixing two ops' votes.
-        check = torch.tensor([n, -n], dtype=torch.int32)
-        buf = torch.cat([check, packed]).to(self.device)
-        self._dist.all_reduce(buf, op=self._dist.ReduceOp.MIN, group=self.group)
-        self.collectives += 1
-        out = buf.cpu()
-        if int(out[0]) != n or int(-out[1]) != n:
+        low, neg_high = self._all_min(np.array([n, -n], dtype=np.int32))
+        if low != n or -neg_high != n:
             raise ConsistencyError(
                 "CP ranks disagree on the number of in-flight ops",
                 rank=self.rank,
-                details={"local_ops": n, "min_ops": int(out[0]), "max_ops": int(-out[1])},
+                details={"local_ops": n, "min_ops": int(low), "max_ops": int(-neg_high)},
             )
-        body = out[3:]
-        return [Vote(ok=bool(body[2 * i]), settled=bool(body[2 * i + 1])) for i in range(n)]
+        packed = np.array([(v.ok, v.settled) for v in votes], dtype=np.int32).reshape(-1)
+        out = self._all_min(packed)
+        return [Vote(ok=bool(out[2 * i]), settled=bool(out[2 * i + 1])) for i in range(n)]
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. a host budget every rank can afford)."""
+        return int(self._all_min(np.array([value], dtype=np.int64))[0])
+
+    def _all_min(self, values: np.ndarray) -> np.ndarray:
+        import torch
+
+        buf = torch.from_numpy(values).to(self.device)
+        self._dist.all_reduce(buf, op=self._dist.ReduceOp.MIN, group=self.group)
+        self.collectives += 1
+        return buf.cpu().numpy()

@@ -17,6 +17,9 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
+
+from hicache_cp.harness.errors import ExitCode, bad_input_types
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("hicache_cp.harness.replay.command", "replay a trace through the reference server (the main job)"),
@@ -28,25 +31,53 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache-cp", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO, -vv: DEBUG logging")
+    parser = argparse.ArgumentParser(
+        prog="hicache-cp",
+        description=__doc__.split("\n\n")[0],
+        epilog="exit codes: 0 ok, 1 integrity failure, 2 invalid input, 3 internal error",
+    )
+    verbose = argparse.ArgumentParser(add_help=False)  # -v before or after the subcommand
+    verbose.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                         help="-v: INFO logging and tracebacks, -vv: DEBUG")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logging and tracebacks, -vv: DEBUG")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if a in COMMANDS), None)
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, parents=[verbose])
         if name == chosen:  # import only the module of the command being run
             importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; the one place that turns exceptions into exit codes."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
+    try:
+        parser = build_parser(argv)
+    except bad_input_types() as exc:  # a command's option table needs a missing extra
+        print(f"hicache-cp: error: {exc}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
     args = parser.parse_args(argv)
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args))
+    prog = f"hicache-cp {args.command}"
+    try:
+        module = importlib.import_module(COMMANDS[args.command][0])
+        return int(module.run(args))
+    except bad_input_types() as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI boundary: a bug, reported with its code
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (run with -v for the traceback)"
+        print(f"{prog}: internal error: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
+        return ExitCode.INTERNAL
 
 
 if __name__ == "__main__":

@@ -61,9 +61,23 @@ class RequestResult:
 
 @dataclass
 class IntegrityReport:
-    checked_pages: int = 0  # page-layer-part units compared
+    """What the byte checks covered and found.
+
+    `expected_units` is derived from what each request reused (its owned
+    reused pages times every layer of every part), independently of the
+    checker; `checked_units` counts the (page, part, layer) units the checker
+    compared. A run is clean only when they are equal and nothing mismatched.
+    """
+
+    checked_pages: int = 0  # reused pages compared (on this rank)
+    checked_units: int = 0  # (page, part, layer) units compared
+    expected_units: int = 0  # (page, part, layer) units that had to be compared
     mismatches: int = 0
     examples: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.checked_units == self.expected_units
 
     def add(self, found: list[Mismatch]) -> None:
         self.mismatches += len(found)
@@ -123,6 +137,7 @@ class ReferenceServer:
                     self._compute(part, layer, loaded, hashes[reused:start], reused)
             cache.recomputed(load)
         if self.verify and reused:
+            self.integrity.expected_units += self._owned_count(page_table[:reused]) * self._units_per_page
             self._verify(request, page_table[:reused], hashes[:reused])
         if self.sink is not None:
             self.sink.send_request(request, node, hashes, cache)
@@ -144,6 +159,14 @@ class ReferenceServer:
         return True
 
     # ---- bytes -------------------------------------------------------------------------------
+
+    @property
+    def _units_per_page(self) -> int:
+        return sum(p.num_slots for p in self.layout.parts)
+
+    def _owned_count(self, pages: np.ndarray) -> int:
+        """How many of a request's leading pages (positions 0..) this rank owns."""
+        return len(pages) if self.cache.cp_size == 1 else int(cp_mapping.owned_mask(pages, self.cache.rank, self.cache.cp_size).sum())
 
     def _owned(self, pages: np.ndarray, first_position: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's (physical pages, request-absolute positions) of `pages`."""
@@ -167,15 +190,20 @@ class ReferenceServer:
         physical, positions = self._owned(pages, 0)
         if not len(physical):
             return
-        checks = [(part, layer) for part in self.layout.parts for layer in part.layer_ids]
+        checks = self._units()
         bad_rows = [self._bad_rows(part, layer, physical, hashes[positions]) for part, layer in checks]
         bad = torch.stack(bad_rows).cpu().numpy() if isinstance(bad_rows[0], torch.Tensor) else np.stack(bad_rows)
-        self.integrity.checked_pages += len(physical) * len(checks)
+        self.integrity.checked_pages += len(physical)
+        self.integrity.checked_units += len(physical) * len(checks)
         for (part, layer), row in zip(checks, bad):
             if row.any():
                 self.integrity.add(
                     [Mismatch(request, int(positions[i]), part.part.value, layer, self.cache.rank) for i in np.flatnonzero(row)]
                 )
+
+    def _units(self) -> list[tuple[PartLayout, int]]:
+        """The (part, layer) units the checker compares on every reused page."""
+        return [(part, layer) for part in self.layout.parts for layer in part.layer_ids]
 
     def _bad_rows(self, part: PartLayout, layer: int, physical: np.ndarray, hashes: np.ndarray) -> np.ndarray | torch.Tensor:
         """Per page: do its bytes of `part`, `layer` differ from the computed ones?"""

@@ -22,9 +22,9 @@ from typing import Any
 from hicache_cp.config import PRESETS
 from hicache_cp.harness.replay.multirank import run_ranks
 from hicache_cp.harness.replay.rank import replay_rank
-from hicache_cp.harness.replay.report import compute_bounds, print_table, write_json
-from hicache_cp.harness.replay.setup import InputError, build_config, check_args, load_requests
-from hicache_cp.harness.trace import TraceError
+from hicache_cp.harness.errors import ExitCode
+from hicache_cp.harness.replay.report import compute_bounds, integrity_failures, print_table, write_json
+from hicache_cp.harness.replay.setup import build_config, check_args, load_requests
 from hicache_cp.policy import policy_names
 
 
@@ -56,15 +56,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        report = replay(args)
-    except (InputError, TraceError, ValueError) as exc:
-        print(f"hicache-cp replay: error: {exc}", file=sys.stderr)
-        return 2
+    """The command: exit 0 when clean, 1 on any integrity failure (see
+    `hicache_cp.harness.errors`); bad input raises and the CLI reports it."""
+    report = replay(args)
+    failures = integrity_failures(report)
+    report["integrity_failures"] = failures
     print_table(report)
     if args.json:
         write_json(args.json, report)
-    return 1 if report["integrity_mismatches"] else 0
+    for f in failures:
+        print(f"hicache-cp replay: integrity failure: {f}", file=sys.stderr)
+    return ExitCode.INTEGRITY if failures else ExitCode.OK
 
 
 def replay(args: argparse.Namespace) -> dict[str, Any]:

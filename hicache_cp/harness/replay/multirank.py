@@ -25,7 +25,10 @@ from hicache_cp.harness.replay.rank import replay_rank
 from hicache_cp.harness.trace import TraceRequest
 
 # Counters each rank measures for its own pages: summed over ranks.
-PER_RANK_SUM_KEYS = ("bytes_d2h", "bytes_h2d", "integrity_checked_pages", "integrity_mismatches", "host_bytes")
+PER_RANK_SUM_KEYS = (
+    "bytes_d2h", "bytes_h2d", "integrity_checked_pages", "integrity_checked_units", "integrity_expected_units",
+    "integrity_mismatches", "host_bytes",
+)  # fmt: skip
 # Decisions every rank makes identically: taken from rank 0, checked on all.
 REPLICATED_KEYS = (
     "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "hit_rate",
@@ -115,6 +118,8 @@ def _per_rank(rank: int, rep: dict[str, Any]) -> dict[str, Any]:
         "bytes_d2h": rep.get("bytes_d2h"),
         "bytes_h2d": rep.get("bytes_h2d"),
         "integrity_checked_pages": rep.get("integrity_checked_pages"),
+        "integrity_checked_units": rep.get("integrity_checked_units"),
+        "integrity_expected_units": rep.get("integrity_expected_units"),
         "integrity_mismatches": rep.get("integrity_mismatches"),
         "collectives": rep.get("collectives"),
         "wall_s": rep.get("wall_s"),

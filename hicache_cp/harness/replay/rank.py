@@ -19,7 +19,8 @@ from hicache_cp.harness.trace import TraceRequest, request_tokens
 REPORT_KEYS = (
     "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "hit_rate",
     "bytes_d2h", "bytes_h2d", "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2",
-    "integrity_checked_pages", "integrity_mismatches", "wall_s",
+    "integrity_checked_pages", "integrity_checked_units", "integrity_expected_units", "integrity_mismatches",
+    "wall_s",
 )  # fmt: skip
 
 
@@ -62,6 +63,8 @@ def replay_rank(
     report.update(
         requests=len(requests),
         integrity_checked_pages=server.integrity.checked_pages,
+        integrity_checked_units=server.integrity.checked_units,
+        integrity_expected_units=server.integrity.expected_units,
         integrity_mismatches=server.integrity.mismatches,
         mismatch_examples=[str(m) for m in server.integrity.examples[:10]],
         rejected_requests=server.rejected,

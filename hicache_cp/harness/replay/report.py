@@ -30,6 +30,28 @@ def compute_bounds(requests: list[TraceRequest], config: Config, args: argparse.
     }
 
 
+def integrity_failures(report: dict[str, Any]) -> list[str]:
+    """Every reason this run's bytes cannot be trusted (exit code 1); [] when clean.
+
+    Cache hits: mismatches, or byte checks that covered less than what was
+    reused. PD: rooms that failed or mismatched, transfers the decode peer
+    rejected."""
+    out = []
+    if report.get("integrity_mismatches"):
+        out.append(f"{report['integrity_mismatches']} reused (page, part, layer) units differ from what prefill computed")
+    checked, expected = report.get("integrity_checked_units"), report.get("integrity_expected_units")
+    if report.get("verified", True) and checked is not None and checked != expected:
+        out.append(f"byte checks covered {checked} of the {expected} reused (page, part, layer) units")
+    if report.get("pd_failed_rooms"):
+        out.append(f"{report['pd_failed_rooms']} of {report.get('pd_rooms')} PD rooms failed")
+    if report.get("pd_mismatches"):
+        out.append(f"{report['pd_mismatches']} PD pages differ at the decode peer")
+    rejected = (report.get("pd") or {}).get("decode_rejected")
+    if rejected:
+        out.append(f"the decode peer rejected {rejected} transfers")
+    return out
+
+
 def print_table(report: dict[str, Any]) -> None:
     rows = [(k, report[k]) for k in REPORT_KEYS if k in report]
     rows += [(k, report[k]) for k in ("rejected_requests", "l2_used_pages", "l2_capacity_pages") if k in report]

@@ -15,16 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache_cp.config import Config
-from hicache_cp.errors import HiCacheError
+from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.trace import TraceRequest, load_trace, unique_blocks
 from hicache_cp.harness.workload import default_workload
 
 EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to matter
 L2_TO_L1 = 8  # default L1 = L2 / 8
-
-
-class InputError(HiCacheError):
-    """Bad command-line input: reported as one line, exit code 2."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,93 @@
+""""Landed" means the bytes landed (issue 19): a layer of a part counts only
+when copies covering every page the rank owns were submitted and completed.
+
+Each test breaks one part of one direction's submission (a copy that covers
+one page too few, or no copy at all for a rank that owns pages) and checks
+that the op fails on poll: the backup's host copy never becomes visible, its
+reservation is released, and a load aborts instead of returning a hit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import evict_all_l1, land, run_request, tokens_of
+from hicache_cp.cache.lifecycle import Lifecycle
+from hicache_cp.config import Config
+from hicache_cp.errors import ConsistencyError
+from hicache_cp.io.base import Direction
+from hicache_cp.layout import Part
+from hicache_cp.ops import BackupOp, BackupState, LoadState
+
+PARTS = list(Part)
+
+
+def _short_submissions(monkeypatch: pytest.MonkeyPatch, direction: Direction, part: Part, *, drop_all: bool) -> None:
+    """Make the cache's submissions for (direction, part) cover one page too few (or none)."""
+    real = Lifecycle._submit
+
+    def short(self, op, d, p, layer):  # type: ignore[no-untyped-def]
+        if d is not direction or p is not part:
+            return real(self, op, d, p, layer)
+        if drop_all:
+            return []
+        dev, host = op.device_pages[:-1], op.host_pages[:-1]
+        if d is Direction.D2H:
+            return [self.s.engine.submit_backup(p, layer, dev, host)]
+        return [self.s.engine.submit_load(p, layer, host, dev)]
+
+    monkeypatch.setattr(Lifecycle, "_submit", short)
+
+
+@pytest.mark.parametrize("drop_all", [False, True], ids=["one-page-short", "nothing-submitted"])
+@pytest.mark.parametrize("part", PARTS, ids=[p.value for p in PARTS])
+def test_backup_with_a_short_part_never_commits(make_cache, monkeypatch, part: Part, drop_all: bool) -> None:
+    cache = make_cache(l1_pages=32, host_pages=32)
+    l2 = cache.host_pool.allocator
+    free0 = l2.free_pages
+    _short_submissions(monkeypatch, Direction.D2H, part, drop_all=drop_all)
+    r = run_request(cache, tokens_of(1, 2, 3), stop_after="poll")
+    bk = r.bk
+    assert bk is not None
+    # The op failed on the agreed poll: aborted, reservation released, nothing visible.
+    assert bk.state is BackupState.ABORTED
+    assert isinstance(bk.error, ConsistencyError) and bk.error.part == part.value
+    assert l2.free_pages == free0
+    assert r.node is not None and r.node.host_pages is None and not r.node.host_visible
+    r.release()
+    evict_all_l1(cache)
+    m = cache.match_prefix(tokens_of(1, 2, 3))
+    assert m.matched_pages == 0, "a backup missing a part must never become a hit"
+    cache.release(m.last_node)
+
+
+@pytest.mark.parametrize("drop_all", [False, True], ids=["one-page-short", "nothing-submitted"])
+@pytest.mark.parametrize("part", PARTS, ids=[p.value for p in PARTS])
+def test_load_with_a_short_part_aborts(make_cache, monkeypatch, part: Part, drop_all: bool) -> None:
+    cache = make_cache(l1_pages=32, host_pages=32)
+    first = run_request(cache, tokens_of(4, 5, 6))
+    assert first.bk is not None and first.bk.state is BackupState.COMMITTED
+    evict_all_l1(cache)
+    _short_submissions(monkeypatch, Direction.H2D, part, drop_all=drop_all)
+    r = run_request(cache, tokens_of(4, 5, 6), stop_after="load")
+    assert r.m is not None and r.m.host_len == 3 and r.load is not None
+    land(cache)
+    # Agreed: the load is not done; it aborted and its pages are stale (no hit for anyone).
+    assert r.load.state is LoadState.ABORTED
+    assert isinstance(r.load.error, ConsistencyError) and r.load.error.part == part.value
+    assert all(n.stale_load is r.load for n in r.load.nodes)
+    r.release()
+
+
+def test_empty_submission_is_landed_only_for_a_rank_that_owns_nothing() -> None:
+    layout = Config(model="tiny").layout()
+    pages = np.array([1, 2], np.int64)
+    owns_none = BackupOp(layout, pages, pages, 0, local_pages=0, rank=1)
+    owns_none.record_submit(Part.TARGET_KV, 0, [])
+    assert 0 in owns_none.landed[Part.TARGET_KV] and owns_none.error is None
+    owns_two = BackupOp(layout, pages, pages, 0, local_pages=2, rank=0)
+    owns_two.record_submit(Part.TARGET_KV, 0, [])
+    assert 0 not in owns_two.landed[Part.TARGET_KV]
+    assert isinstance(owns_two.error, ConsistencyError) and owns_two.error.layer == 0
+    assert not owns_two.local_vote().ok
