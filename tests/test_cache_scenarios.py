@@ -436,11 +436,16 @@ def test_load_failure_with_insert_before_poll_keeps_tree_consistent(make_cache) 
     # The load aborted; the device prefix and the node below it stay consistent.
     assert b.load.state is LoadState.ABORTED
     cache.check_invariants()
+    # The 2 pages computed on the invalid prefix are stale, their backup aborted
+    # and its reservation returned; the host copy of the prefix itself stays.
+    assert b.node.stale_load is b.load
+    assert b.bk is not None and b.bk.state is BackupState.ABORTED
+    assert l2.free_pages == l2_free0
+    assert l1.free_pages == l1_free0 - 4  # 2 loaded + 2 computed, still held by the request
     b.release()
     evict_all_l1(cache)
     evict_all_l2(cache)
     assert l1.free_pages == l1.capacity and l2.free_pages == l2.capacity
-    assert l1_free0 <= l1.capacity and l2_free0 <= l2.capacity
 
 
 # ---- eviction --------------------------------------------------------------------------------

@@ -30,9 +30,9 @@ which covers page ownership, leaks, evictable sets and op bookkeeping):
       copy fails
     * at the end, with everything released and drained, evicting to the
       whole capacity returns every page of both tiers
-    * bytes (one rank): each forward writes known bytes into its new L1
-      pages; every load agreed DONE must have brought back exactly those
-      bytes, every part, every layer
+    * bytes (every rank, its own pages): each forward writes known bytes
+      into its new L1 pages; every load agreed DONE must have brought back
+      exactly those bytes, every part, every layer
 
 `CudaCacheMachine` runs the same machine on the CUDA copy engines (real
 streams and events, pinned host pool), without injected copy failures.
@@ -54,12 +54,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import Request, TwoRankAgreement, expected_bytes, tiny_config, tokens_of, tree_snapshot  # noqa: E402
-from hicache_cp.cache import HiCache  # noqa: E402
+from hicache_cp.cache import HiCache
+from hicache_cp.cp import mapping as cp_mapping  # noqa: E402
 from hicache_cp.config import WritePolicy  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 from hicache_cp.layout import Model, Part, PartLayout  # noqa: E402
@@ -67,7 +68,7 @@ from hicache_cp.ops import LoadState  # noqa: E402
 from hicache_cp.radix import HostState  # noqa: E402
 
 STEPS_RUN = {"hypothesis": 0, "hypothesis_cp": 0, "hypothesis_cuda": 0}
-EVENTS: dict[str, int] = {}  # summed cache metrics of the hypothesis examples (coverage report)
+EVENTS: dict[str, dict[str, int]] = {}  # per machine: summed cache metrics of its examples (coverage)
 _COUNTED = ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages",
             "evictions_l1", "evictions_l2", "backups_all_layer", "l1_alloc_failures")
 VERIFIED = dict.fromkeys(STEPS_RUN, 0)  # loaded pages whose bytes were compared, per machine
@@ -147,8 +148,7 @@ class Driver:
         agreements: list[Any] = list(TwoRankAgreement.pair()) if ranks == 2 else [None]
         self.caches: list[HiCache] = []
         self.execs: list[dict[Direction, ManualExecutor]] = []
-        # Byte checks index the pools by logical page: one rank only.
-        self.write = write_known_bytes if ranks == 1 else None
+        self.write = write_known_bytes  # every rank writes and checks the pages it owns
         self.verified_pages = 0
         for rank in range(ranks):
             cfg = tiny_config(
@@ -237,8 +237,9 @@ class Driver:
             while load is not None and load.active:
                 self.copies_land(Direction.H2D)
                 self.poll()
-            recompute_aborted_load(o.reqs[0])
-            self.verified_pages += check_loaded_bytes(o.reqs[0])
+            for r in o.reqs:
+                recompute_aborted_load(r)
+                self.verified_pages += check_loaded_bytes(r)
         for r in o.reqs:
             r.release()
         self.open.remove(o)
@@ -413,10 +414,18 @@ class Driver:
 # ---- bytes -------------------------------------------------------------------------------------
 
 
+def _owned(cache: HiCache, pages: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's share of a request chunk: (physical pages, request positions)."""
+    return cp_mapping.owned_pages(pages, cache.rank, cache.cp_size, first)
+
+
 def _write_pages(cache: HiCache, tokens: np.ndarray, pages: np.ndarray, first: int, part: PartLayout, layer: int) -> None:
-    rows = [expected_bytes(tokens, first + i, part.part, layer, part.page_bytes) for i in range(len(pages))]
-    buf = cache.device_pool.buffer(part.part)[part.slot(layer)]
-    buf[torch.from_numpy(pages).to(buf.device)] = torch.from_numpy(np.stack(rows)).to(buf.device)
+    physical, positions = _owned(cache, pages, first)
+    if not len(physical):
+        return
+    rows = [expected_bytes(tokens, int(pos), part.part, layer, part.page_bytes) for pos in positions]
+    buf = cache.device_pool.layer(part.part, part.slot(layer))
+    buf[torch.from_numpy(physical).to(buf.device)] = torch.from_numpy(np.stack(rows)).to(buf.device)
 
 
 def write_known_bytes(req: Request, model: Model, layer: int) -> None:
@@ -441,22 +450,22 @@ def recompute_aborted_load(req: Request) -> None:
 
 def check_loaded_bytes(req: Request) -> int:
     """A load agreed DONE brought back exactly what the forward wrote, every part
-    and layer. Returns the number of pages checked."""
+    and layer, on this rank's pages. Returns the number of pages checked."""
     load = req.load
     if load is None or load.state is not LoadState.DONE:
         return 0
-    cache, first = req.cache, load.first_position
+    cache = req.cache
+    physical, positions = _owned(cache, load.device_pages, load.first_position)
     for p in cache.layout.parts:
         for layer in p.layer_ids:
-            buf = cache.device_pool.buffer(p.part)[p.slot(layer)]
-            got = buf[torch.from_numpy(load.device_pages).to(buf.device)].cpu().numpy()
-            for i in range(len(load.device_pages)):
-                want = expected_bytes(req.tokens, first + i, p.part, layer, p.page_bytes)
-                assert np.array_equal(got[i], want), (
-                    f"loaded bytes differ: page {first + i}, part {p.part.value}, layer {layer}, "
-                    f"device page {load.device_pages[i]}"
+            buf = cache.device_pool.layer(p.part, p.slot(layer))
+            got = buf[torch.from_numpy(physical).to(buf.device)].cpu().numpy()
+            for row, pos in zip(got, positions):
+                want = expected_bytes(req.tokens, int(pos), p.part, layer, p.page_bytes)
+                assert np.array_equal(row, want), (
+                    f"loaded bytes differ: page {pos}, part {p.part.value}, layer {layer}, rank {cache.rank}"
                 )
-    return len(load.device_pages)
+    return len(physical)
 
 
 # ---- hypothesis ---------------------------------------------------------------------------------
@@ -470,6 +479,7 @@ TARGET = st.integers(0, 14)
 class CacheMachine(RuleBasedStateMachine):
     ranks = 1
     counter = "hypothesis"
+    l1_pages = 13  # physical pages per rank, the dummy page included
 
     def __init__(self) -> None:
         super().__init__()
@@ -477,7 +487,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(list(WritePolicy)))
     def start(self, policy: WritePolicy) -> None:
-        self.d = Driver(ranks=self.ranks, write_policy=policy)
+        self.d = Driver(ranks=self.ranks, write_policy=policy, l1_pages=self.l1_pages)
 
     @rule(pages=PAGE_IDS, fail_load=st.integers(0, 3))
     def new_request(self, pages: list[int], fail_load: int) -> None:
@@ -557,8 +567,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.d is not None:
+            events = EVENTS.setdefault(self.counter, {})
             for k in _COUNTED:
-                EVENTS[k] = EVENTS.get(k, 0) + int(self.d.cache.stats()[k])  # type: ignore[call-overload]
+                events[k] = events.get(k, 0) + int(self.d.cache.stats()[k])  # type: ignore[call-overload]
             VERIFIED[self.counter] += self.d.verified_pages
             try:
                 self.d.finish()
@@ -569,6 +580,7 @@ class CacheMachine(RuleBasedStateMachine):
 class CpCacheMachine(CacheMachine):
     ranks = 2
     counter = "hypothesis_cp"
+    l1_pages = 10  # 18 logical pages over two ranks: enough L1 pressure for host hits
 
 
 class CudaCacheMachine(CacheMachine):
@@ -583,37 +595,51 @@ class CudaCacheMachine(CacheMachine):
 
 _settings = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
-TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=200, stateful_step_count=100, **_settings)  # type: ignore[arg-type]
+def _run_machine(machine: type[CacheMachine], **limits: int) -> tuple[int, dict[str, int], int]:
+    """Run a state machine here and now; return (steps, events, byte-checked pages).
 
-TestCpCacheMachine = CpCacheMachine.TestCase
-TestCpCacheMachine.settings = settings(max_examples=60, stateful_step_count=80, **_settings)  # type: ignore[arg-type]
+    Each test runs its own machine, so what it asserts about the run does not
+    depend on which other tests ran before it in the process."""
+    counter = machine.counter
+    STEPS_RUN[counter] = 0
+    VERIFIED[counter] = 0
+    EVENTS[counter] = {}
+    run_state_machine_as_test(machine, settings=settings(**limits, **_settings))  # type: ignore[arg-type]
+    print(f"\n{counter}: {STEPS_RUN[counter]} steps, {VERIFIED[counter]} loaded pages byte-checked, "
+          f"events {EVENTS[counter]}")
+    return STEPS_RUN[counter], EVENTS[counter], VERIFIED[counter]
 
-TestCudaCacheMachine = pytest.mark.gpu(
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(CudaCacheMachine.TestCase)
-)
-TestCudaCacheMachine.settings = settings(max_examples=40, stateful_step_count=60, **_settings)  # type: ignore[arg-type]
+
+def _assert_covered(events: dict[str, int], keys: tuple[str, ...]) -> None:
+    # The machines are derandomized: these guard against one silently degenerating.
+    for k in keys:
+        assert events.get(k, 0) > 0, f"the machine never reached {k}: {events}"
 
 
-def test_steps_reported() -> None:
-    """Runs last in this file: report how many random steps the machines ran."""
-    total = STEPS_RUN["hypothesis"]
-    if total:
-        print(f"\nstateful steps: {STEPS_RUN}; events: {EVENTS}")
-        # The machine is derandomized: these guard against it silently degenerating.
-        for k in ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"):
-            assert EVENTS.get(k, 0) > 0, f"the machine never reached {k}: {EVENTS}"
-        assert total >= 10_000, f"only {total} hypothesis steps ran"
-        assert VERIFIED["hypothesis"] > 0, "no loaded page was ever byte-checked"
+def test_cache_machine() -> None:
+    steps, events, verified = _run_machine(CacheMachine, max_examples=200, stateful_step_count=100)
+    assert steps >= 10_000, f"only {steps} hypothesis steps ran"
+    _assert_covered(events, ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"))
+    assert verified > 0, "no loaded page was ever byte-checked"
+
+
+def test_cp_cache_machine() -> None:
+    """Two CP ranks driven with identical calls: identical trees after every
+    step, and every rank byte-checks the loaded pages it owns."""
+    steps, events, verified = _run_machine(CpCacheMachine, max_examples=60, stateful_step_count=80)
+    assert steps >= 2_000, f"only {steps} two-rank steps ran"
+    _assert_covered(events, ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"))
+    assert verified > 0, "no loaded page was ever byte-checked on the two ranks"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_machine_ran() -> None:
-    """Runs after TestCudaCacheMachine: it took real steps and byte-checked loads."""
-    print(f"\nCUDA machine: {STEPS_RUN['hypothesis_cuda']} steps, {VERIFIED['hypothesis_cuda']} loaded pages byte-checked")
-    assert STEPS_RUN["hypothesis_cuda"] >= 500
-    assert VERIFIED["hypothesis_cuda"] > 0
+def test_cuda_cache_machine() -> None:
+    """The same machine on the CUDA engines: real steps, byte-checked loads."""
+    steps, events, verified = _run_machine(CudaCacheMachine, max_examples=40, stateful_step_count=60)
+    assert steps >= 500
+    _assert_covered(events, ("backups_committed", "loads_done"))
+    assert verified > 0
 
 
 # ---- CP: one rank's copy fails ------------------------------------------------------------------
