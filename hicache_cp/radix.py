@@ -1,8 +1,11 @@
 """Page-granular radix tree over token ids.
 
 Keys are whole pages: a token sequence is cut into `page_size` tokens per
-page (a partial last page is never cached) and each page is keyed by its
-tokens' bytes, so lookups compare exact content, never a hash alone.
+page (a partial last page is never cached). A node keeps the tokens of its
+pages as one int64 array; children are found by the bytes of their first
+page, and a match compares whole runs of tokens with one vectorised numpy
+comparison per node. Lookups compare exact content, never a hash, and no
+Python object is built per page.
 
 Each node covers a run of pages and records where they live:
 
@@ -44,6 +47,7 @@ import numpy as np
 from hicache_cp.layout import Part
 
 PageKey = bytes
+"""A child's key in its parent: the bytes of its first page's tokens."""
 
 
 class HostState(enum.Enum):
@@ -58,8 +62,9 @@ _node_ids = itertools.count(1)
 @dataclass(eq=False, slots=True)
 class Node:
     parent: Node | None
-    key: list[PageKey]
-    first_position: int  # request-absolute page position of key[0]
+    tokens: np.ndarray  # int64 tokens of the node's pages: num_pages * page_size
+    num_pages: int
+    first_position: int  # request-absolute page position of the first page
     device_pages: np.ndarray | None = None
     host_pages: np.ndarray | None = None
     host_state: HostState = HostState.NONE
@@ -73,9 +78,9 @@ class Node:
     last_access: int = 0
     id: int = field(default_factory=lambda: next(_node_ids))
 
-    @property
-    def num_pages(self) -> int:
-        return len(self.key)
+    def head(self) -> PageKey:
+        """The key of this node in its parent: its first page's token bytes."""
+        return self.tokens[: len(self.tokens) // self.num_pages].tobytes()
 
     @property
     def on_device(self) -> bool:
@@ -87,21 +92,19 @@ class Node:
 
     @property
     def end_position(self) -> int:
-        return self.first_position + len(self.key)
+        return self.first_position + self.num_pages
 
     def __repr__(self) -> str:
         return (
-            f"Node(id={self.id}, pos={self.first_position}+{len(self.key)}, dev={self.on_device}, "
+            f"Node(id={self.id}, pos={self.first_position}+{self.num_pages}, dev={self.on_device}, "
             f"host={self.host_state.value}, lock={self.lock_ref})"
         )
 
 
-def page_keys(tokens: np.ndarray, page_size: int) -> list[PageKey]:
-    """Cut tokens into whole-page keys (a partial last page is dropped)."""
+def whole_pages(tokens: np.ndarray, page_size: int) -> np.ndarray:
+    """The int64 tokens of the whole pages of `tokens` (a partial last page dropped)."""
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-    n = len(tokens) // page_size
-    flat = tokens[: n * page_size].reshape(n, page_size)
-    return [row.tobytes() for row in flat]
+    return tokens[: len(tokens) // page_size * page_size]
 
 
 class RadixTree:
@@ -109,30 +112,34 @@ class RadixTree:
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
-        self.root = Node(parent=None, key=[], first_position=0, device_pages=np.empty(0, np.int64))
+        self.root = Node(parent=None, tokens=np.empty(0, np.int64), num_pages=0, first_position=0,
+                         device_pages=np.empty(0, np.int64))
         self.root.lock_ref = 1  # the root is never evicted
         self.device_leaves: set[Node] = set()
         self.host_leaves: set[Node] = set()
 
     # ---- lookup ------------------------------------------------------------------------
 
-    def match(self, keys: list[PageKey]) -> list[Node]:
-        """The path of nodes whose keys prefix `keys`, root excluded.
+    def match(self, tokens: np.ndarray) -> list[Node]:
+        """The path of nodes whose pages prefix `tokens` (whole pages, int64), root excluded.
 
         Side effect: if the match ends inside a node, that node is split so the
-        path ends on a boundary. O(number of pages matched).
+        path ends on a boundary. O(tokens matched) in numpy, O(nodes on the
+        path) in Python.
         """
+        ps = self.page_size
+        n = len(tokens) // ps
         path: list[Node] = []
         node, i = self.root, 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
+        while i < n:
+            child = node.children.get(tokens[i * ps : (i + 1) * ps].tobytes())
             if child is None:
                 break
-            n = _common_prefix(child.key, keys, i)
-            if n < len(child.key):
-                child = self.split(child, n)
+            k = _common_pages(child.tokens, tokens[i * ps :], ps)
+            if k < child.num_pages:
+                child = self.split(child, k)
             path.append(child)
-            node, i = child, i + n
+            node, i = child, i + k
         return path
 
     def split(self, node: Node, n: int) -> Node:
@@ -141,12 +148,14 @@ class RadixTree:
         The upper node takes the first n pages of every page array and shares
         the node's in-flight ops (they list both halves afterwards).
         """
-        assert 0 < n < len(node.key), (node, n)
+        assert 0 < n < node.num_pages, (node, n)
         parent = node.parent
         assert parent is not None
+        cut = n * self.page_size
         upper = Node(
             parent=parent,
-            key=node.key[:n],
+            tokens=node.tokens[:cut],
+            num_pages=n,
             first_position=node.first_position,
             device_pages=None if node.device_pages is None else node.device_pages[:n],
             host_pages=None if node.host_pages is None else node.host_pages[:n],
@@ -159,14 +168,15 @@ class RadixTree:
             hit_count=node.hit_count,
             last_access=node.last_access,
         )
-        node.key = node.key[n:]
+        node.tokens = node.tokens[cut:]
+        node.num_pages -= n
         node.first_position += n
         if node.device_pages is not None:
             node.device_pages = node.device_pages[n:]
         if node.host_pages is not None:
             node.host_pages = node.host_pages[n:]
-        parent.children[upper.key[0]] = upper
-        upper.children[node.key[0]] = node
+        parent.children[upper.head()] = upper
+        upper.children[node.head()] = node
         node.parent = upper
         for op in (node.backup, node.load):
             if op is not None:
@@ -177,11 +187,44 @@ class RadixTree:
         self.refresh(node)
         return upper
 
-    def add_child(self, parent: Node, keys: list[PageKey], device_pages: np.ndarray) -> Node:
-        assert keys and len(keys) == len(device_pages), (len(keys), len(device_pages))
-        assert keys[0] not in parent.children
-        child = Node(parent=parent, key=list(keys), first_position=parent.end_position, device_pages=device_pages)
-        parent.children[keys[0]] = child
+    def add_child(self, parent: Node, tokens: np.ndarray, device_pages: np.ndarray) -> Node:
+        """A new child of `parent` holding these whole pages (the tokens are copied)."""
+        n = len(tokens) // self.page_size
+        assert n and n * self.page_size == len(tokens) and n == len(device_pages), (len(tokens), len(device_pages))
+        child = Node(
+            parent=parent,
+            tokens=np.array(tokens, dtype=np.int64),
+            num_pages=n,
+            first_position=parent.end_position,
+            device_pages=device_pages,
+        )
+        head = child.head()
+        assert head not in parent.children, f"{parent} already has a child starting with these tokens"
+        parent.children[head] = child
+        self.refresh(child)
+        self.refresh(parent)
+        return child
+
+    def add_host_child(
+        self, parent: Node, tokens: np.ndarray, host_pages: np.ndarray, parts: frozenset[Part]
+    ) -> Node:
+        """A new child of `parent` whose pages live only in L2, committed with
+        `parts` (an L3 prefetch landed them whole on every rank). The tokens
+        are copied."""
+        n = len(tokens) // self.page_size
+        assert n and n * self.page_size == len(tokens) and n == len(host_pages), (len(tokens), len(host_pages))
+        child = Node(
+            parent=parent,
+            tokens=np.array(tokens, dtype=np.int64),
+            num_pages=n,
+            first_position=parent.end_position,
+            host_pages=host_pages,
+            host_state=HostState.COMMITTED,
+            host_parts=parts,
+        )
+        head = child.head()
+        assert head not in parent.children, f"{parent} already has a child starting with these tokens"
+        parent.children[head] = child
         self.refresh(child)
         self.refresh(parent)
         return child
@@ -191,7 +234,7 @@ class RadixTree:
         assert not node.children and node.device_pages is None and node.host_state is HostState.NONE, node
         parent = node.parent
         assert parent is not None
-        del parent.children[node.key[0]]
+        del parent.children[node.head()]
         self.device_leaves.discard(node)
         self.host_leaves.discard(node)
         node.parent = None
@@ -267,10 +310,11 @@ class RadixTree:
         expect_host: set[Node] = set()
         for n in self.nodes():
             p = n.parent
-            assert p is not None and p.children.get(n.key[0]) is n, f"{n}: broken parent link"
+            assert p is not None and p.children.get(n.head()) is n, f"{n}: broken parent link"
+            assert len(n.tokens) == n.num_pages * self.page_size > 0, f"{n}: {len(n.tokens)} tokens"
             assert n.first_position == p.end_position, f"{n}: position {n.first_position} != parent end {p.end_position}"
             for name, arr in (("device", n.device_pages), ("host", n.host_pages)):
-                assert arr is None or len(arr) == len(n.key), f"{n}: {name} pages {len(arr)} != key pages {len(n.key)}"
+                assert arr is None or len(arr) == n.num_pages, f"{n}: {name} pages {len(arr)} != {n.num_pages}"
             if n.on_device:
                 assert p.on_device, f"{n}: on device but parent {p} is not"
             assert n.lock_ref >= 0 and p.lock_ref >= n.lock_ref or p is self.root, f"{n}: lock counts {p.lock_ref} < {n.lock_ref}"
@@ -298,9 +342,10 @@ class RadixTree:
         )
 
 
-def _common_prefix(a: list[PageKey], b: list[PageKey], start: int) -> int:
-    n = 0
-    limit = min(len(a), len(b) - start)
-    while n < limit and a[n] == b[start + n]:
-        n += 1
-    return n
+def _common_pages(node_tokens: np.ndarray, tokens: np.ndarray, page_size: int) -> int:
+    """How many whole pages the two token arrays share from their start."""
+    k = min(len(node_tokens), len(tokens)) // page_size * page_size
+    a, b = node_tokens[:k], tokens[:k]
+    if np.array_equal(a, b):
+        return k // page_size
+    return int(np.argmax(a != b)) // page_size

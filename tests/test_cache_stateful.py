@@ -341,7 +341,7 @@ class Driver:
             assert node.host_state is HostState.COMMITTED and node.backup is None, f"pending host copy visible: {node}"
             assert node.host_parts == self.all_parts, f"partial host hit: {node} has {node.host_parts}"
             assert not node.on_device
-        assert m.device_len + m.host_len <= len(m.keys)
+        assert m.device_len + m.host_len <= m.num_pages
 
     def check(self) -> None:
         for c in self.caches:

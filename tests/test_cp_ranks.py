@@ -92,7 +92,7 @@ def _tree(cache: HiCache) -> list[tuple[Any, ...]]:
         for key in sorted(node.children):
             c = node.children[key]
             out.append((
-                depth, bytes(c.key[0]).hex()[:16], c.first_position, c.num_pages,
+                depth, c.head().hex()[:16], c.first_position, c.num_pages,
                 None if c.device_pages is None else tuple(int(x) for x in c.device_pages),
                 None if c.host_pages is None else tuple(int(x) for x in c.host_pages),
                 c.host_state.value, tuple(sorted(p.value for p in c.host_parts)), c.lock_ref, c.hit_count,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hicache_cp.ops import LoadOp, LoadState
-from hicache_cp.radix import Node, PageKey
+from hicache_cp.radix import Node
 
 
 @dataclass
@@ -19,12 +19,15 @@ class MatchResult:
     `load_back` must come right after `match_prefix` (it checks).
     """
 
-    keys: list[PageKey]
+    tokens: np.ndarray  # the request's whole pages: int64, num_pages * page_size
+    num_pages: int  # whole pages of the request
     device_pages: np.ndarray  # logical L1 pages of the device-resident prefix
     host_nodes: list[Node]  # committed L2-only continuation, in order
     last_node: Node
     waits: list[LoadOp] = field(default_factory=list)  # loads the device prefix still depends on
     host_len: int = field(init=False)  # pages of the host continuation
+    l3_len: int = 0  # of those, pages an L3 prefetch fetched for this request (cache.tier3)
+    l3_checked: bool = False  # the L3 continuation was looked up (prefetch ran)
 
     def __post_init__(self) -> None:
         self.host_len = sum(n.num_pages for n in self.host_nodes)

@@ -18,7 +18,7 @@ from hicache_cp.cache.state import CacheState
 from hicache_cp.config import WritePolicy
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.ops import BackupOp, BackupState, LoadOp
-from hicache_cp.radix import HostState, Node, page_keys
+from hicache_cp.radix import HostState, Node, whole_pages
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ class Prefixes:
         """See `HiCache.match_prefix`."""
         s = self.s
         s.clock += 1
-        keys = page_keys(tokens, s.layout.page_size)
-        path = s.tree.match(keys)
+        pages = whole_pages(tokens, s.layout.page_size)
+        path = s.tree.match(pages)
         device: list[np.ndarray] = []
         host_nodes: list[Node] = []
         waits: list[LoadOp] = []
@@ -59,7 +59,7 @@ class Prefixes:
             node.last_access = s.clock
         s.tree.lock(last)
         dev = np.concatenate(device) if device else np.empty(0, dtype=np.int64)
-        m = MatchResult(keys, dev, host_nodes, last, waits)
+        m = MatchResult(pages, len(pages) // s.layout.page_size, dev, host_nodes, last, waits)
         s.metrics.record_match(len(tokens), m.device_len, m.host_len, s.layout.page_size)
         if s.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for node in used:
@@ -82,15 +82,15 @@ class Prefixes:
     def insert(self, match: MatchResult, device_pages: np.ndarray, backup: BackupOp | None) -> Node:
         """See `HiCache.insert`."""
         s = self.s
-        keys = match.keys
+        ps = s.layout.page_size
         start = match.matched_pages
         device_pages = np.asarray(device_pages, dtype=np.int64)
-        if start + len(device_pages) > len(keys):
+        if start + len(device_pages) > match.num_pages:
             raise ValueError(
-                f"insert of {len(device_pages)} pages at position {start} exceeds the request's {len(keys)} pages"
+                f"insert of {len(device_pages)} pages at position {start} exceeds the request's {match.num_pages} pages"
             )
         s.loose_device_pages -= len(device_pages)
-        path = s.tree.match(keys[: start + len(device_pages)])
+        path = s.tree.match(match.tokens[: (start + len(device_pages)) * ps])
         covered = path[-1].end_position if path else 0
         parent = path[-1] if path else s.tree.root
         surplus: list[np.ndarray] = []
@@ -117,7 +117,7 @@ class Prefixes:
         new_node = parent
         rest = device_pages[dup:]
         if len(rest):
-            new_node = s.tree.add_child(parent, keys[covered : covered + len(rest)], rest)
+            new_node = s.tree.add_child(parent, match.tokens[covered * ps : (covered + len(rest)) * ps], rest)
             new_node.last_access = s.clock
         if backup is not None:
             self._attach_backup(backup, new_node, parent)

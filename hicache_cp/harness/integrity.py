@@ -1,8 +1,8 @@
 """Deterministic KV content, so every reader can check what it got.
 
 The reference server "computes" KV by writing bytes that are a function of
-the page's prefix (the chain hash of every page up to and including it), the
-part and the layer. A later request that hits the cache, or the decode peer
+the page's prefix (`hicache_cp.keys.prefix_hashes`: a hash of every page up
+to and including it), the part and the layer. A later request that hits the cache, or the decode peer
 that receives a transfer, recomputes the same bytes and compares.
 
 `content(prefix_hashes, part, layer, page_bytes)` is vectorised: one numpy
@@ -13,7 +13,6 @@ device, so a GPU server writes and checks KV without host round trips.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,16 +24,6 @@ from hicache_cp.layout import PART_ORDER, Part
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-
-
-def chain_hashes(keys: list[bytes], parent: int = 0) -> np.ndarray:
-    """Prefix chain hash of each page: h_i = H(h_{i-1} || page tokens)."""
-    out = np.empty(len(keys), dtype=np.uint64)
-    h = parent.to_bytes(8, "little")
-    for i, key in enumerate(keys):
-        h = hashlib.blake2b(h + key, digest_size=8).digest()
-        out[i] = int.from_bytes(h, "little")
-    return out
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:

@@ -35,7 +35,8 @@ from hicache_cp.cache import HiCache
 from hicache_cp.harness.integrity import Mismatch
 from hicache_cp.layout import Model, PartLayout
 from hicache_cp.ops import LoadOp, LoadState
-from hicache_cp.radix import Node, page_keys
+from hicache_cp.keys import prefix_hashes
+from hicache_cp.radix import Node
 
 logger = logging.getLogger(__name__)
 
@@ -100,18 +101,17 @@ class ReferenceServer:
 
     def serve(self, request: int, tokens: np.ndarray) -> RequestResult:
         cache = self.cache
-        keys = page_keys(tokens, self.layout.page_size)
-        hashes = integrity.chain_hashes(keys)
+        hashes = prefix_hashes(tokens, self.layout.page_size)
         m = cache.match_prefix(tokens)
         load = cache.load_back(m)
         start = m.matched_pages
-        new = cache.alloc_device(len(keys) - start, start)
+        new = cache.alloc_device(len(hashes) - start, start)
         if new is None:
             if load is not None:
                 self._finish_load(load)
             cache.release(m.last_node)
             self.rejected += 1
-            logger.warning("request %d rejected: L1 cannot hold its %d new pages", request, len(keys) - start)
+            logger.warning("request %d rejected: L1 cannot hold its %d new pages", request, len(hashes) - start)
             return RequestResult(request, len(tokens), m.device_len, m.host_len, 0, served=False)
         backup = cache.reserve_backup(new, start)
         loaded = load.device_pages if load is not None else np.empty(0, np.int64)

@@ -1,0 +1,93 @@
+"""Vectorised 64-bit hashes of token pages, for keys that leave the process.
+
+    page_hashes(tokens, page_size)    one hash per whole page of its tokens alone
+    prefix_hashes(tokens, page_size)  one hash per page of the page and everything before it
+
+The radix tree does not need these (it compares tokens exactly); they name
+pages where a hash is the key: the L3 store, the PD and integrity oracles.
+Both are pure numpy over [pages, page_size], no Python object per page:
+O(tokens) arithmetic plus O(pages) for the chain.
+
+The prefix hash is a polynomial chain x_i = x_{i-1} * P + g_i (mod 2**64)
+over the page hashes g_i, computed without a loop as
+x_i = P**(i+1) * cumsum(g_j * P**-(j+1)) (P is odd, so invertible mod
+2**64). The g_i are already mixed, so x_i needs no mixing of its own, and a
+chain continues exactly from any of its hashes (`parent`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_P = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible mod 2**64
+_P_INV = np.uint64(pow(int(_P), -1, 1 << 64))
+_POSITION_SEED = 0x5EED_CAFE
+
+
+def _splitmix(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * _M1
+        x = x ^ (x >> np.uint64(27))
+        x = x * _M2
+        return x ^ (x >> np.uint64(31))
+
+
+@functools.lru_cache(maxsize=16)
+def _position_multipliers(page_size: int) -> np.ndarray:
+    """A fixed odd 64-bit multiplier per token position of a page."""
+    rng = np.random.Generator(np.random.PCG64(_POSITION_SEED + page_size))
+    return rng.integers(0, 2**63, size=page_size, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+
+def _pages(tokens: np.ndarray, page_size: int) -> np.ndarray:
+    if page_size <= 0:
+        raise ValueError(f"page_size must be > 0, got {page_size}")
+    tokens = np.asarray(tokens)
+    n = len(tokens) // page_size
+    return tokens[: n * page_size].astype(np.int64, copy=False).view(np.uint64).reshape(n, page_size)
+
+
+def page_hashes(tokens: np.ndarray, page_size: int) -> np.ndarray:
+    """uint64 hash of each whole page of `tokens` (a partial last page is dropped)."""
+    pages = _pages(tokens, page_size)
+    with np.errstate(over="ignore"):
+        # A random odd multiplier per position, summed (mod 2**64), then mixed:
+        # two pages collide only if their token differences cancel under the
+        # multipliers, which has probability about 2**-64 for unrelated pages.
+        summed = (pages * _position_multipliers(page_size)).sum(axis=1, dtype=np.uint64)
+        return _splitmix(summed ^ np.uint64(page_size))
+
+
+def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.ndarray:
+    """uint64 hash of each page together with every page before it.
+
+    `parent` continues a chain (the prefix hash of the page before `tokens`).
+    Equal prefixes give equal hashes; a different page anywhere before
+    position i changes hash i."""
+    g = page_hashes(tokens, page_size)
+    n = len(g)
+    if n == 0:
+        return g
+    p_pow, p_inv_pow = _powers(n)
+    with np.errstate(over="ignore"):
+        # x_i = P**(i+1) * (parent + sum_{j<=i} g_j * P**-(j+1))
+        acc = np.cumsum(g * p_inv_pow, dtype=np.uint64) + np.uint64(parent)
+        return acc * p_pow
+
+
+_POWERS: list[np.ndarray] = [np.empty(0, np.uint64), np.empty(0, np.uint64)]
+
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(P**1 .. P**n, P**-1 .. P**-n) mod 2**64, cached and grown by doubling."""
+    if len(_POWERS[0]) < n:
+        size = max(n, 2 * len(_POWERS[0]), 1024)
+        with np.errstate(over="ignore"):
+            _POWERS[0] = np.cumprod(np.full(size, _P, dtype=np.uint64), dtype=np.uint64)
+            _POWERS[1] = np.cumprod(np.full(size, _P_INV, dtype=np.uint64), dtype=np.uint64)
+    return _POWERS[0][:n], _POWERS[1][:n]
