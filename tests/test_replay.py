@@ -173,7 +173,7 @@ def test_a_checker_that_skips_a_part_fails_the_run(monkeypatch, tmp_path) -> Non
 
     real = ReferenceServer._units
     monkeypatch.setattr(
-        ReferenceServer, "_units", lambda self: [(p, l) for p, l in real(self) if p.part.model is Model.TARGET]
+        ReferenceServer, "_units", lambda self: [(p, ls) for p, ls in real(self) if p.part.model is Model.TARGET]
     )
     out = tmp_path / "r.json"
     assert main(["replay", "--limit", "40", "--json", str(out)]) == 1

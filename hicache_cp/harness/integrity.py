@@ -5,14 +5,16 @@ the page's prefix (`hicache_cp.keys.prefix_hashes`: a hash of every page up
 to and including it), the part and the layer. A later request that hits the cache, or the decode peer
 that receives a transfer, recomputes the same bytes and compares.
 
-`content(prefix_hashes, part, layer, page_bytes)` is vectorised: one numpy
-expression over [pages, words], no Python loop per page. page_bytes must be
-a multiple of 8. `content_torch` computes the same bytes with torch on any
-device, so a GPU server writes and checks KV without host round trips.
+`contents(prefix_hashes, part, layers, page_bytes)` is vectorised over
+[layers, pages, words]: a whole part of a request in a few passes, no
+Python loop per page or layer. page_bytes must be a multiple of 8.
+`contents_torch` computes the same bytes with torch on any device, so a GPU
+server writes and checks KV without host round trips.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.uint64)
     x = x ^ (x >> np.uint64(30))
     x = x * _M1
     x = x ^ (x >> np.uint64(27))
@@ -34,22 +37,42 @@ def _splitmix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def content(prefix_hashes: np.ndarray, part: Part, layer: int, page_bytes: int) -> np.ndarray:
-    """The bytes of `part`, `layer` for pages with these prefix hashes: uint8 [n, page_bytes]."""
+def _salts(part: Part, layers: Sequence[int]) -> np.ndarray:
+    """One salt per (part, layer): uint64 [len(layers)]."""
+    with np.errstate(over="ignore"):
+        layer_ids = np.asarray(layers, dtype=np.uint64) + np.uint64(1)
+        return np.uint64((PART_ORDER.index(part) + 1) << 56) ^ (layer_ids * _GOLDEN)
+
+
+def _words(page_bytes: int) -> np.ndarray:
     if page_bytes % 8:
         raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
     with np.errstate(over="ignore"):
-        salt = np.uint64((PART_ORDER.index(part) + 1) << 56) ^ (np.uint64(layer + 1) * _GOLDEN)
-        seeds = _splitmix(np.asarray(prefix_hashes, dtype=np.uint64) ^ salt)
-        words = np.arange(page_bytes // 8, dtype=np.uint64) * _GOLDEN
-        block = _splitmix(seeds[:, None] + words[None, :])
-    return block.view(np.uint8).reshape(len(seeds), page_bytes)
+        return np.arange(page_bytes // 8, dtype=np.uint64) * _GOLDEN
 
 
-def _as_int64(x: np.uint64 | int) -> int:
+def contents(prefix_hashes: np.ndarray, part: Part, layers: Sequence[int], page_bytes: int) -> np.ndarray:
+    """The bytes of `part` for every layer in `layers` and every page: uint8 [layers, n, page_bytes].
+
+    Word j of a page is seed ^ (j * golden), with one well-mixed seed per
+    (prefix hash, part, layer): a page of another prefix, part or layer, or
+    a page shifted or partly written, differs. One XOR per word, so a whole
+    part of a request is generated in a few vectorised passes."""
+    with np.errstate(over="ignore"):
+        hashes = np.asarray(prefix_hashes, dtype=np.uint64)
+        seeds = _splitmix(hashes[None, :] ^ _salts(part, layers)[:, None])
+        block = seeds[:, :, None] ^ _words(page_bytes)[None, None, :]
+    return block.view(np.uint8).reshape(len(layers), len(hashes), page_bytes)
+
+
+def content(prefix_hashes: np.ndarray, part: Part, layer: int, page_bytes: int) -> np.ndarray:
+    """The bytes of `part`, `layer` for pages with these prefix hashes: uint8 [n, page_bytes]."""
+    return contents(prefix_hashes, part, [layer], page_bytes)[0]
+
+
+def _as_int64(x: np.ndarray) -> np.ndarray:
     """The int64 with the same 64 bits (torch has no full uint64 arithmetic)."""
-    v = int(x)
-    return v - (1 << 64) if v >= 1 << 63 else v
+    return np.asarray(x, dtype=np.uint64).view(np.int64)
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -59,23 +82,27 @@ def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _splitmix_torch(x: torch.Tensor) -> torch.Tensor:
     x = x ^ _shr(x, 30)
-    x = x * _as_int64(_M1)  # int64 products wrap mod 2^64, like uint64
+    x = x * int(_as_int64(_M1))  # int64 products wrap mod 2^64, like uint64
     x = x ^ _shr(x, 27)
-    x = x * _as_int64(_M2)
+    x = x * int(_as_int64(_M2))
     return x ^ _shr(x, 31)
+
+
+def contents_torch(
+    prefix_hashes: np.ndarray, part: Part, layers: Sequence[int], page_bytes: int, device: torch.device | str
+) -> torch.Tensor:
+    """`contents` computed by torch on `device`: the same bytes, uint8 [layers, n, page_bytes]."""
+    hashes = torch.from_numpy(_as_int64(prefix_hashes)).to(device, non_blocking=True)
+    salts = torch.from_numpy(_as_int64(_salts(part, layers))).to(device, non_blocking=True)
+    words = torch.from_numpy(_as_int64(_words(page_bytes))).to(device, non_blocking=True)
+    seeds = _splitmix_torch(hashes[None, :] ^ salts[:, None])
+    block = seeds[:, :, None] ^ words[None, None, :]
+    return block.view(torch.uint8).reshape(len(layers), len(prefix_hashes), page_bytes)
 
 
 def content_torch(prefix_hashes: np.ndarray, part: Part, layer: int, page_bytes: int, device: torch.device | str) -> torch.Tensor:
     """`content` computed by torch on `device`: the same bytes, uint8 [n, page_bytes]."""
-    if page_bytes % 8:
-        raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
-    with np.errstate(over="ignore"):
-        salt = np.uint64((PART_ORDER.index(part) + 1) << 56) ^ (np.uint64(layer + 1) * _GOLDEN)
-    hashes = np.asarray(prefix_hashes, dtype=np.uint64).view(np.int64)
-    seeds = _splitmix_torch(torch.from_numpy(hashes).to(device, non_blocking=True) ^ _as_int64(salt))
-    words = torch.arange(page_bytes // 8, dtype=torch.int64, device=device) * _as_int64(_GOLDEN)
-    block = _splitmix_torch(seeds[:, None] + words[None, :])
-    return block.view(torch.uint8).reshape(len(hashes), page_bytes)
+    return contents_torch(prefix_hashes, part, [layer], page_bytes, device)[0]
 
 
 @dataclass(frozen=True)

@@ -117,14 +117,16 @@ class ReferenceServer:
         loaded = load.device_pages if load is not None else np.empty(0, np.int64)
         page_table = np.concatenate([m.device_pages, loaded, new])
         for model in (Model.TARGET, Model.DRAFT):
+            # The model's KV of the new pages, every layer in one pass per part
+            # (the new pages are not the ones being loaded); then each layer's
+            # hook, after waiting for that layer of the loads, as a forward does.
+            for part in self.layout.parts_of(model):
+                self._compute(part, new, hashes[start:], start)
             for layer in range(self.layout.num_layers(model)):
                 for op in m.waits:
                     op.wait_layer(layer, model)
                 if load is not None:
                     load.wait_layer(layer, model)
-                for part in self.layout.parts_of(model):
-                    if part.has_layer(layer):
-                        self._compute(part, layer, new, hashes[start:], start)
                 cache.on_layer_end(model, layer, [backup])
         node = cache.insert(m, new, backup=backup)
         cache.poll()
@@ -133,8 +135,7 @@ class ReferenceServer:
             # An aborted load's pages hold no valid KV: recompute them in place.
             reused = m.device_len
             for part in self.layout.parts:
-                for layer in part.layer_ids:
-                    self._compute(part, layer, loaded, hashes[reused:start], reused)
+                self._compute(part, loaded, hashes[reused:start], reused)
             cache.recomputed(load)
         if self.verify and reused:
             self.integrity.expected_units += self._owned_count(page_table[:reused]) * self._units_per_page
@@ -172,16 +173,18 @@ class ReferenceServer:
         """This rank's (physical pages, request-absolute positions) of `pages`."""
         return cp_mapping.owned_pages(pages, self.cache.rank, self.cache.cp_size, first_position)
 
-    def _compute(self, part: PartLayout, layer: int, pages: np.ndarray, hashes: np.ndarray, first: int) -> None:
+    def _compute(self, part: PartLayout, pages: np.ndarray, hashes: np.ndarray, first: int) -> None:
+        """Write every layer of `part` for this rank's share of `pages`."""
         physical, positions = self._owned(pages, first)
         if not len(physical):
             return
-        buf = self.cache.device_pool.layer(part.part, part.slot(layer))
+        buf = self.cache.device_pool.buffer(part.part)  # [slots, physical_pages, page_bytes]
+        seeds = hashes[positions - first]
         if buf.device.type == "cpu":
-            buf.numpy()[physical] = integrity.content(hashes[positions - first], part.part, layer, part.page_bytes)
-        else:  # generated on the GPU, on the compute stream: a real kernel the copies overlap with
+            buf.numpy()[:, physical] = integrity.contents(seeds, part.part, part.layer_ids, part.page_bytes)
+        else:  # generated on the GPU, on the compute stream: real kernels the copies overlap with
             idx = torch.from_numpy(physical).to(buf.device, non_blocking=True)
-            buf[idx] = integrity.content_torch(hashes[positions - first], part.part, layer, part.page_bytes, buf.device)
+            buf.index_copy_(1, idx, integrity.contents_torch(seeds, part.part, part.layer_ids, part.page_bytes, buf.device))
 
     def _verify(self, request: int, pages: np.ndarray, hashes: np.ndarray) -> None:
         """Compare every part and layer of this rank's share of the reused pages
@@ -191,25 +194,33 @@ class ReferenceServer:
         if not len(physical):
             return
         checks = self._units()
-        bad_rows = [self._bad_rows(part, layer, physical, hashes[positions]) for part, layer in checks]
-        bad = torch.stack(bad_rows).cpu().numpy() if isinstance(bad_rows[0], torch.Tensor) else np.stack(bad_rows)
+        per_part = [self._bad_rows(part, layers, physical, hashes[positions]) for part, layers in checks]
+        bad = torch.cat(per_part).cpu().numpy() if isinstance(per_part[0], torch.Tensor) else np.concatenate(per_part)
+        units = [(part, layer) for part, layers in checks for layer in layers]  # the rows of `bad`
         self.integrity.checked_pages += len(physical)
-        self.integrity.checked_units += len(physical) * len(checks)
-        for (part, layer), row in zip(checks, bad):
+        self.integrity.checked_units += len(physical) * len(units)
+        for (part, layer), row in zip(units, bad):
             if row.any():
                 self.integrity.add(
                     [Mismatch(request, int(positions[i]), part.part.value, layer, self.cache.rank) for i in np.flatnonzero(row)]
                 )
 
-    def _units(self) -> list[tuple[PartLayout, int]]:
-        """The (part, layer) units the checker compares on every reused page."""
-        return [(part, layer) for part in self.layout.parts for layer in part.layer_ids]
+    def _units(self) -> list[tuple[PartLayout, tuple[int, ...]]]:
+        """What the checker compares on every reused page: each part with its layers."""
+        return [(part, part.layer_ids) for part in self.layout.parts]
 
-    def _bad_rows(self, part: PartLayout, layer: int, physical: np.ndarray, hashes: np.ndarray) -> np.ndarray | torch.Tensor:
-        """Per page: do its bytes of `part`, `layer` differ from the computed ones?"""
-        buf = self.cache.device_pool.layer(part.part, part.slot(layer))
+    def _bad_rows(
+        self, part: PartLayout, layers: tuple[int, ...], physical: np.ndarray, hashes: np.ndarray
+    ) -> np.ndarray | torch.Tensor:
+        """Per layer and page: do its bytes differ from the computed ones? [layers, pages]"""
+        buf = self.cache.device_pool.buffer(part.part)
+        slots = [part.slot(layer) for layer in layers]
         if buf.device.type == "cpu":
-            expected = integrity.content(hashes, part.part, layer, part.page_bytes)
-            return (buf.numpy()[physical] != expected).any(axis=1)
-        expected_t = integrity.content_torch(hashes, part.part, layer, part.page_bytes, buf.device)
-        return (buf[torch.from_numpy(physical).to(buf.device)] != expected_t).any(dim=1)
+            expected = integrity.contents(hashes, part.part, layers, part.page_bytes)
+            return (buf.numpy()[np.ix_(slots, physical)] != expected).any(axis=2)
+        expected_t = integrity.contents_torch(hashes, part.part, layers, part.page_bytes, buf.device)
+        idx = torch.from_numpy(physical).to(buf.device)
+        actual = buf.index_select(1, idx)
+        if len(slots) != part.num_slots:
+            actual = actual[torch.tensor(slots, device=buf.device)]
+        return (actual != expected_t).any(dim=2)
