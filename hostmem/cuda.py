@@ -34,12 +34,15 @@ __all__ = [
     "HOST_REGISTER_FLAGS",
     "check",
     "cuda_available",
+    "driver_version",
     "free_host",
+    "get_device",
     "host_alloc",
     "host_get_device_pointer",
     "host_get_flags",
     "host_register",
     "host_unregister",
+    "set_device",
 ]
 
 #: Flags used for ``cudaHostRegister``: Portable (pinned for every context,
@@ -175,3 +178,25 @@ def host_alloc(nbytes: int, flags: int = HOST_ALLOC_FLAGS) -> int:
 def free_host(ptr: int) -> None:
     """Release memory from :func:`host_alloc`. Raises :class:`CudaError`."""
     check(_runtime().cudaFreeHost(ptr), f"cudaFreeHost(0x{ptr:x})")
+
+
+def get_device() -> int:
+    """The calling thread's current CUDA device (``cudaGetDevice``). Raises :class:`CudaError`."""
+    return int(check(_runtime().cudaGetDevice(), "cudaGetDevice"))
+
+
+def set_device(device: int) -> None:
+    """Make ``device`` current for the calling thread (``cudaSetDevice``).
+
+    A new thread starts on device 0: a worker that registers memory for a
+    process using another device must call this first, or it creates (and
+    pins through) a context on device 0. Raises :class:`CudaError`.
+    """
+    check(_runtime().cudaSetDevice(device), f"cudaSetDevice({device})")
+
+
+def driver_version() -> int:
+    """The driver's CUDA version as ``1000 * major + 10 * minor`` (``cudaDriverGetVersion``).
+
+    Raises :class:`CudaError`."""
+    return int(check(_runtime().cudaDriverGetVersion(), "cudaDriverGetVersion"))
