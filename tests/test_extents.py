@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from hostmem.extents import ExtentAllocator, ExtentStats, pages_to_runs, runs_to_pages
+from hostmem.extents import ExtentAllocator, ExtentStats, pages_to_pairs, pages_to_runs, runs_to_pages
 
 
 def extents(a: ExtentAllocator) -> list[tuple[int, int]]:
@@ -286,3 +286,108 @@ class ExtentMachine(RuleBasedStateMachine):
 
 ExtentMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestExtentMachine = ExtentMachine.TestCase
+
+
+# -- the tuple API, fast paths and the invariant check ------------------------------
+
+
+def test_pairs_api_makes_the_same_choices_as_the_numpy_api() -> None:
+    """reserve_pairs/free_pairs and reserve/free are one allocator: same pages, same state."""
+    rng = np.random.default_rng(11)
+    a, b = ExtentAllocator(500), ExtentAllocator(500)
+    held: list[list[tuple[int, int]]] = []
+    for _ in range(600):
+        if held and rng.random() < 0.45:
+            pairs = held.pop(int(rng.integers(len(held))))
+            a.free_pairs(pairs)
+            b.free(np.array(pairs))
+        else:
+            n = int(rng.integers(1, 60))
+            got = a.reserve_pairs(n)
+            runs = b.reserve(n)
+            assert (got is None) == (runs is None)
+            if got is not None:
+                assert [list(p) for p in got] == runs.tolist() and got == sorted(got)
+                held.append(got)
+        assert extents(a) == extents(b)
+    a.check_invariants()
+
+
+def test_free_pairs_any_order_merges_and_rejects_overlaps() -> None:
+    a = ExtentAllocator(20)
+    a.reserve_pairs(20)  # free: (none)
+    a.free_pairs([(10, 2), (2, 3), (5, 5)])  # unsorted; free: [2, 12)
+    assert extents(a) == [(2, 12)] and a.free_pages == 10
+    with pytest.raises(ValueError, match=r"overlap each other: pages \[12, 15\) and \[13, 14\)"):
+        a.free_pairs([(13, 1), (12, 3)])
+    with pytest.raises(ValueError, match=r"pages \[11, 13\) overlap free extent \[2, 12\)"):
+        a.free_pairs([(11, 2)])
+    with pytest.raises(ValueError, match="non-positive"):
+        a.free_pairs([(14, 0)])
+    assert extents(a) == [(2, 12)] and a.free_pages == 10
+    a.validate_free_pairs([(12, 8), (0, 2)])  # changes nothing
+    assert extents(a) == [(2, 12)]
+    a.free_pairs([(12, 8), (0, 2)])  # free: [0, 20)
+    assert extents(a) == [(0, 20)] and a.num_free_extents == 1
+    a.check_invariants()
+
+
+def test_largest_first_takes_the_highest_start_on_ties() -> None:
+    a = ExtentAllocator(12)
+    a.reserve_pairs(12)
+    a.free_pairs([(0, 3), (4, 3), (8, 3)])  # free: [0, 3) [4, 7) [8, 11)
+    # 7 pages fit nowhere: largest whole (three of length 3: highest start first), then best fit
+    assert a.reserve_pairs(7) == [(0, 1), (4, 3), (8, 3)]  # free: [1, 3)
+    assert extents(a) == [(1, 3)]
+    a.check_invariants()
+
+
+def test_page_is_free() -> None:
+    a = ExtentAllocator(4)
+    a.reserve_pairs(2)  # free: [2, 4)
+    assert [a.page_is_free(p) for p in range(4)] == [False, False, True, True]
+    with pytest.raises(IndexError):
+        a.page_is_free(4)
+
+
+@pytest.mark.parametrize(
+    ("pages", "pairs"),
+    [
+        ([5], [(5, 1)]),
+        ([5, 6, 7], [(5, 3)]),  # one run: the byte comparison
+        ([5, 6, 9, 10, 20], [(5, 2), (9, 2), (20, 1)]),  # ascending with gaps: one difference
+        ([9, 3, 4], [(3, 2), (9, 1)]),  # any order: the sort
+        ([5, 7, 6], [(5, 3)]),  # the span of one run, out of order
+        ([4, 6, 5, 5], None),  # a duplicate inside a run's span
+        ([1, 2, 2, 3], None),  # a duplicate in ascending order
+        (list(range(0, 200, 2)), [(p, 1) for p in range(0, 200, 2)]),  # past _FEW_BREAKS: the sort
+        ([], []),
+    ],
+)
+def test_pages_to_pairs(pages: list[int], pairs: list[tuple[int, int]] | None) -> None:
+    if pairs is None:
+        with pytest.raises(ValueError, match="duplicate"):
+            pages_to_pairs(np.array(pages, dtype=np.int64))
+        return
+    assert pages_to_pairs(np.array(pages, dtype=np.int64)) == pairs
+    assert pages_to_pairs(pages) == [tuple(r) for r in pages_to_runs(pages).tolist()]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "match"),
+    [
+        (lambda a: a._by_end.pop(next(iter(a._by_end))), "start and end indices disagree"),
+        (lambda a: a._starts_of[a._lengths[0]].append(9999), "length buckets disagree"),
+        (lambda a: a._lengths.append(12345), "length list"),
+        (lambda a: a._free_map.__setitem__(0, 1), "byte map disagrees"),
+    ],
+)
+def test_check_invariants_catches_corruption(corrupt: object, match: str) -> None:
+    a = ExtentAllocator(100)
+    held = [a.reserve_pairs(10) for _ in range(5)]
+    a.free_pairs(held[1])
+    a.free_pairs(held[3])  # free: [10, 20) [30, 40) [50, 100)
+    a.check_invariants()
+    corrupt(a)  # type: ignore[operator]
+    with pytest.raises(AssertionError, match=match):
+        a.check_invariants()

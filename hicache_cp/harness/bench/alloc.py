@@ -1,75 +1,87 @@
 """Allocator microbenchmark: ``hicache-cp bench-alloc`` (or ``python -m hicache_cp.harness.bench.alloc``).
 
-Measures what DOMAIN.md rule 6 asks to keep visible: the metadata cost of a
-contiguity-preferring host page allocator on a fragmented pool of realistic
-size (220 GiB of 41 KiB pages is about 5.6 million pages). Nothing is
-allocated in memory beyond the allocators' own metadata.
+Measures what DOMAIN.md rule 6 asks to keep visible, the metadata cost of
+the host page allocator on a pool of realistic size, against its peers, and
+what each allocator's pages are worth to the copies (runs per reserve).
+Nothing but the allocators' own metadata is allocated.
 
-Phases:
+Method:
 
-1. Fragment: an :class:`~hostmem.extents.ExtentAllocator` is filled through
-   its own API with reserves of 1..256 pages, random allocations are freed
-   until the pool is ~70 % used, then mixed reserve/free churn scatters the
-   free space over thousands of extents.
-2. Snapshot the free extents and the held allocations; every allocator
-   starts from that identical state.
-3. Replay one seeded op sequence (reserve ``--reserve-pages`` pages, or free a
-   random held allocation, keeping usage near 70 %) against each allocator,
-   timing each call with ``perf_counter_ns``:
+1. Page units: the pool (``--pool-gib``, default 220) is cut into pages of
+   each ``--page-bytes`` (default: the ``--model`` layout at
+   ``--page-tokens``: the DeepSeek-V3.2 logical page over all layers and
+   parts, 3,126,784 B, about 75 thousand pages; and its per-layer target KV
+   page, 41,984 B, about 5.6 million pages). Each unit is a separate run.
+2. One operation sequence per unit (``alloc_workload``): reserve sizes from
+   a trace's request sizes (``--trace``; an embedded copy of the shared
+   trace's size distribution otherwise), LRU eviction with random hits and
+   node splits, so frees come in non-FIFO order, as pieces, and the pool
+   fragments. The pool fills, then at least ``--warmup-ops`` more run and
+   until eviction has freed ``--turnover`` pools' worth of pages (so a pool
+   of millions of pages reaches its steady state too), then ``--ops`` are
+   timed. Token-slot allocators (64 int64 slots a page) are left out of units
+   above ``--max-slots`` slots, and say so.
+3. Every allocator (``alloc_peers``) replays the whole sequence: the same
+   operations and the same count. They take turns in blocks of
+   ``--block-ops`` operations so that a change of machine load touches all of
+   them alike. Each reserve and free call is timed alone
+   (``perf_counter_ns``; Python's cyclic GC off during the replay; torch on
+   ``--torch-threads`` threads). After each block, untimed, every result is
+   checked against a model of used pages (the right page count, no page
+   handed out twice, every freed page held) and each reservation's runs are
+   counted: maximal sequences of consecutive pages in position order, what
+   one copy descriptor each covers.
 
-   * ``ours``: :class:`~hostmem.extents.ExtentAllocator` (best fit over sorted
-     free extents).
-   * ``naive_scan``: a free bitmap scanned for the first run long enough on
-     every reserve (``np.diff`` over the whole bitmap), falling back to
-     gathering free pages in address order.
-   * ``slot_list``: SGLang HostKVCache style, a torch int64 tensor of free
-     slots; reserve slices the front, free concatenates with ``torch.cat``.
+Reported per allocator: p50 / p99 / max / mean of reserve and free, runs
+per reserve (mean, p50, p99), a run-length histogram, and the runs of a
+sample of reservations (the same reservations for every allocator) for
+``bench-io`` to time copies on. Speedups are a baseline's (median reserve +
+median free) over ours: ``speedup_vs_*`` for ``ours`` (the bare allocator,
+runs in and out), ``lane_speedup_vs_*`` for ``ours_lane`` (page arrays in and
+out, as the cache calls it).
 
-   The baselines are slow, so they replay only the first ``--naive-ops`` /
-   ``--slot-ops`` ops of the same sequence (said in the output).
-
-Speedups are baseline (median reserve + median free) / ours.
+The record (``--json``): the top-level ``allocators``, ``speedup_vs_*`` and
+``lane_speedup_vs_*`` are the first page unit's, ``units`` holds every
+unit's. ``sglang`` says whether ``slot_list_lazy`` ran SGLang's own code
+(``impl: sglang``) or the labelled re-implementation, and why. Per
+allocator, ``run_length_histogram`` maps power-of-two run lengths to
+``[runs, pages]``, and ``sample_runs`` lists, for each sampled reservation,
+its runs as ``[first page, pages]`` rows in position order: the page list a
+copy of that reservation moves, one descriptor per row.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from hicache_cp.harness.provenance import git_commit, machine
-from hostmem.extents import ExtentAllocator, Runs, pages_to_runs, runs_to_pages
+from hicache_cp.config import PRESETS
+from hicache_cp.harness.bench.alloc_peers import load_sglang_host_kv_cache, make_peers
+from hicache_cp.harness.bench.alloc_workload import FREE, RESERVE, SizeSource, Workload, make_workload
+from hicache_cp.harness.errors import InputError
+from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_cp.layout import Part
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BenchConfig",
-    "BenchInputError",
-    "NaiveScanAllocator",
-    "SlotListAllocator",
-    "add_arguments",
-    "main",
-    "run",
-]
+__all__ = ["BenchConfig", "BenchInputError", "add_arguments", "main", "run", "run_config"]
 
-#: Fraction of the pool kept in use during churn and the timed phase.
-TARGET_USED = 0.70
-#: Reserve sizes used to fragment the pool: uniform in [1, MAX_FRAGMENT_PAGES].
-MAX_FRAGMENT_PAGES = 256
-
-_RESERVE, _FREE = 0, 1
+BASELINES = ("slot_list_lazy", "page_free_list", "slot_list_eager")
 
 
-class BenchInputError(ValueError):
+class BenchInputError(InputError, ValueError):
     """A bench-alloc argument is out of range; reported as one line, exit code 2."""
 
 
@@ -78,393 +90,374 @@ class BenchConfig:
     """Validated bench-alloc parameters (see :func:`add_arguments`)."""
 
     pool_gib: float
-    page_kib: float
+    page_bytes: tuple[int, ...]
     ops: int
-    seed: int
-    reserve_pages: int = 64
-    naive_ops: int = 600
-    slot_ops: int = 1500
-    churn_ops: int | None = None
+    seed: int = 0
+    page_tokens: int = 64
+    warmup_ops: int = 5_000
+    turnover: float = 1.0
+    block_ops: int = 1_000
+    free_room: float = 0.02
+    hits: float = 1.0
+    split: float = 0.3
+    cp_size: int = 1
+    torch_threads: int = 1
+    max_slots: int = 1 << 26
+    sample_reserves: int = 16
+    trace: Path | None = None
     json_path: Path | None = None
-    command: list[str] = field(default_factory=list)
+    command: str = ""
 
     def __post_init__(self) -> None:
         if not self.pool_gib > 0:
             raise BenchInputError(f"--pool-gib must be positive, got {self.pool_gib}")
-        if not self.page_kib > 0:
-            raise BenchInputError(f"--page-kib must be positive, got {self.page_kib}")
-        page_bytes = self.page_kib * 1024
-        if page_bytes != int(page_bytes) or int(page_bytes) % 8:
-            raise BenchInputError(
-                f"--page-kib {self.page_kib} gives {page_bytes:g} bytes per page; "
-                "the page size must be a whole multiple of 8 bytes"
-            )
+        if not self.page_bytes:
+            raise BenchInputError("--page-bytes lists no page size")
         for flag, value in (
             ("--ops", self.ops),
-            ("--reserve-pages", self.reserve_pages),
-            ("--naive-ops", self.naive_ops),
-            ("--slot-ops", self.slot_ops),
+            ("--page-tokens", self.page_tokens),
+            ("--block-ops", self.block_ops),
+            ("--cp-size", self.cp_size),
+            ("--torch-threads", self.torch_threads),
+            ("--max-slots", self.max_slots),
+            *(("--page-bytes", b) for b in self.page_bytes),
         ):
             if value <= 0:
                 raise BenchInputError(f"{flag} must be positive, got {value}")
-        if self.churn_ops is not None and self.churn_ops < 0:
-            raise BenchInputError(f"--churn-ops must be >= 0, got {self.churn_ops}")
-        if self.num_pages < 1:
-            raise BenchInputError(
-                f"--pool-gib {self.pool_gib} is smaller than one page of {self.page_bytes} bytes"
-            )
-        if self.reserve_pages > self.num_pages * (1 - TARGET_USED) / 2:
-            raise BenchInputError(
-                f"--reserve-pages {self.reserve_pages} is too large for a pool of {self.num_pages} pages"
-            )
+        for flag, value in (("--warmup-ops", self.warmup_ops), ("--sample-reserves", self.sample_reserves)):
+            if value < 0:
+                raise BenchInputError(f"{flag} must be >= 0, got {value}")
+        if not 0 <= self.free_room < 1:
+            raise BenchInputError(f"--free-room must be in [0, 1), got {self.free_room}")
+        if not (self.hits >= 0 and math.isfinite(self.hits)):
+            raise BenchInputError(f"--hits must be a finite number >= 0, got {self.hits}")
+        if not (self.turnover >= 0 and math.isfinite(self.turnover)):
+            raise BenchInputError(f"--turnover must be a finite number >= 0, got {self.turnover}")
+        if not 0 <= self.split <= 1:
+            raise BenchInputError(f"--split must be in [0, 1], got {self.split}")
+        for b in self.page_bytes:
+            pages = self.pages(b)
+            if pages < 2 or pages - math.ceil(self.free_room * pages) < 1:
+                raise BenchInputError(
+                    f"--pool-gib {self.pool_gib} holds {pages} pages of {b} B (per lane of --cp-size "
+                    f"{self.cp_size}); need at least 2 and room beyond --free-room {self.free_room}"
+                )
+        if self.trace is not None and not self.trace.is_file():
+            raise BenchInputError(f"--trace {self.trace}: no such file")
 
-    @property
-    def page_bytes(self) -> int:
-        return int(self.page_kib * 1024)
+    def pages(self, page_bytes: int) -> int:
+        """Pool pages for one page unit, a multiple of ``cp_size``."""
+        return int(self.pool_gib * 2**30) // page_bytes // self.cp_size * self.cp_size
 
-    @property
-    def num_pages(self) -> int:
-        return int(self.pool_gib * 2**30) // self.page_bytes
+
+def default_page_bytes(model: str, page_tokens: int) -> tuple[int, ...]:
+    """The model's logical page (all layers, all parts) and its per-layer target KV page."""
+    layout = PRESETS[model].layout(page_tokens)
+    return layout.bytes_per_page, layout.part(Part.TARGET_KV).page_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bench-alloc options to ``parser``."""
-    parser.add_argument("--pool-gib", type=float, default=220.0, help="host pool size in GiB (default 220)")
-    parser.add_argument("--page-kib", type=float, default=41.0, help="page size in KiB (default 41)")
-    parser.add_argument(
-        "--ops", type=int, default=200_000, help="timed ops for our allocator (default 200000)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the op sequence (default 0)")
-    parser.add_argument("--reserve-pages", type=int, default=64, help="pages per timed reserve (default 64)")
-    parser.add_argument(
-        "--naive-ops", type=int, default=600, help="ops replayed by the naive scan baseline (default 600)"
-    )
-    parser.add_argument(
-        "--slot-ops", type=int, default=1500, help="ops replayed by the slot list baseline (default 1500)"
-    )
-    parser.add_argument(
-        "--churn-ops",
-        type=int,
-        default=None,
-        help="fragmenting churn ops (default: half the pool's allocations)",
-    )
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write results as JSON to PATH"
-    )
+    add = parser.add_argument
+    add("--pool-gib", type=float, default=220.0, help="host pool size in GiB (default 220)")
+    add("--model", default="deepseek-v3.2", choices=sorted(PRESETS), help="layout giving the default page units")
+    add("--page-bytes", default=None, help="comma-separated page sizes in bytes, one run each "
+        "(default: the model's logical page and its per-layer target KV page)")
+    add("--page-tokens", type=int, default=64, help="tokens per page (default 64)")
+    add("--trace", type=Path, default=None, help="Mooncake-format trace for request sizes (default: embedded sizes)")
+    add("--ops", type=int, default=20_000, help="timed ops per allocator (default 20000)")
+    add("--warmup-ops", type=int, default=5_000, help="untimed ops after the pool fills (default 5000)")
+    add("--turnover", type=float, default=1.0,
+        help="warm up also until eviction has freed this many pools' worth of pages (default 1)")
+    add("--block-ops", type=int, default=1_000, help="ops an allocator runs before the next takes its turn")
+    add("--free-room", type=float, default=0.02, help="free fraction eviction keeps (default 0.02)")
+    add("--hits", type=float, default=1.0, help="mean random hits per request (default 1)")
+    add("--split", type=float, default=0.3, help="probability a hit splits its entry (default 0.3)")
+    add("--cp-size", type=int, default=1, help="lanes of the LanePageAllocator run (default 1)")
+    add("--torch-threads", type=int, default=1,
+        help="torch intra-op threads for the token-slot allocators (default 1: steady on shared cores)")
+    add("--max-slots", type=int, default=1 << 26, help="skip token-slot allocators above this many slots")
+    add("--sample-reserves", type=int, default=16, help="reservations whose runs the JSON lists (default 16)")
+    add("--seed", type=int, default=0, help="seed of the op sequence (default 0)")
+    add("--json", type=Path, default=None, metavar="PATH", help="write results as JSON to PATH")
 
 
-# -- baselines ---------------------------------------------------------------
-
-
-class _Allocator(Protocol):
-    """What the timed loop needs; ``Handle`` is whatever ``reserve`` returns."""
-
-    def reserve(self, n: int) -> Any: ...
-
-    def free(self, handle: Any) -> None: ...
-
-
-class NaiveScanAllocator:
-    """Baseline: a free bitmap scanned for contiguous space on every reserve.
-
-    Reserve: O(num_pages), whatever the request. Free: O(pages freed).
-    """
-
-    def __init__(self, num_pages: int, free_runs: Runs) -> None:
-        self.free_map = np.zeros(num_pages, dtype=bool)
-        self.free_map[runs_to_pages(free_runs)] = True
-        self.free_count = int(free_runs[:, 1].sum()) if free_runs.size else 0
-
-    def reserve(self, n: int) -> Runs | None:
-        """First run of >= n free pages, else the first free pages in address order."""
-        if n > self.free_count:
-            return None
-        edges = np.diff(np.concatenate(([0], self.free_map.view(np.int8), [0])))
-        starts = np.flatnonzero(edges == 1)
-        lengths = np.flatnonzero(edges == -1) - starts
-        fits = np.flatnonzero(lengths >= n)
-        if fits.size:
-            start = int(starts[fits[0]])
-            runs = np.array([[start, n]], dtype=np.int64)
-        else:
-            upto = int(np.searchsorted(np.cumsum(lengths), n))
-            runs = np.stack((starts[: upto + 1], lengths[: upto + 1]), axis=1).astype(np.int64)
-            runs[-1, 1] -= int(runs[:, 1].sum()) - n
-        for start, length in runs.tolist():
-            self.free_map[start : start + length] = False
-        self.free_count -= n
-        return runs
-
-    def free(self, runs: Runs) -> None:
-        for start, length in runs.tolist():
-            self.free_map[start : start + length] = True
-        self.free_count += int(runs[:, 1].sum())
-
-
-class SlotListAllocator:
-    """Baseline in the style of SGLang's HostKVCache: a tensor of free slots.
-
-    Reserve: O(1) slicing of the front. Free: O(free pages), ``torch.cat``
-    copies the whole free list.
-    """
-
-    def __init__(self, free_pages: np.ndarray) -> None:
-        self.free_slots = torch.from_numpy(np.ascontiguousarray(free_pages, dtype=np.int64))
-
-    def reserve(self, n: int) -> torch.Tensor | None:
-        if n > self.free_slots.numel():
-            return None
-        selected = self.free_slots[:n]
-        self.free_slots = self.free_slots[n:]
-        return selected
-
-    def free(self, pages: torch.Tensor) -> None:
-        self.free_slots = torch.cat((self.free_slots, pages))
-
-
-# -- phases ------------------------------------------------------------------
+# -- replay ------------------------------------------------------------------
 
 
 @dataclass
-class _Pool:
-    """The fragmented starting state shared by every allocator."""
+class _Replay:
+    """One allocator's pass over the sequence: timings, checks and run statistics."""
 
-    ours: ExtentAllocator
-    held: dict[int, Runs]
-    next_id: int
+    name: str
+    peer: Any
+    workload: Workload
+    sample_every: int
+    pos: int = 0
+    reserve_ns: list[int] = field(default_factory=list)
+    free_ns: list[int] = field(default_factory=list)
+    run_counts: list[int] = field(default_factory=list)
+    run_lengths: list[np.ndarray] = field(default_factory=list)
+    samples: list[list[list[int]]] = field(default_factory=list)
+    pages_reserved: int = 0
 
+    def __post_init__(self) -> None:
+        self.rows: list[list[int]] = self.workload.ops.tolist()
+        self.used = np.zeros(self.workload.pool_pages, dtype=bool)
+        self.held: dict[int, Any] = {}
+        self.size: dict[int, int] = {}  # pages of each live reservation
+        self.left: dict[int, int] = {}  # of which not yet freed
 
-def _fragment(cfg: BenchConfig, rng: np.random.Generator) -> _Pool:
-    """Fill, thin to ~70 % used, then churn, all through the allocator's API."""
-    alloc = ExtentAllocator(cfg.num_pages)
-    held: dict[int, Runs] = {}
-    ids: list[int] = []
-    next_id = 0
-    with _progress(total=cfg.num_pages, desc="fragment: fill", unit="page") as bar:
-        while True:
-            runs = alloc.reserve(int(rng.integers(1, MAX_FRAGMENT_PAGES + 1)))
-            if runs is None:
-                break
-            held[next_id] = runs
-            ids.append(next_id)
-            next_id += 1
-            bar.update(int(runs[:, 1].sum()))
+    def run(self, upto: int) -> None:
+        """Replay ops ``[pos, upto)``, then check them; ``AssertionError`` on any wrong answer.
 
-    def free_random() -> None:
-        j = int(rng.integers(len(ids)))
-        ids[j], ids[-1] = ids[-1], ids[j]
-        alloc.free(held.pop(ids.pop()))
+        The timed loop only calls the allocator and keeps the handles; the
+        checks and run counts follow over the same block, in op order, so
+        they add no work (and no cache traffic) between the timed calls.
+        """
+        peer, clock, rows = self.peer, time.perf_counter_ns, self.rows
+        reserve, free, piece = peer.reserve, peer.free, peer.piece
+        held, size = self.held, self.size
+        done: list[Any] = []
+        times: list[int] = []
+        for k in range(self.pos, upto):
+            kind, ident, lo, hi = rows[k]
+            if kind == RESERVE:
+                t0 = clock()
+                handle = reserve(hi)
+                t1 = clock()
+                if handle is None:
+                    raise AssertionError(f"{self.name}: op {k}: reserve of {hi} pages failed with room modelled")
+                held[ident] = handle
+                size[ident] = hi
+            else:
+                whole = held[ident]
+                handle = whole if lo == 0 and hi == size[ident] else piece(whole, lo, hi)
+                t0 = clock()
+                free(handle)
+                t1 = clock()
+            done.append(handle)
+            times.append(t1 - t0)
+        for k, handle, ns in zip(range(self.pos, upto), done, times):
+            self._check(k, handle, ns)
+        self.pos = upto
 
-    target_free = cfg.num_pages - int(TARGET_USED * cfg.num_pages)
-    with _progress(total=target_free, desc="fragment: thin", unit="page") as bar:
-        while alloc.free_pages < target_free and ids:
-            before = alloc.free_pages
-            free_random()
-            bar.update(alloc.free_pages - before)
-    churn = len(ids) // 2 if cfg.churn_ops is None else cfg.churn_ops
-    for _ in _progress(range(churn), desc="fragment: churn", unit="op"):
-        used = alloc.used_pages / cfg.num_pages
-        if ids and (used > TARGET_USED or rng.random() < 0.5):
-            free_random()
-        else:
-            runs = alloc.reserve(int(rng.integers(1, MAX_FRAGMENT_PAGES + 1)))
-            if runs is not None:
-                held[next_id] = runs
-                ids.append(next_id)
-                next_id += 1
-    return _Pool(alloc, held, next_id)
+    def _check(self, k: int, handle: Any, ns: int) -> None:
+        """Check op ``k``'s result against the model of used pages; record its time and runs."""
+        kind, ident, lo, hi = self.rows[k]
+        pages = self.peer.pages(handle)
+        timed = k >= self.workload.timed_from
+        if kind == RESERVE:
+            if pages.shape[0] != hi or self.used[pages].any():
+                raise AssertionError(
+                    f"{self.name}: op {k}: reserve of {hi} pages returned {pages.shape[0]} pages or a used one"
+                )
+            self.used[pages] = True
+            self.left[ident] = hi
+            if timed:
+                self.reserve_ns.append(ns)
+                self._count_runs(handle)
+            return
+        if pages.shape[0] != hi - lo or not self.used[pages].all():
+            raise AssertionError(f"{self.name}: op {k}: piece [{lo}, {hi}) of entry {ident} is wrong")
+        self.used[pages] = False
+        if timed:
+            self.free_ns.append(ns)
+        self.left[ident] -= hi - lo
+        if not self.left[ident]:
+            del self.held[ident], self.size[ident], self.left[ident]
 
+    def _count_runs(self, handle: Any) -> None:
+        runs = self.peer.runs(handle)
+        self.run_counts.append(runs.shape[0])
+        self.run_lengths.append(runs[:, 1])
+        self.pages_reserved += int(runs[:, 1].sum())
+        if self.sample_every and (len(self.run_counts) - 1) % self.sample_every == 0:
+            self.samples.append(runs.tolist())
 
-def _op_sequence(cfg: BenchConfig, pool: _Pool, rng: np.random.Generator) -> np.ndarray:
-    """Seeded ``(kind, allocation id)`` rows, independent of any allocator.
-
-    A model of the free-page count keeps usage near ``TARGET_USED`` and
-    guarantees every reserve fits, so all allocators serve the same pages.
-    """
-    ids = list(pool.held)
-    sizes = {i: int(r[:, 1].sum()) for i, r in pool.held.items()}
-    free = pool.ours.free_pages
-    next_id = pool.next_id
-    ops = np.empty((cfg.ops, 2), dtype=np.int64)
-    for k in range(cfg.ops):
-        used = 1 - free / cfg.num_pages
-        p_reserve = 0.6 if used < TARGET_USED else 0.4
-        if free >= cfg.reserve_pages and (not ids or rng.random() < p_reserve):
-            ops[k] = (_RESERVE, next_id)
-            sizes[next_id] = cfg.reserve_pages
-            ids.append(next_id)
-            free -= cfg.reserve_pages
-            next_id += 1
-        else:
-            j = int(rng.integers(len(ids)))
-            ids[j], ids[-1] = ids[-1], ids[j]
-            victim = ids.pop()
-            ops[k] = (_FREE, victim)
-            free += sizes.pop(victim)
-    return ops
-
-
-@dataclass
-class _Timing:
-    ops: int
-    reserve_ns: np.ndarray
-    free_ns: np.ndarray
-    runs_per_reserve: np.ndarray
-    pages_reserved: int
-
-    def summary(self) -> dict[str, float | int]:
-        def pct(a: np.ndarray, q: float) -> float:
-            return round(float(np.percentile(a, q)) / 1e3, 3) if a.size else float("nan")
-
+    def summary(self) -> dict[str, Any]:
+        res, fre = np.array(self.reserve_ns) / 1e3, np.array(self.free_ns) / 1e3
+        counts = np.array(self.run_counts)
+        lengths = np.concatenate(self.run_lengths) if self.run_lengths else np.zeros(0, dtype=np.int64)
         return {
-            "ops": self.ops,
-            "reserves": int(self.reserve_ns.size),
-            "frees": int(self.free_ns.size),
+            "label": self.peer.label,
+            "ops": len(self.reserve_ns) + len(self.free_ns),
+            "reserves": len(self.reserve_ns),
+            "frees": len(self.free_ns),
             "pages_reserved": self.pages_reserved,
-            "reserve_p50_us": pct(self.reserve_ns, 50),
-            "reserve_p99_us": pct(self.reserve_ns, 99),
-            "free_p50_us": pct(self.free_ns, 50),
-            "free_p99_us": pct(self.free_ns, 99),
-            "runs_per_reserve_mean": round(float(self.runs_per_reserve.mean()), 3)
-            if self.runs_per_reserve.size
-            else float("nan"),
+            "reserve_p50_us": _pct(res, 50),
+            "reserve_p99_us": _pct(res, 99),
+            "reserve_max_us": _pct(res, 100),
+            "free_p50_us": _pct(fre, 50),
+            "free_p99_us": _pct(fre, 99),
+            "free_max_us": _pct(fre, 100),
+            "median_total_us": round(_pct(res, 50) + _pct(fre, 50), 3),
+            "reserve_mean_us": round(float(res.mean()), 3) if res.size else math.nan,
+            "free_mean_us": round(float(fre.mean()), 3) if fre.size else math.nan,
+            "runs_per_reserve": round(float(counts.mean()), 3) if counts.size else math.nan,
+            "runs_per_reserve_p50": _pct(counts, 50, 1),
+            "runs_per_reserve_p99": _pct(counts, 99, 1),
+            "multi_run_reserve_fraction": round(float(np.mean(counts > 1)), 4) if counts.size else math.nan,
+            "pages_per_run": round(float(lengths.mean()), 2) if lengths.size else math.nan,
+            "run_length_histogram": _histogram(lengths),
+            "sample_runs": self.samples,
         }
 
-    @property
-    def median_total_ns(self) -> float:
-        return float(np.median(self.reserve_ns) + np.median(self.free_ns))
+
+def _pct(a: np.ndarray, q: float, digits: int = 3) -> float:
+    return round(float(np.percentile(a, q)), digits) if a.size else math.nan
 
 
-def _replay(
-    name: str,
-    alloc: _Allocator,
-    ops: np.ndarray,
-    pool: _Pool,
-    reserve_pages: int,
-    to_handle: Any,
-    to_runs: Any,
-) -> _Timing:
-    """Run ``ops`` against ``alloc``, timing each reserve and free call alone."""
-    held: dict[int, Any] = {}
-    reserve_ns: list[int] = []
-    free_ns: list[int] = []
-    runs_count: list[int] = []
-    pages = 0
-    clock = time.perf_counter_ns
-    for kind, ident in _progress(ops.tolist(), desc=f"timing {name}", unit="op"):
-        if kind == _RESERVE:
-            t0 = clock()
-            handle = alloc.reserve(reserve_pages)
-            t1 = clock()
-            if handle is None:
-                raise AssertionError(f"{name}: reserve of {reserve_pages} pages failed with room modelled")
-            reserve_ns.append(t1 - t0)
-            runs = to_runs(handle)
-            got = int(runs[:, 1].sum())
-            if got != reserve_pages:
-                raise AssertionError(f"{name}: reserve returned {got} pages, asked {reserve_pages}")
-            runs_count.append(runs.shape[0])
-            pages += got
-            held[ident] = handle
-        else:
-            handle = held.pop(ident) if ident in held else to_handle(pool.held[ident])
-            t0 = clock()
-            alloc.free(handle)
-            t1 = clock()
-            free_ns.append(t1 - t0)
-    return _Timing(
-        ops=len(ops),
-        reserve_ns=np.array(reserve_ns, dtype=np.int64),
-        free_ns=np.array(free_ns, dtype=np.int64),
-        runs_per_reserve=np.array(runs_count, dtype=np.int64),
-        pages_reserved=pages,
+def _histogram(lengths: np.ndarray) -> dict[str, list[int]]:
+    """Run lengths in power-of-two buckets: ``{"4-7": [runs, pages], ...}``."""
+    if lengths.size == 0:
+        return {}
+    bucket = np.floor(np.log2(lengths)).astype(np.int64)
+    out: dict[str, list[int]] = {}
+    for b in np.unique(bucket).tolist():
+        sel = lengths[bucket == b]
+        lo, hi = 1 << b, (1 << (b + 1)) - 1
+        out[str(lo) if lo == hi else f"{lo}-{hi}"] = [int(sel.size), int(sel.sum())]
+    return out
+
+
+# -- one page unit -----------------------------------------------------------
+
+
+def _run_unit(cfg: BenchConfig, page_bytes: int, sizes: SizeSource, sglang: tuple[Any, dict[str, str]]) -> dict[str, Any]:
+    """Generate the unit's sequence, replay it through every allocator, summarise."""
+    t0 = time.perf_counter()
+    pages = cfg.pages(page_bytes)
+    workload = make_workload(
+        pool_pages=pages,
+        sizes=sizes,
+        page_tokens=cfg.page_tokens,
+        timed_ops=cfg.ops,
+        warmup_ops=cfg.warmup_ops,
+        free_room=cfg.free_room,
+        hits=cfg.hits,
+        split=cfg.split,
+        seed=cfg.seed,
+        turnover=cfg.turnover,
     )
+    logger.info("unit %d B: %d pages, %d ops generated in %.1f s", page_bytes, pages, workload.ops.shape[0],
+                time.perf_counter() - t0)
+    peers, skipped = make_peers(pages, cp_size=cfg.cp_size, max_slots=cfg.max_slots,
+                                page_tokens=cfg.page_tokens, sglang=sglang)
+    timed_reserves = int(np.count_nonzero(workload.ops[workload.timed_from :, 0] == RESERVE))
+    every = max(1, timed_reserves // cfg.sample_reserves) if cfg.sample_reserves else 0
+    replays = [_Replay(name, peer, workload, every) for name, peer in peers.items()]
+    total = workload.ops.shape[0]
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for start in range(0, total, cfg.block_ops):
+            for r in replays:
+                r.run(min(start + cfg.block_ops, total))
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    for r in replays:
+        r.peer.check()
+        if r.samples and len(r.samples) > cfg.sample_reserves:
+            del r.samples[cfg.sample_reserves :]
+    allocators = {r.name: r.summary() for r in replays}
+    ours_total = allocators["ours"]["median_total_us"]
+    lane_total = allocators.get("ours_lane", {}).get("median_total_us")
+    result: dict[str, Any] = {
+        "page_bytes": page_bytes,
+        "pages": pages,
+        "workload": workload.describe(),
+        "allocators": allocators,
+        "skipped": skipped,
+    }
+    for base in BASELINES:
+        if base in allocators:
+            result[f"speedup_vs_{base}"] = round(allocators[base]["median_total_us"] / ours_total, 2)
+            if lane_total:
+                result[f"lane_speedup_vs_{base}"] = round(allocators[base]["median_total_us"] / lane_total, 2)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    return result
 
 
-def _progress(iterable: Any = None, **kwargs: Any) -> tqdm:
-    """A tqdm bar on stderr that disappears when done and is off when stderr is not a tty."""
-    return tqdm(iterable, unit_scale=True, leave=False, disable=None, **kwargs)
+def run_config(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the benchmark described by ``cfg`` and return the result record.
+
+    The top-level ``allocators`` and ``speedup_*`` keys are those of the first
+    page unit; ``units`` holds every unit's record.
+    """
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.torch_threads)
+    try:
+        return _run_config(cfg, t0, load_before)
+    finally:
+        torch.set_num_threads(threads_before)
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
-def _pages_tensor(runs: Runs) -> torch.Tensor:
-    return torch.from_numpy(runs_to_pages(runs))
-
-
-def _tensor_runs(pages: torch.Tensor) -> Runs:
-    return pages_to_runs(pages.numpy())
+def _run_config(cfg: BenchConfig, t0: float, load_before: tuple[float, float, float]) -> dict[str, Any]:
+    sizes = SizeSource.from_trace(cfg.trace) if cfg.trace is not None else SizeSource.builtin()
+    sglang = load_sglang_host_kv_cache()
+    if sglang[0] is None:
+        logger.warning("bench-alloc: SGLang's allocator is not importable (%s); using the labelled "
+                       "re-implementation", sglang[1]["reason"])
+    units = [_run_unit(cfg, b, sizes, sglang) for b in cfg.page_bytes]
+    head = units[0]
+    return {
+        "pool_gib": cfg.pool_gib,
+        "page_bytes": head["page_bytes"],
+        "pages": head["pages"],
+        "cp_size": cfg.cp_size,
+        "seed": cfg.seed,
+        "sglang": sglang[1],
+        "workload": head["workload"],
+        "allocators": head["allocators"],
+        **{k: v for k, v in head.items() if k.startswith(("speedup_", "lane_speedup_"))},
+        "units": units,
+        "timing": "perf_counter_ns around each call; cyclic GC off during replays; allocators take "
+                  f"turns every {cfg.block_ops} ops; checks run after each block; torch threads "
+                  f"{cfg.torch_threads}",
+        "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "commit": git_commit(),
+        "machine": machine(),
+        "command": cfg.command,
+    }
 
 
 # -- reporting ---------------------------------------------------------------
 
 
-def _print_table(results: dict[str, dict[str, Any]], total_ops: int) -> None:
+def _print_unit(unit: dict[str, Any]) -> None:
+    w = unit["workload"]
+    print(
+        f"\npage unit {unit['page_bytes']} B: {unit['pages']} pages; {w['timed_ops']} timed ops "
+        f"({w['timed_reserves']} reserves of {w['reserve_pages_p50']:g} pages p50, "
+        f"{w['reserve_pages_p99']:g} p99, {w['reserve_pages_max']} max; {w['timed_frees']} frees, "
+        f"{w['timed_split_frees']} of split entries); sizes: {w['sizes']}"
+    )
     header = (
-        f"{'allocator':<12}{'ops':>9}{'reserve p50':>13}{'p99':>10}"
-        f"{'free p50':>11}{'p99':>10}{'runs/reserve':>14}"
+        f"{'allocator':<16}{'reserve p50':>12}{'p99':>9}{'free p50':>10}{'p99':>9}"
+        f"{'p50 sum':>9}{'runs/reserve':>13}{'p99':>6}{'multi-run':>10}"
     )
     print(header)
     print("-" * len(header))
-    for name, r in results.items():
+    for name, r in unit["allocators"].items():
         print(
-            f"{name:<12}{r['ops']:>9}{r['reserve_p50_us']:>13.2f}{r['reserve_p99_us']:>10.2f}"
-            f"{r['free_p50_us']:>11.2f}{r['free_p99_us']:>10.2f}{r['runs_per_reserve_mean']:>14.2f}"
+            f"{name:<16}{r['reserve_p50_us']:>12.2f}{r['reserve_p99_us']:>9.2f}{r['free_p50_us']:>10.2f}"
+            f"{r['free_p99_us']:>9.2f}{r['median_total_us']:>9.2f}{r['runs_per_reserve']:>13.2f}"
+            f"{r['runs_per_reserve_p99']:>6.0f}{r['multi_run_reserve_fraction']:>10.1%}"
         )
-    print("(times in microseconds per call)")
-    for name, r in results.items():
-        if r["ops"] < total_ops:
-            print(
-                f"note: {name} replayed the first {r['ops']} of the {total_ops} ops "
-                "(same sequence); it is slow"
-            )
-
-
-def run_config(cfg: BenchConfig) -> dict[str, Any]:
-    """Run the benchmark described by ``cfg`` and return the result record."""
-    rng = np.random.default_rng(cfg.seed)
-    t0 = time.perf_counter()
-    pool = _fragment(cfg, rng)
-    stats = pool.ours.stats()
-    free_runs = pool.ours.free_runs()
-    logger.info("fragmented %d pages in %.1f s: %s", cfg.num_pages, time.perf_counter() - t0, stats)
-    ops = _op_sequence(cfg, pool, rng)
-
-    timings: dict[str, _Timing] = {}
-    timings["ours"] = _replay("ours", pool.ours, ops, pool, cfg.reserve_pages, _identity, _identity)
-    pool.ours.check_invariants()
-    naive = NaiveScanAllocator(cfg.num_pages, free_runs)
-    naive_ops = ops[: min(cfg.naive_ops, cfg.ops)]
-    timings["naive_scan"] = _replay(
-        "naive_scan", naive, naive_ops, pool, cfg.reserve_pages, _identity, _identity
-    )
-    slots = SlotListAllocator(runs_to_pages(free_runs))
-    slot_ops = ops[: min(cfg.slot_ops, cfg.ops)]
-    timings["slot_list"] = _replay(
-        "slot_list", slots, slot_ops, pool, cfg.reserve_pages, _pages_tensor, _tensor_runs
-    )
-
-    ours_ns = timings["ours"].median_total_ns
-    return {
-        "pool_gib": cfg.pool_gib,
-        "page_kib": cfg.page_kib,
-        "pages": cfg.num_pages,
-        "reserve_pages": cfg.reserve_pages,
-        "seed": cfg.seed,
-        "used_fraction": round(stats.used_pages / cfg.num_pages, 4),
-        "free_extents": stats.num_free_extents,
-        "largest_free_run": stats.largest_free_run,
-        "fragmentation": round(stats.fragmentation, 6),
-        "allocators": {name: t.summary() for name, t in timings.items()},
-        "speedup_vs_naive_scan": round(timings["naive_scan"].median_total_ns / ours_ns, 1),
-        "speedup_vs_slot_list": round(timings["slot_list"].median_total_ns / ours_ns, 1),
-        "wall_s": round(time.perf_counter() - t0, 2),
-        "commit": git_commit(),
-        "machine": machine(),
-        "command": cfg.command,
-    }
+    print("(times in microseconds per call; every allocator ran the same ops)")
+    for name, why in unit["skipped"].items():
+        print(f"skipped {name}: {why}")
+    speedups = [f"{v}x vs {k[len('speedup_vs_'):]}" for k, v in unit.items() if k.startswith("speedup_vs_")]
+    lane = [f"{v}x vs {k[len('lane_speedup_vs_'):]}" for k, v in unit.items() if k.startswith("lane_speedup_vs_")]
+    print("ours (median reserve+free): " + ", ".join(speedups))
+    if lane:
+        print("ours_lane: " + ", ".join(lane))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -473,32 +466,40 @@ def run(args: argparse.Namespace) -> int:
     Bad input prints one ``error:`` line on stderr and returns 2.
     """
     try:
+        page_bytes = (
+            tuple(int(x) for x in args.page_bytes.split(",") if x.strip())
+            if args.page_bytes
+            else default_page_bytes(args.model, args.page_tokens)
+        )
         cfg = BenchConfig(
             pool_gib=args.pool_gib,
-            page_kib=args.page_kib,
+            page_bytes=page_bytes,
             ops=args.ops,
             seed=args.seed,
-            reserve_pages=args.reserve_pages,
-            naive_ops=args.naive_ops,
-            slot_ops=args.slot_ops,
-            churn_ops=args.churn_ops,
+            page_tokens=args.page_tokens,
+            warmup_ops=args.warmup_ops,
+            turnover=args.turnover,
+            block_ops=args.block_ops,
+            free_room=args.free_room,
+            hits=args.hits,
+            split=args.split,
+            cp_size=args.cp_size,
+            torch_threads=args.torch_threads,
+            max_slots=args.max_slots,
+            sample_reserves=args.sample_reserves,
+            trace=args.trace,
             json_path=args.json,
-            command=list(sys.argv),
+            command=command_line("bench-alloc"),
         )
-    except BenchInputError as exc:
+    except (BenchInputError, ValueError) as exc:
         print(f"hicache-cp bench-alloc: error: {exc}", file=sys.stderr)
         return 2
     result = run_config(cfg)
-    print(
-        f"pool {cfg.pool_gib:g} GiB / {cfg.page_kib:g} KiB pages = {result['pages']} pages; "
-        f"{result['used_fraction']:.0%} used, {result['free_extents']} free extents, "
-        f"largest {result['largest_free_run']} pages, fragmentation {result['fragmentation']:.4f}"
-    )
-    _print_table(result["allocators"], cfg.ops)
-    print(
-        f"speedup (median reserve+free): {result['speedup_vs_naive_scan']}x vs naive_scan, "
-        f"{result['speedup_vs_slot_list']}x vs slot_list"
-    )
+    info = result["sglang"]
+    print(f"pool {cfg.pool_gib:g} GiB; slot_list_lazy: "
+          + (info["code"] if info["impl"] == "sglang" else f"RE-IMPLEMENTATION ({info['reason']})"))
+    for unit in result["units"]:
+        _print_unit(unit)
     if cfg.json_path is not None:
         cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
         cfg.json_path.write_text(json.dumps(result, indent=2) + "\n")
