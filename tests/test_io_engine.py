@@ -5,9 +5,14 @@ contract (exact bytes both ways, destination pages outside the set and the
 source untouched), input errors and failure reporting.
 
 GPU (marked `gpu`, skipped without CUDA): the same byte contract for every
-CUDA backend over random page sets of 1, 7, 64 and 1000 pages, the FAILED
-path, and ordering: a backup submitted right after compute wrote a layer
-copies the new bytes.
+CUDA backend over random page sets of 1, 7, 64 and 1000 pages (and more than
+one kernel launch carries), every kernel mode, the DMA routing of coalesced
+copies, the FAILED path, ordering (a backup submitted right after compute
+wrote a layer copies the new bytes), and a submission's host time that does
+not grow with the page count.
+
+CPU: the DMA descriptors of a copy (`runs.dma_plan`) cover every byte once
+and never cross a registration chunk.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from hicache_cp.io.base import CopyFailed, Direction, TicketState, backend_names
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pools import DevicePool, HostPool
 
-CUDA_BACKENDS = ("kernel", "direct", "staging")
+CUDA_BACKENDS = ("hybrid", "kernel", "direct", "staging")
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 
@@ -400,3 +405,209 @@ def test_device_pool_rejects_layer_tensors_of_the_wrong_size() -> None:
     short = {p.part: [torch.zeros((8, p.page_bytes), dtype=torch.uint8)] for p in layout.parts}
     with pytest.raises(ValueError, match="layer buffers given"):
         DevicePool(layout, 8, buffers=short)
+
+
+# -- bounded host cost: DMA plans and the worker-issued direct backend ----------------------------
+
+
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=0, max_size=40, unique_by=(lambda x: x[0], lambda x: x[1])),
+    page_bytes=st.sampled_from([16, 48, 1040]),
+    chunk_pages=st.sampled_from([1, 3, 7, 64]),
+    slot=st.integers(0, 2),
+)
+def test_dma_plan_moves_every_page_once_and_never_crosses_a_chunk(
+    pairs: list[tuple[int, int]], page_bytes: int, chunk_pages: int, slot: int
+) -> None:
+    """The direct backend's descriptors: each (device page, host page) pair's bytes
+    exactly once, no host range crossing a registration chunk, and never more
+    descriptors than pages (plus one per chunk boundary crossed)."""
+    from hicache_cp.io.runs import dma_plan
+
+    dev = np.array([d for d, _ in pairs], dtype=np.int64)
+    host = np.array([h for _, h in pairs], dtype=np.int64)
+    chunk = chunk_pages * page_bytes + 16 * (chunk_pages % 2)  # chunks not aligned to pages too
+    dev_base, host_base, host_pages = 1 << 40, 1 << 44, 64
+    layer_off = slot * host_pages * page_bytes
+    d_addr, h_addr, sizes = dma_plan(dev, host, page_bytes, dev_base, host_base, layer_off, chunk)
+    assert d_addr.dtype == h_addr.dtype == sizes.dtype == np.uint64
+    assert (sizes > 0).all() and int(sizes.sum()) == len(pairs) * page_bytes
+    off = h_addr.astype(np.int64) - host_base
+    assert ((off // chunk) == ((off + sizes.astype(np.int64) - 1) // chunk)).all()
+    got = {(int(a) + k, int(b) + k) for a, b, n in zip(d_addr, h_addr, sizes) for k in range(0, int(n), 8)}
+    want = {
+        (dev_base + d * page_bytes + k, host_base + layer_off + h * page_bytes + k)
+        for d, h in pairs for k in range(0, page_bytes, 8)
+    }
+    assert got == want
+    crossings = sum(((layer_off + h * page_bytes) // chunk) != ((layer_off + (h + 1) * page_bytes - 1) // chunk) for _, h in pairs)
+    assert len(sizes) <= len(pairs) + crossings
+
+
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6)), min_size=1, max_size=12),
+    limit=st.integers(1, 8),
+    chunk_pages=st.sampled_from([1, 3, 64]),
+)
+def test_few_run_plan_matches_the_general_plan(runs: list[tuple[int, int]], limit: int, chunk_pages: int) -> None:
+    """The hybrid backend's cheap path (`run_starts` + `plan_runs`) gives the
+    descriptors of `dma_plan` (in another order where runs are cut at chunks)
+    when a copy has at most `limit` runs, and declines (None) exactly when it
+    has more."""
+    from hicache_cp.io.runs import coalesce_in_order, dma_plan, plan_runs, run_starts
+
+    dev, host, d, h = [], [], 1, 1000
+    for gap, length in runs:  # gap 0 continues the previous run on both sides
+        d, h = d + 2 * gap, h + 3 * gap
+        dev += range(d, d + length)
+        host += range(h, h + length)
+        d, h = d + length, h + length
+    dev_a, host_a = np.array(dev, dtype=np.int64), np.array(host, dtype=np.int64)
+    true_runs = len(coalesce_in_order(dev_a, host_a)[2])
+    starts = run_starts(dev_a, host_a, limit)
+    assert (starts is None) == (true_runs > limit)
+    if starts is not None:
+        page_bytes = 48
+        chunk = chunk_pages * page_bytes + 16
+        got = plan_runs(dev_a, host_a, starts, page_bytes, 1 << 40, 1 << 44, 5 * page_bytes, chunk)
+        want = dma_plan(dev_a, host_a, page_bytes, 1 << 40, 1 << 44, 5 * page_bytes, chunk)
+        assert sorted(zip(*got)) == sorted(zip(*(a.tolist() for a in want)))  # same descriptors, any order
+
+
+def test_coalesce_in_order_merges_neighbours_only() -> None:
+    from hicache_cp.io.runs import coalesce_in_order
+
+    d0, h0, n = coalesce_in_order(np.array([3, 4, 5, 9, 10, 2]), np.array([7, 8, 20, 21, 22, 1]))
+    # (3,7)(4,8) is a run; (5,20) breaks on the host side, (9,21) on the device side,
+    # (9,21)(10,22) is a run, (2,1) breaks on both. Pairs are never reordered.
+    assert d0.tolist() == [3, 5, 9, 2] and h0.tolist() == [7, 20, 21, 1] and n.tolist() == [2, 1, 2, 1]
+
+
+@pytest.fixture(scope="module")
+def big_cuda_pools():
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    layout = KVLayout.build(page_size=4, num_layers=2, kv_bytes_per_token=260)  # 1040 B pages
+    dev = DevicePool(layout, 9000, device="cuda")
+    host = HostPool(layout, 9000 * layout.bytes_per_page, pin=True)
+    host.wait_ready()
+    yield layout, dev, host
+    host.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+def test_cuda_backend_many_pages_exact_bytes(big_cuda_pools, name: str) -> None:
+    """More pages than one kernel launch takes (kernels.LARGE_PAGES) and than one
+    batch of small copies: several launches / descriptors, same byte contract."""
+    from hicache_cp.io import kernels
+
+    layout, dev, host = big_cuda_pools
+    engine = make_engine(name, dev, host)
+    try:
+        _check_roundtrip(engine, layout, dev, host, np.random.default_rng(11), 2 * kernels.LARGE_PAGES + 17)
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["simt", "l2hint", "tma"])
+def test_kernel_modes_copy_exact_bytes(cuda_pools, mode: str) -> None:
+    """Every way the kernel moves bytes (SM loads, loads with an L2 fetch hint,
+    the bulk-copy unit) keeps the byte contract; the 48 B state pages (16-byte
+    multiples) take the same mode, odd sizes fall back to simt (checked below)."""
+    layout, dev, host = cuda_pools
+    engine = make_engine("kernel", dev, host, mode=mode, dma_runs=0)
+    try:
+        for n in (1, 64, 300, 1000):
+            _check_roundtrip(engine, layout, dev, host, np.random.default_rng(n + 100), n)
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["l2hint", "tma"])
+def test_kernel_modes_fall_back_on_odd_page_sizes(mode: str) -> None:
+    layout = KVLayout.build(page_size=4, num_layers=2, kv_bytes_per_token=259)  # 1036 B pages: not 16-byte multiples
+    dev = DevicePool(layout, 300, device="cuda")
+    with HostPool(layout, 400 * layout.bytes_per_page, pin=True) as host:
+        host.wait_ready()
+        engine = make_engine("kernel", dev, host, mode=mode, dma_runs=0)
+        try:
+            _check_roundtrip(engine, layout, dev, host, np.random.default_rng(9), 250)
+        finally:
+            engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["simt", "tma"])
+def test_kernel_many_pages_take_the_device_id_array(big_cuda_pools, mode: str) -> None:
+    """Past kernels.LARGE_PAGES the ids travel through the launcher's device
+    array: several copies in a row, each of a different size, exact bytes."""
+    from hicache_cp.io import kernels
+
+    layout, dev, host = big_cuda_pools
+    engine = make_engine("kernel", dev, host, mode=mode, dma_runs=0)
+    try:
+        for n in (kernels.LARGE_PAGES + 1, 3 * kernels.LARGE_PAGES + 5, kernels.LARGE_PAGES + 100):
+            _check_roundtrip(engine, layout, dev, host, np.random.default_rng(n), n)
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+def test_kernel_dma_runs_routes_coalesced_copies_to_dma(big_cuda_pools) -> None:
+    """With dma_runs=4 a copy of 3 runs (consecutive on both sides) goes to the
+    DMA engines and a scattered one to the kernel; both exact."""
+    layout, dev, host = big_cuda_pools
+    engine = make_engine("kernel", dev, host, dma_runs=4)
+    p = layout.part(Part.TARGET_KV)
+    try:
+        runs = [(10, 500, 40), (200, 90, 25), (3000, 7000, 60)]  # (device start, host start, length)
+        d_pages = np.concatenate([np.arange(a, a + k) for a, _, k in runs])
+        h_pages = np.concatenate([np.arange(b, b + k) for _, b, k in runs])
+        dbuf, hview = dev.buffer(Part.TARGET_KV)[0], host.torch_view(Part.TARGET_KV)[0]
+        dbuf.copy_(torch.randint(0, 256, dbuf.shape, dtype=torch.uint8, device=dbuf.device))
+        hview.fill_(0)
+        engine.submit_backup(Part.TARGET_KV, p.layer_ids[0], d_pages, h_pages).wait()
+        assert engine.counts == {"kernel": 0, "dma": 1}
+        assert torch.equal(hview[h_pages], dbuf.cpu()[d_pages])
+        untouched = np.setdiff1d(np.arange(host.physical_pages), h_pages)
+        assert not hview[untouched].any()
+        scattered_d, scattered_h = random_pairs(np.random.default_rng(4), 50, dev.physical_pages, host.physical_pages)
+        engine.submit_load(Part.TARGET_KV, p.layer_ids[0], scattered_h, scattered_d).wait()
+        assert engine.counts == {"kernel": 1, "dma": 1}
+        assert torch.equal(dbuf.cpu()[scattered_d], hview[scattered_h])
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+def test_submit_host_time_does_not_grow_with_pages(big_cuda_pools) -> None:
+    """One layer's kernel submission costs the caller's thread about the same
+    for 16 and for 8000 scattered pages (bench-io measures the absolute numbers)."""
+    import time
+
+    layout, dev, host = big_cuda_pools
+    engine = make_engine("kernel", dev, host)
+    rng = np.random.default_rng(2)
+    try:
+        med = {}
+        for n in (16, 8000):
+            d_pages, h_pages = random_pairs(rng, n, dev.physical_pages, host.physical_pages)
+            times = []
+            for i in range(25):
+                t0 = time.perf_counter()
+                t = engine.submit_backup(Part.TARGET_KV, i % 2, d_pages, h_pages)
+                times.append(time.perf_counter() - t0)
+            t.wait()
+            med[n] = float(np.median(times[5:]))
+        assert med[8000] < max(4 * med[16], 200e-6), med
+    finally:
+        engine.close()

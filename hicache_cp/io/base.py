@@ -24,6 +24,7 @@ of `query()`; the cache turns it into an abort of the backup or load.
 from __future__ import annotations
 
 import abc
+import time
 import enum
 import importlib
 from collections.abc import Callable
@@ -60,6 +61,7 @@ class CopyTicket(abc.ABC):
         self.part = part
         self.layer = layer
         self.nbytes = nbytes
+        self.submitted_at = time.perf_counter()  # for the copy-latency metric only
 
     @abc.abstractmethod
     def query(self) -> TicketState:
@@ -138,8 +140,9 @@ _BACKENDS: dict[str, EngineFactory] = {}
 BUILTIN: dict[str, str] = {
     "cpu": "hicache_cp.io.cpu",
     "kernel": "hicache_cp.io.cuda",
-    "direct": "hicache_cp.io.cuda",
-    "staging": "hicache_cp.io.cuda",
+    "hybrid": "hicache_cp.io.cuda",
+    "direct": "hicache_cp.io.dma",
+    "staging": "hicache_cp.io.dma",
 }
 
 
@@ -174,12 +177,18 @@ def make_engine(name: str, device_pool: DevicePool, host_pool: HostPool, **optio
 
 
 def default_backend(device_pool: DevicePool) -> str:
-    """The fastest backend measured for the pools' placement (bench-io).
+    """The backend measured best for the pools' placement (bench-io, issue 13).
 
-    CUDA: "direct" (bench/results/io-h200.json, 42 KB pages, scattered on
-    both sides: 0.90-1.00 of the link's peak in both directions, and loads
-    hide behind compute, exposed fraction 0.05). The "kernel" backend moves
-    bytes nearly as fast but its CTAs take SMs from the forward (exposed
-    fraction 0.34), and "staging" pays one DMA per scattered host page.
+    CUDA: "hybrid" (hicache_cp.io.cuda). A copy of at most 16 runs (pages
+    consecutive on both sides) goes to the DMA engines: 0.94-0.99 of the
+    link, no SMs taken from the forward; in the DeepSeek-V3.2 trace replay
+    every copy was such a copy. Any other copy is one gather/scatter kernel
+    launch, so a layer's submission costs the caller tens of microseconds
+    for any page pattern (scattered: 19-43 us up to 1024 pages, 70-82 us at
+    8192); the price on scattered pages is the kernel's: loads at 0.82-0.92
+    of the link and SMs shared with the forward. "direct" (DMA for every
+    run) keeps 0.90-0.99 and the overlap on scattered pages too, at about a
+    microsecond of driver time per run on the caller's thread (6 ms for
+    8192 scattered pages). bench/results/io-h200.json has all of it.
     """
-    return "direct" if device_pool.is_cuda else "cpu"
+    return "hybrid" if device_pool.is_cuda else "cpu"

@@ -1,23 +1,29 @@
 """CUDA io backends: per-layer D2H/H2D copies on two copy streams.
 
 Process: the prefill server's, on the thread that drives the forward pass.
-The contract is `hicache_cp.io.base`'s; this module adds how it holds on CUDA:
+The contract is `hicache_cp.io.base`'s; this module adds how it holds on CUDA
+(the shared machinery and the `kernel` backend; `hicache_cp.io.dma` holds
+the DMA-only backends `direct` and `staging`):
 
 * Streams. One D2H stream (backups) and one H2D stream (loads) per engine,
   so the two directions overlap each other and the compute stream.
-* Ordering against compute. Every submission first makes its copy stream
-  wait on the caller's current (compute) stream: a backup submitted right
-  after compute wrote the layer sees the new bytes, and a load never writes
-  device pages that compute enqueued earlier may still read. This is an
-  event record + stream wait: no host block.
-* Completion. Each submission records a `torch.cuda.Event` on its copy stream
-  after the copy; the ticket's `query()` is `event.query()`,
-  `make_compute_wait()` makes the current stream wait on the event, `wait()`
-  synchronises the event.
-* Lifetime. Every tensor a copy uses (pinned index staging, device index
-  arrays) stays referenced by the engine until the copy's event completed
-  (`_InFlight`, pruned on each submission), whatever the caller does with
-  the ticket.
+* Ordering against compute. Every copy first makes its copy stream wait on
+  the caller's current (compute) stream as it was at submission: a backup
+  submitted right after compute wrote the layer sees the new bytes, and a
+  load never writes device pages that compute enqueued earlier may still
+  read. An event record + stream wait: no host block.
+* Completion. Each copy records a CUDA event on its copy stream after the
+  copy; the ticket's `query()` is an event query, `make_compute_wait()`
+  makes the current stream wait on it, `wait()` synchronises it.
+* Host cost. The submit path makes a constant number of driver calls
+  through `hicache_cp.io.cudadrv` (ctypes, no per-page Python objects),
+  takes events from a pool, looks nothing up by enum, and allocates no
+  per-page memory: the `kernel` backend submits one layer's copy in tens of
+  microseconds for any page count (`hicache-cp bench-io` measures it,
+  `submit_us`). DMA costs about a microsecond of driver time per
+  descriptor, so a backend that issues DMAs pays per run of pages.
+* Lifetime. Every tensor a copy uses beyond the pools (the staging
+  backend's index arrays) stays referenced until its copy completed.
 * Failure. A CUDA error while enqueueing gives a FAILED ticket carrying the
   error (logged at WARNING), never an exception out of `query()`. Bad input
   (page ids out of range, mismatched counts) raises ValueError at submission.
@@ -26,17 +32,20 @@ The contract is `hicache_cp.io.base`'s; this module adds how it holds on CUDA:
 
 Backends (registered with `register_backend`):
 
-    kernel   NVRTC gather/scatter kernel; the SMs read/write pinned host pages
-             through their mapped device address. Any page pattern runs at
-             near-link speed; the grid is capped to `sm_fraction` of the SMs.
-    direct   one DMA (cudaMemcpyAsync) per run of pages consecutive on both
-             sides; cudaMemcpyBatchAsync issues all runs in one call where
-             the runtime has it. Fast when pages coalesce, slow when scattered.
-    staging  device-side gather (index_select) into a bounded device staging
-             buffer, then one DMA per run of consecutive *host* pages (and the
-             reverse for loads: DMA into staging, then index_copy_). Device
-             pages may be scattered freely; host pages from the contiguous-
-             preferring extent allocator usually form a few runs.
+    kernel   NVRTC gather/scatter kernel (`kernels`): the SMs (or their bulk
+             copy units, mode "tma") read/write pinned host pages through
+             their mapped device address, page ids inside the launch
+             parameters. Host cost independent of the page pattern; the
+             grid is capped to `sm_fraction` of the SMs. With `dma_runs=R`
+             a copy that coalesces into at most R runs (both sides
+             consecutive) goes to the DMA engines instead: no SMs, full
+             link speed, R microseconds of driver time at most.
+    hybrid   the kernel backend with `dma_runs=HYBRID_DMA_RUNS`: the default
+             on CUDA (`io.base.default_backend`).
+    direct   (io.dma) one DMA per run of pages consecutive on both sides,
+             all of a layer in one cudaMemcpyBatchAsync.
+    staging  (io.dma) device-side gather into a bounded staging buffer, then
+             one DMA per run of consecutive host pages.
 
 Host memory must be pinned (HostPool(pin=True)) and mapped at the same
 address on the device (UVA, every 64-bit Linux CUDA host); the engine checks
@@ -47,58 +56,89 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from hicache_cp.io.base import CopyEngine, CopyFailed, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.io import kernels
+from hicache_cp.io.base import CopyEngine, CopyFailed, CopyTicket, Direction, TicketState, register_backend
+from hicache_cp.io.cudadrv import DmaIssuer, Driver, driver
+from hicache_cp.io.runs import coalesce_pairs, dma_plan, plan_runs, run_starts, split_at_chunks  # noqa: F401 - re-exported
 from hicache_cp.layout import Part
 from hicache_cp.pools import DevicePool, HostPool
+from hostmem.arena import HostArena
 
 logger = logging.getLogger(__name__)
 
 #: Default share of the SMs the copy kernel may occupy (compute keeps the rest).
 DEFAULT_SM_FRACTION = 0.25
-#: Default device staging buffer of the staging backend, per direction.
-DEFAULT_STAGING_BYTES = 64 << 20
+#: Runs at most of a copy the hybrid backend sends to the DMA engines (about
+#: a microsecond of driver time each on an H200).
+HYBRID_DMA_RUNS = 16
+#: Page ids travel as int32 (kernel parameters): pools stay below this.
+MAX_PAGES = 1 << 31
+_D2H, _H2D = Direction.D2H, Direction.H2D
 
 
-def coalesce_pairs(device_pages: np.ndarray, host_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge (device, host) page pairs into runs consecutive on BOTH sides.
+class EngineSync:
+    """What the tickets of one engine share: the driver, the context, the
+    device and an event pool."""
 
-    Pairs are ordered by device page first (copy order within one layer does
-    not matter, and sorting finds runs the caller's order hides). Returns
-    `(device_starts, host_starts, lengths)`, int64 arrays of one row per run.
-    Vectorised; O(n log n) for the sort.
+    def __init__(self, drv: Driver, device_index: int, context: int) -> None:
+        self.drv = drv
+        self.device_index = device_index
+        self.context = context
+        self._free: collections.deque[int] = collections.deque()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw
+        # With one visible device the engine's context is the thread's current one
+        # (torch made it so); with several, every entry point makes sure.
+        self.guard = torch.cuda.device_count() > 1
 
-    >>> [a.tolist() for a in coalesce_pairs(np.array([5, 6, 7, 1]), np.array([10, 11, 3, 2]))]
-    [[1, 5, 7], [2, 10, 3], [1, 2, 1]]
-    """
-    n = len(device_pages)
-    if n == 0:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty
-    order = np.argsort(device_pages, kind="stable")
-    dev = device_pages[order]
-    host = host_pages[order]
-    breaks = (np.diff(dev) != 1) | (np.diff(host) != 1)
-    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
-    lengths = np.diff(np.concatenate((starts, [n])))
-    return dev[starts], host[starts], lengths.astype(np.int64)
+    def event(self) -> int:
+        """A disable-timing event from the pool (created when the pool is empty)."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            return self.drv.event_create()
 
+    def give_back(self, event: int) -> None:
+        """Return an event nobody will wait on through it any more (thread-safe)."""
+        self._free.append(event)
 
-def _runs_of(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Runs of consecutive ids of an already sorted page array: (starts index, lengths)."""
-    n = len(pages)
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(pages) != 1) + 1))
-    return starts, np.diff(np.concatenate((starts, [n])))
+    def enter(self) -> int:
+        """Make the engine's context current on this thread; returns what to restore (0: nothing)."""
+        if not self.guard:
+            return 0
+        current = self.drv.current_context()
+        if current == self.context:
+            return 0
+        self.drv.set_context(self.context)
+        return current or -1
+
+    def leave(self, previous: int) -> None:
+        if previous:
+            self.drv.set_context(previous if previous > 0 else 0)
+
+    def current_stream(self) -> int:
+        """The caller's current stream on the engine's device (a CUstream handle)."""
+        if self._raw_stream is not None:
+            return int(self._raw_stream(self.device_index))
+        return int(torch.cuda.current_stream(self.device_index).cuda_stream)
+
+    def close(self) -> None:
+        while self._free:
+            try:
+                self.drv.event_destroy(self._free.pop())
+            except Exception:  # noqa: BLE001 - teardown
+                pass
 
 
 class CudaTicket(CopyTicket):
-    """Ticket of one CUDA copy: an event on the copy stream, or a failure."""
+    """Ticket of one CUDA copy: an event recorded on the copy stream after the
+    copy, or a failure. An empty copy is DONE at once."""
 
     def __init__(
         self,
@@ -106,24 +146,24 @@ class CudaTicket(CopyTicket):
         part: Part,
         layer: int,
         nbytes: int,
-        event: torch.cuda.Event | None,
+        sync: EngineSync | None,
+        event: int = 0,
         error: BaseException | None = None,
-        device_index: int = 0,
     ) -> None:
         super().__init__(direction, part, layer, nbytes)
+        self._sync = sync
         self._event = event
-        self._device_index = device_index
         self._error = error
-        self._done = event is None and error is None  # an empty page list is done at once
+        self._done = sync is None and error is None
 
     def query(self) -> TicketState:
-        """event.query(); O(1), never blocks, never raises for a failed copy."""
+        """Event query; O(1), never blocks, never raises for a failed copy."""
         if self._error is not None:
             return TicketState.FAILED
         if self._done:
             return TicketState.DONE
         try:
-            self._done = bool(self._event.query())  # type: ignore[union-attr]
+            self._done = self._sync.drv.event_query(self._event)  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
             self._fail(exc)
             return TicketState.FAILED
@@ -133,7 +173,7 @@ class CudaTicket(CopyTicket):
         """Host-blocking; raises CopyFailed if the copy failed."""
         if self._error is None and not self._done:
             try:
-                self._event.synchronize()  # type: ignore[union-attr]
+                self._sync.drv.event_synchronize(self._event)  # type: ignore[union-attr]
                 self._done = True
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
@@ -148,8 +188,15 @@ class CudaTicket(CopyTicket):
         """
         if self._error is not None:
             raise CopyFailed(f"{self.describe()} failed: {self._error}") from self._error
-        if self._event is not None:
-            torch.cuda.current_stream(self._device_index).wait_event(self._event)
+        if self._done:
+            return
+        sync = self._sync
+        assert sync is not None
+        previous = sync.enter()
+        try:
+            sync.drv.stream_wait_event(sync.current_stream(), self._event)
+        finally:
+            sync.leave(previous)
 
     @property
     def error(self) -> BaseException | None:
@@ -159,13 +206,27 @@ class CudaTicket(CopyTicket):
         self._error = exc
         logger.warning("%s failed: %s", self.describe(), exc)
 
+    def __del__(self) -> None:
+        if self._sync is not None and self._event:
+            self._sync.give_back(self._event)
 
-@dataclass
-class _InFlight:
-    """What one copy keeps alive until its event completed."""
 
-    event: torch.cuda.Event
-    keep: list[Any] = field(default_factory=list)
+@dataclass(slots=True)
+class PartInfo:
+    """Addresses and sizes of one part, looked up once per submission."""
+
+    part: Part
+    page_bytes: int
+    slots: dict[int, int]  # logical layer -> compact slot
+    device_layers: list[int]  # device address of page 0 of each slot's layer
+    host_base: int  # device (= host, UVA) address of the arena
+    host_layer_bytes: int  # bytes of one layer in the arena
+    arena: HostArena
+    ready: bool  # the arena is fully pinned (then never waited on again)
+
+    def host_layer(self, slot: int) -> int:
+        """Arena byte offset of page 0 of a slot's layer."""
+        return slot * self.host_layer_bytes
 
 
 class CudaCopyEngine(CopyEngine):
@@ -179,20 +240,39 @@ class CudaCopyEngine(CopyEngine):
             raise ValueError(f"the {self.name} io backend needs a CUDA device pool; use 'cpu' for host-memory pools")
         if not host_pool.pinned:
             raise ValueError(f"the {self.name} io backend needs a pinned host pool (HostPool(pin=True))")
+        for side, pages in (("device", device_pool.physical_pages), ("host", host_pool.physical_pages)):
+            if pages >= MAX_PAGES:
+                raise ValueError(f"{side} pool of {pages} pages: the CUDA engines take page ids below 2^31")
         self.device = device_pool.device
         self.device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         with torch.cuda.device(self.device_index):
             self._streams = {d: torch.cuda.Stream(self.device_index) for d in Direction}
-        self._inflight: dict[Direction, collections.deque[_InFlight]] = {d: collections.deque() for d in Direction}
-        self._host_dev_base: dict[Part, int] = {}
-        for part, arena in host_pool.arenas.items():
+        self._handle = (int(self._streams[_D2H].cuda_stream), int(self._streams[_H2D].cuda_stream))
+        self._drv = driver()
+        self._sync = EngineSync(self._drv, self.device_index, self._drv.primary_context(self.device_index))
+        previous = self._sync.enter()
+        try:
+            self._order = (self._drv.event_create(), self._drv.event_create())  # compute -> copy stream, reused
+        finally:
+            self._sync.leave(previous)
+        self._keep: collections.deque[tuple[CudaTicket, list[Any]]] = collections.deque()
+        self._issuer = DmaIssuer(self._drv)
+        self._device_limit = device_pool.physical_pages
+        self._host_limit = host_pool.physical_pages
+        self._info: dict[int, PartInfo] = {}  # by id(part): enum members are singletons, and hashing one costs
+        for p in self.layout.parts:
+            arena = host_pool.arenas[p.part]
             dptr = arena.device_ptr(0)  # waits for the first chunk only
             if dptr != arena.ptr:
                 raise ValueError(
-                    f"{part.value}: pinned host memory maps to device address 0x{dptr:x}, not its host "
+                    f"{p.part.value}: pinned host memory maps to device address 0x{dptr:x}, not its host "
                     f"address 0x{arena.ptr:x}; the CUDA io backends need unified addressing"
                 )
-            self._host_dev_base[part] = dptr
+            self._info[id(p.part)] = PartInfo(
+                p.part, p.page_bytes, {layer: p.slot(layer) for layer in p.layer_ids},
+                [device_pool.layer_ptr(p.part, slot) for slot in range(p.num_slots)],
+                dptr, host_pool.physical_pages * p.page_bytes, arena, False,
+            )
 
     def stream(self, direction: Direction) -> torch.cuda.Stream:
         """The copy stream of one direction (benchmarks time on it)."""
@@ -203,45 +283,66 @@ class CudaCopyEngine(CopyEngine):
     def _submit(
         self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
     ) -> CudaTicket:
-        p = self.layout.part(part)
-        slot = p.slot(layer)
-        nbytes = len(device_pages) * p.page_bytes
-        if len(device_pages) == 0:
+        info = self._info[id(part)]
+        n = len(device_pages)
+        if n == 0:
             return CudaTicket(direction, part, layer, 0, None)
-        self._check_range("device", device_pages, self.device_pool.physical_pages, part, layer)
-        self._check_range("host", host_pages, self.host_pool.physical_pages, part, layer)
-        self._wait_host_ready(part, slot, host_pages)
-        self._prune(direction)
-        stream = self._streams[direction]
+        # One pass per side: negative ids are huge as unsigned.
+        if int(device_pages.view(np.uint64).max()) >= self._device_limit:
+            self._range_error("device", device_pages, self._device_limit, part, layer)
+        if int(host_pages.view(np.uint64).max()) >= self._host_limit:
+            self._range_error("host", host_pages, self._host_limit, part, layer)
+        slot = info.slots[layer]
+        if not info.ready:
+            self._wait_host_ready(info, slot, host_pages)
+        previous = self._sync.enter()
+        try:
+            ticket = self._start(direction, info, layer, slot, device_pages, host_pages)
+        finally:
+            self._sync.leave(previous)
+        logger.debug("%s %s layer %d: %d pages submitted (%s)", direction, part, layer, n, self.name)
+        return ticket
+
+    def _start(
+        self, direction: Direction, info: PartInfo, layer: int, slot: int, device_pages: np.ndarray, host_pages: np.ndarray
+    ) -> CudaTicket:
+        """Enqueue the copy on the calling thread; the engine's context is current."""
+        if self._keep:
+            self._prune()
+        i = 0 if direction is _D2H else 1
+        stream = self._handle[i]
+        sync = self._sync
+        event = sync.event()
         keep: list[Any] = []
         try:
-            with torch.cuda.device(self.device_index):
-                stream.wait_stream(torch.cuda.current_stream(self.device_index))
-                with torch.cuda.stream(stream):
-                    self._enqueue(direction, part, slot, device_pages, host_pages, stream, keep)
-                event = torch.cuda.Event()
-                event.record(stream)
+            order = self._order[i]
+            self._drv.event_record(order, sync.current_stream())
+            self._drv.stream_wait_event(stream, order)
+            self._enqueue(i == 0, info, slot, device_pages, host_pages, stream, keep)
+            self._drv.event_record(event, stream)
         except Exception as exc:  # noqa: BLE001 - the submit boundary: CUDA errors become FAILED tickets
+            sync.give_back(event)
             logger.warning(
                 "%s %s layer %d (%d pages): submission failed: %s",
-                direction.value, part.value, layer, len(device_pages), exc, exc_info=True,
+                direction.value, info.part.value, layer, len(device_pages), exc, exc_info=True,
             )
-            return CudaTicket(direction, part, layer, nbytes, None, error=exc)
-        self._inflight[direction].append(_InFlight(event, keep))
-        logger.debug("%s %s layer %d: %d pages submitted (%s)", direction.value, part.value, layer, len(device_pages), self.name)
-        return CudaTicket(direction, part, layer, nbytes, event, device_index=self.device_index)
+            return CudaTicket(direction, info.part, layer, len(device_pages) * info.page_bytes, None, error=exc)
+        ticket = CudaTicket(direction, info.part, layer, len(device_pages) * info.page_bytes, sync, event)
+        if keep:
+            self._keep.append((ticket, keep))
+        return ticket
 
     def _enqueue(
         self,
-        direction: Direction,
-        part: Part,
+        d2h: bool,
+        info: PartInfo,
         slot: int,
         device_pages: np.ndarray,
         host_pages: np.ndarray,
-        stream: torch.cuda.Stream,
+        stream: int,
         keep: list[Any],
     ) -> None:
-        """Enqueue the copy on `stream` (already current); append to `keep`
+        """Enqueue the copy on `stream` (a CUstream handle); append to `keep`
         every object that must outlive the copy. Raises on CUDA errors."""
         raise NotImplementedError
 
@@ -249,57 +350,53 @@ class CudaCopyEngine(CopyEngine):
 
     def device_layer_ptr(self, part: Part, slot: int) -> int:
         """Device address of page 0 of one layer of the device pool."""
-        return self.device_pool.layer_ptr(part, slot)
+        return self._info[id(part)].device_layers[slot]
 
     def host_layer_ptr(self, part: Part, slot: int) -> int:
         """Device (= host, UVA) address of page 0 of one layer of the host pool."""
-        return self._host_dev_base[part] + slot * self.host_pool.physical_pages * self.layout.part(part).page_bytes
+        info = self._info[id(part)]
+        return info.host_base + info.host_layer(slot)
 
-    def index_to_device(self, rows: list[np.ndarray], keep: list[Any]) -> torch.Tensor:
-        """Stack int64 page arrays into a device tensor [len(rows), n], asynchronously.
+    def _dma(self, d2h: bool, info: PartInfo, slot: int, device_pages: np.ndarray, host_pages: np.ndarray, stream: int) -> None:
+        """One DMA per run consecutive on both sides (cut at registration chunks)."""
+        device, host, sizes = dma_plan(
+            device_pages, host_pages, info.page_bytes, info.device_layers[slot], info.host_base,
+            info.host_layer(slot), info.arena.register_chunk_bytes,
+        )
+        self._issuer.issue(d2h, device, host, sizes, stream)
 
-        Fills a pinned host tensor, then copies it non-blocking on the current
-        (copy) stream. Both tensors go into `keep`. Allocates; no host sync.
-        """
-        pinned = torch.empty((len(rows), len(rows[0])), dtype=torch.int64, pin_memory=True)
-        view = pinned.numpy()
-        for i, r in enumerate(rows):
-            view[i] = r
-        dev = pinned.to(self.device, non_blocking=True)
-        keep += [pinned, dev]
-        return dev
-
-    def _check_range(self, side: str, pages: np.ndarray, limit: int, part: Part, layer: int) -> None:
+    @staticmethod
+    def _range_error(side: str, pages: np.ndarray, limit: int, part: Part, layer: int) -> None:
         # A wild page id would make a kernel or DMA write outside the pool: refuse it up front.
         lo, hi = int(pages.min()), int(pages.max())
-        if lo < 0 or hi >= limit:
-            raise ValueError(
-                f"{part.value} layer {layer}: {side} page ids span [{lo}, {hi}] outside the pool's [0, {limit})"
-            )
+        raise ValueError(f"{part.value} layer {layer}: {side} page ids span [{lo}, {hi}] outside the pool's [0, {limit})")
 
-    def _wait_host_ready(self, part: Part, slot: int, host_pages: np.ndarray) -> None:
+    def _wait_host_ready(self, info: PartInfo, slot: int, host_pages: np.ndarray) -> None:
         """Block until the arena is pinned up to the last host page touched.
 
         Only at start-up, while the arena is still being registered in the
         background; a GPU access to unregistered memory would fault.
         """
-        arena = self.host_pool.arenas[part]
-        page_bytes = self.layout.part(part).page_bytes
-        end = (slot * self.host_pool.physical_pages + int(host_pages.max()) + 1) * page_bytes
+        arena = info.arena
+        if arena.ready_bytes >= arena.nbytes:
+            info.ready = True
+            return
+        end = info.host_layer(slot) + (int(host_pages.max()) + 1) * info.page_bytes
         if arena.ready_bytes < end:
-            logger.warning("%s: host arena not pinned up to byte %d yet; waiting", part.value, end)
+            logger.warning("%s: host arena not pinned up to byte %d yet; waiting", info.part.value, end)
             arena.wait_ready(end)
 
-    def _prune(self, direction: Direction) -> None:
-        q = self._inflight[direction]
-        while q and q[0].event.query():
+    def _prune(self) -> None:
+        q = self._keep
+        while q and q[0][0].query() is not TicketState.PENDING:
             q.popleft()
 
     def close(self) -> None:
         """Wait for every outstanding copy, then drop what they kept alive."""
         for direction in Direction:
             self._streams[direction].synchronize()
-            self._inflight[direction].clear()
+        self._keep.clear()
+        self._sync.close()
 
 
 @register_backend("kernel")
@@ -307,193 +404,88 @@ class KernelCopyEngine(CudaCopyEngine):
     """Gather/scatter kernel writing/reading pinned host pages through their device address.
 
     Options: `sm_fraction` caps the grid at that share of the SMs (at least
-    one CTA); `inline` passes page lists of up to `kernels.INLINE_PAGES`
-    pages by value (no index copy).
+    one CTA); `mode` picks how the kernel moves bytes (`kernels.MODES`:
+    "simt", "l2hint", "tma"); `dma_runs` sends a copy that coalesces into at
+    most that many runs (consecutive on both sides, in the given order) to
+    the DMA engines instead (0: never). Page ids go inside the launch
+    parameters (`kernels.PageCopyLauncher`).
     """
 
     name = "kernel"
 
     def __init__(
-        self, device_pool: DevicePool, host_pool: HostPool, *, sm_fraction: float = DEFAULT_SM_FRACTION, inline: bool = True
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        *,
+        sm_fraction: float = DEFAULT_SM_FRACTION,
+        mode: str = "simt",
+        dma_runs: int = 0,
     ) -> None:
         super().__init__(device_pool, host_pool)
         if not 0.0 < sm_fraction <= 1.0:
             raise ValueError(f"sm_fraction must be in (0, 1], got {sm_fraction}")
+        if dma_runs < 0:
+            raise ValueError(f"dma_runs must be >= 0, got {dma_runs}")
         self.kernels = kernels.load_kernels(self.device_index)
         self.max_ctas = max(1, int(self.kernels.num_sms * sm_fraction))
-        self.inline = inline
+        self.mode = mode
+        self.dma_runs = dma_runs
+        self._launchers = (kernels.PageCopyLauncher(self.device, mode), kernels.PageCopyLauncher(self.device, mode))
+        #: Copies sent to the kernel / to the DMA engines (dma_runs), for benchmarks.
+        self.counts = {"kernel": 0, "dma": 0}
 
-    def _enqueue(self, direction, part, slot, device_pages, host_pages, stream, keep) -> None:  # type: ignore[no-untyped-def]
-        page_bytes = self.layout.part(part).page_bytes
-        width = kernels.vector_width(page_bytes)
-        vpp = page_bytes // width
-        dev_ptr, host_ptr = self.device_layer_ptr(part, slot), self.host_layer_ptr(part, slot)
-        if direction is Direction.D2H:
+    def _enqueue(self, d2h, info, slot, device_pages, host_pages, stream, keep) -> None:  # type: ignore[no-untyped-def]
+        if self.dma_runs:
+            starts = run_starts(device_pages, host_pages, self.dma_runs)
+            if starts is not None:
+                self.counts["dma"] += 1
+                self._dma_few(d2h, info, slot, device_pages, host_pages, starts, stream)
+                return
+        self.counts["kernel"] += 1
+        dev_ptr, host_ptr = info.device_layers[slot], info.host_base + info.host_layer(slot)
+        if d2h:
             src, dst, src_pages, dst_pages = dev_ptr, host_ptr, device_pages, host_pages
         else:
             src, dst, src_pages, dst_pages = host_ptr, dev_ptr, host_pages, device_pages
-        # 32-bit flat indices in the kernel: keep each launch's element count well under 2^32.
-        per_launch = max(1, min(len(src_pages), (1 << 31) // vpp))
-        handle = stream.cuda_stream
-        for lo in range(0, len(src_pages), per_launch):
-            s, d = src_pages[lo : lo + per_launch], dst_pages[lo : lo + per_launch]
-            n = len(s)
-            grid = max(1, min(self.max_ctas, -(-n * vpp // (kernels.THREADS * kernels.UNROLL))))
-            if self.inline and n <= kernels.INLINE_PAGES:
-                self.kernels.launch(True, width, grid, handle, src, dst, np.concatenate((s, d)), n, vpp)
-            else:
-                idx = self.index_to_device([s, d], keep)
-                self.kernels.launch(False, width, grid, handle, src, dst, idx.data_ptr(), n, vpp)
+        self.kernels.launch(self._launchers[0 if d2h else 1], stream, self.max_ctas, src, dst, src_pages, dst_pages, info.page_bytes)
 
-
-@register_backend("direct")
-class DirectCopyEngine(CudaCopyEngine):
-    """One DMA per run of pages consecutive on both sides.
-
-    Uses cudaMemcpyBatchAsync (one runtime call for all runs) when the
-    runtime has it and `batch` is True, else one cudaMemcpyAsync per run
-    (about 9 GB/s for scattered 42 KB pages from Python: DOMAIN.md section 5).
-    """
-
-    name = "direct"
-
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True) -> None:
-        super().__init__(device_pool, host_pool)
-        from cuda.bindings import runtime as cudart
-
-        self._cudart = cudart
-        self.batch = batch and hasattr(cudart, "cudaMemcpyBatchAsync")
-        self._attrs: Any = None
-
-    def _enqueue(self, direction, part, slot, device_pages, host_pages, stream, keep) -> None:  # type: ignore[no-untyped-def]
-        page_bytes = self.layout.part(part).page_bytes
-        dev0, host0, lengths = coalesce_pairs(device_pages, host_pages)
-        dev_addr = self.device_layer_ptr(part, slot) + dev0 * page_bytes
-        host_off = self.host_layer_ptr(part, slot) - self._host_dev_base[part] + host0 * page_bytes
-        host_dma(self, direction, part, host_off, dev_addr, lengths * page_bytes, stream)
-
-
-def split_at_chunks(
-    host_offsets: np.ndarray, others: np.ndarray, sizes: np.ndarray, chunk: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split DMA runs so no run crosses a multiple of `chunk` on the host side.
-
-    The arena registers its memory in chunks (HostArena's
-    register_chunk_bytes) and one cudaMemcpyAsync spanning two
-    registrations fails with cudaErrorInvalidValue (seen on the H200). Runs
-    that fit stay as they are; the rare crossing ones are cut. Returns
-    `(host_offsets, other_addresses, sizes)`.
-    """
-    first, last = host_offsets // chunk, (host_offsets + sizes - 1) // chunk
-    cross = np.flatnonzero(first != last)
-    if len(cross) == 0:
-        return host_offsets, others, sizes
-    keep = np.ones(len(sizes), dtype=bool)
-    keep[cross] = False
-    h, o, n = [host_offsets[keep]], [others[keep]], [sizes[keep]]
-    for i in cross.tolist():
-        a, b, size = int(host_offsets[i]), int(others[i]), int(sizes[i])
-        while size > 0:
-            piece = min(size, (a // chunk + 1) * chunk - a)
-            h.append(np.array([a])), o.append(np.array([b])), n.append(np.array([piece]))
-            a, b, size = a + piece, b + piece, size - piece
-    return np.concatenate(h), np.concatenate(o), np.concatenate(n)
-
-
-def host_dma(
-    engine: DirectCopyEngine | StagingCopyEngine, direction: Direction, part: Part,
-    host_offsets: np.ndarray, others: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream,
-) -> None:
-    """DMAs between arena byte offsets `host_offsets` and device addresses `others`."""
-    arena = engine.host_pool.arenas[part]
-    host_offsets, others, sizes = split_at_chunks(host_offsets, others, sizes, arena.register_chunk_bytes)
-    host_addr = engine._host_dev_base[part] + host_offsets
-    if direction is Direction.D2H:
-        memcpy(engine, others, host_addr, sizes, stream)
-    else:
-        memcpy(engine, host_addr, others, sizes, stream)
-
-
-def memcpy(engine: DirectCopyEngine | StagingCopyEngine, srcs: np.ndarray, dsts: np.ndarray, sizes: np.ndarray, stream: torch.cuda.Stream) -> None:
-    """Enqueue DMAs `dsts[i] <- srcs[i]` of `sizes[i]` bytes on `stream`.
-
-    One cudaMemcpyBatchAsync when enabled (falls back for good, with a
-    WARNING, the first time the runtime refuses it), else a loop of
-    cudaMemcpyAsync. Raises hostmem.cuda.CudaError.
-    """
-    from hostmem.cuda import check
-
-    cudart = engine._cudart
-    handle = cudart.cudaStream_t(stream.cuda_stream)
-    if engine.batch and len(sizes) > 1:
-        try:
-            if engine._attrs is None:
-                attrs = cudart.cudaMemcpyAttributes()
-                attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-                engine._attrs = attrs
-            check(
-                cudart.cudaMemcpyBatchAsync(
-                    dsts.tolist(), srcs.tolist(), sizes.tolist(), len(sizes), [engine._attrs], [0], 1, handle
-                ),
-                f"cudaMemcpyBatchAsync({len(sizes)} copies)",
-            )
+    def _dma_few(
+        self, d2h: bool, info: PartInfo, slot: int, device_pages: np.ndarray, host_pages: np.ndarray, starts: list[int], stream: int
+    ) -> None:
+        """The DMAs of a copy of few runs (`runs.plan_runs`): one cuMemcpyAsync, or one batch."""
+        devs, hosts, sizes = plan_runs(
+            device_pages, host_pages, starts, info.page_bytes, info.device_layers[slot], info.host_base,
+            info.host_layer(slot), info.arena.register_chunk_bytes,
+        )
+        if len(sizes) == 1:
+            src, dst = (devs[0], hosts[0]) if d2h else (hosts[0], devs[0])
+            self._drv.memcpy_async(dst, src, sizes[0], stream)
             return
-        except Exception as exc:  # noqa: BLE001 - fall back to the plain loop once and for all
-            logger.warning("%s: cudaMemcpyBatchAsync unusable (%s); using one cudaMemcpyAsync per run", engine.name, exc)
-            engine.batch = False
-    kind = cudart.cudaMemcpyKind.cudaMemcpyDefault
-    for s, d, n in zip(srcs.tolist(), dsts.tolist(), sizes.tolist()):
-        check(cudart.cudaMemcpyAsync(d, s, n, kind, handle), "cudaMemcpyAsync")
+        u64 = np.uint64
+        self._issuer.issue(d2h, np.array(devs, dtype=u64), np.array(hosts, dtype=u64), np.array(sizes, dtype=u64), stream)
 
 
-@register_backend("staging")
-class StagingCopyEngine(CudaCopyEngine):
-    """Device gather/scatter through a bounded device staging buffer + DMA per host run.
+@register_backend("hybrid")
+class HybridCopyEngine(KernelCopyEngine):
+    """The kernel backend that sends copies of few runs to the DMA engines.
 
-    Backup: pairs sorted by host page; `index_select` of the device pages into
-    staging (HBM speed), then one DMA per run of consecutive host pages.
-    Load: the DMAs fill staging, then `index_copy_` scatters into the device
-    pages. Work larger than the staging buffer goes in chunks; the chunks
-    reuse the buffer safely because everything runs in order on the one copy
-    stream. Memory: `staging_bytes` of device memory per direction.
+    A copy that coalesces into at most `dma_runs` runs (consecutive on both
+    sides) is one DMA per run: no SMs taken from the forward, the link's full
+    speed, about a microsecond of driver time per run. Any other copy is one
+    kernel launch (two past `kernels.LARGE_PAGES` pages), whatever the
+    pattern: the caller's host time stays bounded by the run threshold.
     """
 
-    name = "staging"
+    name = "hybrid"
 
     def __init__(
-        self, device_pool: DevicePool, host_pool: HostPool, *, staging_bytes: int = DEFAULT_STAGING_BYTES, batch: bool = True
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        *,
+        sm_fraction: float = DEFAULT_SM_FRACTION,
+        mode: str = "simt",
+        dma_runs: int = HYBRID_DMA_RUNS,
     ) -> None:
-        super().__init__(device_pool, host_pool)
-        from cuda.bindings import runtime as cudart
-
-        self._cudart = cudart
-        self.batch = batch and hasattr(cudart, "cudaMemcpyBatchAsync")
-        self._attrs: Any = None
-        self.staging_bytes = staging_bytes
-        self._staging = {d: torch.empty(staging_bytes, dtype=torch.uint8, device=self.device) for d in Direction}
-
-    def _enqueue(self, direction, part, slot, device_pages, host_pages, stream, keep) -> None:  # type: ignore[no-untyped-def]
-        page_bytes = self.layout.part(part).page_bytes
-        cap = self.staging_bytes // page_bytes
-        if cap < 1:
-            raise ValueError(f"staging buffer of {self.staging_bytes} B holds no {page_bytes} B page")
-        order = np.argsort(host_pages, kind="stable")
-        host_sorted, dev_sorted = host_pages[order], device_pages[order]
-        layer = self.device_pool.layer(part, slot)  # [physical_pages, page_bytes]
-        staging = self._staging[direction]
-        host_base = self.host_layer_ptr(part, slot) - self._host_dev_base[part]  # arena byte offset
-        for lo in range(0, len(host_sorted), cap):
-            hs, ds = host_sorted[lo : lo + cap], dev_sorted[lo : lo + cap]
-            k = len(hs)
-            stage = staging[: k * page_bytes].view(k, page_bytes)
-            idx = self.index_to_device([ds], keep)[0]
-            starts, lengths = _runs_of(hs)
-            host_off = host_base + hs[starts] * page_bytes
-            stage_addr = stage.data_ptr() + starts * page_bytes
-            sizes = lengths * page_bytes
-            if direction is Direction.D2H:
-                torch.index_select(layer, 0, idx, out=stage)
-                host_dma(self, direction, part, host_off, stage_addr, sizes, stream)
-            else:
-                host_dma(self, direction, part, host_off, stage_addr, sizes, stream)
-                layer.index_copy_(0, idx, stage)
+        super().__init__(device_pool, host_pool, sm_fraction=sm_fraction, mode=mode, dma_runs=dma_runs)

@@ -1,28 +1,40 @@
-"""`hicache-cp bench-io`: what the CUDA copy engine gets out of PCIe.
+"""`hicache-cp bench-io`: what the CUDA copy engine gets out of PCIe, and what it costs the host.
 
 One run measures, on the current GPU:
 
 * peak: one big contiguous pinned copy D2H and H2D, and both at once on two
   streams (the link's ceilings);
-* every CUDA backend's D2H and H2D bandwidth over random scattered page sets
-  of each `--pages` size (random permutations on both sides, so nothing
-  coalesces), against the peak;
-* the engine's bidirectional rate: backups and loads with the default
-  backend at the same time;
-* overlap: N layers, loads of all of them submitted up front, the forward
-  waiting per layer (`make_compute_wait`) before matmuls sized so compute
-  per layer is at least copy per layer (the target's condition).
-  `exposed_load_fraction` = (time with loads - compute-only time) /
-  copy-only time, clipped at 0; its floor is one layer's copy (1 / N), which
-  nothing can hide;
-* the kernel backend at several grid caps (`--kernel-sm-fractions`): how
-  much of its gap to the peak is the grid cap.
+* every variant's (`--backends`) D2H and H2D bandwidth over random
+  scattered page sets of each `--pages` size (random permutations on both
+  sides, so nothing coalesces), against the peak, and the host time of each
+  submission (one layer of one part) on the caller's thread;
+* the same on `--runs-backends` with pages in runs of `--run-pages`
+  consecutive pages on both sides (the shape the contiguous-preferring
+  allocators produce; runs in random order);
+* the engine's bidirectional rate: backups and loads at the same time;
+* load overlap: N layers, loads of all of them submitted up front, the
+  forward waiting per layer (`make_compute_wait`) before matmuls sized so
+  compute per layer is at least copy per layer. `exposed_load_fraction` =
+  (time with loads - compute-only time) / copy-only time, clipped at 0; its
+  floor is one layer's copy (1 / N), which nothing can hide;
+* backup overlap: the same forward, each layer's backup submitted after its
+  compute (the layer hooks), all backups awaited at the end:
+  `exposed_backup_fraction` is what the backups add to the forward (a copy
+  kernel's CTAs take SMs from it; DMA takes none);
+* the kernel backend at several grid caps (`--kernel-sm-fractions`).
 
 Timing: CUDA events around GPU work. Each timed batch is gated behind a GPU
 sleep on the compute stream, so every submission is queued before the GPU
-starts and the rate is the GPU's, not Python's; the host cost of one
-submission is reported separately (`submit_us`). Each number is the median
-of several repetitions. GB/s are 1e9 bytes per second.
+starts and the rate is the GPU's, not Python's. The host cost of one
+submission is timed call by call: `submit_us` (median) and `submit_us_p99`,
+over the gated batches plus `_SUBMIT_SAMPLES` more. The default backend's
+rows at 64, 1024 and 8192 pages are repeated under `default_numbers`. Each
+rate is the median of several repetitions. GB/s are 1e9 bytes per second.
+
+Variants: the backends with their defaults (`hybrid`, `kernel`, `direct`,
+`staging`) and experiments: `kernel-l2hint`, `kernel-tma` (the kernel's
+other modes), `direct-given` (DMA runs in the caller's order, not sorted by
+device page).
 
 Without CUDA it prints one error line and exits with status 2.
 """
@@ -42,12 +54,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness.provenance import command_line, git_commit
-from hicache_cp.io.base import CopyEngine, default_backend, make_engine
+from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_cp.io.base import CopyEngine, TicketState, default_backend, make_engine
 from hicache_cp.layout import KVLayout, Part
 
-BACKENDS = ("kernel", "direct", "staging")
-TARGETS = {"scattered_ratio_1024plus": 0.93, "scattered_ratio_64": 0.85, "bidir_ratio": 0.90, "exposed_load_fraction": 0.10}
+#: Measured variants: label -> (backend name, engine options). The plain names are
+#: the backends as `make_engine` builds them (the default's row is the headline).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hybrid": ("hybrid", {}),
+    "kernel": ("kernel", {}),
+    "direct": ("direct", {}),
+    "staging": ("staging", {}),
+    "kernel-l2hint": ("kernel", {"mode": "l2hint"}),
+    "kernel-tma": ("kernel", {"mode": "tma"}),
+    "direct-given": ("direct", {"order": "given"}),
+}
+BACKENDS = ("hybrid", "kernel", "direct", "staging")
+TARGETS = {
+    "scattered_ratio_1024plus": 0.93, "scattered_ratio_64": 0.85, "bidir_ratio": 0.90, "exposed_load_fraction": 0.10,
+    "submit_us_64": 30.0, "submit_us_8192": 100.0,
+}
+#: Host-only submissions timed per page count and direction (besides the gated batches).
+_SUBMIT_SAMPLES = 40
+#: Page counts whose numbers of the default backend are recorded on their own.
+_DEFAULT_SIZES = ("64", "1024", "8192")
 _REPEATS = 3
 #: Longest gate: beyond it the measurement is host-bound and says so.
 _MAX_SLEEP_MS = 400.0
@@ -57,11 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add bench-io's options to `parser`."""
     parser.add_argument("--pages", default="64,1024,8192", help="comma-separated page counts per copy")
     parser.add_argument("--page-bytes", type=int, default=41984, help="bytes of one page of one layer (default: 64 tokens x 656 B)")
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="CUDA backends to measure")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help=f"variants to measure, of {', '.join(VARIANTS)}")
     parser.add_argument("--peak-mib", type=int, default=1024, help="size of the contiguous peak copies")
     parser.add_argument("--overlap-layers", type=int, default=24, help="layers of the overlap test")
     parser.add_argument("--overlap-pages", type=int, default=1024, help="pages per layer in the overlap test")
     parser.add_argument("--kernel-sm-fractions", default="0.25,0.5,1.0", help="grid caps of the kernel backend sweep ('' skips it)")
+    parser.add_argument("--runs-backends", default="hybrid,kernel,direct", help="variants also measured on pages in runs ('' skips it)")
+    parser.add_argument("--run-pages", type=int, default=128, help="consecutive pages per run of the runs pattern")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
@@ -147,33 +179,69 @@ def _pools(page_bytes: int, layers: int, pages: int) -> tuple[Any, Any]:
     return dev, host
 
 
-def _page_sets(rng: np.random.Generator, count: int, n: int, dev_pages: int, host_pages: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    return [
-        (rng.permutation(np.arange(1, dev_pages))[:n].astype(np.int64), rng.permutation(np.arange(1, host_pages))[:n].astype(np.int64))
-        for _ in range(count)
-    ]
+def _page_sets(
+    rng: np.random.Generator, count: int, n: int, dev_pages: int, host_pages: int, run: int = 1
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`count` (device, host) page sets of `n` distinct pages each, page 0 never used:
+    random pages (`run` 1), or runs of `run` consecutive pages on both sides in random order."""
+    def pick(pages: int) -> np.ndarray:
+        if run == 1:
+            return rng.permutation(np.arange(1, pages))[:n].astype(np.int64)
+        starts = 1 + run * rng.permutation((pages - 1) // run)[: -(-n // run)]
+        return (starts[:, None] + np.arange(run)).reshape(-1)[:n].astype(np.int64)
+
+    return [(pick(dev_pages), pick(host_pages)) for _ in range(count)]
 
 
-def measure_backend(gate: _Gate, engine: CopyEngine, sizes: list[int], page_bytes: int, rng: np.random.Generator) -> dict[str, dict[str, float]]:
-    """D2H and H2D rate of one backend over random scattered page sets."""
+def measure_backend(
+    gate: _Gate, engine: CopyEngine, sizes: list[int], page_bytes: int, rng: np.random.Generator, run: int = 1
+) -> dict[str, dict[str, float]]:
+    """D2H and H2D rate of one backend over page sets of each size (`_page_sets`),
+    and the host time of each submission (one layer of one part) on the
+    caller's thread: median and p99 over the gated batches plus
+    `_SUBMIT_SAMPLES` more."""
     layers = engine.layout.part(Part.TARGET_KV).layer_ids
     out: dict[str, dict[str, float]] = {}
     for n in sizes:
         reps = int(np.clip((256 << 20) // (n * page_bytes), 3, 50))
-        sets = _page_sets(rng, reps, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages)
+        sets = _page_sets(rng, reps, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages, run)
         row: dict[str, float] = {}
         for label, backup in (("d2h", True), ("h2d", False)):
+            submit_us: list[float] = []
+            tickets: list[Any] = []
+
+            calls = [0]
+
+            def submit(i: int) -> Any:
+                d, h = sets[i % len(sets)]
+                layer = layers[i % len(layers)]
+                t0 = time.perf_counter()
+                t = engine.submit_backup(Part.TARGET_KV, layer, d, h) if backup else engine.submit_load(Part.TARGET_KV, layer, h, d)
+                if calls[0] > 1:  # the first batch is the warm-up
+                    submit_us.append((time.perf_counter() - t0) * 1e6)
+                tickets.append(t)
+                return t
+
             def enqueue() -> None:
+                calls[0] += 1
                 t = None
-                for i, (d, h) in enumerate(sets):
-                    layer = layers[i % len(layers)]
-                    t = engine.submit_backup(Part.TARGET_KV, layer, d, h) if backup else engine.submit_load(Part.TARGET_KV, layer, h, d)
+                for i in range(len(sets)):
+                    t = submit(i)
                 assert t is not None
                 t.make_compute_wait()
 
-            ms, host_ms = _median_ms(gate, enqueue)
+            ms, _ = _median_ms(gate, enqueue)
+            for i in range(_SUBMIT_SAMPLES):  # host time only: the GPU runs behind, unmeasured
+                submit(i)
+            tickets[-1].wait()
+            torch.cuda.synchronize()
             row[f"{label}_gbps"] = _gbps(reps * n * page_bytes, ms)
-            row[f"{label}_submit_us"] = host_ms * 1e3 / reps
+            row[f"{label}_submit_us"] = float(np.median(submit_us))
+            row[f"{label}_submit_us_p99"] = float(np.percentile(submit_us, 99))
+            row[f"{label}_submit_samples"] = len(submit_us)
+            failed = sum(t.query() is TicketState.FAILED for t in tickets)
+            if failed:
+                raise RuntimeError(f"{failed} of {len(tickets)} {label} copies of {n} pages FAILED")
         out[str(n)] = row
     return out
 
@@ -219,9 +287,23 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
 
     compute_ms, _ = _median_ms(gate, lambda: compute(None))
     with_ms, _ = _median_ms(gate, lambda: compute(loads()))
+
+    def with_backups() -> None:  # each layer's backup right after its compute, all awaited at the end
+        tickets = []
+        for layer in layers:
+            for _ in range(per_layer):
+                torch.matmul(a, b, out=c)
+            tickets.append(engine.submit_backup(Part.TARGET_KV, layer, d, h))
+        for t in tickets:
+            t.make_compute_wait()
+
+    backup_copy_ms, _ = _median_ms(gate, lambda: [engine.submit_backup(Part.TARGET_KV, x, d, h) for x in layers][-1].make_compute_wait())
+    backups_ms, _ = _median_ms(gate, with_backups)
     return {
         "copy_ms": copy_ms, "compute_ms": compute_ms, "with_loads_ms": with_ms, "matmuls_per_layer": per_layer,
         "layers": len(layers), "exposed_load_fraction": max(0.0, (with_ms - compute_ms) / copy_ms),
+        "backup_copy_ms": backup_copy_ms, "with_backups_ms": backups_ms,
+        "exposed_backup_fraction": max(0.0, (backups_ms - compute_ms) / backup_copy_ms),
     }
 
 
@@ -239,9 +321,14 @@ def run(args: argparse.Namespace) -> int:
         "command": command_line("bench-io"),
         "commit": git_commit(),
         "machine": torch.cuda.get_device_name(),
+        "host": machine(),
         "page_bytes": page_bytes,
     }
-    def save() -> None:
+    def save() -> None:  # after every step, with the targets so far: a run cut short still says what it met
+        if "backends" in result:
+            result["targets"] = _targets(result)
+            rows = result["backends"].get(result["default_backend"], {})
+            result["default_numbers"] = {n: rows[n] for n in _DEFAULT_SIZES if n in rows}
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -253,19 +340,24 @@ def run(args: argparse.Namespace) -> int:
     dev, host = _pools(page_bytes, 2, 2 * max(sizes) + 1)
     default = default_backend(dev)
     result["default_backend"] = default
+    unknown = sorted((set(names) | {x for x in str(args.runs_backends).split(",") if x}) - set(VARIANTS))
+    if unknown:
+        print(f"bench-io: unknown backend(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
     order = sorted(names, key=lambda x: x != default)  # the default first: it matters most
     result["backends"] = {}
     for name in order:
         try:
-            engine = make_engine(name, dev, host)
+            engine = _make(name, dev, host)
             result["backends"][name] = measure_backend(gate, engine, sizes, page_bytes, rng)
+            result["backends"][name]["engine"] = _describe(engine)
             engine.close()
         except Exception as exc:  # noqa: BLE001 - one broken backend must not hide the others
             result["backends"][name] = {"error": repr(exc)}
         _progress(f"{name}: {json.dumps(result['backends'][name])}")
         save()
         try:  # every backend's bidirectional rate; the default's is the headline number
-            engine = make_engine(name, dev, host)
+            engine = _make(name, dev, host)
             n = 1024 if max(sizes) >= 1024 else max(sizes)
             result.setdefault("bidir_by_backend", {})[name] = measure_bidir(gate, engine, n, page_bytes, rng)
             engine.close()
@@ -275,6 +367,18 @@ def run(args: argparse.Namespace) -> int:
             result["bidir_gbps"] = result["bidir_by_backend"][name]
             result["bidir_ratio"] = result["bidir_gbps"] / result["peak_bidir_gbps"]
         _progress(f"bidir {name}: {result['bidir_by_backend'][name]}")
+        save()
+    result["runs_pattern"] = {"run_pages": int(args.run_pages)}
+    for name in [x for x in str(args.runs_backends).split(",") if x]:
+        try:
+            engine = _make(name, dev, host)
+            rows = measure_backend(gate, engine, sizes, page_bytes, rng, run=int(args.run_pages))
+            rows["engine"] = _describe(engine)
+            engine.close()
+        except Exception as exc:  # noqa: BLE001
+            rows = {"error": repr(exc)}
+        result["runs_pattern"][name] = rows
+        _progress(f"{name} (runs of {args.run_pages}): {json.dumps(rows)}")
         save()
     fractions = [float(x) for x in str(args.kernel_sm_fractions).split(",") if x]
     result["kernel_sm_sweep"] = {}
@@ -294,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     result["overlap"] = {}
     for name in order:
         try:
-            engine = make_engine(name, odev, ohost)
+            engine = _make(name, odev, ohost)
             result["overlap"][name] = measure_overlap(gate, engine, int(args.overlap_pages), rng)
             engine.close()
         except Exception as exc:  # noqa: BLE001
@@ -302,12 +406,23 @@ def run(args: argparse.Namespace) -> int:
         _progress(f"overlap {name}: {json.dumps(result['overlap'][name])}")
         if name == default:
             result["exposed_load_fraction"] = result["overlap"][name].get("exposed_load_fraction")
+            result["exposed_backup_fraction"] = result["overlap"][name].get("exposed_backup_fraction")
         save()
     ohost.close()
-    result["targets"] = _targets(result)
     save()
     _print_table(result)
     return 0
+
+
+def _make(label: str, dev: Any, host: Any) -> CopyEngine:
+    name, options = VARIANTS[label]
+    return make_engine(name, dev, host, **options)
+
+
+def _describe(engine: CopyEngine) -> dict[str, Any]:
+    """What ran: the backend and its options (batched DMA, kernel mode, grid, DMA-routed copies)."""
+    keys = ("name", "batch", "order", "mode", "max_ctas", "dma_runs", "counts")
+    return {k: getattr(engine, k) for k in keys if hasattr(engine, k)}
 
 
 def _progress(line: str) -> None:
@@ -329,12 +444,24 @@ def _targets(r: dict[str, Any]) -> dict[str, Any]:
             continue
         met = {}
         for n, row in rows.items():
+            if n == "engine":
+                continue
             need = TARGETS["scattered_ratio_64"] if int(n) < 1024 else TARGETS["scattered_ratio_1024plus"]
             for d in ("d2h", "h2d"):
                 ratio = row[f"{d}_gbps"] / r[f"peak_{d}_gbps"]
                 row[f"{d}_ratio"] = ratio
                 met[f"{d}@{n}"] = ratio >= need
+                budget = TARGETS.get(f"submit_us_{n}")
+                if budget is not None:
+                    met[f"{d}_submit@{n}"] = row[f"{d}_submit_us"] <= budget
         out[name] = met
+    for name, rows in r.get("runs_pattern", {}).items():  # ratios only: the targets are for scattered pages
+        if name == "run_pages" or "error" in rows:
+            continue
+        for n, row in rows.items():
+            if n != "engine":
+                for d in ("d2h", "h2d"):
+                    row[f"{d}_ratio"] = row[f"{d}_gbps"] / r[f"peak_{d}_gbps"]
     out["bidir"] = (r.get("bidir_ratio") or 0.0) >= TARGETS["bidir_ratio"]
     x = r.get("exposed_load_fraction")
     out["overlap"] = x is not None and x <= TARGETS["exposed_load_fraction"]
@@ -344,25 +471,31 @@ def _targets(r: dict[str, Any]) -> dict[str, Any]:
 def _print_table(r: dict[str, Any]) -> None:
     print(f"bench-io on {r['machine']}, page {r['page_bytes']} B")
     print(f"peak contiguous: D2H {r['peak_d2h_gbps']:.1f} GB/s, H2D {r['peak_h2d_gbps']:.1f} GB/s, both {r['peak_bidir_gbps']:.1f} GB/s")
-    print(f"{'backend':<12}{'pages':>7}{'D2H GB/s':>10}{'ratio':>7}{'H2D GB/s':>10}{'ratio':>7}{'submit us':>11}")
-    for name, rows in _measured_rows(r):
+    print("submit: host time of one layer's submission on the caller's thread, median/p99 (us)")
+    print(f"{'variant':<15}{'pages':>7}{'D2H GB/s':>10}{'ratio':>7}{'submit':>13}{'H2D GB/s':>10}{'ratio':>7}{'submit':>13}")
+    rows_of = [*_measured_rows(r), *[(f"{k}@runs", v) for k, v in r.get("runs_pattern", {}).items() if k != "run_pages"]]
+    for name, rows in rows_of:
         if "error" in rows:
-            print(f"{name:<12} failed: {rows['error']}")
+            print(f"{name:<15} failed: {rows['error']}")
             continue
         for n, row in rows.items():
+            if n == "engine":
+                continue
             print(
-                f"{name:<12}{n:>7}{row['d2h_gbps']:>10.1f}{row['d2h_ratio']:>7.2f}{row['h2d_gbps']:>10.1f}"
-                f"{row['h2d_ratio']:>7.2f}{row['d2h_submit_us']:>6.0f}/{row['h2d_submit_us']:<4.0f}"
+                f"{name:<15}{n:>7}{row['d2h_gbps']:>10.1f}{row['d2h_ratio']:>7.2f}"
+                f"{row['d2h_submit_us']:>7.0f}/{row['d2h_submit_us_p99']:<5.0f}{row['h2d_gbps']:>10.1f}{row['h2d_ratio']:>7.2f}"
+                f"{row['h2d_submit_us']:>7.0f}/{row['h2d_submit_us_p99']:<5.0f}"
             )
     if "bidir_gbps" in r:
         print(f"engine bidir ({r['default_backend']}): {r['bidir_gbps']:.1f} GB/s, ratio {r['bidir_ratio']:.2f}")
     for name, o in r["overlap"].items():
         if "error" in o:
-            print(f"overlap {name:<8} failed: {o['error']}")
+            print(f"overlap {name:<14} failed: {o['error']}")
             continue
         print(
-            f"overlap {name:<8} copy {o['copy_ms']:.2f} ms, compute {o['compute_ms']:.2f} ms, "
-            f"with loads {o['with_loads_ms']:.2f} ms -> exposed {o['exposed_load_fraction']:.3f}"
+            f"overlap {name:<14} copy {o['copy_ms']:.2f} ms, compute {o['compute_ms']:.2f} ms, "
+            f"with loads {o['with_loads_ms']:.2f} ms -> exposed {o['exposed_load_fraction']:.3f}; "
+            f"with backups {o['with_backups_ms']:.2f} ms -> exposed {o['exposed_backup_fraction']:.3f}"
         )
     print(f"targets: {json.dumps(r['targets'])}")
 
