@@ -1,0 +1,52 @@
+"""Command-line options of the hf engine (`hicache-cp replay --engine hf ...`).
+
+Kept apart from `hf` so that building the replay's parser imports neither
+torch's model code nor transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from hicache_cp.harness.errors import InputError
+
+HF_PRESETS = ("tiny", "dsv32-width")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("hf engine (--engine hf)")
+    g.add_argument("--hf-preset", choices=HF_PRESETS, default="tiny",
+                   help="model preset: tiny (CPU, CI) or dsv32-width (real DeepSeek-V3.2 widths, bf16, GPU)")
+    g.add_argument("--hf-seed", type=int, default=0, help="seed of the random weights")
+    g.add_argument("--chunk-tokens", type=int, help="chunked prefill: tokens of one sequence per forward (default: the preset's)")
+    g.add_argument("--max-batch-tokens", type=int, help="tokens one forward computes, padding to the longest chunk included (default: the preset's)")
+    g.add_argument("--arrivals", choices=["asap", "trace"], default="asap",
+                   help="requests arrive all at once (asap) or at their trace timestamps (trace)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="with --arrivals trace: multiply the timestamps by this")
+    g.add_argument("--check-outputs", type=int, default=0, metavar="N",
+                   help="compare the last-token logits of N hit requests with a full recompute")
+    g.add_argument("--recompute-samples", type=int, default=8, metavar="N",
+                   help="time a recompute (no cache) of up to N requests with >= 90%% hits, for ttft_hit_over_recompute")
+    g.add_argument("--compare-no-l2", action="store_true", help="also run the same trace with L2 off and report both")
+    # fmt: skip
+
+
+def check_cp_size(cp_size: int | None) -> None:
+    if cp_size not in (None, 1):
+        raise InputError(f"--engine hf runs on one rank (every forward reads whole prefixes); got cp_size {cp_size}")
+
+
+def check(args: argparse.Namespace, page_size: int) -> None:
+    """Fail fast, as one line, on options the hf engine cannot run with."""
+    if getattr(args, "model", None):
+        raise InputError("--model picks the synthetic engine's layout; --engine hf derives its layout from --hf-preset")
+    check_cp_size(getattr(args, "cp_size", None))
+    for name in ("chunk_tokens", "max_batch_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < page_size:
+            raise InputError(f"--{name.replace('_', '-')} must be at least one page ({page_size} tokens), got {value}")
+    for name in ("check_outputs", "recompute_samples"):
+        if getattr(args, name) < 0:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.time_scale < 0:
+        raise InputError(f"--time-scale must be >= 0, got {args.time_scale}")

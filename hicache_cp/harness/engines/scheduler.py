@@ -1,0 +1,533 @@
+"""A prefill server's scheduler over `HiCache`: continuous batching, chunked prefill.
+
+Each step builds one forward (a batch) and runs it:
+
+    arrivals      requests enter the waiting queue at their trace timestamp
+                  (scaled), or all at once ("asap")
+    batch         running sequences first, in admission order, then new ones
+                  (FCFS) while the padded batch (sequences x the longest chunk:
+                  what the forward computes) fits `max_batch_tokens`; a
+                  sequence brings at most `chunk_tokens` tokens, page-aligned
+                  unless it is its last chunk
+    admission     match_prefix -> load_back -> alloc_device -> reserve_backup.
+                  A request is admitted only when the L1 pages of every running
+                  sequence plus all of its own fit the pool (so allocation
+                  never fails mid-flight); the queue waits otherwise (FCFS)
+    forward       per layer: wait for the loads of every sequence of the batch
+                  (its own and the ones its device prefix depends on,
+                  `MatchResult.waits`), compute, store the chunk's KV in L1,
+                  fire the layer hook for the backups of the sequences that end
+                  here (target layers, then the draft layer)
+    end of step   read the sampled tokens (the host sync), `settle()` (loads and
+                  backups decided), then per sequence:
+                    its load aborted     recompute from its device prefix on: the
+                                         loaded pages and everything computed on
+                                         them; `recomputed(load)` before insert
+                    a load it waited on  (`prefix_failed`) give back its pages and
+                    aborted              lock, and match again (it re-queues first)
+                    last chunk done      insert (the backup attaches), verify the
+                                         reused pages, PD send, release
+                  then `poll()` (the inserted backups commit) and `ensure_free()`
+
+A request's backup covers all its new pages; its layer hooks fire in the
+forward of its last chunk, when every page is written. The trailing partial
+page of a prompt is computed but not cached; a fully cached prompt still
+computes its last token (the first token needs its logits).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hicache_cp.cache import HiCache, MatchResult
+from hicache_cp.cp import mapping as cp_mapping
+from hicache_cp.harness.engines.hf_forward import BatchPlan, PagedForward, PagedKV, SeqChunk
+from hicache_cp.harness.engines.hf_oracle import DigestBook, Digester, IntegrityTally, UnitMismatch
+from hicache_cp.harness.engines.hf_timing import LoadTimer, Clock
+from hicache_cp.harness.trace import TraceRequest
+from hicache_cp.layout import Model
+from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
+from hicache_cp.keys import prefix_hashes
+
+logger = logging.getLogger(__name__)
+
+
+class Arrivals(enum.Enum):
+    ASAP = "asap"  # every request is waiting at time 0, in trace order
+    TRACE = "trace"  # at its timestamp (times --time-scale) after the first
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    chunk_tokens: int
+    max_batch_tokens: int
+    arrivals: Arrivals = Arrivals.ASAP
+    time_scale: float = 1.0
+    use_l2: bool = True  # False: never back up (the --compare-no-l2 run)
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1 or self.max_batch_tokens < 1:
+            raise ValueError(f"chunk_tokens and max_batch_tokens must be >= 1, got {self.chunk_tokens}, {self.max_batch_tokens}")
+        if self.time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
+
+
+@dataclass
+class RequestRecord:
+    """What serving one request took (one entry of the engine's per-request table)."""
+
+    request: int
+    prompt_tokens: int
+    l1_hit_pages: int
+    l2_hit_pages: int
+    computed_tokens: int = 0
+    arrival_s: float = 0.0
+    admitted_s: float = 0.0
+    first_token_s: float = 0.0
+    load_s: float | None = None
+    load_bytes: int = 0
+    reused_pages: int = 0  # prefix pages read from the cache (L1 or restored from L2)
+    waited_loads: int = 0  # other requests' loads its device prefix waited on
+    first_forward: int = -1  # index of the first forward it took part in
+    redone: bool = False  # its load aborted; it recomputed the loaded pages
+    restarts: int = 0  # a load its prefix waited on aborted; it matched again
+    served: bool = True
+
+    page_size: int = 1
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def hit_tokens(self) -> int:
+        return (self.l1_hit_pages + self.l2_hit_pages) * self.page_size
+
+    @property
+    def hit_fraction(self) -> float:
+        """Share of the prompt found in the cache (L1 or L2) at admission."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class SeqState(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"  # first token out, inserted, released
+    RESTARTED = "restarted"  # gave everything back; its request is queued again
+
+
+@dataclass(eq=False)
+class Seq:
+    """One admitted request (see the module docstring for its life)."""
+
+    req: TraceRequest
+    ids: np.ndarray  # token ids (the tree's tokens and the model's input)
+    hashes: np.ndarray  # chain hash of every whole page: the content key of the digests
+    m: MatchResult
+    load: LoadOp | None
+    new: np.ndarray  # logical L1 pages of positions [matched_pages, n_pages)
+    backup: BackupOp | None
+    table: np.ndarray  # logical L1 page of every page position
+    pages: np.ndarray  # the same pages, physical (what the forward indexes)
+    record: RequestRecord
+    progress: int  # next position to compute
+    write_page: int  # first page position this sequence writes
+    reuse_pages: int  # page positions [0, reuse_pages) are reused (checked by the byte oracle)
+    timer: LoadTimer | None = None
+    redo_load: LoadOp | None = None
+    hooked: bool = False  # the backup's layer hooks fired
+    state: SeqState = SeqState.RUNNING
+    #: Digests of the pages this sequence computed, by page position, until insert
+    #: tells which of its pages the cache kept (a page another request inserted
+    #: first is freed: its bytes are never read, so its digest is not recorded).
+    digests: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.pages)
+
+    def next_chunk(self, budget: int, chunk_tokens: int, page_size: int) -> int:
+        """Tokens this sequence computes in a forward with `budget` tokens left (0: none)."""
+        left = self.n_tokens - self.progress
+        if left <= min(budget, chunk_tokens):
+            return left
+        return min(budget, chunk_tokens) // page_size * page_size
+
+    def chunk(self, q: int, page_size: int) -> SeqChunk:
+        start, end = self.progress, self.progress + q
+        final = end == self.n_tokens
+        lo = max(start, self.write_page * page_size)
+        hi = min(end, self.n_pages * page_size)
+        return SeqChunk(self.ids[start:end], start, self.pages, lo, max(lo, hi), None if final else int(self.ids[end]))
+
+
+class _BatchHooks:
+    """The forward's layer hooks for one batch: waits before, backups after."""
+
+    def __init__(self, cache: HiCache, loads: list[LoadOp], backups: list[BackupOp | None]) -> None:
+        self.cache = cache
+        self.loads = loads
+        self.backups = backups
+
+    def before_layer(self, model: Model, layer: int) -> None:
+        for op in self.loads:
+            op.wait_layer(layer, model)
+
+    def after_layer(self, model: Model, layer: int) -> None:
+        self.cache.on_layer_end(model, layer, self.backups)
+
+
+@dataclass
+class BatchStats:
+    forwards: int = 0
+    max_batch_requests: int = 0
+    max_batch_tokens: int = 0
+    batch_requests_sum: int = 0
+    computed_tokens: int = 0
+    forward_s: float = 0.0
+
+
+@dataclass
+class ServeResult:
+    """Everything the scheduler measured, cumulative over all its `serve` calls."""
+
+    records: list[RequestRecord]
+    integrity: IntegrityTally
+    batches: BatchStats
+    rejected: int
+    restarts: int
+    redone: int
+    logits: dict[int, Any] = field(default_factory=dict)  # request -> last-token logits (CPU float32)
+    wall_s: float = 0.0
+
+
+class Scheduler:
+    """Serves a list of requests through `HiCache` with the real model; see the module docstring."""
+
+    def __init__(
+        self,
+        cache: HiCache,
+        forward: PagedForward,
+        buffers: dict[Any, list[Any]],
+        options: SchedulerOptions,
+        *,
+        sink: Any = None,
+        on_request: Callable[[int], None] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        if cache.cp_size != 1:
+            raise ValueError("the hf engine computes whole prefixes on one rank: cp_size must be 1")
+        self.cache = cache
+        self.forward = forward
+        self.buffers = buffers
+        self.opt = options
+        self.sink = sink
+        self.on_request = on_request or (lambda i: None)
+        self.clock = clock or Clock(forward.m.device)
+        self.ps = cache.layout.page_size
+        self.digester = Digester(cache.layout, cache.device_pool)
+        self.book = DigestBook(self.digester.num_units)
+        self.integrity = IntegrityTally()
+        self.stats = BatchStats()
+        self.waiting: deque[tuple[TraceRequest, np.ndarray, RequestRecord]] = deque()
+        self.running: list[Seq] = []
+        self.records: list[RequestRecord] = []
+        self.logits: dict[int, Any] = {}
+        self.rejected = 0
+        self.restarts = 0
+        self.redone = 0
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def serve(self, requests: list[tuple[TraceRequest, np.ndarray]]) -> ServeResult:
+        """Serve every request to its first token; returns when all are done."""
+        arrivals = deque(self._arrival_times(requests))
+        t0 = self.clock.now()
+        done = 0
+        while arrivals or self.waiting or self.running:
+            now = self.clock.now() - t0
+            while arrivals and arrivals[0][0] <= now:
+                at, req, ids = arrivals.popleft()
+                rec = RequestRecord(req.index, len(ids), 0, 0, arrival_s=at, page_size=self.ps)
+                self.waiting.append((req, ids, rec))
+            if not self.waiting and not self.running:
+                time.sleep(max(0.0, arrivals[0][0] - now))
+                continue
+            batch = self._build_batch(now)
+            if not batch:
+                if not self.running and self.waiting:
+                    self._reject_head()
+                continue
+            finished = self._step(batch, t0)
+            for seq in finished:
+                self.records.append(seq.record)
+                self.on_request(done)
+                done += 1
+        self.integrity.digest_variants = self.book.variants
+        return ServeResult(
+            self.records, self.integrity, self.stats, self.rejected, self.restarts, self.redone,
+            self.logits, self.clock.now() - t0,
+        )  # fmt: skip
+
+    def _arrival_times(self, requests: list[tuple[TraceRequest, np.ndarray]]) -> list[tuple[float, TraceRequest, np.ndarray]]:
+        if self.opt.arrivals is Arrivals.ASAP or not requests:
+            return [(0.0, r, ids) for r, ids in requests]
+        first = min(r.timestamp_ms for r, _ in requests)
+        timed = [((r.timestamp_ms - first) / 1000 * self.opt.time_scale, r, ids) for r, ids in requests]
+        return sorted(timed, key=lambda t: t[0])
+
+    # ---- batching and admission --------------------------------------------------------------
+
+    def _build_batch(self, now: float) -> list[tuple[Seq, int]]:
+        """Running sequences first, then admissions, while the padded batch
+        (sequences x the longest chunk) stays within `max_batch_tokens`."""
+        batch: list[tuple[Seq, int]] = []
+        for seq in self.running:
+            q = self._take(seq, batch)
+            if q:
+                batch.append((seq, q))
+        while self.waiting and self._room(batch) >= self.ps:
+            seq = self._admit(now)
+            if seq is None:
+                break
+            q = self._take(seq, batch)
+            if q:
+                batch.append((seq, q))
+        return batch
+
+    def _room(self, batch: list[tuple[Seq, int]]) -> int:
+        """The longest chunk one more sequence may bring (0: none fits).
+
+        The forward pads every sequence to the longest chunk, so a batch of B
+        sequences costs B x that many tokens of compute and memory."""
+        cap = self.opt.max_batch_tokens // (len(batch) + 1)
+        return cap if cap >= max((q for _, q in batch), default=0) else 0
+
+    def _take(self, seq: Seq, batch: list[tuple[Seq, int]]) -> int:
+        room = self._room(batch)
+        return seq.next_chunk(room, self.opt.chunk_tokens, self.ps) if room else 0
+
+    def _held_pages(self) -> int:
+        """L1 pages the running sequences hold (shared prefix pages once)."""
+        if not self.running:
+            return 0
+        return len(np.unique(np.concatenate([seq.table for seq in self.running])))
+
+    def _admit(self, now: float) -> Seq | None:
+        """Admit the head of the queue, or None when L1 cannot hold it yet."""
+        cache, ps = self.cache, self.ps
+        req, ids, rec = self.waiting[0]
+        n_pages = len(ids) // ps
+        capacity = cache.device_pool.allocator.capacity
+        if self._held_pages() + n_pages > capacity:
+            return None
+        self.waiting.popleft()
+        m = cache.match_prefix(ids)
+        timer = LoadTimer.before_load(self.clock) if m.host_len else None
+        load = cache.load_back(m)
+        matched = m.matched_pages
+        new = cache.alloc_device(n_pages - matched, matched)
+        if new is None:  # cannot happen under the admission check; undo and wait
+            logger.warning("request %d: L1 refused %d pages despite the admission check", req.index, n_pages - matched)
+            self._finish_load(load)
+            cache.release(m.last_node)
+            self.waiting.appendleft((req, ids, rec))
+            return None
+        backup = cache.reserve_backup(new, matched) if self.opt.use_l2 else None
+        if load is not None and timer is not None:
+            timer.started(load)
+        loaded = load.device_pages if load is not None else np.empty(0, np.int64)
+        table = np.concatenate([m.device_pages, loaded, new])
+        rec.l1_hit_pages, rec.l2_hit_pages = m.device_len, m.host_len
+        rec.waited_loads = len(m.waits)
+        rec.admitted_s = now
+        rec.load_bytes = (load.num_pages if load is not None else 0) * cache.layout.bytes_per_page
+        seq = Seq(
+            req, ids, prefix_hashes(ids, ps), m, load, new, backup, table,
+            cp_mapping.to_physical(table, cache.cp_size), rec, progress=min(matched * ps, len(ids) - 1),
+            write_page=matched, reuse_pages=matched, timer=timer if load is not None else None,
+        )  # fmt: skip
+        self.running.append(seq)
+        return seq
+
+    def _reject_head(self) -> None:
+        req, ids, rec = self.waiting.popleft()
+        rec.served = False
+        self.records.append(rec)
+        self.rejected += 1
+        logger.warning("request %d rejected: its %d pages exceed L1 (%d pages)", req.index, len(ids) // self.ps,
+                       self.cache.device_pool.allocator.capacity)  # fmt: skip
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _step(self, batch: list[tuple[Seq, int]], t0: float) -> list[Seq]:
+        cache = self.cache
+        chunks = [seq.chunk(q, self.ps) for seq, q in batch]
+        plan = BatchPlan.build(chunks, self.ps)
+        loads: list[LoadOp] = []
+        for seq, _ in batch:
+            for op in [*seq.m.waits, *([seq.load] if seq.load is not None else [])]:
+                if op.active and op not in loads:
+                    loads.append(op)
+        enders = [seq for (seq, _), c in zip(batch, chunks) if c.final]
+        backups = [seq.backup for seq in enders if seq.backup is not None]
+        for seq in enders:
+            seq.hooked = seq.backup is not None
+        t_start = self.clock.now()
+        result = self.forward.run(plan, PagedKV(self.buffers, plan), _BatchHooks(cache, loads, backups))
+        logits = result.logits.cpu()  # reading the first tokens: the end-of-forward sync
+        t_token = self.clock.sync() - t0
+        self._tally_batch(plan, t_start, t_token + t0)
+        self._record_digests(batch, chunks)
+        cache.settle()
+        rows = {b: i for i, b in enumerate(result.final_rows)}
+        for b, ((seq, q), chunk) in enumerate(zip(batch, chunks)):
+            seq.record.computed_tokens += q
+            if seq.record.first_forward < 0:
+                seq.record.first_forward = self.stats.forwards - 1
+            if seq.load is not None and seq.load.state is LoadState.ABORTED and seq.redo_load is None:
+                self._redo(seq)
+            elif seq.m.prefix_failed:
+                self._restart(seq)
+            elif chunk.final:
+                seq.record.first_token_s = t_token
+                self._finish(seq, logits[rows[b]])
+            else:
+                seq.progress += q
+        cache.poll()
+        cache.ensure_free()
+        finished = [seq for seq in self.running if seq.state is SeqState.DONE]
+        self.running = [seq for seq in self.running if seq.state is SeqState.RUNNING]
+        return finished
+
+    def _tally_batch(self, plan: BatchPlan, t_start: float, t_end: float) -> None:
+        s = self.stats
+        s.forwards += 1
+        s.max_batch_requests = max(s.max_batch_requests, plan.B)
+        s.max_batch_tokens = max(s.max_batch_tokens, plan.tokens)
+        s.batch_requests_sum += plan.B
+        s.computed_tokens += plan.tokens
+        s.forward_s += t_end - t_start
+
+    def _record_digests(self, batch: list[tuple[Seq, int]], chunks: list[SeqChunk]) -> None:
+        """Digest every page this forward wrote (one batched pass, one host sync);
+        each sequence keeps its own until insert. Always on: the decode peer
+        verifies PD transfers against the same digests."""
+        owners: list[tuple[Seq, np.ndarray]] = []
+        for (seq, _), c in zip(batch, chunks):
+            if c.write_to > c.write_from:
+                owners.append((seq, np.arange(c.write_from // self.ps, c.write_to // self.ps)))
+        if not owners:
+            return
+        rows = self.digester.digests(np.concatenate([seq.pages[pos] for seq, pos in owners]))
+        i = 0
+        for seq, pos in owners:
+            for p in pos.tolist():
+                seq.digests[p] = rows[i]
+                i += 1
+
+    def _keep_digests(self, seq: Seq, node: Any) -> None:
+        """Record the digests of the pages of `seq` the tree kept after its insert."""
+        if not seq.digests:
+            return
+        tree = _tree_pages(node, seq.n_pages)
+        kept = [p for p in sorted(seq.digests) if tree[p] == seq.table[p]]
+        if kept:
+            self.book.record(seq.hashes[kept], np.stack([seq.digests[p] for p in kept]))
+        seq.digests.clear()
+
+    # ---- the ends of a sequence --------------------------------------------------------------
+
+    def _redo(self, seq: Seq) -> None:
+        """Its own load aborted: the loaded pages and all it computed on them are
+        garbage. Recompute from the device prefix on, into the same pages."""
+        assert seq.load is not None
+        self.redone += 1
+        seq.record.redone = True
+        seq.redo_load = seq.load
+        seq.write_page = seq.reuse_pages = seq.m.device_len
+        seq.progress = min(seq.m.device_len * self.ps, seq.n_tokens - 1)
+        if seq.hooked and seq.backup is not None:  # its copies carry the garbage
+            self.cache.abort_backup(seq.backup)
+            seq.backup = self.cache.reserve_backup(seq.new, seq.m.matched_pages) if self.opt.use_l2 else None
+            seq.hooked = False
+        logger.warning("request %d: its load aborted; recomputing from page %d", seq.req.index, seq.write_page)
+
+    def _restart(self, seq: Seq) -> None:
+        """A load its device prefix waited on aborted: give everything back and
+        match again (it goes first in the queue)."""
+        cache = self.cache
+        self.restarts += 1
+        seq.record.restarts += 1
+        if seq.backup is not None and seq.backup.state in (BackupState.RESERVED, BackupState.WRITING):
+            cache.abort_backup(seq.backup)
+        cache.free_device(seq.new)
+        cache.release(seq.m.last_node)
+        seq.state = SeqState.RESTARTED
+        seq.record.computed_tokens = 0
+        self.waiting.appendleft((seq.req, seq.ids, seq.record))
+        logger.warning("request %d: a load its prefix read aborted; matching again", seq.req.index)
+
+    def _finish(self, seq: Seq, logits: Any) -> None:
+        cache = self.cache
+        if seq.redo_load is not None:
+            cache.recomputed(seq.redo_load)
+        node = cache.insert(seq.m, seq.new, backup=seq.backup)
+        self._keep_digests(seq, node)
+        if seq.timer is not None:
+            seq.record.load_s = seq.timer.elapsed_s()
+        if self.opt.verify and seq.reuse_pages:
+            self._verify(seq)
+        seq.record.reused_pages = seq.reuse_pages
+        self.logits[seq.req.index] = logits
+        if self.sink is not None:  # the PD sender: the decode peer checks every unit against the digests
+            self.sink.send_request(seq.req.index, node, seq.hashes, cache, digests=self.book.expected(seq.hashes))
+        cache.release(node)
+        seq.state = SeqState.DONE
+
+    def _finish_load(self, load: LoadOp | None) -> None:
+        while load is not None and load.active:
+            self.cache.settle()
+
+    def _verify(self, seq: Seq) -> None:
+        """Byte oracle: every unit of every reused page against the recorded digests."""
+        n = seq.reuse_pages
+        t = self.integrity
+        t.expected_units += n * self.digester.num_units
+        digests = self.digester.digests(seq.pages[:n])
+        ok = self.book.check(seq.hashes[:n], digests)
+        t.checked_pages += n
+        t.checked_units += ok.size
+        device_len = seq.m.device_len
+        t.checked_l2_units += max(0, n - device_len) * self.digester.num_units
+        bad = np.argwhere(~ok)
+        if len(bad):
+            units = self.digester.units
+            t.add([
+                UnitMismatch(seq.req.index, int(i), units[u][0].part.value, units[u][1], "l1" if i < device_len else "l2")
+                for i, u in bad
+            ])  # fmt: skip
+
+
+def _tree_pages(node: Any, n: int) -> np.ndarray:
+    """Logical L1 page of positions [0, n) along the tree path ending at `node` (-1: none)."""
+    out = np.full(n, -1, np.int64)
+    while node.parent is not None:  # the root holds no pages
+        lo = node.first_position
+        if node.device_pages is not None and lo < n:
+            hi = min(n, lo + node.num_pages)
+            out[lo:hi] = node.device_pages[: hi - lo]
+        node = node.parent
+    return out

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The real-model prefill server on one H200 (issue 14), in one call of about 3-4 minutes.
+#
+# DeepSeek-V3.2 at its real widths (transformers 5.20, bf16, seeded random weights,
+# 4 dense layers + the MTP draft layer, index top-k above every prompt), batched and
+# chunked, with hicache-cp as its L2; prompts of 6k-14k tokens (the embedded
+# workload at 384 tokens a block, the requests of >= 16 blocks), arriving at their
+# trace timestamps (x TIME_SCALE). A CPU rehearsal of the same trace shape (tiny
+# model, 6 pages a block, L1 1.35x the longest prompt) gave 12 of 50 requests
+# with >= 90% hits, 9 of them loading from L2.
+#
+#   serve  $DEST/serve-h200.json     both oracles, TTFT p50/p90/p99, >= 90%-hit requests:
+#                                    TTFT over recompute and load time over the PCIe bound,
+#                                    and the same trace with L2 off (--compare-no-l2)
+#   pd     $DEST/serve-pd-h200.json  --pd: every request's KV to a decode peer process
+#                                    (Mooncake on GPU memory), every unit verified there
+#                                    against the digests prefill recorded
+#
+# Needs two wheels in .whl/ (git-ignored; `pip download` them as in the report),
+# carried with the call: mooncake_transfer_engine_cuda13-0.3.14 (cp312) and
+# transformers-5.20.2 (the image has 5.17, whose V3.2 cache holds expanded keys).
+# From the repository root on nvidia-h200, carry [".whl"]:
+#   HICACHE_COMMIT=<hash> bash tools/device_serve.sh            # STEPS="serve pd" by default
+# A CPU rehearsal of the script's mechanics (no wheels, the tiny model):
+#   WHEELS=0 PRESET=tiny DEVICE=cpu TPB=48 L1_PAGES=300 PYTHON=.venv/bin/python OUT=/tmp/serve bash tools/device_serve.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ "${WHEELS:-1}" = 1 ]; then
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
+DEST=${OUT:-bench/results}
+STEPS=${STEPS:-serve pd}
+LIMIT=${LIMIT:-50}
+PD_LIMIT=${PD_LIMIT:-25}
+TIME_SCALE=${TIME_SCALE:-1.0}
+TRACE=.devdata/serve-6k.jsonl
+PRESET=${PRESET:-dsv32-width}
+DEVICE=${DEVICE:-cuda}
+TPB=${TPB:-384}
+L1_PAGES=${L1_PAGES:-300}
+mkdir -p "$DEST" .devdata
+step() { echo; echo "=== $* ($(date +%T))"; }
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+
+step versions
+$PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
+
+$PYTHON - "$TRACE" <<'EOF' || exit 1
+import sys
+from hicache_cp.harness.trace import write_trace
+from hicache_cp.harness.workload import default_workload
+long = [r for r in default_workload(seed=0) if r.full_blocks >= 16]  # >= 6144 tokens at 384 a block
+write_trace(sys.argv[1], long)
+print(f"{len(long)} requests of >= 16 blocks -> {sys.argv[1]}")
+EOF
+
+# L1 of 300 pages (19.2k tokens, 1.35x the longest prompt) makes L2 matter; L2 half the footprint.
+COMMON=(--engine hf --hf-preset "$PRESET" --device "$DEVICE" --trace "$TRACE" --tokens-per-block "$TPB"
+        --l2-fraction 0.5 --l1-pages "$L1_PAGES" --arrivals trace --time-scale "$TIME_SCALE")
+
+if want serve; then
+  step "serve: dsv32-width with L2, then L2 off; byte and output oracles"
+  timeout 330 $PYTHON -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$LIMIT" --check-outputs 8 \
+    --recompute-samples 8 --compare-no-l2 --json "$DEST/serve-h200.json" 2>&1 | grep -v "hf replay:" | tail -45
+fi
+
+if want pd; then
+  step "pd: the same server shipping every request's KV to a decode peer (Mooncake, GPU memory)"
+  timeout 200 $PYTHON -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$PD_LIMIT" --pd \
+    --json "$DEST/serve-pd-h200.json" 2>&1 | grep -v "hf replay:" | tail -30
+fi
+
+step summary
+$PYTHON - "$DEST" <<'EOF2'
+import json, pathlib, sys
+keys = ("requests", "served_requests", "hit_rate", "l2_hit_tokens", "max_batch_requests", "ttft_p50_s", "ttft_p90_s",
+        "ttft_p99_s", "prefill_tokens_per_s", "prefill_compute_saved", "hit90_requests", "ttft_hit_over_recompute",
+        "ttft_hit_over_recompute_p90", "hit90_loads", "load_over_pcie_bound", "load_over_pcie_bound_p90", "copy_peak_gbps",
+        "integrity_checked_units", "integrity_expected_units", "integrity_mismatches", "outputs_checked",
+        "outputs_max_abs_err", "outputs_mismatches", "outputs_same_argmax", "pd_rooms", "pd_failed_rooms",
+        "pd_mismatches", "pd_gbps", "integrity_failures")
+for name in ("serve-h200.json", "serve-pd-h200.json"):
+    path = pathlib.Path(sys.argv[1]) / name
+    if path.is_file():
+        r = json.loads(path.read_text())
+        print(name, {k: r[k] for k in keys if k in r})
+        if "no_l2" in r:
+            print("  no_l2", {k: r["no_l2"][k] for k in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "prefill_compute_saved")})
+        if "pd" in r:
+            print("  decode peer", r["pd"])
+EOF2
