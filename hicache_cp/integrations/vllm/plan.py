@@ -1,0 +1,186 @@
+"""How vLLM's KV cache maps onto hicache-cp's logical object (both processes).
+
+vLLM describes its KV cache in a `KVCacheConfig`: groups of layer names that
+share one block table, each layer with a spec (`page_size_bytes`, the MLA
+indexer's `cache_role`, `is_draft`). Both connector roles build the same
+`KVPlan` from it, so the scheduler's page accounting and the worker's copies
+agree byte for byte:
+
+    vLLM                                   hicache-cp
+    block id (one block table)             device page id (block 0: vLLM's null block = our dummy page)
+    block_size tokens                      page_size tokens
+    attention / MLA layer i of the target  Part.TARGET_KV, layer i (dense order of the KV layers)
+    MLA indexer cache (cache_role INDEXER) Part.TARGET_STATE, the layer of its attention
+    draft (MTP) layers                     Part.DRAFT_KV / DRAFT_STATE, dense draft order
+    per-layer tensor, page-major           `DevicePool` buffer [num_blocks, page_bytes] (a view, no copy)
+
+Layer indices come from the names (`...layers.<i>...`). Only one KV cache
+group is supported (no hybrid memory allocator): every layer shares the
+block table. A per-layer tensor must be page-major: its first dimension is
+the block (or a whole number of kernel blocks per block) and is outermost in
+memory, and the rest is dense. MLA caches ([num_blocks, block_size,
+head_size]) and FlashInfer-style [num_blocks, 2, ...] caches are;
+FlashAttention's [2, num_blocks, ...] and vLLM's block-outermost layouts
+(BL..., one block of all layers) are not, and are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache_cp.layout import KVLayout, Model, Part
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def layer_index(name: str) -> int:
+    """The model layer index in a vLLM layer name (`model.layers.3.self_attn.attn` -> 3)."""
+    found = _LAYER_INDEX.findall(name)
+    if len(found) != 1:
+        raise ValueError(f"vLLM layer name {name!r}: expected exactly one '.layers.<i>.' in it")
+    return int(found[0])
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """Where one vLLM layer's cache lives in the logical object."""
+
+    part: Part
+    layer: int  # logical layer id of `part.model` (dense order)
+
+    @property
+    def model(self) -> Model:
+        return self.part.model
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The layout, the layer map and the page geometry, from vLLM's KV cache config."""
+
+    layout: KVLayout
+    block_size: int
+    num_blocks: int
+    slots: dict[str, LayerSlot]  # vLLM layer name -> (part, layer)
+
+    @classmethod
+    def from_kv_cache_config(cls, kv_cache_config: Any, num_hidden_layers: int) -> KVPlan:
+        """Build the plan; ValueError naming the layer for anything it cannot map."""
+        groups = [g for g in kv_cache_config.kv_cache_groups if getattr(g, "enable_kv_transfer", True)]
+        if len(groups) != 1:
+            raise ValueError(
+                f"hicache-cp's vLLM connector needs exactly one KV cache group (one block table); "
+                f"this model has {len(groups)} (hybrid memory: run with --disable-hybrid-kv-cache-manager "
+                f"or a model whose layers share one block size)"
+            )
+        group = groups[0]
+        block_size = int(group.kv_cache_spec.block_size)
+        specs = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
+        # (model, is_state) -> [(index, name, bytes_per_token)]
+        found: dict[tuple[Model, bool], list[tuple[int, str, int]]] = {}
+        for name in group.layer_names:
+            spec = specs.get(name, group.kv_cache_spec)
+            page = int(spec.page_size_bytes)
+            if page % block_size:
+                raise ValueError(f"layer {name}: page of {page} B is not a whole number of bytes per token")
+            index = layer_index(name)
+            draft = bool(getattr(spec, "is_draft", False)) or index >= num_hidden_layers
+            state = str(getattr(getattr(spec, "cache_role", None), "value", "")) == "indexer"
+            model = Model.DRAFT if draft else Model.TARGET
+            found.setdefault((model, state), []).append((index, name, page // block_size))
+        if not found.get((Model.TARGET, False)):
+            raise ValueError(f"no target attention layer among {list(group.layer_names)}")
+        slots: dict[str, LayerSlot] = {}
+        dense: dict[Model, dict[int, int]] = {}
+        per_token: dict[Part, int] = {}
+        state_ids: dict[Model, tuple[int, ...]] = {}
+        for model in (Model.TARGET, Model.DRAFT):
+            kv = sorted(found.get((model, False), []))
+            dense[model] = {index: i for i, (index, _, _) in enumerate(kv)}
+            for is_state in (False, True):
+                part = _part(model, is_state)
+                rows = sorted(found.get((model, is_state), []))
+                if not rows:
+                    continue
+                sizes = {b for _, _, b in rows}
+                if len(sizes) != 1:
+                    raise ValueError(f"{part.value}: layers differ in bytes per token {sorted(sizes)}")
+                per_token[part] = sizes.pop()
+                ids = []
+                for index, name, _ in rows:
+                    if index not in dense[model]:
+                        raise ValueError(f"layer {name}: indexer cache of layer {index}, which has no attention cache")
+                    ids.append(dense[model][index])
+                    slots[name] = LayerSlot(part, dense[model][index])
+                if is_state:
+                    state_ids[model] = tuple(ids)
+        layout = KVLayout.build(
+            page_size=block_size,
+            num_layers=len(dense[Model.TARGET]),
+            kv_bytes_per_token=per_token[Part.TARGET_KV],
+            state_bytes_per_token=per_token.get(Part.TARGET_STATE, 0),
+            state_layers=state_ids.get(Model.TARGET),
+            draft_layers=len(dense[Model.DRAFT]),
+            draft_kv_bytes_per_token=per_token.get(Part.DRAFT_KV, 0),
+            draft_state_bytes_per_token=per_token.get(Part.DRAFT_STATE, 0),
+            draft_state_layers=state_ids.get(Model.DRAFT),
+        )
+        return cls(layout, block_size, int(kv_cache_config.num_blocks), slots)
+
+    def slot(self, layer_name: str) -> LayerSlot:
+        try:
+            return self.slots[layer_name]
+        except KeyError:
+            raise ValueError(
+                f"vLLM layer {layer_name!r} is not in the KV cache config the connector was built for"
+            ) from None
+
+    def device_buffers(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[Part, list[torch.Tensor]]:
+        """vLLM's per-layer tensors as `DevicePool` buffers: per part, one uint8
+        [num_blocks, page_bytes] view per layer in slot order. No copy."""
+        missing = sorted(set(self.slots) - set(kv_caches))
+        if missing:
+            raise ValueError(f"register_kv_caches: no tensor for layers {missing}")
+        out: dict[Part, list[torch.Tensor | None]] = {
+            p.part: [None] * p.num_slots for p in self.layout.parts
+        }
+        for name, where in self.slots.items():
+            p = self.layout.part(where.part)
+            out[where.part][p.slot(where.layer)] = page_major(kv_caches[name], self.num_blocks, p.page_bytes, name)
+        return {part: [t for t in ts if t is not None] for part, ts in out.items()}
+
+
+def page_major(t: torch.Tensor, num_blocks: int, page_bytes: int, name: str = "layer") -> torch.Tensor:
+    """View one layer's KV tensor as uint8 [num_blocks, page_bytes] without copying.
+
+    Accepts any dtype and any stride order in which dimension 0 (blocks, or
+    kernel blocks, a whole number per block) is outermost in memory and the
+    tensor is dense. ValueError otherwise, with the shape and strides.
+    """
+    why = None
+    if t.dim() == 0 or t.shape[0] % num_blocks:
+        why = f"dimension 0 ({t.shape[0] if t.dim() else '-'}) is not a multiple of the {num_blocks} blocks"
+    else:
+        order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+        physical = t.permute(*order)
+        if order[0] != 0 and t.shape[order[0]] > 1:
+            why = "the block dimension is not outermost in memory"
+        elif not physical.is_contiguous():
+            why = "it is not dense (a block-outermost or padded layout?)"
+        elif physical.numel() * physical.element_size() != num_blocks * page_bytes:
+            why = f"{physical.numel() * physical.element_size()} B, expected {num_blocks} x {page_bytes} B"
+        else:
+            return physical.view(torch.uint8).reshape(num_blocks, page_bytes)
+    raise ValueError(
+        f"vLLM KV cache of {name} (shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}) is not page-major: {why}"
+    )
+
+
+def _part(model: Model, state: bool) -> Part:
+    if model is Model.TARGET:
+        return Part.TARGET_STATE if state else Part.TARGET_KV
+    return Part.DRAFT_STATE if state else Part.DRAFT_KV

@@ -1,0 +1,204 @@
+"""hicache-cp as the host tier of vLLM 0.33.0, driven by vLLM's real `Scheduler`.
+
+Each scenario runs requests through vLLM's scheduler (its own prefix cache,
+chunked prefill, preemption, KV-load-failure recovery) and the connector it
+loads by module path; `vllm_harness` plays the model runner and checks the
+KV bytes every attention layer reads. After each step the comments state
+what vLLM scheduled: (tokens already computed, tokens scheduled) per request.
+Prompts are 85 tokens (5 pages of 16 and 5 tokens) unless said otherwise.
+
+Skipped where vLLM is not installed (`scripts/install_vllm.sh`); CI installs it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base", reason="vLLM not installed (scripts/install_vllm.sh)"
+)
+
+import test_vllm_bench as H  # noqa: E402
+
+from hicache_cp import LoadState, Part  # noqa: E402
+from hicache_cp.io.base import Direction  # noqa: E402
+
+P = list(range(100, 185))  # 85 tokens: 5 whole pages
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return H.write_model_dir(tmp_path_factory.mktemp("tiny-deepseek"))
+
+
+def settled(b: H.Bench) -> None:
+    """Nothing in flight, nothing locked, the cache's invariants hold."""
+    assert b.side.in_flight_jobs() == 0
+    assert b.cache.in_flight() == ([], [])
+    assert b.locked_nodes() == 0
+    b.cache.check_invariants()
+
+
+def test_vllm_miss_then_full_hit_from_l2(model_dir):
+    b = H.make_bench(model_dir)
+    b.add(P)
+    (s1,) = b.run()
+    assert s1.scheduled == {"r1": (0, 85)}  # a miss: vLLM computes the whole prompt
+    assert s1.loads == [] and s1.saves == [("r1", 0, 5)]  # write-through of the 5 whole pages
+    assert b.cache.metrics.backups_committed == 1  # every worker reported: visible now
+    b.drop_vllm_prefix_cache()  # vLLM's L1 forgets: only L2 has the prefix
+    b.add(P)
+    (s2,) = b.run()
+    assert s2.scheduled == {"r2": (80, 5)}  # full hit: 5 pages loaded, the partial page computed
+    assert s2.loads == [("r2", 0, 5)] and s2.saves == []
+    assert b.side.stats.loads_done == 1 and b.side.stats.offered_tokens == 80
+    assert b.mismatches == []  # every loaded byte was the one computed by r1
+    settled(b)
+
+
+def test_vllm_partial_hit_continues_vllm_prefix_cache(model_dir):
+    b = H.make_bench(model_dir)
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+    b.add(P[:37])  # 2 whole pages + 5 tokens
+    (s,) = b.run()
+    assert s.scheduled == {"r2": (32, 5)} and s.loads == [("r2", 0, 2)]  # L2 hit of 2 pages
+    # vLLM now caches pages 0-1 itself; L2 holds 0-4. A longer request sharing
+    # 5 pages gets 0-1 from vLLM and only the continuation 2-4 from L2.
+    tail = list(range(700, 730))
+    b.add(P[:80] + tail)  # 110 tokens: 6 whole pages
+    (s,) = b.run()
+    assert s.scheduled == {"r3": (80, 30)}
+    assert s.loads == [("r3", 2, 3)]  # pages [2, 5) into the blocks vLLM allocated for them
+    assert s.saves == [("r3", 5, 1)]  # the new whole page; 0-4 are in L2 already
+    assert b.mismatches == []
+    settled(b)
+
+
+def test_vllm_l2_eviction_between_two_requests(model_dir):
+    b = H.make_bench(model_dir, host_pages=8)  # 7 usable pages: one 5-page prompt at a time
+    b.add(P)
+    b.run()
+    b.add(list(range(300, 385)))  # another 5 pages: L2 evicts r1's (LRU) to make room
+    (s,) = b.run()
+    assert s.saves == [("r2", 0, 5)]
+    assert b.cache.metrics.evictions_l2 == 5
+    b.drop_vllm_prefix_cache()
+    b.add(P)
+    (s,) = b.run()
+    assert s.scheduled == {"r3": (0, 85)} and s.loads == []  # evicted: a miss, recomputed
+    assert s.saves == [("r3", 0, 5)]  # and backed up again (evicting r2's pages)
+    assert b.mismatches == []
+    settled(b)
+
+
+def test_vllm_request_aborted_while_its_load_is_in_flight(model_dir):
+    b = H.make_bench(model_dir)
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+    free_before = b.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    b.add(P)
+    s = b.step(abort_before_forward=["r2"])  # scheduled with its load, aborted before the forward ran
+    assert s.loads == [("r2", 0, 5)] and s.scheduled == {"r2": (None, 5)}  # vLLM dropped it
+    assert "r2" not in b.sched.requests  # no delayed free: the step's copies landed within the step
+    assert b.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    assert b.side.stats.loads_done == 1  # the load was decided on the workers' report, then released
+    settled(b)
+    b.add(P)  # vLLM cached the blocks the load filled: a local hit, on bytes that landed whole
+    (s,) = b.run()
+    assert s.scheduled == {"r3": (80, 5)} and s.loads == []
+    b.drop_vllm_prefix_cache()
+    b.add(P)  # the L2 copy is intact and unlocked: the next request loads it
+    (s,) = b.run()
+    assert s.scheduled == {"r4": (80, 5)} and s.loads == [("r4", 0, 5)]
+    assert b.mismatches == []
+
+
+def test_vllm_failed_load_takes_vllms_recompute_path(model_dir):
+    b = H.make_bench(model_dir)
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+
+    def fault(direction, part, layer):  # test double on the worker's real copy engine
+        if direction is Direction.H2D and layer == 1:
+            raise RuntimeError("injected H2D fault")
+
+    b.worker.worker_side.engine.fault = fault
+    b.add(P + list(range(500, 540)))  # 125 tokens: 7 whole pages
+    s = b.step()
+    assert s.scheduled == {"r2": (80, 45)} and s.loads == [("r2", 0, 5)]
+    assert s.saves == [("r2", 5, 2)]  # computed on the failing load: must never commit
+    blocks = set(b.sched.kv_cache_manager.get_block_ids("r2")[0][:5])
+    assert s.invalid_blocks == blocks  # vLLM's load-error path, not a hit
+    assert {(r, layer) for r, layer, _ in b.mismatches} == {("r2", "model.layers.1.self_attn.attn")}
+    b.mismatches.clear()
+    b.worker.worker_side.engine.fault = None
+    assert b.sched.requests["r2"].num_computed_tokens == 0  # vLLM truncated at the first bad block
+    load = b.cache.metrics.loads_aborted, b.cache.metrics.backups_aborted
+    assert load == (1, 1)  # the load aborted, and the backup computed on it with it
+    steps = b.run()
+    assert steps[0].scheduled == {"r2": (0, 125)}  # recomputed from scratch
+    assert steps[0].loads == [] and steps[0].saves == [("r2", 5, 2)]  # 0-4 still in L2, 5-6 again
+    assert b.side.stats.loads_failed == 1 and b.mismatches == []
+    settled(b)
+    b.drop_vllm_prefix_cache()
+    b.add(P + list(range(500, 540)))
+    (s,) = b.run()
+    assert s.scheduled == {"r3": (112, 13)} and s.loads == [("r3", 0, 7)]
+    assert b.mismatches == []
+
+
+def test_vllm_preempted_request_resumes_from_l2(model_dir):
+    b = H.make_bench(model_dir, num_blocks=12)  # 11 usable blocks: two growing requests do not fit
+    b.add(list(range(1, 65)), max_tokens=40)
+    b.add(list(range(201, 265)), max_tokens=40)
+    steps = b.run(200)
+    (pre,) = [i for i, s in enumerate(steps) if s.preempted]
+    assert steps[pre].preempted == {"r2"} and steps[pre].scheduled == {"r1": (80, 1)}
+    resumed = next(s for s in steps[pre:] if "r2" in s.scheduled)
+    before, n = resumed.scheduled["r2"]
+    # r2 had 80 tokens (64 prompt + 16 decoded) when preempted; vLLM still
+    # caches 4 of its pages, L2 holds the 5th (decoded tokens) too.
+    assert (before, n) == (80, 1)
+    assert resumed.loads == [("r2", 4, 1)]
+    assert b.side.stats.loads_done == 1 and b.mismatches == []
+    settled(b)
+
+
+def test_vllm_corrupted_l2_is_detected_by_the_bench(model_dir):
+    """Negative control: the byte check fails when L2 holds wrong bytes."""
+    b = H.make_bench(model_dir)
+    b.add(P)
+    b.run()
+    node = next(iter(b.cache.tree.root.children.values()))
+    host = b.worker.worker_side.host_pool
+    host.layer_view(Part.TARGET_KV, 0)[node.host_pages[2]] ^= np.uint8(1)
+    b.drop_vllm_prefix_cache()
+    b.add(P)
+    b.run()
+    assert {(r, pos // H.BLOCK) for r, _, pos in b.mismatches} == {("r2", 2)}
+
+
+def test_vllm_load_waits_are_per_layer(model_dir):
+    """The forward waits for a layer's load at that layer's hook, not for the whole load."""
+    b = H.make_bench(model_dir)
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+    b.add(P)
+    so = b.sched.schedule()
+    w = b.worker.worker_side
+    seen = []
+    w.engine.fault = lambda d, part, layer: seen.append((d, layer))
+    b.worker.bind_connector_metadata(so.kv_connector_metadata)
+    b.worker.start_load_kv(None)
+    (_, op), = w._loads
+    assert op.state is LoadState.LOADING
+    b.worker.wait_for_layer_load(H.LAYERS[0])
+    assert op.by_layer[(Part.TARGET_KV, 0)][0].query().value == "done"
+    b.worker.wait_for_save()
+    assert seen == [(Direction.H2D, 0), (Direction.H2D, 1)]  # layer order, one copy per layer

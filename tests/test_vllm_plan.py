@@ -1,0 +1,112 @@
+"""The vLLM connector's mapping of vLLM's KV cache onto the logical object, and its worker's waits.
+
+DeepSeek-V3.2 in vLLM: per layer an MLA cache and an indexer cache (spec role
+INDEXER) in one KV cache group, plus an MTP draft layer numbered after the
+target's. Skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.kv_cache_interface", reason="vLLM not installed (scripts/install_vllm.sh)")
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+)
+
+from hicache_cp import LoadState, Part  # noqa: E402
+from hicache_cp.errors import ConfigError  # noqa: E402
+from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata  # noqa: E402
+from hicache_cp.integrations.vllm.plan import KVPlan, LayerSlot, page_major  # noqa: E402
+from hicache_cp.integrations.vllm.settings import ConnectorSettings  # noqa: E402
+from hicache_cp.integrations.vllm.worker import WorkerSide  # noqa: E402
+from hicache_cp.io.base import Direction, TicketState  # noqa: E402
+
+BS, BLOCKS = 16, 10
+
+
+def v32_config(target_layers: int = 3) -> KVCacheConfig:
+    mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=48, dtype=torch.float32)
+    idx = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=132, dtype=torch.uint8,
+                           cache_role=SparseCacheRole.INDEXER)
+    specs = {}
+    for i in range(target_layers + 1):  # the last one is the MTP draft layer
+        specs[f"model.layers.{i}.self_attn.attn"] = mla
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = idx
+    group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs))
+    return KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=[group])
+
+
+def test_vllm_plan_maps_mla_indexer_and_mtp_layers():
+    plan = KVPlan.from_kv_cache_config(v32_config(), num_hidden_layers=3)
+    assert plan.layout.describe() == (
+        "page_size=16; target_kv: 3 layers x 3072 B/page; target_state: 3 layers x 2112 B/page; "
+        "draft_kv: 1 layers x 3072 B/page; draft_state: 1 layers x 2112 B/page"
+    )
+    assert plan.slot("model.layers.1.self_attn.indexer.k_cache") == LayerSlot(Part.TARGET_STATE, 1)
+    assert plan.slot("model.layers.3.self_attn.attn") == LayerSlot(Part.DRAFT_KV, 0)
+    with pytest.raises(ValueError, match="not in the KV cache config"):
+        plan.slot("model.layers.9.self_attn.attn")
+    config = ConnectorSettings.from_extra_config({"host_budget_gib": 0.01}).cache_config(plan.layout)
+    assert config.layout() == plan.layout
+
+
+def test_vllm_page_major_views_and_refusals():
+    mla = torch.zeros(BLOCKS, BS, 48)
+    assert page_major(mla, BLOCKS, BS * 48 * 4).data_ptr() == mla.data_ptr()  # a view, no copy
+    split = torch.zeros(BLOCKS * 2, BS // 2, 48)  # kernel blocks of 8 inside blocks of 16
+    assert page_major(split, BLOCKS, BS * 48 * 4).shape == (BLOCKS, BS * 48 * 4)
+    nhd = torch.zeros(BLOCKS, 4, BS, 8).permute(0, 2, 1, 3)  # blocks outermost, heads inside: still page-major
+    assert page_major(nhd, BLOCKS, BS * 4 * 8 * 4).shape == (BLOCKS, BS * 4 * 8 * 4)
+    with pytest.raises(ValueError, match="not a multiple"):
+        page_major(torch.zeros(2, BLOCKS, BS, 8), BLOCKS, 2 * BS * 8 * 4)  # FlashAttention's K/V split
+    with pytest.raises(ValueError, match="not outermost"):
+        page_major(torch.zeros(4, BLOCKS, BS, 8).permute(1, 0, 2, 3), BLOCKS, 4 * BS * 8 * 4)
+    with pytest.raises(ValueError, match="not dense"):
+        page_major(torch.zeros(BLOCKS, 2 * BS, 8)[:, :BS], BLOCKS, BS * 8 * 4)  # block-outermost packing
+
+
+def test_vllm_settings_are_checked():
+    with pytest.raises(ConfigError, match="exactly one of"):
+        ConnectorSettings.from_extra_config({})
+    with pytest.raises(ConfigError, match="unknown key"):
+        ConnectorSettings.from_extra_config({"host_budget_gib": 1, "host_budget": 3})
+    with pytest.raises(ConfigError, match="positive"):
+        ConnectorSettings.from_extra_config({"host_budget_gib": -1})
+
+
+def test_vllm_worker_waits_for_indexer_state_one_layer_ahead():
+    """Layer l's indexer reads its cache before layer l's attention hook: the
+    worker waits for it at layer l-1's hook (layer 0's at start_load_kv)."""
+    plan = KVPlan.from_kv_cache_config(v32_config(), num_hidden_layers=3)
+    w = WorkerSide(plan, ConnectorSettings.from_extra_config({"host_budget_bytes": 1 << 20, "io_backend": "cpu"}))
+    kv = {name: torch.zeros(BLOCKS, BS, 132 if "indexer" in name else 48,
+                            dtype=torch.uint8 if "indexer" in name else torch.float32) for name in plan.slots}
+    w.register_kv_caches(kv)
+    host = w.host_pool.layer_view(Part.TARGET_STATE, w.layout.part(Part.TARGET_STATE).slot(1))
+    host[[3, 4]] = 7  # the indexer keys of layer 1 for host pages 3, 4
+
+    def slow_state(direction, part, layer):  # test double: the copy of layer 1's state is slow
+        if direction is Direction.H2D and part is Part.TARGET_STATE and layer == 1:
+            time.sleep(0.2)
+
+    w.engine.fault = slow_state
+    meta = HiCacheMetadata(w.host_pool.physical_pages, loads=[CopyJob(1, "r", np.array([5, 6]), np.array([3, 4]), 0)])
+    w.start_load_kv(meta)
+    (_, op), = w._loads
+    w.wait_for_layer_load("model.layers.0.self_attn.attn")
+    assert op.by_layer[(Part.TARGET_STATE, 1)][0].query() is TicketState.DONE
+    assert (kv["model.layers.1.self_attn.indexer.k_cache"][[5, 6]] == 7).all()
+    w.wait_for_save(meta)
+    assert op.state is LoadState.LOADING and w.block_ids_with_load_errors() == set()
+    assert w.worker_meta().results == {1: (1, None)}
+    w.close()
