@@ -3,14 +3,21 @@
 Sources, later ones winning: built-in defaults and the model preset, a TOML
 file, environment variables `HICACHE_<FIELD>` (upper case, e.g.
 `HICACHE_HOST_BUDGET_BYTES=8589934592`, `HICACHE_WRITE_POLICY=write_back`),
-then command-line flags. Every value is validated in `__post_init__`; an
-error names the field, the value and the allowed range.
+then command-line flags. `Config.resolve` returns the configuration with the
+source of every field (for reports); every value is validated in
+`__post_init__`; an error names the field, the value and the allowed range.
+
+`host_budget_bytes = "auto"` sizes L2 from the memory this process may
+really take (the cgroup limit or the machine, `hostmem.sizing`) minus
+`host_reserve_bytes`, divided by the ranks sharing the machine
+(`LOCAL_WORLD_SIZE`, else `cp_size`), and agreed across CP ranks (MIN).
 
 TOML example::
 
     model = "deepseek-v3.2"
     page_size = 64
-    host_budget_bytes = 214748364800   # per rank, all parts together
+    host_budget_bytes = 214748364800   # per rank, all parts together (or "auto")
+    host_reserve_bytes = 8589934592    # "auto" leaves this to the rest of the process
     l1_pages = 32768
     l1_free_room = 0.05                # fraction of capacity (or an int: pages)
     l2_free_room = 0.02
@@ -29,11 +36,12 @@ import dataclasses
 import enum
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hicache_cp.errors import ConfigError
+from hicache_cp.l3.config import L3Config
 from hicache_cp.layout import KVLayout
 
 
@@ -103,7 +111,8 @@ class Config:
     model: str = "tiny"
     model_layout: ModelLayout | None = None  # filled from `model` unless given
     page_size: int = 16
-    host_budget_bytes: int = 64 << 20
+    host_budget_bytes: int | str = 64 << 20  # or "auto": see the module docstring
+    host_reserve_bytes: int = 8 << 30  # left to the process and container when the budget is "auto"
     l1_pages: int = 2048
     l1_free_room: float | int = 0.02
     l2_free_room: float | int = 0.02
@@ -114,16 +123,27 @@ class Config:
     cp_size: int = 1
     debug_checks: bool = False
     pin_host: bool | None = None  # None: pin when CUDA is available
+    l3: L3Config = field(default_factory=L3Config)  # the L3 tier ([l3] table); off by default
 
     def __post_init__(self) -> None:
+        self.l3 = L3Config.from_value(self.l3)
         if isinstance(self.write_policy, str):
             self.write_policy = _enum(WritePolicy, "write_policy", self.write_policy)
         if self.model_layout is None:
             if self.model not in PRESETS:
                 raise ConfigError(f"model: unknown preset {self.model!r}; presets: {', '.join(PRESETS)}")
             self.model_layout = PRESETS[self.model]
+        for name in ("model", "eviction_policy", "io_backend"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name}: expected a string, got {getattr(self, name)!r}")
+        if not isinstance(self.debug_checks, bool):
+            raise ConfigError(f"debug_checks: expected true or false, got {self.debug_checks!r}")
+        if self.pin_host is not None and not isinstance(self.pin_host, bool):
+            raise ConfigError(f"pin_host: expected true, false or auto, got {self.pin_host!r}")
         _positive("page_size", self.page_size)
-        _positive("host_budget_bytes", self.host_budget_bytes)
+        if self.host_budget_bytes != "auto":
+            _positive("host_budget_bytes", self.host_budget_bytes)
+        _at_least("host_reserve_bytes", self.host_reserve_bytes, 0)
         _at_least("l1_pages", self.l1_pages, 2)
         _positive("write_threshold", self.write_threshold)
         _positive("cp_size", self.cp_size)
@@ -151,7 +171,7 @@ class Config:
                     f"model_layout: {p.part.value} page of {p.page_bytes} bytes is not a multiple of 8 "
                     f"(bytes_per_token {p.bytes_per_token} x page_size {self.page_size})"
                 )
-        if self.host_budget_bytes < 2 * layout.bytes_per_page:
+        if isinstance(self.host_budget_bytes, int) and self.host_budget_bytes < 2 * layout.bytes_per_page:
             raise ConfigError(
                 f"host_budget_bytes: {self.host_budget_bytes} is below two logical pages "
                 f"({2 * layout.bytes_per_page} bytes: every layer of every part, page 0 is the dummy)"
@@ -176,18 +196,45 @@ class Config:
         overrides: dict[str, Any] | None = None,
     ) -> Config:
         """Build from a TOML file, then `HICACHE_*` variables, then `overrides`."""
+        return cls.resolve(path, env, overrides).config
+
+    @classmethod
+    def resolve(
+        cls,
+        path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        overrides: dict[str, Any] | None = None,
+        overrides_source: str = "cli",
+    ) -> ResolvedConfig:
+        """`load`, and where each field's value came from.
+
+        Sources: "default", "preset" (the model's layout), "toml:<path>",
+        "env:HICACHE_<FIELD>", and `overrides_source` for `overrides`
+        (entries whose value is None are unset)."""
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
         if path is not None:
             try:
                 with open(path, "rb") as f:
-                    values.update(tomllib.load(f))
+                    loaded = tomllib.load(f)
             except FileNotFoundError:
                 raise ConfigError(f"config file {path} does not exist") from None
             except tomllib.TOMLDecodeError as exc:
                 raise ConfigError(f"config file {path}: {exc}") from None
-        values.update(_from_env(os.environ if env is None else env))
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls.from_dict(values)
+            except OSError as exc:
+                raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+            values.update(loaded)
+            sources.update(dict.fromkeys(loaded, f"toml:{path}"))
+        from_env = _from_env(os.environ if env is None else env)
+        values.update(from_env)
+        sources.update({k: f"env:HICACHE_{k.upper()}" for k in from_env})
+        given = {k: v for k, v in (overrides or {}).items() if v is not None}
+        values.update(given)
+        sources.update(dict.fromkeys(given, overrides_source))
+        config = cls.from_dict(values)
+        for f in dataclasses.fields(cls):
+            sources.setdefault(f.name, "preset" if f.name == "model_layout" else "default")
+        return ResolvedConfig(config, sources)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
@@ -214,6 +261,29 @@ class Config:
         return d
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A configuration and the source of each of its fields."""
+
+    config: Config
+    sources: dict[str, str]
+
+    def report(self) -> dict[str, dict[str, Any]]:
+        """{field: {"value": ..., "source": ...}}, JSON-ready, for result files."""
+        values = self.config.to_dict()
+        return {name: {"value": _jsonable(values[name]), "source": self.sources[name]} for name in values}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
 def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
     names = {f.name for f in dataclasses.fields(ModelLayout)}
     unknown = sorted(set(over) - names)
@@ -231,7 +301,7 @@ def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
 def _from_env(env: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(Config):
-        if f.name == "model_layout":
+        if f.name in ("model_layout", "l3"):
             continue
         raw = env.get(f"HICACHE_{f.name.upper()}")
         if raw is not None:
@@ -249,6 +319,8 @@ def _coerce(name: str, type_: Any, value: Any) -> Any:
     try:
         if name in ("l1_free_room", "l2_free_room"):
             return float(value) if any(c in value for c in ".eE") else int(value)
+        if name == "host_budget_bytes":
+            return value if value.strip() == "auto" else int(value)
         if t.startswith("bool"):
             return _bool(name, value)
         if t == "int":

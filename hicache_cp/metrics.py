@@ -1,9 +1,47 @@
-"""Cache counters: plain integers, snapshotted by `HiCache.stats()`."""
+"""Cache counters (plain integers) and latency histograms, snapshotted by
+`HiCache.stats()` and exported by `hicache_cp.prometheus`.
+
+Latencies use wall time and only ever feed these metrics, never a cache
+decision (those use the logical clock and agreed state only).
+"""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+#: Upper bounds (seconds) of the latency buckets: 10 us .. 10 s, roughly x2.5 apart.
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (cumulative on export), their sum and count. O(log buckets) a sample."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=list)  # one per bound, plus +Inf
+    total: float = 0.0
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.samples += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, samples at or below it), the last bound being +inf."""
+        out, running = [], 0
+        for bound, count in zip([*self.bounds, float("inf")], self.counts):
+            running += count
+            out.append((bound, running))
+        return out
 
 
 @dataclass
@@ -29,6 +67,12 @@ class CacheMetrics:
     evictions_l2: int = 0  # pages
     bytes_d2h: int = 0
     bytes_h2d: int = 0
+    # Wall time from submission to the poll that saw the copy done (an upper bound).
+    copy_latency_d2h: Histogram = field(default_factory=Histogram)
+    copy_latency_h2d: Histogram = field(default_factory=Histogram)
+    # Wall time from an op's start to its agreed decision.
+    backup_commit_latency: Histogram = field(default_factory=Histogram)
+    load_done_latency: Histogram = field(default_factory=Histogram)
 
     def record_match(self, tokens: int, device_pages: int, host_pages: int, page_size: int) -> None:
         self.requests += 1
@@ -43,7 +87,18 @@ class CacheMetrics:
     def hit_rate(self) -> float:
         return (self.l1_hit_tokens + self.l2_hit_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    def histograms(self) -> dict[str, Histogram]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "Histogram"}
+
     def as_dict(self) -> dict[str, object]:
-        d: dict[str, object] = dataclasses.asdict(self)
+        """The counters (histograms as their sample count and mean)."""
+        d: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Histogram):
+                d[f"{f.name}_samples"] = value.samples
+                d[f"{f.name}_mean_s"] = value.total / value.samples if value.samples else 0.0
+            else:
+                d[f.name] = value
         d["hit_rate"] = self.hit_rate
         return d

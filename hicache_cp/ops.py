@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -102,6 +103,9 @@ class _CopyOp:
     inflight: list[CopyTicket] = field(default_factory=list)
     error: BaseException | None = None
     nbytes: int = 0
+    created_at: float = field(default_factory=time.perf_counter)  # metrics only
+    #: Submission-to-completion seconds of copies reaped since the last poll (metrics only).
+    copy_latencies: list[float] = field(default_factory=list)
 
     kind = "op"
 
@@ -176,6 +180,7 @@ class _CopyOp:
         """
         still: list[CopyTicket] = []
         finished: list[CopyTicket] = []
+        now = time.perf_counter()
         for t in self.inflight:
             state = t.query()
             if state is TicketState.PENDING:
@@ -185,6 +190,7 @@ class _CopyOp:
             else:
                 finished.append(t)
                 self.nbytes += t.nbytes
+                self.copy_latencies.append(now - t.submitted_at)
         self.inflight = still
         if self.error is not None:
             return

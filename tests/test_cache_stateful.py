@@ -588,7 +588,7 @@ class CudaCacheMachine(CacheMachine):
 
     counter = "hypothesis_cuda"
 
-    @initialize(policy=st.sampled_from(list(WritePolicy)), backend=st.sampled_from(["kernel", "direct", "staging"]))
+    @initialize(policy=st.sampled_from(list(WritePolicy)), backend=st.sampled_from(["hybrid", "kernel", "direct", "staging"]))
     def start(self, policy: WritePolicy, backend: str) -> None:  # type: ignore[override]
         self.d = Driver(write_policy=policy, io_backend=backend, l1_pages=9, host_pages=16)
 

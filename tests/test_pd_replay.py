@@ -33,3 +33,58 @@ def test_replay_with_pd_verifies_every_request(cp_size: int, tmp_path: Path, mon
     assert sum(r["pd_pages_from_l2"] for r in ranks) > 0
     layers = 4 + 2 + 1 + 1  # tiny: target kv, target state (2 layers), draft kv, draft state
     assert 0 < sum(r["pd_descriptors"] for r in ranks) <= sum(r["pd_pages"] for r in ranks) * layers
+
+
+def _short_trace(path: Path) -> Path:
+    """Requests of zero length, shorter than a page, shorter than a block, and whole ones."""
+    lines = [
+        {"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []},
+        {"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1]},
+        {"timestamp": 2, "input_length": 300, "output_length": 1, "hash_ids": [2]},
+        {"timestamp": 3, "input_length": 1100, "output_length": 1, "hash_ids": [3, 4, 5]},
+        {"timestamp": 4, "input_length": 1100, "output_length": 1, "hash_ids": [3, 4, 6]},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_replay_with_pd_takes_requests_shorter_than_a_block(tmp_path: Path) -> None:
+    out = tmp_path / "pd.json"
+    trace = _short_trace(tmp_path / "t.jsonl")
+    assert main(["replay", "--pd", "--trace", str(trace), "--tokens-per-block", "64", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (rank,) = report["per_rank"]
+    assert rank["pd_requests_without_pages"] == 2  # 0 and 5 tokens: not one whole page
+    assert rank["pd_rooms"] == 3 and rank["pd_failed_rooms"] == 0
+    assert report["pd"]["decode_verified_rooms"] == 3
+
+
+def test_replay_with_pd_exits_1_when_a_room_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte of one L2 page is flipped while its room is sent (and restored
+    after): the decode peer's check fails that room, and the replay exits 1."""
+    from hicache_cp.harness import pd_replay
+    from hicache_cp.layout import Part
+
+    real_send = pd_replay.PdSink.send_request
+    flipped: list[int] = []
+
+    def send_with_a_bad_byte(self, request, node, hashes, cache, **kw):  # type: ignore[no-untyped-def]
+        homes = pd_replay.page_homes(cache, node, hashes) if len(hashes) else None
+        l2 = None if homes is None else homes.pages[homes.tier == pd_replay.L2]
+        if flipped or l2 is None or not len(l2):
+            return real_send(self, request, node, hashes, cache, **kw)
+        view = cache.host_pool.layer_view(Part.TARGET_KV, 0)
+        view[int(l2[0]), 7] ^= 0xFF
+        flipped.append(request)
+        try:
+            return real_send(self, request, node, hashes, cache, **kw)
+        finally:
+            view[int(l2[0]), 7] ^= 0xFF
+
+    monkeypatch.setattr(pd_replay.PdSink, "send_request", send_with_a_bad_byte)
+    out = tmp_path / "pd.json"
+    assert main(["replay", "--pd", "--limit", "40", "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert flipped and report["per_rank"][0]["pd_failed_rooms"] == 1
+    assert report["integrity_mismatches"] == 0  # the cache's own bytes were never wrong
+    assert any("PD rooms failed" in f for f in report["integrity_failures"])

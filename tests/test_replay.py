@@ -129,7 +129,7 @@ def test_replay_without_verification_checks_nothing() -> None:
     "argv, message",
     [
         (["--l1-pages", "0"], "--l1-pages must be > 0"),
-        (["--l2-fraction", "1.5"], "--l2-fraction must be in (0, 1]"),
+        (["--l2-fraction", "1.5"], "--l2-fraction must be at most 1"),
         (["--tokens-per-block", "-1"], "--tokens-per-block must be > 0"),
         (["--trace", "/nonexistent/trace.jsonl"], "no such file"),
         (["--l1-pages", "5"], "cannot hold the longest request"),

@@ -38,24 +38,37 @@ over one shared `state.CacheState`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import os
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from hicache_cp.cache.engine_l1 import EngineL1
 from hicache_cp.cache.eviction import Evictor
 from hicache_cp.cache.lifecycle import Lifecycle
 from hicache_cp.cache.match import MatchResult
 from hicache_cp.cache.prefix import Prefixes
 from hicache_cp.cache.state import CacheState
+from hicache_cp.cache.tier3 import Tier3
 from hicache_cp.config import Config
+from hicache_cp.errors import ConfigError
 from hicache_cp.cp.agreement import Agreement, LocalAgreement
 from hicache_cp.io.base import CopyEngine, make_engine
+from hicache_cp.l3.client import L3Client, Region
+from hicache_cp.l3.keys import KeyScheme
+from hicache_cp.l3.metrics import L3Metrics
+from hicache_cp.l3.ops import PrefetchOp, PrefetchState
+from hicache_cp.l3.store import KVStore, MooncakeStore
 from hicache_cp.layout import KVLayout, Model
 from hicache_cp.metrics import CacheMetrics
 from hicache_cp.ops import BackupOp, LoadOp
 from hicache_cp.policy import EvictionPolicy, make_policy
 from hicache_cp.pools import DevicePool, HostPool
 from hicache_cp.radix import Node, RadixTree
+from hostmem.sizing import host_memory
+
+logger = logging.getLogger(__name__)
 
 
 class HiCache:
@@ -71,18 +84,19 @@ class HiCache:
         agreement: Agreement | None = None,
         rank: int = 0,
         device: str = "cpu",
+        l3_store: KVStore | None = None,
     ) -> None:
         layout = config.layout()
+        agreement = agreement or LocalAgreement()
+        if agreement.world_size != config.cp_size:
+            raise ValueError(f"agreement spans {agreement.world_size} ranks but cp_size is {config.cp_size}")
         device_pool = device_pool or DevicePool(layout, config.l1_pages, cp_size=config.cp_size, rank=rank, device=device)
         host_pool = host_pool or HostPool(
-            layout, config.host_budget_bytes, cp_size=config.cp_size, rank=rank, pin=config.pin_host
+            layout, host_budget(config, agreement, rank), cp_size=config.cp_size, rank=rank, pin=config.pin_host
         )
         for pool in (device_pool, host_pool):
             if pool.layout != layout or pool.cp_size != config.cp_size:
                 raise ValueError("pools were built for another layout or cp_size than the config")
-        agreement = agreement or LocalAgreement()
-        if agreement.world_size != config.cp_size:
-            raise ValueError(f"agreement spans {agreement.world_size} ranks but cp_size is {config.cp_size}")
         self._state = CacheState(
             config=config,
             layout=layout,
@@ -98,7 +112,32 @@ class HiCache:
         self._evictor = Evictor(self._state)
         self._lifecycle = Lifecycle(self._state, self._evictor)
         self._prefixes = Prefixes(self._state, self._lifecycle)
+        self._engine_l1 = EngineL1(self._state, self._lifecycle)
         self._evictor.backup_victim = lambda node: self._lifecycle.start_backup(node) is not None
+        self._tier3: Tier3 | None = None
+        if config.l3.enabled or l3_store is not None:
+            self._tier3 = self._make_tier3(l3_store)
+
+    def _make_tier3(self, store: KVStore | None) -> Tier3:
+        """The L3 tier over `store` (default: a Mooncake Store client per
+        `config.l3`, closed with the cache; a store handed in stays the caller's)."""
+        s, cfg = self._state, self._state.config.l3
+        name = f"l3 rank {s.rank}"
+        own = store is None
+        store = store or MooncakeStore.open(cfg, name=name)
+        try:
+            regions = [Region(p.part, s.host_pool.arenas[p.part].ptr, s.host_pool.arenas[p.part].nbytes)
+                       for p in s.layout.parts]  # fmt: skip
+            scheme = KeyScheme(s.layout, s.config.model, cfg, s.cp_size, s.rank)
+            client = L3Client(store, scheme, cfg, regions, s.host_pool.physical_pages, L3Metrics(), name=name,
+                              close_store=own)  # fmt: skip
+        except BaseException:
+            if own:
+                store.close()
+            raise
+        tier3 = Tier3(s, self._evictor, client, cfg)
+        s.l3 = tier3
+        return tier3
 
     # ---- what the cache is built of (read-only views) ---------------------------------
 
@@ -146,6 +185,11 @@ class HiCache:
     def metrics(self) -> CacheMetrics:
         return self._state.metrics
 
+    @property
+    def l3(self) -> Tier3 | None:
+        """The L3 tier, when configured (`config.l3` or an `l3_store`)."""
+        return self._tier3
+
     # ---- lookup ------------------------------------------------------------------------
 
     def match_prefix(self, tokens: np.ndarray) -> MatchResult:
@@ -187,10 +231,85 @@ class HiCache:
         `LoadOp.wait_layer`. Returns None if there is nothing to load, or when
         L1 cannot take it: then the host continuation is dropped from the
         match (it becomes a miss) and the request recomputes those pages.
+
+        With an L3 tier and no `prefetch(match)` call before, it first runs
+        `prefetch(match)` in the configured mode (`config.l3.prefetch_wait`).
         """
+        if self._tier3 is not None and not match.l3_checked:
+            self.prefetch(match)
         op = self._lifecycle.load_back(match)
+        if self._tier3 is not None:
+            self._tier3.note_load(match, op)
         self._state.debug_check()
         return op
+
+    # ---- engine-owned L1 (an engine such as vLLM manages the device pages) -------------
+
+    def load_into(self, match: MatchResult, device_pages: np.ndarray, first_position: int) -> LoadOp:
+        """Load pages of the matched host continuation into pages the engine owns.
+
+        For a cache whose tree holds host copies only (`hicache_cp.cache.engine_l1`):
+        request positions [first_position, first_position + len(device_pages))
+        must lie inside `match`'s host continuation; every layer of every part
+        is submitted H2D in forward order and the forward waits per layer with
+        `LoadOp.wait_layer`. The op is attached to no node: the caller keeps
+        `match` locked until a `poll` decided it. ValueError when the range is
+        outside the continuation; ConsistencyError if it was split since the match.
+        """
+        op = self._engine_l1.load_into(match, device_pages, first_position)
+        self._state.debug_check()
+        return op
+
+    def reserve_host_copy(
+        self, tokens: np.ndarray, device_pages: np.ndarray, after: Sequence[LoadOp] = ()
+    ) -> list[BackupOp]:
+        """Write-through of a request's whole pages that L2 lacks, from engine-owned pages.
+
+        `device_pages[i]` holds page i of `tokens` (whole pages, already computed
+        or computed by this forward before its layer hooks). Pages already in
+        L2 (committed or pending) are skipped; the others get reservations
+        attached at once to PENDING host-only nodes (invisible until commit),
+        driven by `on_layer_end` like `reserve_backup`'s. Backups computed on
+        top of an undecided load pass it in `after`: they fail if it aborts.
+        Returns the new ops (none when everything is in L2, the policy is not
+        write-through, or L2 cannot make room). O(pages matched).
+        """
+        return self._engine_l1.reserve_host_copy(tokens, device_pages, after)
+
+    # ---- L3 ----------------------------------------------------------------------------
+
+    def prefetch(self, match: MatchResult, wait: bool | None = None) -> PrefetchOp | None:
+        """Fetch the L3 continuation of `match` into L2 (call it right after
+        `match_prefix`, before `load_back`).
+
+        Looks up which objects after the L2 continuation exist, agrees on
+        their length with the CP group (one MIN collective: every rank calls
+        this at the same step), reserves L2 pages and starts reading. The
+        pages are invisible until every part landed on every rank (an agreed
+        poll). With `wait` (default `config.l3.prefetch_wait`) it blocks until
+        then or until the deadline (`prefetch_timeout_s`), polling in
+        between, and on success the match grows by the fetched pages (then
+        `load_back` loads them like any L2 hit). Without, the request goes on
+        without them and they serve later requests. Returns None when there
+        is nothing to fetch, no L3 tier, the store is down, or L2 has no room.
+        """
+        if self._tier3 is None or match.l3_checked:  # once per match
+            match.l3_checked = True
+            return None
+        wait = self.config.l3.prefetch_wait if wait is None else wait
+        op = self._tier3.prefetch(match, wait)
+        if op is not None and wait:
+            while op.state is PrefetchState.FETCHING:  # agreed state: every rank loops alike
+                self._tier3.wait_local(op)
+                self._lifecycle.poll()
+        self._state.debug_check()
+        return op
+
+    def cancel_prefetch(self, op: PrefetchOp) -> None:
+        """Abort a prefetch at the next poll; its pages are released once its
+        reads returned on every rank."""
+        if self._tier3 is not None:
+            self._tier3.cancel(op)
 
     def recomputed(self, load: LoadOp) -> None:
         """The request of aborted `load` rewrote the loaded L1 pages: they are
@@ -314,6 +433,11 @@ class HiCache:
             d[f"{tier}_lane_free_pages"] = a.lane_free_pages()  # lane r: the pages rank r holds
         d["backups_in_flight"] = len(s.backups)
         d["loads_in_flight"] = len(s.loads)
+        if self._tier3 is not None:
+            d.update(self._tier3.stats())
+            m = s.metrics  # L3 hits are hits too
+            hits = m.l1_hit_tokens + m.l2_hit_tokens + self._tier3.metrics.l3_hit_tokens
+            d["hit_rate"] = hits / m.prompt_tokens if m.prompt_tokens else 0.0
         return d
 
     def in_flight(self) -> tuple[list[BackupOp], list[LoadOp]]:
@@ -325,12 +449,38 @@ class HiCache:
         self._state.check_invariants()
 
     def close(self) -> None:
-        """Stop the io engine and release pinned host memory."""
+        """Stop the L3 workers and the io engine, release pinned host memory.
+
+        An L3 call still running after `l3.close_timeout_s` may still touch
+        the L2 arenas: they are then left mapped (logged)."""
+        arenas_free = self._tier3.close() if self._tier3 is not None else True
         self._state.engine.close()
-        self._state.host_pool.close()
+        if arenas_free:
+            self._state.host_pool.close()
 
     def __enter__(self) -> HiCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def host_budget(config: Config, agreement: Agreement, rank: int = 0) -> int:
+    """The L2 budget of this rank in bytes: the configured one, or for "auto"
+    what this machine or container can give (minus `host_reserve_bytes`),
+    shared by the ranks on the machine and agreed across CP ranks by MIN.
+
+    Raises ConfigError when "auto" leaves less than two logical pages."""
+    if config.host_budget_bytes != "auto":
+        return int(config.host_budget_bytes)
+    memory = host_memory(config.host_reserve_bytes)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.cp_size))
+    budget = agreement.min_int(memory.pool_bytes // max(1, local_ranks))
+    need = 2 * config.layout().bytes_per_page
+    if budget < need:
+        raise ConfigError(
+            f"host_budget_bytes = auto: {budget} B per rank is below two logical pages ({need} B); "
+            f"{memory.describe()}, {local_ranks} rank(s) on this machine"
+        )
+    logger.info("rank %d: host budget auto -> %.1f GiB (%s, %d local ranks)", rank, budget / 2**30, memory.describe(), local_ranks)
+    return budget

@@ -20,6 +20,7 @@ stale for good and its backups fail (`BackupOp.after`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -185,9 +186,11 @@ class Lifecycle:
         """See `HiCache.poll`."""
         s = self.s
         ops: list[BackupOp | LoadOp] = [*s.backups, *s.loads]
-        if not ops:
+        l3_ops = s.l3.poll_ops() if s.l3 is not None else []  # L3 prefetches and write-backs vote too
+        if not ops and not l3_ops:
             return
-        votes = s.agreement.reduce([op.local_vote() for op in ops])
+        votes = s.agreement.reduce([op.local_vote() for op in ops] + [op.local_vote() for op in l3_ops])
+        self._record_copy_latencies(ops)
         decisions = list(zip(ops, votes))
         # Loads first: an aborted load fails the backups computed on top of it
         # (`BackupOp.after`) in the same poll.
@@ -200,9 +203,21 @@ class Lifecycle:
                 self._decide_backup(op, vote.ok and not failing, vote.settled)
         s.backups = [op for op in s.backups if op.active]
         s.loads = [op for op in s.loads if op.active]
+        if s.l3 is not None:
+            s.l3.decide(list(zip(l3_ops, votes[len(ops) :])))
+
+    def _record_copy_latencies(self, ops: list[BackupOp | LoadOp]) -> None:
+        m = self.s.metrics
+        for op in ops:
+            hist = m.copy_latency_d2h if isinstance(op, BackupOp) else m.copy_latency_h2d
+            for seconds in op.copy_latencies:
+                hist.observe(seconds)
+            op.copy_latencies.clear()
 
     def settle(self) -> None:
         """See `HiCache.settle`."""
+        if self.s.l3 is not None:
+            self.s.l3.wait_inflight()  # prefetch reads, each up to its deadline
         for op in [*self.s.backups, *self.s.loads]:
             for t in op.inflight:
                 try:
@@ -245,6 +260,9 @@ class Lifecycle:
                 s.tree.refresh_family(node)
             s.metrics.backups_committed += 1
             s.metrics.bytes_d2h += op.nbytes
+            s.metrics.backup_commit_latency.observe(time.perf_counter() - op.created_at)
+            if s.l3 is not None:
+                s.l3.on_committed(op.nodes)  # queue the write-back to L3
             logger.debug("rank %d: backup %d committed (%d pages)", s.rank, op.id, op.num_pages)
         elif not ok:
             if op.state is not BackupState.FAILING:
@@ -276,6 +294,7 @@ class Lifecycle:
                 s.tree.refresh_family(node)
             s.metrics.loads_done += 1
             s.metrics.bytes_h2d += op.nbytes
+            s.metrics.load_done_latency.observe(time.perf_counter() - op.created_at)
         elif not ok:
             if op.state is not LoadState.FAILING:
                 op.transition(LoadState.FAILING)
@@ -305,6 +324,8 @@ class Lifecycle:
         waited on the load may have computed them from invalid KV. (Some were
         loaded from a valid host copy instead; treating them as misses too
         keeps the rule simple, and loads rarely abort.)"""
+        if not load.nodes:  # a load into engine-owned pages (`load_into`): nothing in the tree
+            return
         top = min(load.nodes, key=lambda n: n.first_position)
         own = set(map(id, load.nodes))
         stack = list(top.children.values())

@@ -57,6 +57,7 @@ class Prefixes:
         for node in used:
             node.hit_count += 1
             node.last_access = s.clock
+        s.policy.on_match(pages, used, s.clock)
         s.tree.lock(last)
         dev = np.concatenate(device) if device else np.empty(0, dtype=np.int64)
         m = MatchResult(pages, len(pages) // s.layout.page_size, dev, host_nodes, last, waits)
@@ -119,6 +120,7 @@ class Prefixes:
         if len(rest):
             new_node = s.tree.add_child(parent, match.tokens[covered * ps : (covered + len(rest)) * ps], rest)
             new_node.last_access = s.clock
+            s.policy.on_insert(match.tokens[: new_node.end_position * ps], new_node, s.clock)
         if backup is not None:
             self._attach_backup(backup, new_node, parent)
         s.tree.lock(new_node)

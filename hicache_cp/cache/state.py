@@ -9,19 +9,45 @@ state (docs/architecture.md lists them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
 from hicache_cp.config import Config
-from hicache_cp.cp.agreement import Agreement
+from hicache_cp.cp.agreement import Agreement, Vote
 from hicache_cp.io.base import CopyEngine
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.metrics import CacheMetrics
 from hicache_cp.ops import BackupOp, LoadOp
 from hicache_cp.policy import EvictionPolicy
 from hicache_cp.pools import DevicePool, HostPool
-from hicache_cp.radix import HostState, RadixTree
+from hicache_cp.radix import HostState, Node, RadixTree
+
+
+class L3Hooks(Protocol):
+    """What the other components call on the L3 tier (`hicache_cp.cache.tier3.Tier3`)."""
+
+    def poll_ops(self) -> Sequence[Any]:
+        """Its ops that vote in this poll, after the backups and loads."""
+
+    def decide(self, decisions: Sequence[tuple[Any, Vote]]) -> None:
+        """Apply the agreed votes of those ops."""
+
+    def wait_inflight(self) -> None:
+        """`settle`: wait for this rank's prefetch reads (bounded by their deadlines)."""
+
+    def on_committed(self, nodes: Sequence[Node]) -> None:
+        """A backup committed these nodes' host copies."""
+
+    def on_evict_l2(self, pages: np.ndarray) -> np.ndarray:
+        """L2 evicts these pages: return those that may be freed now."""
+
+    def owned_host_pages(self) -> list[np.ndarray]:
+        """L2 pages outside the tree that the tier holds."""
+
+    def check_invariants(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -42,6 +68,7 @@ class CacheState:
     loads: list[LoadOp] = field(default_factory=list)  # active, creation order
     loose_device_pages: int = 0  # handed out by alloc_device, not yet in the tree
     all_parts: frozenset[Part] = frozenset()
+    l3: L3Hooks | None = None  # the L3 tier, when configured (cache.tier3)
 
     def __post_init__(self) -> None:
         self.all_parts = frozenset(p.part for p in self.layout.parts)
@@ -66,6 +93,9 @@ class CacheState:
         )
         host = [n.host_pages for n in nodes if n.host_pages is not None]
         host += [op.host_pages for op in self.backups if not op.nodes]
+        if self.l3 is not None:
+            self.l3.check_invariants()
+            host += self.l3.owned_host_pages()  # prefetch reservations, evictions waiting for a put
         host_all = np.concatenate(host) if host else np.empty(0, np.int64)
         assert len(np.unique(host_all)) == len(host_all), "an L2 page is owned twice"
         assert self.host_pool.allocator.used_pages == len(host_all), (

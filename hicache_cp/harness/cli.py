@@ -4,6 +4,9 @@
     hicache-cp bench-alloc   host page allocator microbenchmark (metadata only, CPU)
     hicache-cp bench-io      per-layer D2H/H2D copy engine vs the PCIe peak (GPU)
     hicache-cp bench-pd      PD adapter vs raw Mooncake TransferEngine (loopback)
+    hicache-cp bench-overhead host time of the cache's own calls per request on a trace
+    hicache-cp bench-l3      L3 tier put/get vs raw Mooncake Store calls (loopback)
+    hicache-cp bench-pinning time to a usable pinned host pool vs cudaHostAlloc (GPU; CPU parts anywhere)
     hicache-cp decode-peer   a decode-side peer that receives and verifies KV
 
 Each subcommand lives in its own module exposing `add_arguments(parser)`
@@ -18,6 +21,7 @@ import importlib
 import logging
 import sys
 import traceback
+from typing import Any, NoReturn
 
 from hicache_cp.harness.errors import ExitCode, bad_input_types
 
@@ -26,21 +30,37 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-alloc": ("hicache_cp.harness.bench.alloc", "allocator microbenchmark on a fragmented pool"),
     "bench-io": ("hicache_cp.harness.bench.io", "copy-engine bandwidth and overlap on the GPU"),
     "bench-pd": ("hicache_cp.harness.bench.pd", "PD adapter throughput vs raw TransferEngine"),
+    "bench-overhead": ("hicache_cp.harness.bench.overhead", "host time of the cache's own calls per request on a trace"),
+    "bench-l3": ("hicache_cp.harness.bench.l3", "L3 tier put/get vs raw Mooncake Store calls (loopback)"),
+    "bench-pinning": ("hicache_cp.harness.bench.pinning", "time to a usable pinned host pool vs cudaHostAlloc, and its copy bandwidth"),
     "decode-peer": ("hicache_cp.harness.decode_peer", "run a decode peer that receives and verifies KV"),
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (exit code 2), without the
+    usage block, and takes flags only spelt out (an abbreviation silently
+    meaning another flag is a trap)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(ExitCode.BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hicache-cp",
         description=__doc__.split("\n\n")[0],
         epilog="exit codes: 0 ok, 1 integrity failure, 2 invalid input, 3 internal error",
     )
-    verbose = argparse.ArgumentParser(add_help=False)  # -v before or after the subcommand
+    verbose = _Parser(add_help=False)  # -v before or after the subcommand
     verbose.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                          help="-v: INFO logging and tracebacks, -vv: DEBUG")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logging and tracebacks, -vv: DEBUG")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     chosen = next((a for a in argv if a in COMMANDS), None)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, parents=[verbose])

@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp.harness import integrity
+from hicache_cp.harness import checks, integrity
+from hicache_cp.harness.errors import InputError, require
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pd.engine import TransferEngineAdapter, quiet_mooncake_logs
 from hicache_cp.pd.registration import RegistrationDescriptor, differences
@@ -71,6 +72,9 @@ class _DecodeRoom:
     dst_pages: np.ndarray
     deadline: float
     dones: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    #: rank -> accepted digest rows [variants, units] per position it sent, when the
+    #: prefill engine's KV is not `integrity.content` (the hf engine's real model)
+    digests: dict[int, list[Any]] = field(default_factory=dict)
     result: dict[str, Any] | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
 
@@ -218,6 +222,8 @@ class DecodePeer:
                 raise ValueError(f"room {room_id}: rank {rank} said done twice")
             room.dones[rank] = (np.asarray(msg["positions"], dtype=np.int64),
                                 np.asarray(msg["hashes"], dtype=np.uint64))
+            if msg.get("digests") is not None:
+                room.digests[rank] = list(msg["digests"])
             if len(room.dones) == room.cp_size and room.result is None:
                 room.result = self._verify(room)
                 self._close_room(room)
@@ -274,7 +280,9 @@ class DecodePeer:
         doubled = np.flatnonzero(seen > 1)
         mismatches: list[integrity.Mismatch] = []
         count = 0
-        for p in self.layout.parts:
+        if room.digests:
+            count, mismatches = self._verify_digests(room)
+        for p in self.layout.parts if not room.digests else ():
             for slot, layer in enumerate(p.layer_ids):
                 actual = self.views[p.part][slot][room.dst_pages]
                 expected = integrity.content(hashes, p.part, layer, p.page_bytes)
@@ -292,6 +300,31 @@ class DecodePeer:
                 "missing": missing.tolist(), "doubled": doubled.tolist(),
                 "error": None if ok else f"verification failed: {count} mismatching page-layers, "
                                          f"{len(missing)} missing positions, {len(doubled)} sent twice"}
+
+    def _verify_digests(self, room: _DecodeRoom) -> tuple[int, list[integrity.Mismatch]]:
+        """Every (position, part, layer) unit against the digests prefill recorded
+        when it computed the page (`hicache_cp.harness.engines.hf_oracle`)."""
+        from hicache_cp.harness.engines.hf_oracle import unit_digests
+
+        import torch
+
+        expected: dict[int, np.ndarray] = {}
+        for rank, (pos, _) in room.dones.items():
+            rows = room.digests.get(rank)
+            if rows is None or len(rows) != len(pos):
+                return 1, [integrity.Mismatch(room.request_id, -1, "digests", -1, rank)]
+            expected.update({int(p): np.asarray(r, dtype=np.int64) for p, r in zip(pos, rows)})
+        units = [(p, slot, layer) for p in self.layout.parts for slot, layer in enumerate(p.layer_ids)]
+        count = 0
+        mismatches: list[integrity.Mismatch] = []
+        for u, (p, slot, layer) in enumerate(units):
+            got = unit_digests(torch.from_numpy(np.ascontiguousarray(self.views[p.part][slot][room.dst_pages]))).numpy()
+            for position, rows in expected.items():
+                if not (rows[:, u] == got[position]).any():
+                    count += 1
+                    if len(mismatches) < MAX_REPORTED:
+                        mismatches.append(integrity.Mismatch(room.request_id, position, p.part.value, layer))
+        return count, mismatches
 
     # -- teardown ------------------------------------------------------------
     def _wake_accept(self) -> None:
@@ -371,13 +404,21 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
 
 def layout_from_args(args: argparse.Namespace) -> KVLayout:
     def ids(s: str) -> tuple[int, ...] | None:
-        return None if s == "all" else tuple(int(x) for x in s.split(",") if x)
+        if s == "all":
+            return None
+        try:
+            return tuple(int(x) for x in s.split(",") if x)
+        except ValueError:
+            raise InputError(f"--state-layers {s!r}: expected comma-separated layer ids or 'all'") from None
 
-    return KVLayout.build(
-        page_size=args.page_size, num_layers=args.num_layers, kv_bytes_per_token=args.kv_bytes,
-        state_bytes_per_token=args.state_bytes, state_layers=ids(args.state_layers),
-        draft_layers=args.draft_layers, draft_kv_bytes_per_token=args.draft_kv_bytes,
-        draft_state_bytes_per_token=args.draft_state_bytes if args.draft_layers else 0)
+    try:
+        return KVLayout.build(
+            page_size=args.page_size, num_layers=args.num_layers, kv_bytes_per_token=args.kv_bytes,
+            state_bytes_per_token=args.state_bytes, state_layers=ids(args.state_layers),
+            draft_layers=args.draft_layers, draft_kv_bytes_per_token=args.draft_kv_bytes,
+            draft_state_bytes_per_token=args.draft_state_bytes if args.draft_layers else 0)
+    except ValueError as exc:  # the layout flags describe no valid model
+        raise InputError(f"layout: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -389,10 +430,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    quiet_mooncake_logs()
+    checks.in_range("--pages", args.pages, 1, 1 << 24)
+    checks.in_range("--port", args.port, 0, 65535)
+    require("mooncake.engine", "pd", "decode-peer")
+    quiet_mooncake_logs(getattr(args, "verbose", 0))
     key = os.environ.get(args.authkey_env)
     if not key:
-        raise SystemExit(f"set {args.authkey_env} to the control channel's authkey")
+        raise InputError(f"set {args.authkey_env} to the control channel's authkey")
     peer = DecodePeer(layout_from_args(args), args.pages, authkey=key.encode(), port=args.port)
     print(f"decode-peer control {peer.address[0]}:{peer.address[1]} engine {peer.session_id}", flush=True)
     try:

@@ -69,6 +69,7 @@ class PdTotals:
     descriptors: int = 0
     mismatches: int = 0
     transfer_s: float = 0.0
+    requests_without_pages: int = 0  # shorter than one page: nothing to send
     examples: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
@@ -82,6 +83,7 @@ class PdTotals:
             "pd_descriptors": self.descriptors,
             "pd_gbps": round(gbps, 4),
             "pd_mismatches": self.mismatches,
+            "pd_requests_without_pages": self.requests_without_pages,
             "pd_mismatch_examples": self.examples[:10],
         }
 
@@ -93,12 +95,22 @@ class PdSink:
         self.sender = sender
         self.totals = PdTotals()
 
-    def send_request(self, request: int, node: Node, hashes: np.ndarray, cache: HiCache) -> None:
+    def send_request(
+        self, request: int, node: Node, hashes: np.ndarray, cache: HiCache, *, digests: list[np.ndarray] | None = None
+    ) -> None:
+        """`digests`: per page position, the digest rows [variants, units] the decode
+        peer must find (the hf engine's real KV); None: `integrity.content` bytes."""
+        if len(hashes) == 0:  # shorter than one page: no cached KV to ship (decode recomputes the tail)
+            self.totals.requests_without_pages += 1
+            return
         homes = page_homes(cache, node, hashes)
         mine = homes.positions % cache.cp_size == cache.rank
         self.sender.open_room(request, request, len(hashes))
         self.sender.send(request, homes)
-        result = self.sender.finish(request)
+        extra = None
+        if digests is not None:
+            extra = {"digests": [digests[int(p)] for p in np.flatnonzero(mine)]}
+        result = self.sender.finish(request, extra=extra)
         t = self.totals
         t.rooms += 1
         t.pages += int(mine.sum())

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache_cp.harness.outputs import atomic_path
+
 SAMPLE_KEYS = (
     "request",
     "hit_rate",
@@ -85,7 +87,8 @@ def plot_replay(
         ax_occ.legend(loc="lower right")
         fig.tight_layout()
         out = Path(path)
-        fig.savefig(out, format="png", dpi=100)
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
     finally:
         plt.close(fig)
     return out

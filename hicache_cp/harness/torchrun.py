@@ -13,7 +13,8 @@ from hicache_cp.cp import groups
 from hicache_cp.harness.replay import command, setup
 from hicache_cp.harness.replay.multirank import combine_reports
 from hicache_cp.harness.replay.rank import replay_rank
-from hicache_cp.harness.replay.report import print_table, write_json
+from hicache_cp.harness.outputs import write_json
+from hicache_cp.harness.replay.report import print_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     group = groups.init_process_group()
     args.cp_size = group.world_size
     try:
+        setup.check_args(args)
         requests = setup.load_requests(args)
-        config = setup.build_config(args, requests)
+        config = setup.build_config(args, requests)[0].config
         agreement = groups.cp_agreement(group)
         report = replay_rank(args, config, requests, rank=group.rank, agreement=agreement,
                                     progress=group.rank == 0)

@@ -45,6 +45,12 @@ BLOCK_TOKENS = 512
 DEFAULT_VOCAB_SIZE = 1 << 32
 """Token ids from :func:`request_tokens` lie in ``[0, vocab_size)``; default 32-bit."""
 
+MAX_HASH_ID = 1 << 63
+"""Hash ids are 64-bit signed integers in the format's producers; larger ones are refused."""
+
+MAX_LENGTH = 1 << 26
+"""Longest prompt or output accepted, in tokens (64 Mi: far beyond any model's context)."""
+
 _REQUIRED_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
@@ -98,8 +104,8 @@ def _parse_line(obj: object, index: int) -> TraceRequest:
         v = obj[name]
         if not _is_int(v):
             raise ValueError(f"'{name}' must be an integer, got {type(v).__name__} {v!r}")
-        if v < 0:
-            raise ValueError(f"'{name}' must be >= 0, got {v}")
+        if not 0 <= v <= MAX_LENGTH:
+            raise ValueError(f"'{name}' must be in [0, {MAX_LENGTH}], got {v}")
         lengths[name] = v
     ids = obj["hash_ids"]
     if not isinstance(ids, list):
@@ -109,8 +115,8 @@ def _parse_line(obj: object, index: int) -> TraceRequest:
             raise ValueError(
                 f"'hash_ids'[{pos}] must be an integer, got {type(b).__name__} {b!r}"
             )
-        if b < 0:
-            raise ValueError(f"'hash_ids'[{pos}] must be >= 0, got {b}")
+        if not 0 <= b < MAX_HASH_ID:
+            raise ValueError(f"'hash_ids'[{pos}] must be in [0, 2**63), got {b}")
     want = -(-lengths["input_length"] // BLOCK_TOKENS)
     if len(ids) != want:
         raise ValueError(

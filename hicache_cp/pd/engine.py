@@ -309,6 +309,11 @@ class TransferEngineAdapter:
         return status
 
 
-def quiet_mooncake_logs() -> None:
-    """Set MC_LOG_LEVEL=ERROR unless the operator chose a level."""
+def quiet_mooncake_logs(verbose: int = 0) -> None:
+    """Keep Mooncake's own logging (its MC_LOG_LEVEL and glog's level) to
+    errors unless `verbose` or the operator chose a level. Call it before the
+    first TransferEngine is made; child processes inherit it."""
+    if verbose:
+        return
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("GLOG_minloglevel", "2")

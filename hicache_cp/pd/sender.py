@@ -405,19 +405,21 @@ class PdSender:
             room.chunk_start = chunk_first_position
         return plan
 
-    def finish(self, room_id: int) -> RoomResult:
+    def finish(self, room_id: int, *, extra: dict[str, Any] | None = None) -> RoomResult:
         """Wait for every batch, tell the decode peer "done", return its verdict.
 
+        `extra` joins the "done" message (what the peer verifies with, e.g.
+        expected digests of the positions this rank sent, in their order).
         Never raises for transfer or peer failures: those give a FAILED result
         (the room's release has been called either way)."""
         room = self.rooms.get(room_id)
         if room.state is RoomState.TRANSFERRING:
-            self._finish(room)
+            self._finish(room, extra or {})
         elif room.state is RoomState.BOOTSTRAPPING:
             room.conclude_without_destination()
         return self._result(room)
 
-    def _finish(self, room: Room) -> None:
+    def _finish(self, room: Room, extra: dict[str, Any]) -> None:
         positions = room.positions
         want = [(p.part, layer) for p in self.layout.parts for layer in p.layer_ids]
         for key in want:
@@ -444,7 +446,8 @@ class PdSender:
         assert room.hashes is not None
         try:
             reply = self._request({"op": "done", "room": room.room_id, "rank": self.rank,
-                                   "positions": positions.tolist(), "hashes": room.hashes[positions].tolist()},
+                                   "positions": positions.tolist(), "hashes": room.hashes[positions].tolist(),
+                                   **extra},
                                   max(0.0, room.deadline - time.monotonic()))
         except TimeoutError:
             self.rooms.abort(room, f"timeout after {room.timeout_s:g} s")

@@ -21,7 +21,6 @@ bytes, descriptors, pages, commit, machine, command}.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -31,10 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness import integrity
+from hicache_cp.harness import checks, integrity
 from hicache_cp.harness.decode_peer import DecodePeer, add_layout_arguments, layout_from_args
+from hicache_cp.harness.errors import ExitCode, require
+from hicache_cp.harness.outputs import write_json
+from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_cp.layout import KVLayout
 from hicache_cp.pd.engine import TransferError, quiet_mooncake_logs
 
 logger = logging.getLogger(__name__)
@@ -54,12 +56,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
 
 
+MAX_PAGES = 1 << 20
+MAX_REPEATS = 1000
+
+
+def check_args(args: argparse.Namespace) -> KVLayout:
+    """Every flag, before any work; returns the layout. Raises InputError."""
+    checks.in_range("--pages", args.pages, 1, MAX_PAGES)
+    checks.in_range("--repeats", args.repeats, 1, MAX_REPEATS)
+    checks.in_range("--l2-fraction", args.l2_fraction, 0.0, 1.0)
+    checks.output_file("--json", args.json)
+    require("mooncake.engine", "pd", "bench-pd")
+    layout = layout_from_args(args)
+    # L1 and L2 hold 2 * pages + 1 pages each, the decode peer pages + 1: all in host memory here.
+    checks.fits_host_memory("bench-pd's pools", (5 * args.pages + 3) * layout.bytes_per_page)
+    return layout
+
+
 def run(args: argparse.Namespace) -> int:
-    quiet_mooncake_logs()
+    layout = check_args(args)
+    quiet_mooncake_logs(getattr(args, "verbose", 0))
     from hicache_cp.pd.sender import PageHomes, PdSender
     from hicache_cp.pools import DevicePool, HostPool
 
-    layout = layout_from_args(args)
     n = args.pages
     pool_pages = 2 * n + 1
     rng = np.random.default_rng(args.seed)
@@ -97,8 +116,9 @@ def run(args: argparse.Namespace) -> int:
             raw = plan.nbytes / _raw_write(sender, plan) / 1e9
             sender.send(room_id, homes)
             res = sender.finish(room_id)
-            if not res.ok:
-                raise SystemExit(f"bench-pd: adapter transfer failed: {res.failure}")
+            if not res.ok:  # the bytes did not arrive intact: an integrity failure, exit 1
+                print(f"hicache-cp bench-pd: integrity failure: room {room_id}: {res.failure}", file=sys.stderr)
+                return ExitCode.INTEGRITY
             sender.rooms.forget(room_id)
             if rep >= WARMUP:
                 raw_gbps.append(raw)
@@ -118,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ratio {adapter / raw:.3f}; {plan.nbytes / 2**20:.1f} MiB in {len(plan.lens)} descriptors "
               f"({n} pages, {args.pattern}); target ratio >= 0.90")
         if args.json is not None:
-            args.json.write_text(json.dumps(out, indent=2) + "\n")
+            write_json(args.json, out)
         return 0
     finally:
         sender.close()

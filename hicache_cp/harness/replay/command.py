@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from hicache_cp.config import PRESETS
+from hicache_cp.harness.replay.instances import add_l3_arguments, check_l3_args, run_instances, uses_instances
 from hicache_cp.harness.replay.multirank import run_ranks
 from hicache_cp.harness.replay.rank import replay_rank
+from hicache_cp.harness.engines import add_engine_arguments
 from hicache_cp.harness.errors import ExitCode
-from hicache_cp.harness.replay.report import compute_bounds, integrity_failures, print_table, write_json
-from hicache_cp.harness.replay.setup import build_config, check_args, load_requests
+from hicache_cp.harness.outputs import write_json
+from hicache_cp.harness.replay.report import compute_bounds, integrity_failures, print_table
+from hicache_cp.harness.replay.setup import build_config, check_args, load_requests, tokens_per_block
 from hicache_cp.policy import policy_names
 
 
@@ -45,14 +48,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=policy_names(), help="eviction policy (default lru)")
     p.add_argument("--write-policy", choices=["write_through", "write_through_selective", "write_back"])
     p.add_argument("--io-backend", help="io backend (default auto)")
-    p.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks, one process each")
+    p.add_argument("--cp-size", type=int, help="context-parallel ranks, one process each (default: the config's, 1)")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="set any config field (repeatable); beats --config and HICACHE_* (see hicache_cp.config)")
     p.add_argument("--pd", action="store_true", help="ship every request's KV to a decode peer process")
     p.add_argument("--bounds", action="store_true", help="also compute the infinite-capacity and Belady bounds")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte integrity check")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")
     p.add_argument("--json", type=Path, help="write the report as JSON here")
     p.add_argument("--plot", type=Path, help="write a PNG of hit rate and occupancy here")
-    p.add_argument("--device", default="auto", help="L1 device: cpu, cuda or auto")
+    p.add_argument("--device", default="auto", help="L1 device: auto, cpu, cuda or cuda:N")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on this port during the run (rank r uses port + r)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics endpoint binds (default loopback)")
+    add_engine_arguments(p)
+    add_l3_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,14 +80,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def replay(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the whole replay described by `args`; return the report dict."""
+    """Run the whole replay described by `args`; return the report dict.
+
+    Every input is checked before any work starts (`setup.check_args`,
+    `setup.build_config`); bad input raises InputError/ConfigError/TraceError."""
     check_args(args)
+    check_l3_args(args)
     requests = load_requests(args)
-    config = build_config(args, requests)
-    if args.cp_size > 1 or args.pd:
+    resolved, sizing = build_config(args, requests)
+    config = resolved.config
+    if uses_instances(args):
+        report = run_instances(args, config, requests)
+    elif config.cp_size > 1 or args.pd:
         report = run_ranks(args, config, requests)
     else:
         report = replay_rank(args, config, requests)
+    report.update(
+        trace_tokens=sum(r.input_length for r in requests),
+        footprint_pages=sizing.footprint_pages,
+        l1_logical_pages=sizing.l1_logical_pages,
+        l2_logical_pages=sizing.l2_logical_pages,
+        config=resolved.report(),
+    )
     if args.bounds:
-        report["bounds"] = compute_bounds(requests, config, args)
+        report["bounds"] = compute_bounds(requests, sizing, tokens_per_block(args, config) // config.page_size)
     return report

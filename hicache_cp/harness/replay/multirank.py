@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.errors import ConsistencyError
+from hicache_cp.harness.engines.synthetic import RequestSink
 from hicache_cp.harness.launch import DEFAULT_RUN_TIMEOUT_S, RankContext, spawn_ranks
 from hicache_cp.harness.replay.rank import replay_rank
 from hicache_cp.harness.trace import TraceRequest
@@ -38,7 +40,7 @@ REPLICATED_KEYS = (
 
 
 def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> dict[str, Any]:
-    """Replay `requests` on `args.cp_size` rank processes; return the combined report.
+    """Replay `requests` on `config.cp_size` rank processes; return the combined report.
 
     The whole run's deadline is `HICACHE_CP_RANK_TIMEOUT_S` (default one hour)."""
     peer = None
@@ -51,7 +53,10 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
     timeout = float(os.environ.get("HICACHE_CP_RANK_TIMEOUT_S", DEFAULT_RUN_TIMEOUT_S))
     t0 = time.perf_counter()
     try:
-        reports = spawn_ranks(_replay_rank, args.cp_size, (args, config, requests, rank_info), timeout_s=timeout)
+        if config.cp_size == 1:  # one rank (with the decode peer): in this process
+            reports = [replay_rank(args, config, requests, sink_factory=_sink_factory(rank_info))]
+        else:
+            reports = spawn_ranks(_replay_rank, config.cp_size, (args, config, requests, rank_info), timeout_s=timeout)
     finally:
         pd_report = peer.stop() if peer is not None else None
     combined = combine_reports(reports, wall_s=time.perf_counter() - t0)
@@ -64,15 +69,19 @@ def _replay_rank(
     ctx: RankContext, args: argparse.Namespace, config: Config, requests: list[TraceRequest], pd_info: Any
 ) -> dict[str, Any]:
     """One rank of `run_ranks` (runs in the child)."""
-    sink_factory = None
-    if pd_info is not None:
-        from hicache_cp.harness import pd_replay
-
-        sink_factory = lambda cache: pd_replay.make_sink(pd_info, cache)  # noqa: E731 - built in the child, never pickled
     report = replay_rank(args, config, requests, rank=ctx.rank, agreement=ctx.agreement,
-                         sink_factory=sink_factory, progress=ctx.rank == 0)
+                         sink_factory=_sink_factory(pd_info), progress=ctx.rank == 0)
     report["collectives"] = ctx.agreement.collectives
     return report
+
+
+def _sink_factory(pd_info: Any) -> Callable[[HiCache], RequestSink] | None:
+    """The PD sink of a rank, built where the rank runs (never pickled)."""
+    if pd_info is None:
+        return None
+    from hicache_cp.harness import pd_replay
+
+    return lambda cache: pd_replay.make_sink(pd_info, cache)
 
 
 def combine_reports(reports: Sequence[dict[str, Any]], *, wall_s: float) -> dict[str, Any]:

@@ -1,9 +1,14 @@
-"""One rank's replay: every request through the reference server and the cache."""
+"""One rank's replay: every request through a prefill engine and the cache.
+
+The engine (`hicache_cp.harness.engines`, `--engine`) serves the requests;
+this module builds the cache it asks for, collects the cache's counters and
+the engine's byte checks into the rank's report, and adds the engine's own
+keys (`EngineRun.extra`).
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,10 +16,11 @@ from typing import Any
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.cp.agreement import Agreement
-from hicache_cp.harness.engines.synthetic import ReferenceServer, RequestSink
+from hicache_cp.harness.engines import make_engine
+from hicache_cp.harness.engines.synthetic import RequestSink
 from hicache_cp.harness.provenance import command_line, git_commit, machine
-from hicache_cp.harness.replay.setup import size, tokens_per_block
-from hicache_cp.harness.trace import TraceRequest, request_tokens
+from hicache_cp.harness.replay.setup import tokens_per_block
+from hicache_cp.harness.trace import TraceRequest
 
 REPORT_KEYS = (
     "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "hit_rate",
@@ -34,26 +40,34 @@ def replay_rank(
     sink_factory: Callable[[HiCache], RequestSink] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Replay every request on this rank; return this rank's report.
+    """Replay every request on this rank through the engine `--engine` names
+    (the synthetic reference server by default); return this rank's report.
 
     `sink_factory` builds the request sink (the PD sender) once the cache and
     its pools exist; its `totals.as_dict()` joins the report.
     """
-    device = _device(args.device)
+    engine = make_engine(args)
+    config = engine.configure(args, config, requests)
+    device = args.device  # checked and resolved by setup.check_args
     tpb = tokens_per_block(args, config)
     t0 = time.perf_counter()
     samples: list[dict[str, Any]] = []
-    with HiCache(config, rank=rank, agreement=agreement, device=device) as cache:
+    with engine.open_cache(config, rank=rank, agreement=agreement, device=device) as cache:
         sink = sink_factory(cache) if sink_factory is not None else None
-        server = ReferenceServer(cache, verify=not args.no_verify, sink=sink)
+        exporter = _start_metrics(args, cache, rank)
         every = max(1, len(requests) // 200)
-        for i, req in enumerate(_progress(requests, progress and rank == 0)):
-            server.serve(req.index, request_tokens(req, tpb))
+
+        def on_request(i: int) -> None:
             if i % every == 0 or i == len(requests) - 1:
                 samples.append(_sample(i, cache))
+
+        run = engine.run(cache, requests, tokens_per_block=tpb, sink=sink, verify=not args.no_verify,
+                         progress=progress and rank == 0, on_request=on_request)  # fmt: skip
         cache.drain()
         cache.check_invariants()
         stats = cache.stats()
+        if exporter is not None:
+            exporter.stop()
         if sink is not None:
             stats.update(sink.totals.as_dict())  # type: ignore[attr-defined]
             sink.close()  # type: ignore[attr-defined]
@@ -62,12 +76,12 @@ def replay_rank(
     report.update({k: v for k, v in stats.items() if k.startswith("pd_")})
     report.update(
         requests=len(requests),
-        integrity_checked_pages=server.integrity.checked_pages,
-        integrity_checked_units=server.integrity.checked_units,
-        integrity_expected_units=server.integrity.expected_units,
-        integrity_mismatches=server.integrity.mismatches,
-        mismatch_examples=[str(m) for m in server.integrity.examples[:10]],
-        rejected_requests=server.rejected,
+        integrity_checked_pages=run.checked_pages,
+        integrity_checked_units=run.checked_units,
+        integrity_expected_units=run.expected_units,
+        integrity_mismatches=run.mismatches,
+        mismatch_examples=run.examples,
+        rejected_requests=run.rejected,
         wall_s=round(wall, 3),
         l1_capacity_pages=stats["l1_capacity_pages"],
         l2_capacity_pages=stats["l2_capacity_pages"],
@@ -75,13 +89,23 @@ def replay_rank(
         host_bytes=cache.host_pool.split.used_bytes,
         stats=stats,
         samples=samples,
-        **_run_info(args, config, requests, tpb),
+        **_run_info(args, config, tpb),
     )
-    if args.plot and rank == 0 and args.cp_size == 1:
+    report.update(run.extra)
+    if args.plot and rank == 0 and config.cp_size == 1:
         from hicache_cp.harness.plot import plot_replay
 
         plot_replay(samples, args.plot)
     return report
+
+
+def _start_metrics(args: argparse.Namespace, cache: HiCache, rank: int) -> Any:
+    """The Prometheus endpoint of this rank, when `--metrics-port` asks for one."""
+    if args.metrics_port is None:
+        return None
+    from hicache_cp.prometheus import start_exporter
+
+    return start_exporter(cache, args.metrics_port + rank, args.metrics_addr)
 
 
 def _sample(i: int, cache: HiCache) -> dict[str, Any]:
@@ -96,24 +120,7 @@ def _sample(i: int, cache: HiCache) -> dict[str, Any]:
     }
 
 
-def _progress(requests: list[TraceRequest], show: bool) -> Any:
-    if not show:
-        return requests
-    from tqdm import tqdm
-
-    return tqdm(requests, desc="replay", unit="req", mininterval=1.0, file=sys.stderr)
-
-
-def _device(name: str) -> str:
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _run_info(args: argparse.Namespace, config: Config, requests: list[TraceRequest], tpb: int) -> dict[str, Any]:
-    sizing = size(args, config, requests)
+def _run_info(args: argparse.Namespace, config: Config, tpb: int) -> dict[str, Any]:
     return {
         "model": config.model,
         "policy": config.eviction_policy,
@@ -121,9 +128,6 @@ def _run_info(args: argparse.Namespace, config: Config, requests: list[TraceRequ
         "cp_size": config.cp_size,
         "tokens_per_block": tpb,
         "page_size": config.page_size,
-        "footprint_pages": sizing.footprint_pages,
-        "l1_logical_pages": sizing.l1_logical_pages,
-        "l2_logical_pages": sizing.l2_logical_pages,
         "trace": str(args.trace) if args.trace else "embedded",
         "commit": git_commit(),
         "machine": machine(),

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from hicache_cp.config import Config
-from hicache_cp.harness.replay.rank import REPORT_KEYS
-from hicache_cp.harness.replay.setup import size, tokens_per_block
+from hicache_cp.harness.replay.setup import Sizing
 from hicache_cp.harness.trace import TraceRequest
 
 
-def compute_bounds(requests: list[TraceRequest], config: Config, args: argparse.Namespace) -> dict[str, Any]:
+def compute_bounds(requests: list[TraceRequest], sizing: Sizing, pages_per_block: int) -> dict[str, Any]:
     from hicache_cp.harness.bounds import belady_hit_rate, infinite_capacity_hit_rate
 
-    pages_per_block = max(1, tokens_per_block(args, config) // config.page_size)
-    capacity_blocks = max(1, size(args, config, requests).l2_logical_pages // pages_per_block)
+    capacity_blocks = max(1, sizing.l2_logical_pages // pages_per_block)
     inf = infinite_capacity_hit_rate(requests)
     bel = belady_hit_rate(requests, capacity_blocks)
     return {
@@ -52,28 +44,95 @@ def integrity_failures(report: dict[str, Any]) -> list[str]:
     return out
 
 
+GIB = 1 << 30
+
+# Keys the table shows in its own sections (or that are bookkeeping): not repeated under "other".
+_SHOWN = {
+    "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "miss_tokens", "hit_rate",
+    "bytes_d2h", "bytes_h2d", "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2",
+    "integrity_checked_pages", "integrity_checked_units", "integrity_expected_units", "integrity_mismatches",
+    "wall_s", "rejected_requests", "l1_capacity_pages", "l2_capacity_pages", "l2_used_pages", "host_bytes",
+    "model", "policy", "write_policy", "cp_size", "tokens_per_block", "page_size", "trace", "trace_tokens",
+    "footprint_pages", "l1_logical_pages", "l2_logical_pages", "commit", "machine", "command", "collectives",
+    "integrity_failures", "mismatch_examples", "samples", "stats", "config", "per_rank", "pd", "bounds",
+}  # fmt: skip
+
+
+def header(report: dict[str, Any]) -> str:
+    """One line saying what ran, with the sizes in pages and GiB."""
+    tpb = report.get("tokens_per_block")
+    scale = "" if tpb in (None, 512) else f"; 1 trace block = {tpb} replayed tokens"
+    per_rank = report.get("host_bytes", 0) / max(1, len(report.get("per_rank") or [1]))
+    return (
+        f"replay: {report.get('trace')} ({report.get('requests')} requests, {report.get('trace_tokens', 0):,} "
+        f"trace tokens{scale}); model {report.get('model')}, policy {report.get('policy')}, "
+        f"{report.get('write_policy')}, CP {report.get('cp_size')}; L1 {report.get('l1_capacity_pages')} pages, "
+        f"L2 {report.get('l2_capacity_pages')} pages ({per_rank / GIB:.3f} GiB per rank)"
+    )
+
+
 def print_table(report: dict[str, Any]) -> None:
-    rows = [(k, report[k]) for k in REPORT_KEYS if k in report]
-    rows += [(k, report[k]) for k in ("rejected_requests", "l2_used_pages", "l2_capacity_pages") if k in report]
-    rows += [(k, v) for k, v in report.items() if k.startswith("pd_") and not isinstance(v, list)]
-    for k in ("pd", "bounds", "per_rank"):
-        if k in report:
-            rows.append((k, json.dumps(report[k]) if not isinstance(report[k], list) else ""))
-    if "per_rank" in report:
-        rows += [(f"  rank {r['rank']} host", f"{r['l2_used_pages']}/{r['l2_capacity_pages']} pages, "
-                  f"{r['host_bytes'] / 2**20:.1f} MiB") for r in report["per_rank"]]  # fmt: skip
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        v = f"{v:.4f}" if isinstance(v, float) else v
-        print(f"{k:<{width}}  {v}")
+    """The report for people: a header line, then sections with units."""
+    tpb = report.get("tokens_per_block")
+    unit = "trace tokens" if tpb in (None, 512) else "replayed tokens"
+    prompt = report.get("prompt_tokens", 0) or 1
+
+    def tokens(key: str) -> str:
+        n = report.get(key, 0)
+        return f"{n:,} ({100 * n / prompt:.1f}%)"
+
+    sections: list[tuple[str, list[tuple[str, str]]]] = [
+        (f"tokens ({unit})", [
+            ("prompt", f"{report.get('prompt_tokens', 0):,}"),
+            ("L1 hits", tokens("l1_hit_tokens")),
+            ("L2 hits", tokens("l2_hit_tokens")),
+            *([("L3 hits", tokens("l3_hit_tokens"))] if "l3_hit_tokens" in report else []),
+            ("computed", tokens("miss_tokens")),
+            ("hit rate", f"{report.get('hit_rate', 0.0):.4f}"),
+        ]),
+        ("copies", [
+            ("D2H committed", f"{report.get('bytes_d2h', 0) / GIB:.3f} GiB"),
+            ("H2D loaded", f"{report.get('bytes_h2d', 0) / GIB:.3f} GiB"),
+            ("backups", f"{report.get('backups_committed', 0):,} committed, {report.get('backups_aborted', 0):,} aborted"),
+            ("evictions", f"L1 {report.get('evictions_l1', 0):,} pages, L2 {report.get('evictions_l2', 0):,} pages"),
+        ]),
+        ("integrity", [
+            ("checked", f"{report.get('integrity_checked_pages', 0):,} pages, {report.get('integrity_checked_units', 0):,} "
+                        f"of {report.get('integrity_expected_units', 0):,} (page, part, layer) units"),
+            ("mismatches", f"{report.get('integrity_mismatches', 0):,}"),
+        ]),
+        ("run", [
+            ("wall", f"{report.get('wall_s', 0.0):.2f} s"),
+            ("rejected requests", f"{report.get('rejected_requests', 0):,}"),
+            ("L2 used", f"{report.get('l2_used_pages', 0):,} of {report.get('l2_capacity_pages', 0):,} pages"),
+        ]),
+    ]
+    for name in ("pd", "bounds"):
+        if isinstance(report.get(name), dict):
+            sections.append((name, [(k, _fmt(v)) for k, v in report[name].items() if not isinstance(v, (list, dict))]))
+    if report.get("per_rank"):
+        sections.append(("per rank", [
+            (f"rank {r['rank']}", f"L2 {r['l2_used_pages']}/{r['l2_capacity_pages']} pages, "
+                                  f"{(r.get('host_bytes') or 0) / GIB:.3f} GiB, D2H {(r.get('bytes_d2h') or 0) / GIB:.3f} GiB")
+            for r in report["per_rank"]
+        ]))
+    other = [(k, _fmt(v)) for k, v in sorted(report.items())
+             if k not in _SHOWN and not isinstance(v, (list, dict))]  # fmt: skip
+    if other:
+        sections.append(("other", other))
+    print(header(report))
+    width = max(len(k) for _, rows in sections for k, _ in rows)
+    for title, rows in sections:
+        print(title)
+        for k, v in rows:
+            print(f"  {k:<{width}}  {v}")
     for m in report.get("mismatch_examples", []):
         print(f"mismatch: {m}")
 
 
-def write_json(path: Path, report: dict[str, Any]) -> None:
-    """Write atomically: a reader never sees a half-written report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    os.replace(tmp, path)
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)

@@ -1,10 +1,23 @@
 """What a replay runs on: its requests, its sizing and its configuration.
 
-Sizing: one trace block (512 tokens) becomes `--tokens-per-block` tokens
-(default: one page of the model's page size), so a whole trace replays on a
-CPU in minutes. `--l2-fraction F` sizes L2 to F times the trace's
-unique-block footprint; `--l1-pages` is the logical L1 capacity. With
-`--cp-size N` both are logical and split over N rank processes.
+Configuration: defaults and the model preset < `--config` TOML <
+`HICACHE_*` environment < command line (`--set FIELD=VALUE`, and the named
+flags such as `--model`, `--policy`, `--cp-size`), for every field. The
+report records each effective value with its source.
+
+Sizing (logical pages; with `--cp-size N` they are split over N ranks):
+
+    L2   --l2-gib G (per rank) or --l2-fraction F (of the trace's unique-block
+         footprint), else `host_budget_bytes` when the TOML, the environment
+         or --set gave it (per rank; "auto" sizes from this machine), else
+         F = 0.1 for a trace and 0.5 for the embedded workload
+    L1   --l1-pages (logical), else `l1_pages` when given (per rank, the
+         dummy page included), else L2 / 8 but at least three of the longest
+         requests
+
+One trace block (512 tokens) becomes `--tokens-per-block` tokens (default:
+one page of the model's page size; a multiple of the page size), so a whole
+trace replays on a CPU in minutes.
 """
 
 from __future__ import annotations
@@ -14,13 +27,20 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_cp.config import Config
-from hicache_cp.harness.errors import InputError
+from hicache_cp.config import Config, ResolvedConfig
+from hicache_cp.cp.agreement import LocalAgreement
+from hicache_cp.cache.hicache import host_budget
+from hicache_cp.harness import checks
+from hicache_cp.harness.engines import config_overrides
+from hicache_cp.harness.errors import InputError, require
 from hicache_cp.harness.trace import TraceRequest, load_trace, unique_blocks
 from hicache_cp.harness.workload import default_workload
 
 EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to matter
+TRACE_L2_FRACTION = 0.1
 L2_TO_L1 = 8  # default L1 = L2 / 8
+MAX_CP_SIZE = 64
+MAX_PAGES = 1 << 40  # no flag may ask for more pages than this, whatever the machine
 
 
 @dataclass(frozen=True)
@@ -32,19 +52,38 @@ class Sizing:
     l2_logical_pages: int
     l1_physical_pages: int  # per rank, dummy page included
     host_budget_bytes: int  # per rank
+    l1_source: str
+    l2_source: str
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("l1_pages", "tokens_per_block", "limit", "l2_gib", "l2_fraction"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise InputError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    if args.l2_fraction is not None and args.l2_fraction > 1:
-        raise InputError(f"--l2-fraction must be in (0, 1], got {args.l2_fraction}")
-    if args.cp_size < 1:
-        raise InputError(f"--cp-size must be >= 1, got {args.cp_size}")
-    if args.trace is not None and not args.trace.is_file():
-        raise InputError(f"--trace {args.trace}: no such file")
+    """Every flag that can be checked without reading the trace; raises InputError."""
+    checks.positive("--l1-pages", args.l1_pages, limit=MAX_PAGES)
+    checks.positive("--tokens-per-block", args.tokens_per_block, limit=1 << 20)
+    checks.positive("--limit", args.limit)
+    checks.positive("--l2-gib", args.l2_gib, limit=1 << 20)
+    if args.l2_fraction is not None:
+        checks.positive("--l2-fraction", args.l2_fraction, limit=1.0)
+    checks.in_range("--cp-size", args.cp_size, 1, MAX_CP_SIZE)
+    checks.in_range("--seed", args.seed, 0, 2**32 - 1)
+    checks.input_file("--trace", args.trace)
+    checks.input_file("--config", args.config)
+    checks.output_file("--json", args.json)
+    checks.output_file("--plot", args.plot)
+    args.device = checks.device("--device", args.device)
+    if args.plot is not None:
+        require("matplotlib", "plot", "--plot")
+    if args.pd:
+        require("mooncake.engine", "pd", "--pd")
+        from hicache_cp.pd.engine import quiet_mooncake_logs
+
+        quiet_mooncake_logs(getattr(args, "verbose", 0))  # before any engine, inherited by the ranks
+    if args.metrics_port is not None:
+        checks.in_range("--metrics-port", args.metrics_port, 1, 65535 - MAX_CP_SIZE)
+        require("prometheus_client", "metrics", "--metrics-port")
+    for item in args.set or ():
+        if "=" not in item or not item.partition("=")[0].strip():
+            raise InputError(f"--set {item!r}: expected FIELD=VALUE")
 
 
 def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
@@ -58,41 +97,83 @@ def tokens_per_block(args: argparse.Namespace, config: Config) -> int:
     return args.tokens_per_block or config.page_size
 
 
-def size(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> Sizing:
-    """Turn the CLI's logical capacities into per-rank pool sizes.
-
-    Depends on the config's layout and page size only, so the config that
-    `build_config` returns gives the same sizing again."""
-    layout = config.layout()
-    tpb = tokens_per_block(args, config)
-    pages_per_block = max(1, tpb // config.page_size)
-    footprint = max(1, unique_blocks(requests) * pages_per_block)
-    longest = max((len(r.hash_ids) for r in requests), default=1) * math.ceil(tpb / config.page_size)
-    cp = args.cp_size
-    if args.l2_gib is not None:
-        budget = int(args.l2_gib * 2**30)
-        l2 = (budget // layout.bytes_per_page - 1) * cp
-    else:
-        fraction = args.l2_fraction or (0.1 if args.trace else EMBEDDED_L2_FRACTION)
-        l2 = max(1, math.ceil(fraction * footprint))
-        budget = (math.ceil(l2 / cp) + 1) * layout.bytes_per_page
-    # L2 is typically 5-20x L1 (DOMAIN.md); L1 must still hold a few requests.
-    l1 = args.l1_pages or max(l2 // L2_TO_L1, 3 * longest)
-    if l1 < longest + cp:
-        raise InputError(f"--l1-pages {l1} cannot hold the longest request ({longest} pages)")
-    return Sizing(footprint, l1, l2, math.ceil(l1 / cp) + 1, budget)
-
-
-def build_config(args: argparse.Namespace, requests: list[TraceRequest]) -> Config:
-    overrides: dict[str, Any] = {
+def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields the command line sets: `--set` first, then the named flags."""
+    out: dict[str, Any] = {}
+    for item in args.set or ():
+        name, _, value = item.partition("=")
+        out[name.strip()] = value.strip()
+    named = {
         "model": args.model,
         "eviction_policy": args.policy,
         "write_policy": args.write_policy,
         "io_backend": args.io_backend,
         "cp_size": args.cp_size,
     }
-    base = Config.load(args.config, overrides={k: v for k, v in overrides.items() if v is not None})
+    for name, value in named.items():
+        if value is None:
+            continue
+        if name in out and str(out[name]) != str(value):
+            raise InputError(f"--set {name}={out[name]} contradicts the flag that sets {name} to {value}")
+        out[name] = value
+    return out
+
+
+def build_config(args: argparse.Namespace, requests: list[TraceRequest]) -> tuple[ResolvedConfig, Sizing]:
+    """The effective configuration of the run (with sources) and its sizing."""
+    base = Config.resolve(args.config, overrides={**cli_overrides(args), **config_overrides(args)})
+    tpb = tokens_per_block(args, base.config)
+    if tpb % base.config.page_size:
+        raise InputError(f"--tokens-per-block {tpb} is not a multiple of the page size ({base.config.page_size})")
     sizing = size(args, base, requests)
-    return Config.from_dict(
-        {**base.to_dict(), "l1_pages": sizing.l1_physical_pages, "host_budget_bytes": sizing.host_budget_bytes}
-    )
+    values = {**base.config.to_dict(), "l1_pages": sizing.l1_physical_pages, "host_budget_bytes": sizing.host_budget_bytes}
+    sources = {**base.sources, "l1_pages": sizing.l1_source, "host_budget_bytes": sizing.l2_source}
+    resolved = ResolvedConfig(Config.from_dict(values), sources)
+    _check_memory(resolved.config, args.device)
+    return resolved, sizing
+
+
+def size(args: argparse.Namespace, resolved: ResolvedConfig, requests: list[TraceRequest]) -> Sizing:
+    """Turn the capacities asked for into per-rank pool sizes (see the module docstring)."""
+    config, sources = resolved.config, resolved.sources
+    layout = config.layout()
+    tpb = tokens_per_block(args, config)
+    pages_per_block = tpb // config.page_size
+    footprint = max(1, unique_blocks(requests) * pages_per_block)
+    longest = max((len(r.hash_ids) for r in requests), default=1) * pages_per_block
+    cp = config.cp_size
+    if args.l2_gib is not None:
+        budget, l2_source = int(args.l2_gib * 2**30), "cli:--l2-gib"
+    elif args.l2_fraction is None and sources["host_budget_bytes"] != "default":
+        budget, l2_source = host_budget(config, LocalAgreement()), sources["host_budget_bytes"]
+    else:
+        fraction = args.l2_fraction or (TRACE_L2_FRACTION if args.trace else EMBEDDED_L2_FRACTION)
+        l2_pages = max(1, math.ceil(fraction * footprint))
+        budget = (math.ceil(l2_pages / cp) + 1) * layout.bytes_per_page
+        l2_source = "cli:--l2-fraction" if args.l2_fraction else f"derived:{fraction} of the footprint"
+    l2 = (budget // layout.bytes_per_page - 1) * cp
+    if l2 < cp:
+        raise InputError(f"L2 of {budget} B per rank holds no page ({layout.bytes_per_page} B a logical page)")
+    if args.l1_pages is not None:
+        l1, l1_source = args.l1_pages, "cli:--l1-pages"
+    elif sources["l1_pages"] != "default":
+        l1, l1_source = (config.l1_pages - 1) * cp, sources["l1_pages"]
+    else:
+        # L2 is typically 5-20x L1 (DOMAIN.md); L1 must still hold a few requests.
+        l1, l1_source = max(l2 // L2_TO_L1, 3 * longest), "derived:L2/8, at least 3 longest requests"
+    if l1 < longest + cp:
+        raise InputError(f"L1 of {l1} logical pages ({l1_source}) cannot hold the longest request ({longest} pages)")
+    return Sizing(footprint, l1, l2, math.ceil(l1 / cp) + 1, budget, l1_source, l2_source)
+
+
+def _check_memory(config: Config, device: str) -> None:
+    """Refuse pools this machine cannot hold, with the numbers, before allocating any."""
+    layout = config.layout()
+    ranks = config.cp_size  # every rank runs on this machine
+    l1_bytes = config.l1_pages * layout.bytes_per_page
+    l2_bytes = int(config.host_budget_bytes)
+    if device == "cpu":
+        checks.fits_host_memory(f"L1 + L2 of {ranks} rank(s)", ranks * (l1_bytes + l2_bytes))
+    else:
+        checks.fits_host_memory(f"L2 of {ranks} rank(s)", ranks * l2_bytes)
+        checks.fits_device_memory("L1 of one rank", l1_bytes, device)

@@ -1,0 +1,130 @@
+"""The package's shape holds: imports run one way, down the layers; the
+library never imports the harness; no library module outgrows ~600 lines.
+
+The layers, bottom to top (a module may import only its own layer or lower
+ones; docs/architecture.md draws the same picture):
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("hostmem", "hicache_cp")
+
+LAYERS: list[tuple[str, ...]] = [
+    ("hostmem",),
+    ("hicache_cp.errors", "hicache_cp.layout", "hicache_cp.keys", "hicache_cp.cp"),
+    ("hicache_cp.radix", "hicache_cp.pools", "hicache_cp.metrics"),
+    ("hicache_cp.io",),
+    ("hicache_cp.ops", "hicache_cp.policy"),
+    ("hicache_cp.config", "hicache_cp.l3", "hicache_cp.cache.match"),
+    ("hicache_cp.cache",),
+    ("hicache_cp", "hicache_cp.prometheus", "hicache_cp.pd"),
+    ("hicache_cp.integrations",),
+    ("hicache_cp.harness", "hicache_cp.__main__"),
+]
+MAX_LIBRARY_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules imported anywhere in the file (top level or in functions)."""
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            candidates = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for c in candidates:
+            while c and c not in known:
+                c = c.rpartition(".")[0]
+            if c and c != name:
+                out.add(c)
+                break
+    return out
+
+
+def _layer(name: str) -> int:
+    best, depth = None, -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = i, prefix.count(".")
+    assert best is not None, f"{name} is in no layer: add it to LAYERS"
+    return best
+
+
+MODULES = _modules()
+GRAPH = {name: _imports(name, path, set(MODULES)) for name, path in MODULES.items()}
+
+
+def test_no_import_goes_up_a_layer() -> None:
+    upward = [
+        f"{a} (layer {_layer(a)}) imports {b} (layer {_layer(b)})"
+        for a, deps in GRAPH.items()
+        for b in deps
+        if _layer(b) > _layer(a)
+    ]
+    assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_library_never_imports_the_harness() -> None:
+    bad = [f"{a} imports {b}" for a, deps in GRAPH.items() if _layer(a) < _layer("hicache_cp.harness")
+           for b in deps if b.startswith("hicache_cp.harness")]  # fmt: skip
+    assert not bad, bad
+
+
+def test_no_import_cycle() -> None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(GRAPH[n]):
+            if state.get(m) == 1:
+                cycle = stack[stack.index(m):] + [m]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(GRAPH):
+        if n not in state:
+            visit(n)
+
+
+def test_library_modules_stay_small() -> None:
+    big = {n: len(p.read_text().splitlines()) for n, p in MODULES.items() if _layer(n) < _layer("hicache_cp.harness")}
+    over = {n: lines for n, lines in big.items() if lines > MAX_LIBRARY_LINES}
+    assert not over, f"library modules over {MAX_LIBRARY_LINES} lines: {over}"
+
+
+def test_the_public_api_is_exported() -> None:
+    import hicache_cp
+
+    for name in ("HiCache", "Config", "Model", "Part", "MatchResult", "LoadOp", "BackupOp", "ConsistencyError",
+                 "HiCacheError", "ConfigError"):
+        assert name in hicache_cp.__all__ and hasattr(hicache_cp, name), name

@@ -1,0 +1,174 @@
+"""Every bad input ends in exit code 2 with one line naming it, before any
+work starts, and leaves no file behind (issue: hardening).
+
+Each case runs the real CLI in-process from an empty working directory with
+`--json`/`--plot` pointed into it where the command has them; afterwards the
+directory holds only the inputs the case wrote itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hicache_cp.harness.cli import main
+
+Setup = Callable[[Path], list[str]]
+
+
+def _file(name: str, text: str) -> Setup:
+    def make(d: Path) -> list[str]:
+        (d / name).write_text(text)
+        return [str(d / name)]
+
+    return make
+
+
+def _dir(name: str) -> Setup:
+    def make(d: Path) -> list[str]:
+        (d / name).mkdir()
+        return [str(d / name)]
+
+    return make
+
+
+GOOD_LINE = '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n'
+
+# (id, argv before the setup's paths, setup or None, argv after, expected message fragment)
+CASES: list[tuple[str, list[str], Setup | None, list[str], str]] = [
+    ("l2-gib-inf", ["replay", "--l2-gib", "inf"], None, [], "--l2-gib must be a finite number"),
+    ("l2-gib-nan", ["replay", "--l2-gib", "nan"], None, [], "--l2-gib must be a finite number"),
+    ("l2-gib-negative", ["replay", "--l2-gib", "-1"], None, [], "--l2-gib must be > 0"),
+    ("l2-gib-absurd", ["replay", "--l2-gib", "1e9"], None, [], "--l2-gib must be at most"),
+    ("l2-gib-beyond-ram", ["replay", "--l2-gib", "100000"], None, [], "GiB of host memory"),
+    ("l2-gib-below-a-page", ["replay", "--l2-gib", "1e-9"], None, [], "holds no page"),
+    ("l1-pages-zero", ["replay", "--l1-pages", "0"], None, [], "--l1-pages must be > 0"),
+    ("l1-pages-terabytes", ["replay", "--l1-pages", str(10**13)], None, [], "--l1-pages must be at most"),
+    ("l1-pages-beyond-ram", ["replay", "--l1-pages", str(2 * 10**9)], None, [], "GiB of host memory"),
+    ("l1-pages-too-small", ["replay", "--l1-pages", "5"], None, [], "cannot hold the longest request"),
+    ("l2-fraction-zero", ["replay", "--l2-fraction", "0"], None, [], "--l2-fraction must be > 0"),
+    ("l2-fraction-above-one", ["replay", "--l2-fraction", "1.5"], None, [], "--l2-fraction must be at most 1"),
+    ("tokens-per-block-zero", ["replay", "--tokens-per-block", "0"], None, [], "--tokens-per-block must be > 0"),
+    ("tokens-per-block-not-pages", ["replay", "--tokens-per-block", "24"], None, [], "not a multiple of the page size"),
+    ("limit-zero", ["replay", "--limit", "0"], None, [], "--limit must be > 0"),
+    ("cp-size-zero", ["replay", "--cp-size", "0"], None, [], "--cp-size must be in [1, 64]"),
+    ("cp-size-huge", ["replay", "--cp-size", "1000"], None, [], "--cp-size must be in [1, 64]"),
+    ("seed-negative", ["replay", "--seed", "-3"], None, [], "--seed must be in"),
+    ("not-a-number", ["replay", "--l1-pages", "many"], None, [], "invalid int value: 'many'"),
+    ("unknown-flag", ["replay", "--no-such-flag", "3"], None, [], "unrecognized arguments"),
+    ("unknown-model", ["replay", "--model", "gpt-5"], None, [], "invalid choice: 'gpt-5'"),
+    ("unknown-policy", ["replay", "--policy", "fifo"], None, [], "invalid choice: 'fifo'"),
+    ("trace-missing", ["replay", "--trace", "/nonexistent/t.jsonl"], None, [], "no such file"),
+    ("trace-is-a-directory", ["replay", "--trace"], _dir("traces"), [], "is a directory"),
+    ("trace-bad-json", ["replay", "--trace"], _file("t.jsonl", GOOD_LINE + "{oops\n"), [], ":2: bad JSON"),
+    ("trace-empty", ["replay", "--trace"], _file("t.jsonl", "\n\n"), [], "trace has no requests"),
+    ("trace-hash-id-2**64", ["replay", "--trace"],
+     _file("t.jsonl", GOOD_LINE.replace("[1, 2]", f"[1, {2**64}]")), [], "must be in [0, 2**63)"),
+    ("trace-ids-vs-length", ["replay", "--trace"],
+     _file("t.jsonl", GOOD_LINE.replace("[1, 2]", "[1]")), [], "needs ceil(600/512) = 2"),
+    ("trace-negative-length", ["replay", "--trace"],
+     _file("t.jsonl", '{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": []}\n'), [],
+     "'input_length' must be in"),
+    ("config-missing", ["replay", "--config", "/nonexistent/c.toml"], None, [], "no such file"),
+    ("config-is-a-directory", ["replay", "--config"], _dir("conf"), [], "is a directory"),
+    ("config-bad-toml", ["replay", "--config"], _file("c.toml", "page_size = = 3\n"), [], "c.toml"),
+    ("config-wrong-type", ["replay", "--config"], _file("c.toml", 'page_size = "big"\n'), [], "page_size"),
+    ("config-bool-type", ["replay", "--config"], _file("c.toml", "debug_checks = 3\n"), [], "debug_checks"),
+    ("config-unknown-field", ["replay", "--config"], _file("c.toml", "pagesize = 64\n"), [], "pagesize"),
+    ("config-bad-budget", ["replay", "--config"], _file("c.toml", 'host_budget_bytes = "lots"\n'), [],
+     "host_budget_bytes"),
+    ("set-without-equals", ["replay", "--set", "page_size"], None, [], "expected FIELD=VALUE"),
+    ("set-unknown-field", ["replay", "--set", "colour=blue"], None, [], "colour"),
+    ("set-bad-value", ["replay", "--set", "page_size=0"], None, [], "page_size"),
+    ("set-contradicts-flag", ["replay", "--set", "model=deepseek-v3.2", "--model", "tiny"], None, [],
+     "contradicts"),
+    ("device-unknown", ["replay", "--device", "tpu"], None, [], "--device 'tpu'"),
+    ("device-cuda-missing", ["replay", "--device", "cuda"], None, [], "no CUDA device"),
+    ("json-is-a-directory", ["replay", "--json"], _dir("out"), [], "is a directory"),
+    ("json-under-a-file", ["replay", "--json"], lambda d: [str(_file("f", "x")(d)[0]) + "/r.json"], [],
+     "is not a directory"),
+    ("plot-is-a-directory", ["replay", "--plot"], _dir("plots"), [], "is a directory"),
+    ("metrics-port-out-of-range", ["replay", "--metrics-port", "70000"], None, [], "--metrics-port must be in"),
+    ("bench-pd-zero-pages", ["bench-pd", "--pages", "0"], None, [], "--pages must be in [1"),
+    ("bench-pd-zero-repeats", ["bench-pd", "--repeats", "0"], None, [], "--repeats must be in [1"),
+    ("bench-pd-l2-fraction", ["bench-pd", "--l2-fraction", "2"], None, [], "--l2-fraction must be in [0, 1]"),
+    ("bench-pd-bad-layer-ids", ["bench-pd", "--state-layers", "x,y"], None, [], "--state-layers 'x,y'"),
+    ("bench-pd-no-layers", ["bench-pd", "--num-layers", "0"], None, [], "layout: num_layers must be > 0"),
+    ("decode-peer-zero-pages", ["decode-peer", "--pages", "0"], None, [], "--pages must be in [1"),
+    ("decode-peer-bad-port", ["decode-peer", "--port", "99999"], None, [], "--port must be in [0, 65535]"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_one_line(case, tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    _, before, setup, after, fragment = case
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HICACHE_CP_PD_AUTHKEY", raising=False)
+    inputs = setup(tmp_path) if setup else []
+    written = set(os.listdir(tmp_path))
+    argv = [*before, *inputs, *after]
+    if argv[0] == "replay" and "--json" not in argv:
+        argv += ["--json", str(tmp_path / "report.json")]
+    try:
+        rc = main(argv)
+    except SystemExit as exit_:  # argparse's own errors end the process
+        rc = exit_.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2, err
+    assert len(err) == 1, err
+    assert fragment in err[0], err
+    assert set(os.listdir(tmp_path)) == written, "a failed command left files behind"
+
+
+def test_argparse_errors_exit_2(capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--limit", "many"])
+    assert info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_env_value_error_names_the_variable(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("HICACHE_L1_PAGES", "many")
+    assert main(["replay"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "l1_pages" in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv, module, extra",
+    [
+        (["replay", "--plot", "p.png"], "matplotlib", "plot"),
+        (["replay", "--pd"], "mooncake", "pd"),
+        (["replay", "--metrics-port", "9464"], "prometheus_client", "metrics"),
+        (["bench-pd"], "mooncake", "pd"),
+    ],
+)
+def test_missing_extra_names_it(argv, module, extra, tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.chdir(tmp_path)
+    for name in [n for n in sys.modules if n == module or n.startswith(module + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, module, None)  # "import module" now raises ImportError
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"hicache-cp[{extra}]" in err[0], err
+    assert os.listdir(tmp_path) == []
+
+
+def test_internal_errors_exit_3_not_2(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A ValueError from inside the library (here: an allocator double free) is
+    a bug, not bad input: exit 3, with the traceback under -v."""
+    from hicache_cp.harness.replay import command
+
+    def broken(args):  # type: ignore[no-untyped-def]
+        raise ValueError("L2 rank 0 lane 0: pages [3] are already free")
+
+    monkeypatch.setattr(command, "replay", broken)
+    assert main(["replay"]) == 3
+    err = capsys.readouterr().err
+    assert "internal error: ValueError" in err and "Traceback" not in err
+    assert main(["replay", "-v"]) == 3
+    assert "Traceback" in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""The Prometheus exporter, scraped over real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from hicache_cp.cache import HiCache
+from hicache_cp.harness.engines.synthetic import ReferenceServer
+from hicache_cp.harness.trace import request_tokens
+from hicache_cp.harness.workload import default_workload
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from hicache_cp.prometheus import start_exporter  # noqa: E402
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_scrape_matches_the_cache() -> None:
+    cache = HiCache(tiny_config(l1_pages=64, host_pages=128, debug_checks=False))
+    exporter = start_exporter(cache, port=0)
+    try:
+        assert exporter.addr == "127.0.0.1"
+        server = ReferenceServer(cache)
+        for req in default_workload(seed=1)[:40]:
+            server.serve(req.index, request_tokens(req, 16))
+        cache.drain()
+        stats = cache.stats()
+        got = _scrape(exporter.port)
+        r = ("rank", "0")
+        assert got[("hicache_prompt_tokens_total", (r,))] == stats["prompt_tokens"] > 0
+        assert got[("hicache_hit_tokens_total", (r, ("tier", "l2")))] == stats["l2_hit_tokens"] > 0
+        assert got[("hicache_hit_tokens_total", (r, ("tier", "l1")))] == stats["l1_hit_tokens"]
+        assert got[("hicache_bytes_total", (("direction", "d2h"), r))] == stats["bytes_d2h"] > 0
+        assert got[("hicache_backups_total", (("outcome", "committed"), r))] == stats["backups_committed"]
+        assert got[("hicache_pool_pages", (r, ("state", "capacity"), ("tier", "l2")))] == stats["l2_capacity_pages"]
+        assert got[("hicache_inflight_ops", (("kind", "backup"), r))] == 0
+        # Histograms: every committed backup was timed, buckets are cumulative.
+        count = got[("hicache_decision_latency_seconds_count", (("kind", "backup"), r))]
+        assert count == stats["backups_committed"]
+        inf = got[("hicache_decision_latency_seconds_bucket", (("kind", "backup"), ("le", "+Inf"), r))]
+        assert inf == count
+        assert got[("hicache_copy_latency_seconds_count", (("direction", "d2h"), r))] > 0
+    finally:
+        exporter.stop()
+        cache.close()
+
+
+def test_bad_port_is_refused() -> None:
+    from hicache_cp.errors import ConfigError
+
+    cache = HiCache(tiny_config())
+    try:
+        with pytest.raises(ConfigError, match="port"):
+            start_exporter(cache, port=70000)
+    finally:
+        cache.close()
+
+
+def test_replay_serves_metrics_on_loopback(monkeypatch) -> None:
+    """`replay --metrics-port` starts the endpoint for the run, bound to
+    127.0.0.1, and a scrape during the run sees the cache's counters."""
+    import socket
+
+    from hicache_cp import prometheus
+    from hicache_cp.harness.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    scraped: list[dict] = []
+    real_start = prometheus.start_exporter
+
+    def start_and_keep(cache, port, addr):  # type: ignore[no-untyped-def]
+        exporter = real_start(cache, port, addr)
+        real_stop = exporter.stop
+
+        def stop() -> None:  # scrape once, over HTTP, just before the run ends
+            scraped.append(_scrape(exporter.port))
+            real_stop()
+
+        exporter.stop = stop  # type: ignore[method-assign]
+        assert exporter.server.server_address[0] == "127.0.0.1"
+        return exporter
+
+    monkeypatch.setattr(prometheus, "start_exporter", start_and_keep)
+    assert main(["replay", "--limit", "30", "--metrics-port", str(port)]) == 0
+    assert scraped and scraped[0][("hicache_prompt_tokens_total", (("rank", "0"),))] > 0

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Deliberate faults, one at a time, each followed by the tests that must catch it.
+
+    python tools/mutate.py                 # every fault; prints the survivors, exit 1 if any
+    python tools/mutate.py --only ops-     # faults whose name starts with a prefix
+    python tools/mutate.py --list
+
+For each fault the tree is copied to a temporary directory (without .git and
+the virtual environment), one snippet of one file is replaced (the snippet
+must occur exactly once: a fault that no longer applies is an error, so the
+list stays true as the code moves), and the named tests run there with this
+interpreter. A fault the tests do not catch is a *survivor*: either a hole in
+the tests or an equivalent change (then say why in `equivalent`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
+                                ".whl", ".devdata", "bench")
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    why: str  # the invariant or contract it breaks
+    equivalent: str = ""  # when a survivor is expected: why the change is equivalent
+
+
+FAULTS: list[Fault] = [
+    # ---- landed means the bytes landed, visibility on commit (DOMAIN rule 3)
+    Fault("ops-empty-submit-lands", "hicache_cp/ops.py", "if covered != self.local_pages:", "if False:",
+          ("tests/test_ops_landed.py",), "a part that submitted nothing counts as landed"),
+    Fault("ops-landed-while-pending", "hicache_cp/ops.py",
+          "            if (t.part, t.layer) not in pending_layers:\n", "            if True:\n",
+          ("tests/test_cache_scenarios.py",), "a layer counts landed while a copy of it is in flight"),
+    Fault("commit-before-settled", "hicache_cp/cache/lifecycle.py", "        if ok and settled:\n            if not op.nodes:",
+          "        if ok:\n            if not op.nodes:", ("tests/test_cache_scenarios.py",),
+          "a backup commits before every rank saw every layer land"),
+    Fault("commit-target-parts-only", "hicache_cp/cache/lifecycle.py", "node.host_parts = s.all_parts",
+          "node.host_parts = frozenset(p for p in s.all_parts if p.model is Model.TARGET)",
+          ("tests/test_cache_scenarios.py",), "a commit without the draft parts (rule 1: all or nothing)"),
+    Fault("match-returns-pending", "hicache_cp/cache/prefix.py",
+          "elif not node.on_device and node.host_visible:", "elif not node.on_device and node.host_pages is not None:",
+          ("tests/test_cache_scenarios.py", "tests/test_cache_stateful.py::test_seeded_stress"),
+          "match_prefix returns a host copy that is still PENDING"),
+    Fault("abort-keeps-reservation", "hicache_cp/cache/lifecycle.py",
+          "        s.host_pool.allocator.free(op.host_pages)\n        s.metrics.backups_aborted += 1",
+          "        s.metrics.backups_aborted += 1", ("tests/test_cache_scenarios.py",),
+          "an aborted backup leaks its host reservation"),
+    Fault("aborted-load-not-stale", "hicache_cp/cache/lifecycle.py", "                    node.stale_load = op\n",
+          "                    pass\n", ("tests/test_cache_scenarios.py",),
+          "an aborted load's L1 pages are served as valid KV"),
+    Fault("hooks-copy-any-model", "hicache_cp/ops.py", "for p in self.layout.parts_of(model)\n            if p.has_layer(layer)",
+          "for p in self.layout.parts\n            if p.has_layer(layer)", ("tests/test_cache_scenarios.py",),
+          "a target hook copies draft layers the draft has not written"),
+    # ---- eviction and free room (rule 5), locks
+    Fault("evict-deficit-only", "hicache_cp/cache/eviction.py", "goal = min(target + need, alloc.capacity)",
+          "goal = need", ("tests/test_cache_scenarios.py",), "eviction stops at the deficit, not the free-room target"),
+    Fault("evict-locked-nodes", "hicache_cp/radix.py", "free = node.lock_ref == 0 and node.load is None",
+          "free = node.load is None", ("tests/test_cache_scenarios.py", "tests/test_radix.py"),
+          "a locked node becomes evictable"),
+    Fault("split-forgets-ops", "hicache_cp/radix.py", "                op.nodes.append(upper)  # type: ignore[attr-defined]\n",
+          "                pass\n", ("tests/test_cache_stateful.py::test_seeded_stress",),
+          "a node split under an in-flight op loses the op on one half"),
+    Fault("radix-match-ignores-tail", "hicache_cp/radix.py", "    if np.array_equal(a, b):\n        return k // page_size",
+          "    if np.array_equal(a[:page_size], b[:page_size]):\n        return k // page_size",
+          ("tests/test_radix.py",), "a match compares only the first page of a node"),
+    # ---- CP agreement (rule 7) and mapping
+    Fault("agreement-max", "hicache_cp/cp/agreement.py", "op=self._dist.ReduceOp.MIN", "op=self._dist.ReduceOp.MAX",
+          ("tests/test_cp_ranks.py",), "one rank's failure no longer wins"),
+    Fault("agreement-no-count-check", "hicache_cp/cp/agreement.py", "if low != n or -neg_high != n:", "if False:",
+          ("tests/test_cp_ranks.py::test_agreement_catches_ranks_with_different_op_counts",),
+          "ranks whose op lists diverged mix two ops' votes"),
+    Fault("cp-owner-off-by-one", "hicache_cp/cp/mapping.py", "(pages - 1) % cp_size)", "pages % cp_size)",
+          ("tests/test_cp_mapping.py",), "page ownership ignores the dummy page"),
+    # ---- allocator
+    Fault("extents-no-double-free-check", "hostmem/extents.py", "self._free_map.find(_FREE, start, start + length) >= 0",
+          "False", ("tests/test_extents.py",), "a double free corrupts the free extents"),
+    Fault("lane-accepts-non-runs", "hicache_cp/pools.py", "n == 1 or pages.tobytes() == self._ids[first : last + 1].tobytes()",
+          "True", ("tests/test_lane_allocator.py",), "a page list shaped like a run is freed as one"),
+    # ---- copy engine
+    Fault("cpu-copy-misplaces-pages", "hicache_cp/io/cpu.py", "host[host_pages] = dev[device_pages]",
+          "host[host_pages] = dev[device_pages[::-1]]", ("tests/test_io_engine.py",), "a backup writes pages to the wrong slots"),
+    # ---- integrity oracle, exit codes
+    Fault("checker-skips-draft", "hicache_cp/harness/engines/synthetic.py",
+          "return [(part, part.layer_ids) for part in self.layout.parts]",
+          "return [(part, part.layer_ids) for part in self.layout.parts if part.part.model is Model.TARGET]",
+          ("tests/test_replay.py",), "the replay's checker skips the draft parts"),
+    Fault("integrity-failure-exits-0", "hicache_cp/harness/replay/command.py",
+          "return ExitCode.INTEGRITY if failures else ExitCode.OK", "return ExitCode.OK",
+          ("tests/test_replay.py", "tests/test_pd_replay.py"), "an integrity failure exits 0"),
+    Fault("pd-room-failure-ignored", "hicache_cp/harness/replay/report.py", 'if report.get("pd_failed_rooms"):',
+          'if False:', ("tests/test_pd_replay.py",), "replay --pd exits 0 when a room failed"),
+    Fault("internal-error-as-bad-input", "hicache_cp/harness/cli.py", "        return ExitCode.INTERNAL",
+          "        return ExitCode.BAD_INPUT", ("tests/test_bad_inputs.py",), "a bug is reported as bad input"),
+    # ---- configuration
+    Fault("env-below-toml", "hicache_cp/config.py", "        values.update(from_env)\n",
+          "        values = {**from_env, **values}\n", ("tests/test_config_sources.py",),
+          "the environment no longer beats the TOML file"),
+    Fault("keys-parent-ignored", "hicache_cp/keys.py", "+ np.uint64(parent)", "+ np.uint64(0)",
+          ("tests/test_radix.py",), "a prefix-hash chain does not continue from its parent"),
+]
+
+
+def run_fault(fault: Fault, python: str, timeout_s: float) -> tuple[bool, float, str]:
+    """Apply `fault` to a copy of the tree and run its tests: (caught, seconds, last output line)."""
+    with tempfile.TemporaryDirectory(prefix="hicache-mutant-") as tmp:
+        tree = Path(tmp) / "tree"
+        shutil.copytree(ROOT, tree, ignore=IGNORE)
+        shared = ROOT.parent / "shared"
+        if shared.exists():
+            os.symlink(shared, Path(tmp) / "shared")
+        target = tree / fault.file
+        text = target.read_text()
+        count = text.count(fault.old)
+        if count != 1:
+            raise SystemExit(f"fault {fault.name}: the snippet occurs {count} times in {fault.file}; update the list")
+        target.write_text(text.replace(fault.old, fault.new))
+        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+        cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *fault.tests]
+        t0 = time.perf_counter()
+        try:
+            out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+            caught = out.returncode != 0
+            tail = (out.stdout.strip().splitlines() or [""])[-1]
+        except subprocess.TimeoutExpired:
+            caught, tail = True, f"timed out after {timeout_s:.0f} s (counted as caught: the tests hung)"
+        return caught, time.perf_counter() - t0, tail
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="run the faults whose name starts with this")
+    ap.add_argument("--list", action="store_true", help="list the faults and exit")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per fault")
+    args = ap.parse_args()
+    faults = [f for f in FAULTS if f.name.startswith(args.only)]
+    if args.list:
+        for f in faults:
+            print(f"{f.name:<32} {f.file}: {f.why}")
+        return 0
+    survivors = []
+    for f in faults:
+        caught, seconds, tail = run_fault(f, sys.executable, args.timeout)
+        print(f"{'caught  ' if caught else 'SURVIVED'} {f.name:<32} {seconds:6.1f} s  {tail}", flush=True)
+        if not caught:
+            survivors.append(f)
+    print(f"\n{len(faults) - len(survivors)} of {len(faults)} faults caught")
+    for f in survivors:
+        note = f" (equivalent: {f.equivalent})" if f.equivalent else ""
+        print(f"survivor: {f.name}: {f.why}{note}")
+    return 1 if any(not f.equivalent for f in survivors) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
