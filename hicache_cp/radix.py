@@ -76,6 +76,7 @@ class Node:
     lock_ref: int = 0
     hit_count: int = 0
     last_access: int = 0
+    reuse_hint: int = 0  # the eviction policy's evidence of reuse, set at insert (hicache_cp.policy)
     id: int = field(default_factory=lambda: next(_node_ids))
 
     def head(self) -> PageKey:
@@ -167,6 +168,7 @@ class RadixTree:
             lock_ref=node.lock_ref,
             hit_count=node.hit_count,
             last_access=node.last_access,
+            reuse_hint=node.reuse_hint,
         )
         node.tokens = node.tokens[cut:]
         node.num_pages -= n
@@ -187,10 +189,13 @@ class RadixTree:
         self.refresh(node)
         return upper
 
-    def add_child(self, parent: Node, tokens: np.ndarray, device_pages: np.ndarray) -> Node:
-        """A new child of `parent` holding these whole pages (the tokens are copied)."""
+    def add_child(self, parent: Node, tokens: np.ndarray, device_pages: np.ndarray | None) -> Node:
+        """A new child of `parent` holding these whole pages (the tokens are copied).
+        `device_pages` None: the node holds nothing yet (engine-owned L1 attaches a
+        host copy to it next, `hicache_cp.cache.engine_l1`)."""
         n = len(tokens) // self.page_size
-        assert n and n * self.page_size == len(tokens) and n == len(device_pages), (len(tokens), len(device_pages))
+        assert n and n * self.page_size == len(tokens), (len(tokens), self.page_size)
+        assert device_pages is None or n == len(device_pages), (n, len(device_pages))
         child = Node(
             parent=parent,
             tokens=np.array(tokens, dtype=np.int64),

@@ -1,51 +1,76 @@
 #!/usr/bin/env bash
-# What this project measures on the device machine, in one call (device time
-# is scarce). Run from the repository root, on nvidia-h200-x2 for the 2-GPU
-# steps:
-#   HICACHE_COMMIT=<hash> STEPS="tests io" bash tools/device_all.sh
-# STEPS picks from: tests io replay replay2 pinning (default: all but replay2:
-# replay runs one GPU, replay2 two GPUs with NCCL); LIMIT caps the replayed
-# requests (default: the whole trace). The replays need
-# the trace copied to .devdata/ (carried, never committed). Results go to
-# $OUT (or bench/results). HICACHE_COMMIT names the commit in every JSON (the
-# device gets the working tree without .git).
+# What this project measures on the device machine, in as few calls as the
+# 10-minute limit allows (device time is scarce). From the repository root:
+#
+#   HICACHE_COMMIT=<hash> STEPS="tests replay replay2" bash tools/device_all.sh   # call 1, nvidia-h200-x2
+#   HICACHE_COMMIT=<hash> STEPS="pinning serve" bash tools/device_all.sh          # call 2, carry [".whl", ".devdata"]
+#
+# Steps:
+#   tests     pytest -m gpu: arena and pinning, copy engines, the CUDA state machine, 2-GPU CP replays
+#   replay    the full shared trace on one GPU, DeepSeek-V3.2 layout, L2 = 10% (target < 60 s)
+#   replay2   the same on two GPUs, CP 2 over NCCL (NVLink multicast off)
+#   io        bench-io; overhead: bench-overhead (tools/gpu_io_check.sh)
+#   pinning   tools/device_pinning.sh (64 GiB and the largest pool the machine allows)
+#   serve     tools/device_serve.sh (real-width DeepSeek-V3.2, needs the wheels in .whl/)
+# The replays read the trace from .devdata/ (carried, never committed). Every
+# result goes to $OUT (bench/results off the device): JSON with the commit,
+# the machine and the command, and one log per step starting with the same.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 DEST=${OUT:-bench/results}
 TRACE=${TRACE:-.devdata/synthetic_trace.jsonl}
-STEPS=${STEPS:-tests io replay pinning}
+STEPS=${STEPS:-tests replay}
 LIMIT=${LIMIT:+--limit $LIMIT}
+COMMIT=${HICACHE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export HICACHE_COMMIT=$COMMIT
 mkdir -p "$DEST"
-step() { echo; echo "=== $* ($(date +%T))"; }
+rc=0
 want() { [[ " $STEPS " == *" $1 "* ]]; }
+step() { echo; echo "=== $* ($(date +%T))"; }
+keep() { [ "$rc" -eq 0 ] && rc=$1; return 0; }
+header() {  # the provenance line every log starts with
+  echo "# commit $COMMIT; machine $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs), $(nproc) cpus; command: $*"
+}
 
-step nvidia-smi
-nvidia-smi --query-gpu=index,name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+nvidia-smi --query-gpu=index,name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
 
 if want tests; then
-  step "GPU tests (pytest -m gpu: engine, CUDA hypothesis machine, 2-rank NCCL replays)"
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests 2>&1 | tail -40 | tee "$DEST/gpu-tests.log"
-fi
-
-if want io; then
-  step "bench-io"
-  timeout 150 python3 -m hicache_cp bench-io --json "$DEST/io-h200.json" 2>&1 | tail -45
+  step "GPU tests"
+  cmd="python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests"
+  { header "$cmd"; timeout "${TESTS_TIMEOUT:-300}" $cmd 2>&1 | tail -40; } | tee "$DEST/gpu-tests.log"
+  keep "${PIPESTATUS[0]}"
 fi
 
 if want replay; then
   step "replay cp1 on one GPU, DeepSeek-V3.2 layout"
-  timeout 400 python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
-    --l2-fraction 0.1 --device cuda --json "$DEST/replay-h200-cp1.json" 2>&1 | grep -v "replay:" | tail -30
+  timeout "${REPLAY_TIMEOUT:-170}" python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
+    --l2-fraction 0.1 --device cuda --json "$DEST/replay-h200-cp1.json" 2>&1 | grep -v "replay:.*req" | tail -30
+  keep "${PIPESTATUS[0]}"
 fi
 
 if want replay2; then
   step "replay cp2 on two GPUs (NCCL), DeepSeek-V3.2 layout"
-  timeout 400 python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
-    --l2-fraction 0.1 --device cuda --cp-size 2 --json "$DEST/cp2-h200x2.json" 2>&1 | grep -v "replay:" | tail -30
+  timeout "${REPLAY_TIMEOUT:-170}" python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
+    --l2-fraction 0.1 --device cuda --cp-size 2 --json "$DEST/cp2-h200x2.json" 2>&1 | grep -v "replay:.*req" | tail -30
+  keep "${PIPESTATUS[0]}"
+fi
+
+if want io || want overhead; then
+  step "copy engines"
+  STEPS="$(want io && echo io) $(want overhead && echo overhead)" OUT="$DEST" bash tools/gpu_io_check.sh
+  keep $?
 fi
 
 if want pinning; then
-  step "pinning bench (64 GiB)"
-  timeout 130 python3 tools/bench_pinning.py --gib 64 --json "$DEST/pinning-h200.json" 2>&1 | tail -25
+  step "pinning"
+  OUT="$DEST" bash tools/device_pinning.sh
+  keep $?
 fi
+
+if want serve; then
+  step "serve"
+  OUT="$DEST" bash tools/device_serve.sh
+  keep $?
+fi
+exit "$rc"

@@ -35,6 +35,11 @@ class Evictor:
         #: write_back: start a backup of an L1 victim that has no host copy;
         #: returns whether one started (set by the facade to the lifecycle's).
         self.backup_victim: Callable[[Node], bool] = lambda node: False
+        state.policy.bind(
+            page_size=state.layout.page_size,
+            l1_pages=state.device_pool.allocator.capacity,
+            l2_pages=state.host_pool.allocator.capacity,
+        )
 
     def alloc_device(self, n: int, first_position: int) -> np.ndarray | None:
         """L1 pages for request positions [first_position, first_position + n), or None."""
@@ -79,7 +84,7 @@ class Evictor:
             return True
         goal = min(target + need, alloc.capacity)
         leaves = s.tree.device_leaves if tier == "l1" else s.tree.host_leaves
-        heap = [(s.policy.key(n), n.id, n) for n in leaves]
+        heap = [(s.policy.key_in(n, tier), n.id, n) for n in leaves]
         heapq.heapify(heap)
         while heap and not (alloc.free_pages >= goal and alloc.fits(need, first_position)):
             _, _, node = heapq.heappop(heap)
@@ -87,7 +92,7 @@ class Evictor:
                 continue
             parent = self._evict_l1(node) if tier == "l1" else self._evict_l2(node)
             if parent is not None and parent in leaves:
-                heapq.heappush(heap, (s.policy.key(parent), parent.id, parent))
+                heapq.heappush(heap, (s.policy.key_in(parent, tier), parent.id, parent))
         return alloc.fits(need, first_position)
 
     def _evict_l1(self, node: Node) -> Node | None:
@@ -102,6 +107,7 @@ class Evictor:
         node.stale_load = None
         s.device_pool.allocator.free(pages)
         s.metrics.evictions_l1 += len(pages)
+        s.policy.on_evict(node, "l1", s.clock)
         s.tree.refresh_family(node)
         parent = node.parent
         s.tree.prune(node)
@@ -114,8 +120,11 @@ class Evictor:
         node.host_pages = None
         node.host_state = HostState.NONE
         node.host_parts = frozenset()
-        s.host_pool.allocator.free(pages)
         s.metrics.evictions_l2 += len(pages)
+        s.policy.on_evict(node, "l2", s.clock)
+        if s.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
+            pages = s.l3.on_evict_l2(pages)
+        s.host_pool.allocator.free(pages)
         s.tree.refresh_family(node)
         parent = node.parent
         s.tree.prune(node)

@@ -3,13 +3,18 @@
 A policy maps a node to a sort key; the smallest key is evicted first. Keys
 use the cache's logical clock (one tick per `match_prefix`), never wall
 time, so every CP rank computes the same order from the same metadata
-(DOMAIN.md rule 7) and runs are reproducible.
+(DOMAIN.md rule 7) and runs are reproducible. A policy may also learn from
+hooks the cache calls on every match, insert and eviction (`base`).
 
 Policies live one per module in this package and register by name; the
 registry imports a built-in module only when its policy is asked for:
 
     lru           least recently matched first (`lru`)
     hit_weighted  LRU with a bonus per past hit (`hit_weighted`)
+    reuse_lru     LRU that protects content seen twice, across evictions, and
+                  first-timer classes it learns are reused (`reuse_lru`)
+
+`tools/policy_sweep.py` compares them against the Belady bound.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from hicache_cp.policy.base import EvictionPolicy, register_policy, registered
 BUILTIN: dict[str, str] = {
     "lru": "hicache_cp.policy.lru",
     "hit_weighted": "hicache_cp.policy.hit_weighted",
+    "reuse_lru": "hicache_cp.policy.reuse_lru",
 }
 
 __all__ = ["BUILTIN", "EvictionPolicy", "make_policy", "policy_names", "register_policy"]
