@@ -171,7 +171,9 @@ def test_sizes_come_from_a_trace(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.run(parse(argv)) == 2
+    from hicache_cp.harness.cli import main
+
+    assert main(["bench-alloc", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "error:" in err and "Traceback" not in err
 

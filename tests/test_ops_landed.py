@@ -16,7 +16,7 @@ from conftest import evict_all_l1, land, run_request, tokens_of
 from hicache_cp.cache.lifecycle import Lifecycle
 from hicache_cp.config import Config
 from hicache_cp.errors import ConsistencyError
-from hicache_cp.io.base import Direction
+from hicache_cp.io.base import CopyTicket, Direction, TicketState
 from hicache_cp.layout import Part
 from hicache_cp.ops import BackupOp, BackupState, LoadState
 
@@ -91,3 +91,38 @@ def test_empty_submission_is_landed_only_for_a_rank_that_owns_nothing() -> None:
     assert 0 not in owns_two.landed[Part.TARGET_KV]
     assert isinstance(owns_two.error, ConsistencyError) and owns_two.error.layer == 0
     assert not owns_two.local_vote().ok
+
+
+class _Ticket(CopyTicket):
+    """A test double: a copy whose completion the test decides."""
+
+    def __init__(self, part: Part, layer: int, nbytes: int) -> None:
+        super().__init__(Direction.D2H, part, layer, nbytes)
+        self.state = TicketState.PENDING
+
+    def query(self) -> TicketState:
+        return self.state
+
+    def wait(self) -> None:
+        pass
+
+    def make_compute_wait(self) -> None:
+        pass
+
+
+def test_a_layer_of_several_copies_lands_when_the_last_one_does() -> None:
+    """A layer may be copied by several submissions (e.g. one per run): it
+    counts as landed only once none of them is in flight."""
+    layout = Config(model="tiny").layout()
+    page_bytes = layout.part(Part.TARGET_KV).page_bytes
+    pages = np.array([1, 2, 3, 4], np.int64)
+    op = BackupOp(layout, pages, pages, 0)
+    first, second = _Ticket(Part.TARGET_KV, 0, 2 * page_bytes), _Ticket(Part.TARGET_KV, 0, 2 * page_bytes)
+    op.record_submit(Part.TARGET_KV, 0, [first, second])
+    assert op.error is None
+    first.state = TicketState.DONE
+    op.reap()
+    assert 0 not in op.landed[Part.TARGET_KV], "landed with half of its pages still in flight"
+    second.state = TicketState.DONE
+    op.reap()
+    assert 0 in op.landed[Part.TARGET_KV]

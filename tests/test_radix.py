@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hicache_cp.keys import page_hashes, prefix_hashes
 from hicache_cp.radix import RadixTree, whole_pages
 
-PS = 4
+PS = 2
 
-SEQ = st.lists(st.integers(0, 2), min_size=0, max_size=24).map(lambda xs: np.array(xs, dtype=np.int64))
+SEQ = st.lists(st.integers(0, 1), min_size=0, max_size=16).map(lambda xs: np.array(xs, dtype=np.int64))
 
 
 def _brute_force(inserted: list[np.ndarray], tokens: np.ndarray) -> int:
@@ -56,6 +56,18 @@ def test_match_is_the_longest_exact_page_prefix(ops: list[tuple[bool, np.ndarray
         if is_insert:
             _insert(tree, tokens)
             inserted.append(tokens)
+        tree.check_invariants()
+
+
+def test_match_stops_at_the_first_differing_page() -> None:
+    """Same first page, different second page (and a difference inside a
+    long node): the match ends where the tokens differ, splitting the node."""
+    tree = RadixTree(PS)
+    a = np.array([0, 0, 1, 1, 0, 1, 1, 0], dtype=np.int64)  # 4 pages
+    _insert(tree, a)
+    for other, expect in (([0, 0, 0, 0], 1), ([0, 0, 1, 1, 0, 1, 0, 0], 3), ([0, 0, 1, 1, 0, 1, 1, 0, 1, 1], 4)):
+        path = tree.match(whole_pages(np.array(other, dtype=np.int64), PS))
+        assert (path[-1].end_position if path else 0) == expect, other
         tree.check_invariants()
 
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import math
 import os
@@ -70,7 +69,9 @@ import torch
 from hicache_cp.config import PRESETS
 from hicache_cp.harness.bench.alloc_peers import load_sglang_host_kv_cache, make_peers
 from hicache_cp.harness.bench.alloc_workload import FREE, RESERVE, SizeSource, Workload, make_workload
+from hicache_cp.harness import checks
 from hicache_cp.harness.errors import InputError
+from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.layout import Part
 
@@ -83,6 +84,11 @@ BASELINES = ("slot_list_lazy", "page_free_list", "slot_list_eager")
 
 class BenchInputError(InputError, ValueError):
     """A bench-alloc argument is out of range; reported as one line, exit code 2."""
+
+
+#: An upper estimate of the allocators' metadata per pool page, all of them together
+#: (page-id tables, free lists, extent indexes): the pool itself is never allocated.
+METADATA_BYTES_PER_PAGE = 64
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,12 @@ class BenchConfig:
                 )
         if self.trace is not None and not self.trace.is_file():
             raise BenchInputError(f"--trace {self.trace}: no such file")
+        pages = max(self.pages(b) for b in self.page_bytes)
+        try:
+            checks.fits_host_memory(f"--pool-gib {self.pool_gib:g} ({pages:,} pages of metadata)",
+                                    pages * METADATA_BYTES_PER_PAGE)
+        except InputError as exc:
+            raise BenchInputError(str(exc)) from None
 
     def pages(self, page_bytes: int) -> int:
         """Pool pages for one page unit, a multiple of ``cp_size``."""
@@ -463,7 +475,7 @@ def _print_unit(unit: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     """Entry point behind ``hicache-cp bench-alloc``; returns the exit code.
 
-    Bad input prints one ``error:`` line on stderr and returns 2.
+    Bad input raises BenchInputError (an InputError): the CLI prints one line and exits 2.
     """
     try:
         page_bytes = (
@@ -471,29 +483,29 @@ def run(args: argparse.Namespace) -> int:
             if args.page_bytes
             else default_page_bytes(args.model, args.page_tokens)
         )
-        cfg = BenchConfig(
-            pool_gib=args.pool_gib,
-            page_bytes=page_bytes,
-            ops=args.ops,
-            seed=args.seed,
-            page_tokens=args.page_tokens,
-            warmup_ops=args.warmup_ops,
-            turnover=args.turnover,
-            block_ops=args.block_ops,
-            free_room=args.free_room,
-            hits=args.hits,
-            split=args.split,
-            cp_size=args.cp_size,
-            torch_threads=args.torch_threads,
-            max_slots=args.max_slots,
-            sample_reserves=args.sample_reserves,
-            trace=args.trace,
-            json_path=args.json,
-            command=command_line("bench-alloc"),
-        )
-    except (BenchInputError, ValueError) as exc:
-        print(f"hicache-cp bench-alloc: error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError:
+        raise BenchInputError(f"--page-bytes {args.page_bytes!r}: expected comma-separated integers") from None
+    checks.output_file("--json", args.json)
+    cfg = BenchConfig(  # validates every flag (BenchInputError: exit 2, through the CLI)
+        pool_gib=args.pool_gib,
+        page_bytes=page_bytes,
+        ops=args.ops,
+        seed=args.seed,
+        page_tokens=args.page_tokens,
+        warmup_ops=args.warmup_ops,
+        turnover=args.turnover,
+        block_ops=args.block_ops,
+        free_room=args.free_room,
+        hits=args.hits,
+        split=args.split,
+        cp_size=args.cp_size,
+        torch_threads=args.torch_threads,
+        max_slots=args.max_slots,
+        sample_reserves=args.sample_reserves,
+        trace=args.trace,
+        json_path=args.json,
+        command=command_line("bench-alloc"),
+    )
     result = run_config(cfg)
     info = result["sglang"]
     print(f"pool {cfg.pool_gib:g} GiB; slot_list_lazy: "
@@ -501,17 +513,16 @@ def run(args: argparse.Namespace) -> int:
     for unit in result["units"]:
         _print_unit(unit)
     if cfg.json_path is not None:
-        cfg.json_path.parent.mkdir(parents=True, exist_ok=True)
-        cfg.json_path.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(cfg.json_path, result)
         print(f"wrote {cfg.json_path}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hicache_cp.harness.bench.alloc``: parse ``argv`` and :func:`run`."""
-    parser = argparse.ArgumentParser(prog="hicache-cp bench-alloc", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m hicache_cp.harness.bench.alloc``: the ``hicache-cp bench-alloc`` command."""
+    from hicache_cp.harness.cli import main as cli_main
+
+    return cli_main(["bench-alloc", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
