@@ -23,7 +23,7 @@ import sys
 import traceback
 from typing import Any, NoReturn
 
-from hicache_cp.harness.errors import ExitCode, bad_input_types
+from hicache_cp.harness.errors import ExitCode, IntegrityFailure, bad_input_types
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("hicache_cp.harness.replay.command", "replay a trace through the reference server (the main job)"),
@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    except IntegrityFailure as exc:
+        print(f"{prog}: integrity failure: {exc}", file=sys.stderr)
+        return ExitCode.INTEGRITY
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

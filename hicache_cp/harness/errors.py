@@ -32,6 +32,10 @@ class InputError(HiCacheError):
     """Bad input to a command (flag, file, environment): one line, exit code 2."""
 
 
+class IntegrityFailure(HiCacheError):
+    """Bytes that arrived differ from what was written: exit code 1."""
+
+
 class MissingExtra(InputError):
     """An optional dependency is not installed; the message names the extra."""
 

@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.io.base import CopyEngine, TicketState, default_backend, make_engine
 from hicache_cp.layout import KVLayout, Part
@@ -330,8 +331,7 @@ def run(args: argparse.Namespace) -> int:
             rows = result["backends"].get(result["default_backend"], {})
             result["default_numbers"] = {n: rows[n] for n in _DEFAULT_SIZES if n in rows}
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
+            write_json(args.json, result)
 
     result.update(measure_peak(gate, int(args.peak_mib) << 20))
     _progress(f"peak D2H {result['peak_d2h_gbps']:.1f} H2D {result['peak_h2d_gbps']:.1f} both {result['peak_bidir_gbps']:.1f} GB/s")

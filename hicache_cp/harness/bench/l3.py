@@ -25,7 +25,6 @@ numbers with the commit, the machine and the command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,8 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from hicache_cp.config import PRESETS
-from hicache_cp.harness import integrity
+from hicache_cp.harness import checks, integrity
+from hicache_cp.harness.errors import InputError, IntegrityFailure, require
 from hicache_cp.harness.l3_master import MooncakeMaster, holder_process
+from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.l3.client import L3Client, Region, call_spans
 from hicache_cp.l3.config import L3Config
@@ -63,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
     layout = PRESETS[args.model].layout(args.page_size)
     n, g = args.pages, args.pages_per_object
     if n < 1 or g < 1 or n % g:
-        raise SystemExit("bench-l3: --pages must be a positive multiple of --pages-per-object")
+        raise InputError("--pages must be a positive multiple of --pages-per-object")
+    checks.in_range("--repeats", args.repeats, 1, 1000)
+    checks.output_file("--json", args.json)
+    require("mooncake.store", "pd", "bench-l3")
     pool = HostPool(layout, layout.bytes_per_page * (2 * n + 1), pin=False)
     src = np.arange(1, n + 1, dtype=np.int64)  # physical pages written, then read back into dst
     dst = np.arange(n + 1, 2 * n + 1, dtype=np.int64)
@@ -111,7 +115,7 @@ def _measure(args, layout, pool, store, cfg, regions, src, dst, hashes) -> dict:
                 finally:
                     client.close()
                 if out.keys_put != len(objects) or got != nbytes:
-                    raise SystemExit(f"bench-l3: our path stored {out.keys_put}/{len(objects)} objects, read {got}/{nbytes} B")
+                    raise IntegrityFailure(f"our path stored {out.keys_put}/{len(objects)} objects, read {got}/{nbytes} B")
             else:
                 for r in regions:
                     store.register(r.ptr, r.nbytes)
@@ -166,7 +170,7 @@ def _check(pool, layout, dst, hashes) -> None:  # type: ignore[no-untyped-def]
     for p in layout.parts:
         for slot, layer in enumerate(p.layer_ids):
             if not np.array_equal(pool.layer_view(p.part, slot)[dst], integrity.content(hashes, p.part, layer, p.page_bytes)):
-                raise SystemExit(f"bench-l3: bytes read back differ ({p.part.value} layer {layer})")
+                raise IntegrityFailure(f"bytes read back differ ({p.part.value} layer {layer})")
 
 
 def _report(args: argparse.Namespace, r: dict) -> None:
@@ -178,8 +182,7 @@ def _report(args: argparse.Namespace, r: dict) -> None:
     print(f"ratio ours/raw: put {r['put_ratio']:.3f}, get {r['get_ratio']:.3f}; {r['bytes'] / 2**20:.1f} MiB in "
           f"{r['objects']} objects, {r['chunks']} chunks ({r['mean_chunk_bytes']} B each); bytes verified")  # fmt: skip
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(r, indent=2) + "\n")
+        write_json(args.json, r)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 
 #: Calls made once per request (at most), in protocol order.
@@ -185,44 +186,34 @@ def serve(cache: Any, tokens: np.ndarray, timings: Timings) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Replay the trace through the timed protocol; print a table; write JSON if asked."""
-    from hicache_cp.harness.replay.setup import InputError, check_args, load_requests, size
-    from hicache_cp.harness.trace import TraceError
+    """Replay the trace through the timed protocol; print a table; write JSON if asked.
 
-    args.cp_size, args.policy, args.write_policy, args.pd, args.bounds = 1, None, None, False, False
-    try:
-        check_args(args)
-        requests = load_requests(args)
-        config = _config(args, requests, size)
-    except (InputError, TraceError, ValueError) as exc:
-        print(f"hicache-cp bench-overhead: error: {exc}", file=sys.stderr)
-        return 2
+    The inputs are checked like the replay's (bad input: exit 2 through the CLI)."""
+    from hicache_cp.harness.replay.setup import build_config, check_args, load_requests
+
+    # The replay's options that this benchmark fixes: one rank, the default policies, no extras.
+    for name, value in (("cp_size", None), ("policy", None), ("write_policy", None), ("pd", False),
+                        ("bounds", False), ("plot", None), ("metrics_port", None),
+                        ("set", [f"page_size={args.page_size}"])):  # fmt: skip
+        setattr(args, name, value)
+    check_args(args)
+    requests = load_requests(args)
+    config = build_config(args, requests)[0].config
     result = measure(args, config, requests)
     _print_table(result)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     return 0
-
-
-def _config(args: argparse.Namespace, requests: list[Any], size: Callable[..., Any]) -> Any:
-    from hicache_cp.config import Config
-
-    overrides = {"model": args.model, "page_size": args.page_size, "io_backend": args.io_backend}
-    base = Config.load(args.config, overrides={k: v for k, v in overrides.items() if v is not None})
-    sizing = size(args, base, requests)
-    return Config.from_dict({**base.to_dict(), "l1_pages": sizing.l1_physical_pages, "host_budget_bytes": sizing.host_budget_bytes})
 
 
 def measure(args: argparse.Namespace, config: Any, requests: list[Any]) -> dict[str, Any]:
     """Run every request; return the result dict (see the module docstring)."""
-    import torch
 
     from hicache_cp.cache import HiCache
     from hicache_cp.harness.replay.setup import tokens_per_block
     from hicache_cp.harness.trace import request_tokens
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device  # resolved by the replay's check_args
     tpb = tokens_per_block(args, config)
     all_tokens = [request_tokens(r, tpb) for r in requests]  # harness work: before the clock
     timings = Timings()
