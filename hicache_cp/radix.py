@@ -203,12 +203,7 @@ class RadixTree:
             first_position=parent.end_position,
             device_pages=device_pages,
         )
-        head = child.head()
-        assert head not in parent.children, f"{parent} already has a child starting with these tokens"
-        parent.children[head] = child
-        self.refresh(child)
-        self.refresh(parent)
-        return child
+        return self._attach(parent, child)
 
     def add_host_child(
         self, parent: Node, tokens: np.ndarray, host_pages: np.ndarray, parts: frozenset[Part]
@@ -227,6 +222,9 @@ class RadixTree:
             host_state=HostState.COMMITTED,
             host_parts=parts,
         )
+        return self._attach(parent, child)
+
+    def _attach(self, parent: Node, child: Node) -> Node:
         head = child.head()
         assert head not in parent.children, f"{parent} already has a child starting with these tokens"
         parent.children[head] = child
