@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.io.base import CopyEngine, TicketState, default_backend, make_engine
@@ -95,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernel-sm-fractions", default="0.25,0.5,1.0", help="grid caps of the kernel backend sweep ('' skips it)")
     parser.add_argument("--runs-backends", default="hybrid,kernel,direct", help="variants also measured on pages in runs ('' skips it)")
     parser.add_argument("--run-pages", type=int, default=128, help="consecutive pages per run of the runs pattern")
+    parser.add_argument("--alloc-runs", type=Path,
+                        help="instead of the sweep: copy the page lists of a bench-alloc JSON (its sample_runs) "
+                             "with the default backend and direct")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
@@ -201,49 +205,102 @@ def measure_backend(
     and the host time of each submission (one layer of one part) on the
     caller's thread: median and p99 over the gated batches plus
     `_SUBMIT_SAMPLES` more."""
-    layers = engine.layout.part(Part.TARGET_KV).layer_ids
     out: dict[str, dict[str, float]] = {}
     for n in sizes:
         reps = int(np.clip((256 << 20) // (n * page_bytes), 3, 50))
         sets = _page_sets(rng, reps, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages, run)
-        row: dict[str, float] = {}
-        for label, backup in (("d2h", True), ("h2d", False)):
-            submit_us: list[float] = []
-            tickets: list[Any] = []
+        out[str(n)] = measure_sets(gate, engine, sets, page_bytes)
+    return out
 
-            calls = [0]
 
-            def submit(i: int) -> Any:
-                d, h = sets[i % len(sets)]
-                layer = layers[i % len(layers)]
-                t0 = time.perf_counter()
-                t = engine.submit_backup(Part.TARGET_KV, layer, d, h) if backup else engine.submit_load(Part.TARGET_KV, layer, h, d)
-                if calls[0] > 1:  # the first batch is the warm-up
-                    submit_us.append((time.perf_counter() - t0) * 1e6)
-                tickets.append(t)
-                return t
+def measure_sets(
+    gate: _Gate, engine: CopyEngine, sets: list[tuple[np.ndarray, np.ndarray]], page_bytes: int
+) -> dict[str, float]:
+    """D2H and H2D rate of copying every (device pages, host pages) set once
+    per batch, and the host time of each submission (median, p99)."""
+    total_pages = sum(len(d) for d, _ in sets)
+    row: dict[str, float] = {}
+    for label, backup in (("d2h", True), ("h2d", False)):
+        row.update(_measure_direction(gate, engine, sets, page_bytes * total_pages, label, backup))
+    return row
 
-            def enqueue() -> None:
-                calls[0] += 1
-                t = None
-                for i in range(len(sets)):
-                    t = submit(i)
-                assert t is not None
-                t.make_compute_wait()
 
-            ms, _ = _median_ms(gate, enqueue)
-            for i in range(_SUBMIT_SAMPLES):  # host time only: the GPU runs behind, unmeasured
-                submit(i)
-            tickets[-1].wait()
-            torch.cuda.synchronize()
-            row[f"{label}_gbps"] = _gbps(reps * n * page_bytes, ms)
-            row[f"{label}_submit_us"] = float(np.median(submit_us))
-            row[f"{label}_submit_us_p99"] = float(np.percentile(submit_us, 99))
-            row[f"{label}_submit_samples"] = len(submit_us)
-            failed = sum(t.query() is TicketState.FAILED for t in tickets)
-            if failed:
-                raise RuntimeError(f"{failed} of {len(tickets)} {label} copies of {n} pages FAILED")
-        out[str(n)] = row
+def _measure_direction(
+    gate: _Gate, engine: CopyEngine, sets: list[tuple[np.ndarray, np.ndarray]], nbytes: int, label: str, backup: bool
+) -> dict[str, float]:
+    layers = engine.layout.part(Part.TARGET_KV).layer_ids
+    submit_us: list[float] = []
+    tickets: list[Any] = []
+    batches = [0]
+
+    def submit(i: int) -> Any:
+        d, h = sets[i % len(sets)]
+        layer = layers[i % len(layers)]
+        t0 = time.perf_counter()
+        t = engine.submit_backup(Part.TARGET_KV, layer, d, h) if backup else engine.submit_load(Part.TARGET_KV, layer, h, d)
+        if batches[0] > 1:  # the first batch is the warm-up
+            submit_us.append((time.perf_counter() - t0) * 1e6)
+        tickets.append(t)
+        return t
+
+    def enqueue() -> None:
+        batches[0] += 1
+        t = None
+        for i in range(len(sets)):
+            t = submit(i)
+        assert t is not None
+        t.make_compute_wait()
+
+    ms, _ = _median_ms(gate, enqueue)
+    for i in range(_SUBMIT_SAMPLES):  # host time only: the GPU runs behind, unmeasured
+        submit(i)
+    tickets[-1].wait()
+    torch.cuda.synchronize()
+    failed = sum(t.query() is TicketState.FAILED for t in tickets)
+    if failed:
+        raise RuntimeError(f"{failed} of {len(tickets)} {label} copies FAILED")
+    return {
+        f"{label}_gbps": _gbps(nbytes, ms),
+        f"{label}_submit_us": float(np.median(submit_us)),
+        f"{label}_submit_us_p99": float(np.percentile(submit_us, 99)),
+        f"{label}_submit_samples": len(submit_us),
+    }
+
+
+def measure_alloc_runs(gate: _Gate, path: Path, backends: list[str], page_bytes: int) -> dict[str, Any]:
+    """Copies of the page lists each allocator of a bench-alloc run actually
+    handed out (its `sample_runs`: the same reservations for every allocator),
+    host side as given, device side contiguous: what contiguity buys in
+    descriptors, submit time and GB/s, per backend."""
+    try:
+        unit = json.loads(path.read_text())["units"][0]
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise InputError(f"--alloc-runs {path}: not a bench-alloc result ({exc})") from None
+    reservations = {
+        name: [np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in runs]) for runs in a["sample_runs"]]
+        for name, a in unit["allocators"].items() if a.get("sample_runs")
+    }  # fmt: skip
+    pages = max(int(h.max()) for hs in reservations.values() for h in hs) + 1
+    largest = max(len(h) for hs in reservations.values() for h in hs)
+    dev, host = _pools(page_bytes, 2, max(pages, largest + 1))
+    out: dict[str, Any] = {"source": str(path), "source_commit": None, "pages": pages, "allocators": {}}
+    try:
+        out["source_commit"] = json.loads(path.read_text()).get("commit")
+    except ValueError:
+        pass
+    for name, hosts in reservations.items():
+        sets = [(np.arange(1, len(h) + 1, dtype=np.int64), h) for h in hosts]
+        runs = [len(a) for a in unit["allocators"][name]["sample_runs"]]
+        entry: dict[str, Any] = {"runs_per_reserve": float(np.mean(runs)), "pages_per_reserve": float(np.mean([len(h) for h in hosts]))}
+        for backend in backends:
+            engine = _make(backend, dev, host)
+            try:
+                entry[backend] = measure_sets(gate, engine, sets, page_bytes)
+            finally:
+                engine.close()
+        out["allocators"][name] = entry
+        _progress(f"alloc runs {name}: {json.dumps(entry)}")
+    host.close()
     return out
 
 
@@ -337,6 +394,10 @@ def run(args: argparse.Namespace) -> int:
     _progress(f"peak D2H {result['peak_d2h_gbps']:.1f} H2D {result['peak_h2d_gbps']:.1f} both {result['peak_bidir_gbps']:.1f} GB/s")
     save()
     torch.cuda.empty_cache()
+    if args.alloc_runs is not None:
+        result["alloc_runs"] = measure_alloc_runs(gate, args.alloc_runs, ["hybrid", "direct"], page_bytes)
+        save()
+        return 0
     dev, host = _pools(page_bytes, 2, 2 * max(sizes) + 1)
     default = default_backend(dev)
     result["default_backend"] = default
