@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hicache_cp.radix", "hicache_cp.pools", "hicache_cp.metrics"),
     ("hicache_cp.io",),
     ("hicache_cp.ops", "hicache_cp.policy"),
-    ("hicache_cp.config", "hicache_cp.l3", "hicache_cp.cache.match"),
+    ("hicache_cp.config", "hicache_cp.l3", "hicache_cp.match"),
     ("hicache_cp.cache",),
     ("hicache_cp", "hicache_cp.prometheus", "hicache_cp.pd"),
     ("hicache_cp.integrations",),
@@ -114,6 +114,33 @@ def test_no_import_cycle() -> None:
     for n in sorted(GRAPH):
         if n not in state:
             visit(n)
+
+
+def test_no_cycle_between_packages() -> None:
+    """Subpackages (hicache_cp.cache, .l3, .io, ...) form a DAG too, not only modules."""
+
+    def package(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    edges: dict[str, set[str]] = {}
+    for a, deps in GRAPH.items():
+        for b in deps:
+            if package(a) != package(b):
+                edges.setdefault(package(a), set()).add(package(b))
+    state: dict[str, int] = {}
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(edges.get(n, ())):
+            if state.get(m) == 1:
+                pytest.fail("package cycle: " + " -> ".join([*path, n, m]))
+            if m not in state:
+                visit(m, [*path, n])
+        state[n] = 2
+
+    for n in sorted(edges):
+        if n not in state:
+            visit(n, [])
 
 
 def test_library_modules_stay_small() -> None:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hicache_cp.cache.lifecycle import Lifecycle
-from hicache_cp.cache.match import MatchResult
+from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.io.base import Direction

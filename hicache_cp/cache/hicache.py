@@ -47,7 +47,7 @@ import numpy as np
 from hicache_cp.cache.engine_l1 import EngineL1
 from hicache_cp.cache.eviction import Evictor
 from hicache_cp.cache.lifecycle import Lifecycle
-from hicache_cp.cache.match import MatchResult
+from hicache_cp.match import MatchResult
 from hicache_cp.cache.prefix import Prefixes
 from hicache_cp.cache.state import CacheState
 from hicache_cp.cache.tier3 import Tier3

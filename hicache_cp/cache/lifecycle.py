@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from hicache_cp.cache.eviction import Evictor
-from hicache_cp.cache.match import MatchResult
+from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
 from hicache_cp.config import WritePolicy
 from hicache_cp.cp import mapping as cp_mapping

@@ -13,7 +13,7 @@ import logging
 import numpy as np
 
 from hicache_cp.cache.lifecycle import Lifecycle, prefix_loads
-from hicache_cp.cache.match import MatchResult
+from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
 from hicache_cp.config import WritePolicy
 from hicache_cp.errors import ConsistencyError

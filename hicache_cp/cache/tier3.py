@@ -45,7 +45,7 @@ from typing import Protocol
 import numpy as np
 
 from hicache_cp.cache.eviction import Evictor
-from hicache_cp.cache.match import MatchResult
+from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
 from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.cp.agreement import Vote

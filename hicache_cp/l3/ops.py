@@ -50,7 +50,7 @@ from hicache_cp.l3.keys import L3Object
 from hicache_cp.l3.store import L3Error, L3Timeout
 
 if TYPE_CHECKING:
-    from hicache_cp.cache.match import MatchResult
+    from hicache_cp.match import MatchResult
 
 
 class PrefetchState(enum.Enum):
