@@ -432,8 +432,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     checks.in_range("--pages", args.pages, 1, 1 << 24)
     checks.in_range("--port", args.port, 0, 65535)
+    quiet_mooncake_logs(getattr(args, "verbose", 0))  # before Mooncake loads
     require("mooncake.engine", "pd", "decode-peer")
-    quiet_mooncake_logs(getattr(args, "verbose", 0))
     key = os.environ.get(args.authkey_env)
     if not key:
         raise InputError(f"set {args.authkey_env} to the control channel's authkey")

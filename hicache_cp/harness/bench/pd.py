@@ -66,6 +66,7 @@ def check_args(args: argparse.Namespace) -> KVLayout:
     checks.in_range("--repeats", args.repeats, 1, MAX_REPEATS)
     checks.in_range("--l2-fraction", args.l2_fraction, 0.0, 1.0)
     checks.output_file("--json", args.json)
+    quiet_mooncake_logs(getattr(args, "verbose", 0))  # before Mooncake loads
     require("mooncake.engine", "pd", "bench-pd")
     layout = layout_from_args(args)
     # L1 and L2 hold 2 * pages + 1 pages each, the decode peer pages + 1: all in host memory here.
@@ -75,7 +76,6 @@ def check_args(args: argparse.Namespace) -> KVLayout:
 
 def run(args: argparse.Namespace) -> int:
     layout = check_args(args)
-    quiet_mooncake_logs(getattr(args, "verbose", 0))
     from hicache_cp.pd.sender import PageHomes, PdSender
     from hicache_cp.pools import DevicePool, HostPool
 

@@ -73,11 +73,12 @@ def check_args(args: argparse.Namespace) -> None:
     args.device = checks.device("--device", args.device)
     if args.plot is not None:
         require("matplotlib", "plot", "--plot")
-    if args.pd:
-        require("mooncake.engine", "pd", "--pd")
+    if args.pd or getattr(args, "l3", None):
         from hicache_cp.pd.engine import quiet_mooncake_logs
 
-        quiet_mooncake_logs(getattr(args, "verbose", 0))  # before any engine, inherited by the ranks
+        quiet_mooncake_logs(getattr(args, "verbose", 0))  # before Mooncake loads; the ranks inherit it
+    if args.pd:
+        require("mooncake.engine", "pd", "--pd")
     if args.metrics_port is not None:
         checks.in_range("--metrics-port", args.metrics_port, 1, 65535 - MAX_CP_SIZE)
         require("prometheus_client", "metrics", "--metrics-port")
