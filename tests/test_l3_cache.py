@@ -8,6 +8,7 @@ after every operation (`debug_checks`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -123,14 +124,27 @@ def _hashes(cache, tokens):  # type: ignore[no-untyped-def]
     return PositionHashes.of(tokens, cache.layout.page_size)
 
 
-def test_a_key_lost_between_lookup_and_read_counts_nothing(l3env) -> None:  # noqa: F811
-    store, settings = GatedStore(l3env.stores[1]), l3env.settings()
-    a = l3_cache(l3env.stores[0], settings)
-    b = l3_cache(store, settings)
+@contextlib.contextmanager
+def _written_here_read_there_gated(l3env, ids, **settings):  # type: ignore[no-untyped-def]
+    """Cache `a` served `ids` and put them to L3; cache `b` reads the store
+    through a gate that is closed (reads wait) until the test opens it.
+    Yields (a, b, gated store); opens the gate and closes both at the end."""
+    store, cfg = GatedStore(l3env.stores[1]), l3env.settings(**settings)
+    a = l3_cache(l3env.stores[0], cfg)
+    b = l3_cache(store, cfg)
     try:
-        _serve(a, range(1, 9))
+        _serve(a, ids)
         flush_writes(a)
         store.get_gate.clear()
+        yield a, b, store
+    finally:
+        store.get_gate.set()
+        a.close()
+        b.close()
+
+
+def test_a_key_lost_between_lookup_and_read_counts_nothing(l3env) -> None:  # noqa: F811
+    with _written_here_read_there_gated(l3env, range(1, 9)) as (a, b, store):
         m = b.match_prefix(tokens_of(*range(1, 9)))
         op = b.prefetch(m, wait=False)
         assert op is not None and op.num_pages == 8
@@ -144,9 +158,6 @@ def test_a_key_lost_between_lookup_and_read_counts_nothing(l3env) -> None:  # no
         b.release(m.last_node)
         b.check_invariants()
         assert b.host_pool.allocator.used_pages == 0
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_short_object_is_a_failed_read(l3env) -> None:  # noqa: F811
@@ -210,13 +221,7 @@ def test_a_full_write_queue_skips(l3env) -> None:  # noqa: F811
 
 
 def test_prefetch_without_waiting_serves_the_next_request(l3env) -> None:  # noqa: F811
-    store, settings = GatedStore(l3env.stores[1]), l3env.settings(prefetch_wait=False)
-    a = l3_cache(l3env.stores[0], settings)
-    b = l3_cache(store, settings)
-    try:
-        _serve(a, range(1, 9))
-        flush_writes(a)
-        store.get_gate.clear()
+    with _written_here_read_there_gated(l3env, range(1, 9), prefetch_wait=False) as (a, b, store):
         r = run_request(b, tokens_of(*range(1, 9)), write=fill_pattern, stop_after="insert")
         # the request went without: it computed all 8 pages; the fetch still holds 8 L2 pages
         assert r.m.l3_len == 0 and len(r.new) == 8 and len(b.l3.prefetches) == 1
@@ -228,20 +233,10 @@ def test_prefetch_without_waiting_serves_the_next_request(l3env) -> None:  # noq
         evict_all_l1(b)
         r2 = _serve(b, range(1, 9))
         assert r2.m.host_len == 8 and verify_l1(b, r2.tokens, range(8), r2.load.device_pages) == 0
-    finally:
-        store.get_gate.set()
-        a.close()
-        b.close()
 
 
 def test_cancel_releases_after_the_read_returns(l3env) -> None:  # noqa: F811
-    store, settings = GatedStore(l3env.stores[1]), l3env.settings()
-    a = l3_cache(l3env.stores[0], settings)
-    b = l3_cache(store, settings)
-    try:
-        _serve(a, range(1, 5))
-        flush_writes(a)
-        store.get_gate.clear()
+    with _written_here_read_there_gated(l3env, range(1, 5)) as (a, b, store):
         m = b.match_prefix(tokens_of(*range(1, 5)))
         op = b.prefetch(m, wait=False)
         b.cancel_prefetch(op)
@@ -252,20 +247,10 @@ def test_cancel_releases_after_the_read_returns(l3env) -> None:  # noqa: F811
         assert op.state is PrefetchState.ABORTED and b.host_pool.allocator.used_pages == 0
         assert b.l3.metrics.l3_prefetch_cancelled == 1
         b.release(m.last_node)
-    finally:
-        store.get_gate.set()
-        a.close()
-        b.close()
 
 
 def test_a_prefetch_past_its_deadline_goes_without(l3env) -> None:  # noqa: F811
-    store, settings = GatedStore(l3env.stores[1]), l3env.settings(prefetch_timeout_s=0.2)
-    a = l3_cache(l3env.stores[0], settings)
-    b = l3_cache(store, settings)
-    try:
-        _serve(a, range(1, 5))
-        flush_writes(a)
-        store.get_gate.clear()
+    with _written_here_read_there_gated(l3env, range(1, 5), prefetch_timeout_s=0.2) as (a, b, store):
         m = b.match_prefix(tokens_of(*range(1, 5)))
         op = b.prefetch(m)  # waits 0.2 s, then the agreed decision: failing
         assert op.state is PrefetchState.FAILING and m.l3_len == 0
@@ -274,10 +259,6 @@ def test_a_prefetch_past_its_deadline_goes_without(l3env) -> None:  # noqa: F811
         assert b.l3.metrics.l3_prefetch_timeouts == 1
         b.release(m.last_node)
         b.check_invariants()
-    finally:
-        store.get_gate.set()
-        a.close()
-        b.close()
 
 
 def test_l3_off_by_default_and_config_errors() -> None:
