@@ -87,9 +87,6 @@ class CacheMetrics:
     def hit_rate(self) -> float:
         return (self.l1_hit_tokens + self.l2_hit_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def histograms(self) -> dict[str, Histogram]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "Histogram"}
-
     def as_dict(self) -> dict[str, object]:
         """The counters (histograms as their sample count and mean)."""
         d: dict[str, object] = {}
