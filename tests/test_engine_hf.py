@@ -20,7 +20,7 @@ pytest.importorskip("transformers", minversion="5.20")
 
 from hicache_cp.harness.cli import main  # noqa: E402
 from hicache_cp.harness.engines import hf_model  # noqa: E402
-from hicache_cp.harness.engines.hf_forward import BatchPlan, PagedForward, PagedKV, ScratchKV, SeqChunk  # noqa: E402
+from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
 from hicache_cp.harness.engines.hf_oracle import recompute_logits  # noqa: E402
 from hicache_cp.layout import Part  # noqa: E402
 
@@ -56,9 +56,9 @@ def test_model_layout_is_the_latent_cache() -> None:
 
 
 def test_paged_batched_chunked_forward_matches_one_full_forward() -> None:
-    """The layer-by-layer forward over pages, in chunks and in a padded batch with
-    different prefix lengths, gives the model's own logits; pages written by two
-    computations of the same tokens agree (to rounding: batches round differently)."""
+    """The layer-by-layer forward over pages, in chunks and in a ragged batch with
+    different prefix and chunk lengths, gives the model's own logits; pages written
+    by two computations of the same tokens agree (to rounding)."""
     m = hf_model.build("tiny")
     ps = m.preset.page_size
     bufs = m.kv_buffers(64)
@@ -70,15 +70,16 @@ def test_paged_batched_chunked_forward_matches_one_full_forward() -> None:
     for start in range(0, 100, 32):  # chunks of 32 (4 pages), writing whole pages only
         end = min(start + 32, 100)
         seq = SeqChunk(a[start:end], start, pages_a, start, min(end, 96), None if end == 100 else int(a[end]))
-        plan = BatchPlan.build([seq], ps)
-        r = fw.run(plan, PagedKV(bufs, plan))
+        plan = SeqPlan.build(seq, ps)
+        r = fw.run([(plan, PagedKV(bufs, plan))])
     assert float((r.logits[0].cpu() - ref_a).abs().max()) < 1e-5
     # A batch: a's tail on 64 cached tokens, b from scratch, and a's tokens 32..70 on 32 cached.
     pages_c = np.concatenate([pages_a[:4], np.arange(30, 36)])
     seqs = [SeqChunk(a[64:], 64, pages_a, 96, 96, None), SeqChunk(b, 0, np.arange(40, 47), 0, 48, None),
             SeqChunk(a[32:70], 32, pages_c, 32, 64, None)]  # fmt: skip
-    plan = BatchPlan.build(seqs, ps)
-    r = fw.run(plan, PagedKV(bufs, plan))
+    plans = [SeqPlan.build(seq, ps) for seq in seqs]
+    r = fw.run([(plan, PagedKV(bufs, plan)) for plan in plans])
+    assert r.final_rows == [0, 1, 2]
     refs = [ref_a, ref_b, recompute_logits(m.target, a[:70])]
     for row, ref in enumerate(refs):
         assert float((r.logits[row].cpu() - ref).abs().max()) < 1e-5, row
@@ -89,8 +90,8 @@ def test_paged_batched_chunked_forward_matches_one_full_forward() -> None:
     store = ScratchKV()
     for start in range(0, 100, 48):
         end = min(start + 48, 100)
-        plan = BatchPlan.build([SeqChunk(a[start:end], start, None, 0, 0, None if end == 100 else int(a[end]))], ps)
-        r = fw.run(plan, store.bind(plan))
+        plan = SeqPlan.build(SeqChunk(a[start:end], start, None, 0, 0, None if end == 100 else int(a[end])), ps)
+        r = fw.run([(plan, store.bind(plan))])
     assert float((r.logits[0].cpu() - ref_a).abs().max()) < 1e-5
 
 

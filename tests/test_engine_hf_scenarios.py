@@ -25,7 +25,7 @@ from hicache_cp.config import Config  # noqa: E402
 from hicache_cp.harness.engines import hf_model  # noqa: E402
 from hicache_cp.harness.engines.hf_forward import PagedForward  # noqa: E402
 from hicache_cp.harness.engines.hf_oracle import recompute_logits  # noqa: E402
-from hicache_cp.harness.engines.scheduler import Scheduler, SchedulerOptions, ServeResult  # noqa: E402
+from hicache_cp.harness.engines.scheduler import SHORT_STREAK, Order, Scheduler, SchedulerOptions, ServeResult  # noqa: E402
 from hicache_cp.harness.trace import TraceRequest  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 from hicache_cp.layout import Model, Part  # noqa: E402
@@ -55,7 +55,8 @@ class Server:
 def server(model: hf_model.HfModel) -> Iterator[Any]:
     made: list[HiCache] = []
 
-    def make(*, l1_pages: int = 80, host_pages: int = 80, chunk: int = 64, batch: int = 256) -> Server:
+    def make(*, l1_pages: int = 80, host_pages: int = 80, chunk: int = 64, batch: int = 256,
+             order: Order = Order.SHORT_FIRST) -> Server:  # fmt: skip
         ps = model.preset.page_size
         layout = model.model_layout()
         bpp = layout.layout(ps).bytes_per_page
@@ -67,7 +68,8 @@ def server(model: hf_model.HfModel) -> Iterator[Any]:
         faults = Faults()
         cache.engine.fault = faults  # type: ignore[attr-defined]
         made.append(cache)
-        sched = Scheduler(cache, PagedForward(model), buffers, SchedulerOptions(chunk_tokens=chunk, max_batch_tokens=batch))
+        options = SchedulerOptions(chunk_tokens=chunk, max_batch_tokens=batch, order=order)
+        sched = Scheduler(cache, PagedForward(model), buffers, options)
         return Server(cache, sched, faults)
 
     yield make
@@ -201,3 +203,39 @@ def test_a_corrupted_host_page_is_caught_and_named(model: hf_model.HfModel, serv
     assert t.mismatches == 1 and t.checked_units == t.expected_units
     m = t.examples[0]
     assert (m.request, m.position, m.part, m.layer, m.tier) == (1, 3, "target_state", 1, "l2")
+
+
+@pytest.mark.parametrize("order", [Order.SHORT_FIRST, Order.FCFS])
+def test_a_hit_request_goes_ahead_of_a_long_prefill(model: hf_model.HfModel, server: Any, order: Order) -> None:
+    """A long prompt (three chunks) and a request whose prefix is cached (a
+    3-token tail) are admitted into one batch. short-first runs the tail alone
+    first, so its first token comes before the long prompt's first chunk is
+    done; fcfs computes both in one forward. Outputs and bytes stay exact."""
+    s = server(order=order)
+    x = prompt(20, 6)
+    s.serve(x)
+    long, hit = prompt(21, 20), np.concatenate([x, prompt(22, 0, tail=3)])
+    result = s.serve(long, hit, first=1)
+    rl, rh = (next(r for r in result.records if r.request == i) for i in (1, 2))
+    assert rh.l1_hit_pages == 6 and rh.computed_tokens == 3
+    if order is Order.SHORT_FIRST:
+        assert rh.first_forward < rl.first_forward and rh.first_token_s < rl.first_token_s
+    else:
+        assert rh.first_forward == rl.first_forward
+    assert_outputs(model, result, {1: long, 2: hit})
+    assert_clean(s, result)
+
+
+def test_short_first_gives_long_work_a_forward_after_a_streak(server: Any) -> None:
+    """The anti-starvation rule: after SHORT_STREAK short-only forwards in a
+    row, the next forward takes the whole batch, short ones included."""
+    from types import SimpleNamespace
+
+    sched = server(order=Order.SHORT_FIRST).sched
+    long, a, b = (SimpleNamespace(remaining=r) for r in (500, 9, 3))
+    batch = [(long, 64), (a, 9), (b, 3)]
+    for _ in range(SHORT_STREAK):
+        assert sched._short_first(batch) == [(b, 3), (a, 9)]  # fewest tokens first
+    assert sched._short_first(batch) == batch
+    assert sched._short_first(batch) == [(b, 3), (a, 9)]  # the streak starts over
+    assert sched._short_first([(a, 9), (b, 3)]) == [(a, 9), (b, 3)]  # all short: the batch as built

@@ -26,8 +26,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+WHEEL_GLOB=${WHEEL_GLOB:-.whl/*.whl}
 if [ "${WHEELS:-1}" = 1 ]; then
-  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEEL_GLOB || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
@@ -41,6 +42,8 @@ PRESET=${PRESET:-dsv32-width}
 DEVICE=${DEVICE:-cuda}
 TPB=${TPB:-384}
 L1_PAGES=${L1_PAGES:-300}
+CHUNK=${CHUNK:-1024}
+SCHEDULE=${SCHEDULE:-short-first}
 mkdir -p "$DEST" .devdata
 step() { echo; echo "=== $* ($(date +%T))"; }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -59,8 +62,10 @@ print(f"{len(long)} requests of >= 16 blocks -> {sys.argv[1]}")
 EOF
 
 # L1 of 300 pages (19.2k tokens, 1.35x the longest prompt) makes L2 matter; L2 half the footprint.
+# Chunks of 1,024 tokens: a hit request arriving mid-prefill waits for at most one such forward.
 COMMON=(--engine hf --hf-preset "$PRESET" --device "$DEVICE" --trace "$TRACE" --tokens-per-block "$TPB"
-        --l2-fraction 0.5 --l1-pages "$L1_PAGES" --arrivals trace --time-scale "$TIME_SCALE")
+        --l2-fraction 0.5 --l1-pages "$L1_PAGES" --arrivals trace --time-scale "$TIME_SCALE"
+        --chunk-tokens "$CHUNK" --schedule "$SCHEDULE")
 
 if want serve; then
   step "serve: dsv32-width with L2, then L2 off; byte and output oracles"

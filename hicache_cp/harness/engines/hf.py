@@ -42,10 +42,10 @@ from hicache_cp.cp.agreement import Agreement
 import hicache_cp.harness.engines.hf_model as hf_model
 import hicache_cp.harness.engines.hf_options as hf_options
 from hicache_cp.harness.engines.base import EngineRun, progress_bar
-from hicache_cp.harness.engines.hf_forward import BatchPlan, PagedForward, ScratchKV, SeqChunk
+from hicache_cp.harness.engines.hf_forward import PagedForward, ScratchKV, SeqChunk, SeqPlan
 from hicache_cp.harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_logits
 from hicache_cp.harness.engines.hf_timing import Clock, copy_peak_gbps
-from hicache_cp.harness.engines.scheduler import Arrivals, RequestRecord, Scheduler, SchedulerOptions, ServeResult
+from hicache_cp.harness.engines.scheduler import Arrivals, Order, RequestRecord, Scheduler, SchedulerOptions, ServeResult
 from hicache_cp.harness.trace import TraceRequest, request_tokens
 from hicache_cp.pools import DevicePool
 
@@ -151,6 +151,7 @@ class HfEngine:
         return SchedulerOptions(
             chunk_tokens=self.chunk_tokens, max_batch_tokens=self.max_batch_tokens,
             arrivals=Arrivals(self.args.arrivals), time_scale=self.args.time_scale, use_l2=use_l2, verify=verify,
+            order=Order(self.args.schedule),
         )  # fmt: skip
 
     def _serve(
@@ -191,10 +192,13 @@ class HfEngine:
             "device": str(model.device),
             "chunk_tokens": self.chunk_tokens,
             "max_batch_tokens": self.max_batch_tokens,
+            "schedule": self.args.schedule,
             "arrivals": self.args.arrivals,
             "time_scale": self.args.time_scale,
             "index_topk": hf_model.DENSE_INDEX_TOPK,
             "layout": cache.layout.describe(),
+            "io_backend": cache.engine.name,
+            "io_copies": dict(getattr(cache.engine, "counts", {})),  # kernel / DMA split of the CUDA backends
             "copy_peak_gbps": round(peak, 3),
             "copy_peak_source": peak_source,
             "integrity_checked_l2_units": result.integrity.checked_l2_units,
@@ -255,7 +259,8 @@ class HfEngine:
             "hit90_loads": len(loads),
             "load_over_pcie_bound": _pct(load_ratios, 50),
             "load_over_pcie_bound_p90": _pct(load_ratios, 90),
-            "load_samples": [{"request": r.request, "load_s": r.load_s, "load_bytes": r.load_bytes} for r in loads[:20]],
+            "load_samples": [{"request": r.request, "load_s": r.load_s, "load_bytes": r.load_bytes,
+                              "load_submit_s": r.load_submit_s} for r in loads[:20]],  # fmt: skip
         }
 
     def _time_recompute(self, model: hf_model.HfModel, ids: np.ndarray) -> float:
@@ -269,8 +274,8 @@ class HfEngine:
         while pos < len(ids):
             end = min(len(ids), pos + self.chunk_tokens)
             nxt = None if end == len(ids) else int(ids[end])
-            plan = BatchPlan.build([SeqChunk(ids[pos:end], pos, None, 0, 0, nxt)], model.preset.page_size)
-            r = forward.run(plan, store.bind(plan))
+            plan = SeqPlan.build(SeqChunk(ids[pos:end], pos, None, 0, 0, nxt), model.preset.page_size)
+            r = forward.run([(plan, store.bind(plan))])
             pos = end
         r.logits.cpu()
         return clock.sync() - t0

@@ -9,29 +9,33 @@ transformers' own code); between them the engine moves KV:
 
     for each target layer l:
         hooks.before_layer(TARGET, l)     # the server waits for loads of layer l here
-        cache layer l <- prefix KV gathered from the store (latent, rope key, indexer key)
-        hidden = decoder_layer(hidden, mask, positions, cache)   # appends the chunk's KV
-        store <- the chunk's KV of layer l (whole pages only)
+        for each sequence b of the batch:
+            cache layer l <- b's prefix KV gathered from the store (latent, rope key, indexer key)
+            hidden_b = decoder_layer(hidden_b, mask_b, positions_b, cache)   # appends the chunk's KV
+            store <- the chunk's KV of layer l (whole pages only)
         hooks.after_layer(TARGET, l)      # the layer hook: backup of layer l starts
     logits of the last token of every sequence that ends here; next token = argmax
     the MTP draft layer the same way (input: embedding of the next token, target hidden)
 
-Batch layout: sequences are left-padded to the longest chunk Q and their
-prefixes left-padded to the longest prefix P; the transformers cache layer
-holds [prefix region P | chunk region Q]. The 4-D additive mask lets a query
-see its own sequence's prefix and the causal part of its chunk (by absolute
-position); a padded query sees only itself (no all-masked rows). The last
-query slot is every sequence's last token.
+The batch is ragged: each sequence goes through a layer as its own call, on
+its own [1, chunk] queries and [prefix | chunk] keys, as a varlen attention
+kernel would see it. Padding sequences to one [B, longest chunk] tensor with
+the longest prefix costs B x longest chunk x (longest prefix + chunk) of
+attention and indexer work: on an H200 a 512-token hit beside a 2,048-token
+chunk took 0.43 s padded against 0.07 + 0.04 s apart (tools/hf_profile.py).
+The hooks still fire once per layer for the whole batch.
 
-The index arrays are built on the CPU once per forward (numpy, vectorised)
-and moved to the device once; every layer and part reuses them, because all
-parts share page ids. No host sync inside the forward: logits and sampled
-tokens stay on the device until the caller reads them.
+Each sequence's index arrays (`SeqPlan`) are built on the CPU once per
+forward (numpy, vectorised) and moved to the device once; every layer and
+part reuses them, because all parts share page ids. No host sync inside the
+forward: logits and sampled tokens stay on the device until the caller
+reads them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -86,81 +90,48 @@ class NoHooks:
 
 
 @dataclass
-class BatchPlan:
-    """CPU-side index arrays of one forward (see the module docstring)."""
+class SeqPlan:
+    """CPU-side index arrays of one sequence's chunk in a forward: `Q` query
+    positions [start, start + Q) over a prefix of `P` = start positions."""
 
-    seqs: list[SeqChunk]
+    seq: SeqChunk
     page_size: int
-    B: int = 0
-    Q: int = 0
-    P: int = 0
-    ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # [B, Q]
-    positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # [B, Q]
-    q_valid: np.ndarray = field(default_factory=lambda: np.empty(0, bool))  # [B, Q]
-    kv_pos: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # [B, P+Q], -1 where padded
-    gather_idx: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # [B*P] flat token slots
-    src: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # rows of [B*Q] to store
-    dst: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # their flat token slots
+    P: int
+    Q: int
+    ids: np.ndarray  # [1, Q]
+    positions: np.ndarray  # [1, Q]
+    gather_idx: np.ndarray  # [P] flat token slots of the prefix
+    src: np.ndarray  # rows of the chunk [Q] to store
+    dst: np.ndarray  # their flat token slots
 
     @classmethod
-    def build(cls, seqs: list[SeqChunk], page_size: int) -> BatchPlan:
-        if not seqs:
-            raise ValueError("a forward needs at least one sequence")
-        ps = page_size
-        B = len(seqs)
-        Q = max(len(s.ids) for s in seqs)
-        P = max(s.start for s in seqs)
-        ids = np.zeros((B, Q), np.int64)
-        positions = np.zeros((B, Q), np.int64)
-        q_valid = np.zeros((B, Q), bool)
-        kv_pos = np.full((B, P + Q), -1, np.int64)
-        gather = np.zeros((B, P), np.int64)
-        src: list[np.ndarray] = []
-        dst: list[np.ndarray] = []
-        for b, s in enumerate(seqs):
-            q = len(s.ids)
-            if q == 0:
-                raise ValueError(f"sequence {b} of the batch brings no tokens")
-            if s.write_to > s.write_from and not (s.start <= s.write_from and s.write_to <= s.end):
-                raise ValueError(f"sequence {b}: write range [{s.write_from}, {s.write_to}) outside [{s.start}, {s.end})")
-            pos = np.arange(s.start, s.end)
-            ids[b, Q - q :] = s.ids
-            positions[b, Q - q :] = pos
-            q_valid[b, Q - q :] = True
-            kv_pos[b, P + Q - q :] = pos
-            prefix = np.arange(s.start)
-            kv_pos[b, P - s.start : P] = prefix
-            if s.pages is None:
-                continue
-            gather[b, P - s.start :] = _slots(s.pages, prefix, ps)
+    def build(cls, s: SeqChunk, page_size: int) -> SeqPlan:
+        q = len(s.ids)
+        if q == 0:
+            raise ValueError("a sequence brings no tokens to the forward")
+        if s.write_to > s.write_from and not (s.start <= s.write_from and s.write_to <= s.end):
+            raise ValueError(f"write range [{s.write_from}, {s.write_to}) outside [{s.start}, {s.end})")
+        pos = np.arange(s.start, s.end)
+        empty = np.empty(0, np.int64)
+        gather, src, dst = empty, empty, empty
+        if s.pages is not None:
+            gather = _slots(s.pages, np.arange(s.start), page_size)
             if s.write_to > s.write_from:
                 w = np.arange(s.write_from, s.write_to)
-                src.append(b * Q + (Q - q) + (w - s.start))
-                dst.append(_slots(s.pages, w, ps))
-        empty = np.empty(0, np.int64)
-        return cls(
-            seqs, ps, B, Q, P, ids, positions, q_valid, kv_pos, gather.reshape(-1),
-            np.concatenate(src) if src else empty, np.concatenate(dst) if dst else empty,
-        )  # fmt: skip
+                src, dst = w - s.start, _slots(s.pages, w, page_size)
+        return cls(s, page_size, s.start, q, np.asarray(s.ids, np.int64)[None], pos[None], gather, src, dst)
 
     @property
     def tokens(self) -> int:
-        """Query tokens computed (padding excluded)."""
-        return int(self.q_valid.sum())
+        return self.Q
 
     def mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [B, 1, Q, P+Q]: 0 where a query may look, the dtype's minimum elsewhere."""
-        kv_pos = torch.from_numpy(self.kv_pos).to(device)
-        q_pos = torch.from_numpy(self.positions).to(device)
-        q_valid = torch.from_numpy(self.q_valid).to(device)
-        allowed = (kv_pos[:, None, :] >= 0) & (kv_pos[:, None, :] <= q_pos[:, :, None]) & q_valid[:, :, None]
-        own = torch.zeros_like(allowed)
-        idx = torch.arange(self.Q, device=device)
-        own[:, idx, self.P + idx] = True
-        allowed |= own & ~q_valid[:, :, None]  # a padded query sees only itself
-        out = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        out.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return out[:, None, :, :]
+        """Additive causal mask [1, 1, Q, P+Q]: query i sees keys 0..P+i."""
+        q = torch.arange(self.Q, device=device)[:, None]
+        k = torch.arange(self.P + self.Q, device=device)[None, :]
+        out = torch.zeros((self.Q, self.P + self.Q), dtype=dtype, device=device)
+        out.masked_fill_(k > self.P + q, torch.finfo(dtype).min)
+        return out[None, None]
 
 
 def _slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarray:
@@ -172,19 +143,19 @@ def _slots(pages: np.ndarray, positions: np.ndarray, page_size: int) -> np.ndarr
 
 
 class KVStore(Protocol):
-    """Where a forward reads prefix KV from and writes new KV to."""
+    """Where a forward reads one sequence's prefix KV from and writes its new KV to."""
 
     def gather(self, part: Part, slot: int) -> torch.Tensor:
-        """Prefix KV of one layer of one part: [B, P, dim], left-padded."""
+        """Prefix KV of one layer of one part: [1, P, dim]."""
 
     def scatter(self, part: Part, slot: int, new: torch.Tensor) -> None:
-        """Store the chunk's KV of one layer of one part; `new` is [B*Q, dim]."""
+        """Store the chunk's KV of one layer of one part; `new` is [Q, dim]."""
 
 
 class PagedKV:
     """The L1 pools as the KV store: one typed tensor [pages, page_size, dim] per layer."""
 
-    def __init__(self, buffers: dict[Part, list[torch.Tensor]], plan: BatchPlan) -> None:
+    def __init__(self, buffers: dict[Part, list[torch.Tensor]], plan: SeqPlan) -> None:
         self.buffers = buffers
         self.plan = plan
         device = next(iter(buffers.values()))[0].device
@@ -197,8 +168,7 @@ class PagedKV:
         return t.view(-1, t.shape[-1])
 
     def gather(self, part: Part, slot: int) -> torch.Tensor:
-        flat = self._flat(part, slot)
-        return flat.index_select(0, self.gather_idx).view(self.plan.B, self.plan.P, flat.shape[-1])
+        return self._flat(part, slot).index_select(0, self.gather_idx)[None]
 
     def scatter(self, part: Part, slot: int, new: torch.Tensor) -> None:
         if len(self.dst):
@@ -211,11 +181,9 @@ class ScratchKV:
 
     def __init__(self) -> None:
         self.kv: dict[tuple[Part, int], torch.Tensor] = {}
-        self.plan: BatchPlan | None = None
+        self.plan: SeqPlan | None = None
 
-    def bind(self, plan: BatchPlan) -> ScratchKV:
-        if plan.B != 1:
-            raise ValueError("ScratchKV holds one sequence")
+    def bind(self, plan: SeqPlan) -> ScratchKV:
         self.plan = plan
         return self
 
@@ -235,8 +203,24 @@ class ForwardResult:
     next_tokens: torch.Tensor  # [n_final] sampled first tokens (device)
 
 
+@dataclass
+class _Row:
+    """One sequence's tensors during a forward."""
+
+    plan: SeqPlan
+    kv: KVStore
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+    pos_emb: Any
+    hidden: torch.Tensor
+    next_token: torch.Tensor  # [1] the token after the chunk (sampled for a final row)
+    cache: Any  # transformers cache objects of the target and of the draft layer
+    draft_cache: Any
+
+
 class PagedForward:
-    """Runs `BatchPlan`s through the target model and its draft layer."""
+    """Runs a batch of `SeqPlan`s through the target model and its draft layer."""
 
     def __init__(self, model: HfModel) -> None:
         from transformers import DynamicCache
@@ -248,63 +232,72 @@ class PagedForward:
         self.draft_parts = (parts[Part.DRAFT_KV], parts.get(Part.DRAFT_STATE))
 
     @torch.no_grad()
-    def run(self, plan: BatchPlan, kv: KVStore, hooks: LayerHooks | None = None) -> ForwardResult:
+    def run(self, batch: Sequence[tuple[SeqPlan, KVStore]], hooks: LayerHooks | None = None) -> ForwardResult:
+        if not batch:
+            raise ValueError("a forward needs at least one sequence")
         hooks = hooks or NoHooks()
         m = self.m
-        dev = m.device
         base = m.target.model
-        # Every host->device copy before the first kernel: none waits for compute later.
-        ids = torch.from_numpy(plan.ids).to(dev)
-        positions = torch.from_numpy(plan.positions).to(dev)
-        final_rows = [b for b, s in enumerate(plan.seqs) if s.final]
-        rows = torch.tensor(final_rows, dtype=torch.long, device=dev)
-        nxt = torch.tensor([s.next_token if s.next_token is not None else 0 for s in plan.seqs], device=dev)
-        mask = plan.mask(dev, m.dtype)
-        hidden = base.embed_tokens(ids)
-        pos_emb = base.rotary_emb(hidden, position_ids=positions)
-        cache = self._cache_cls(config=m.target_config)
+        rows = [self._row(plan, kv) for plan, kv in batch]  # every host->device copy before the first kernel
         for layer, decoder in enumerate(base.layers):
             hooks.before_layer(Model.TARGET, layer)
-            self._fill(cache, layer, layer, kv, self.target_parts, plan)
-            hidden = decoder(
-                hidden, attention_mask=mask, position_embeddings=pos_emb, position_ids=positions,
-                past_key_values=cache, use_cache=True,
-            )  # fmt: skip
-            self._drain(cache, layer, layer, kv, self.target_parts, plan)
+            for r in rows:
+                self._fill(r.cache, layer, layer, r, self.target_parts)
+                r.hidden = decoder(
+                    r.hidden, attention_mask=r.mask, position_embeddings=r.pos_emb, position_ids=r.positions,
+                    past_key_values=r.cache, use_cache=True,
+                )  # fmt: skip
+                self._drain(r.cache, layer, layer, r, self.target_parts)
             hooks.after_layer(Model.TARGET, layer)
-        logits = m.target.lm_head(base.norm(hidden[rows, -1])).float()
+        final_rows = [b for b, (plan, _) in enumerate(batch) if plan.seq.final]
+        logits = torch.empty((0, m.vocab_size), dtype=torch.float32, device=m.device)
+        if final_rows:
+            last = torch.cat([rows[b].hidden[:, -1] for b in final_rows])
+            logits = m.target.lm_head(base.norm(last)).float()
         sampled = logits.argmax(dim=-1)
-        nxt[rows] = sampled
-        draft_ids = torch.cat([ids[:, 1:], nxt[:, None]], dim=1)
-        dcache = self._cache_cls(config=m.draft_config)
+        for i, b in enumerate(final_rows):
+            rows[b].next_token = sampled[i : i + 1]
         hooks.before_layer(Model.DRAFT, 0)
-        self._fill(dcache, 0, 0, kv, self.draft_parts, plan)
-        m.draft(
-            inputs_embeds=base.embed_tokens(draft_ids), previous_hidden_state=hidden, position_embeddings=pos_emb,
-            attention_mask=mask, position_ids=positions, past_key_values=dcache, use_cache=True,
-        )  # fmt: skip
-        self._drain(dcache, 0, 0, kv, self.draft_parts, plan)
+        for r in rows:
+            self._fill(r.draft_cache, 0, 0, r, self.draft_parts)
+            draft_ids = torch.cat([r.ids[:, 1:], r.next_token[:, None]], dim=1)
+            m.draft(
+                inputs_embeds=base.embed_tokens(draft_ids), previous_hidden_state=r.hidden, position_embeddings=r.pos_emb,
+                attention_mask=r.mask, position_ids=r.positions, past_key_values=r.draft_cache, use_cache=True,
+            )  # fmt: skip
+            self._drain(r.draft_cache, 0, 0, r, self.draft_parts)
         hooks.after_layer(Model.DRAFT, 0)
         return ForwardResult(logits, final_rows, sampled)
 
-    def _fill(self, cache: Any, idx: int, layer: int, kv: KVStore, parts: tuple[Any, Any], plan: BatchPlan) -> None:
+    def _row(self, plan: SeqPlan, kv: KVStore) -> _Row:
+        m = self.m
+        dev = m.device
+        ids = torch.from_numpy(plan.ids).to(dev)
+        positions = torch.from_numpy(plan.positions).to(dev)
+        nxt = plan.seq.next_token if plan.seq.next_token is not None else 0
+        hidden = m.target.model.embed_tokens(ids)
+        pos_emb = m.target.model.rotary_emb(hidden, position_ids=positions)
+        return _Row(plan, kv, ids, positions, plan.mask(dev, m.dtype), pos_emb, hidden, torch.tensor([nxt], device=dev),
+                    self._cache_cls(config=m.target_config), self._cache_cls(config=m.draft_config))  # fmt: skip
+
+    def _fill(self, cache: Any, idx: int, layer: int, row: _Row, parts: tuple[Any, Any]) -> None:
         """Put the prefix KV of `layer` into the transformers cache layer `idx`."""
-        if plan.P == 0:
+        if row.plan.P == 0:
             return
         kv_part, state_part = parts
         rank = self.m.kv_lora_rank
-        prefix = kv.gather(kv_part.part, kv_part.layers.index(layer))
+        prefix = row.kv.gather(kv_part.part, kv_part.layers.index(layer))
         cache.update(prefix[..., :rank].unsqueeze(1), prefix[..., rank:].unsqueeze(1), idx)
         if state_part is not None and layer in state_part.layers:
-            cache.update_indexer(kv.gather(state_part.part, state_part.layers.index(layer)), idx)
+            cache.update_indexer(row.kv.gather(state_part.part, state_part.layers.index(layer)), idx)
 
-    def _drain(self, cache: Any, idx: int, layer: int, kv: KVStore, parts: tuple[Any, Any], plan: BatchPlan) -> None:
+    def _drain(self, cache: Any, idx: int, layer: int, row: _Row, parts: tuple[Any, Any]) -> None:
         """Store the chunk's KV of `layer` from the cache layer, then free the layer."""
         kv_part, state_part = parts
         cl = cache.layers[idx]
-        P, BQ = plan.P, plan.B * plan.Q
-        new = torch.cat([cl.keys[:, 0, P:], cl.values[:, 0, P:]], dim=-1).reshape(BQ, kv_part.dim)
-        kv.scatter(kv_part.part, kv_part.layers.index(layer), new)
+        P, Q = row.plan.P, row.plan.Q
+        new = torch.cat([cl.keys[:, 0, P:], cl.values[:, 0, P:]], dim=-1).reshape(Q, kv_part.dim)
+        row.kv.scatter(kv_part.part, kv_part.layers.index(layer), new)
         if state_part is not None and layer in state_part.layers:
-            kv.scatter(state_part.part, state_part.layers.index(layer), cl.indexer_keys[:, P:].reshape(BQ, state_part.dim))
+            row.kv.scatter(state_part.part, state_part.layers.index(layer), cl.indexer_keys[:, P:].reshape(Q, state_part.dim))
         cl.reset()

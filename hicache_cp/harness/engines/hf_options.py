@@ -19,7 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model preset: tiny (CPU, CI) or dsv32-width (real DeepSeek-V3.2 widths, bf16, GPU)")
     g.add_argument("--hf-seed", type=int, default=0, help="seed of the random weights")
     g.add_argument("--chunk-tokens", type=int, help="chunked prefill: tokens of one sequence per forward (default: the preset's)")
-    g.add_argument("--max-batch-tokens", type=int, help="tokens one forward computes, padding to the longest chunk included (default: the preset's)")
+    g.add_argument("--max-batch-tokens", type=int, help="tokens one forward computes, all its sequences together (default: the preset's)")
+    g.add_argument("--schedule", choices=["short-first", "fcfs"], default="short-first",
+                   help="short-first: a forward with sequences that finish within half a chunk runs only those "
+                        "(hit requests' tails), fewest tokens first; fcfs: running sequences, then new ones")
     g.add_argument("--arrivals", choices=["asap", "trace"], default="asap",
                    help="requests arrive all at once (asap) or at their trace timestamps (trace)")
     g.add_argument("--time-scale", type=float, default=1.0, help="with --arrivals trace: multiply the timestamps by this")

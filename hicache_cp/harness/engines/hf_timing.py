@@ -80,8 +80,10 @@ class LoadTimer:
         timer._t0 = time.perf_counter()
         return timer
 
-    def started(self, load: LoadOp) -> None:
-        """Call right after `load_back` returned `load`."""
+    def started(self, load: LoadOp) -> float:
+        """Call right after `load_back` returned `load`; returns the host
+        seconds `load_back` took."""
+        submit_s = time.perf_counter() - self._t0
         tickets = [t for ts in load.by_layer.values() for t in ts]
         if self.cuda:
             side = _side_stream()
@@ -93,7 +95,7 @@ class LoadTimer:
                     self._end_event.record(side)
             except Exception:  # noqa: BLE001 - a copy already failed: no time (the load aborts)
                 self._end_event = None
-            return
+            return submit_s
 
         def wait() -> float | None:
             try:
@@ -104,6 +106,7 @@ class LoadTimer:
             return time.perf_counter()
 
         self._future = _waiter().submit(wait)
+        return submit_s
 
     def elapsed_s(self) -> float | None:
         """Seconds the load took; None if it failed. Blocks until it landed."""

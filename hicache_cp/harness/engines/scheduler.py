@@ -5,10 +5,17 @@ Each step builds one forward (a batch) and runs it:
     arrivals      requests enter the waiting queue at their trace timestamp
                   (scaled), or all at once ("asap")
     batch         running sequences first, in admission order, then new ones
-                  (FCFS) while the padded batch (sequences x the longest chunk:
-                  what the forward computes) fits `max_batch_tokens`; a
-                  sequence brings at most `chunk_tokens` tokens, page-aligned
-                  unless it is its last chunk
+                  (FCFS) while the batch's tokens fit `max_batch_tokens` (the
+                  forward is ragged: it computes each sequence's own chunk, no
+                  padding); a sequence brings at most `chunk_tokens` tokens,
+                  page-aligned unless it is its last chunk
+    order         `short-first` (the default): when that batch holds sequences
+                  that finish within `short_tokens` (a hit request's tail) and
+                  others that do not, the forward takes only the short ones,
+                  fewest tokens first; the others run next. A waiting long
+                  sequence gets the full batch after `SHORT_STREAK` such
+                  forwards in a row, so a stream of hits cannot starve it.
+                  `fcfs`: the batch as built
     admission     match_prefix -> load_back -> alloc_device -> reserve_backup.
                   A request is admitted only when the L1 pages of every running
                   sequence plus all of its own fit the pool (so allocation
@@ -49,7 +56,7 @@ import numpy as np
 
 from hicache_cp.cache import HiCache, MatchResult
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness.engines.hf_forward import BatchPlan, PagedForward, PagedKV, SeqChunk
+from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, SeqChunk, SeqPlan
 from hicache_cp.harness.engines.hf_oracle import DigestBook, Digester, IntegrityTally, UnitMismatch
 from hicache_cp.harness.engines.hf_timing import LoadTimer, Clock
 from hicache_cp.harness.trace import TraceRequest
@@ -58,6 +65,15 @@ from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
 from hicache_cp.keys import prefix_hashes
 
 logger = logging.getLogger(__name__)
+
+
+#: Short-only forwards in a row while longer sequences wait, before they get one.
+SHORT_STREAK = 4
+
+
+class Order(enum.Enum):
+    FCFS = "fcfs"  # the batch as built: running sequences, then new ones
+    SHORT_FIRST = "short-first"  # sequences about to finish go first (module docstring)
 
 
 class Arrivals(enum.Enum):
@@ -73,10 +89,16 @@ class SchedulerOptions:
     time_scale: float = 1.0
     use_l2: bool = True  # False: never back up (the --compare-no-l2 run)
     verify: bool = True
+    order: Order = Order.SHORT_FIRST
+    short_tokens: int = 0  # a sequence this close to its first token is short; 0: chunk_tokens // 2
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_batch_tokens < 1:
             raise ValueError(f"chunk_tokens and max_batch_tokens must be >= 1, got {self.chunk_tokens}, {self.max_batch_tokens}")
+        if self.short_tokens < 0:
+            raise ValueError(f"short_tokens must be >= 0, got {self.short_tokens}")
+        if not self.short_tokens:
+            object.__setattr__(self, "short_tokens", max(1, self.chunk_tokens // 2))
         if self.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
 
@@ -95,6 +117,7 @@ class RequestRecord:
     first_token_s: float = 0.0
     load_s: float | None = None
     load_bytes: int = 0
+    load_submit_s: float | None = None  # host time of load_back (allocation, evictions, every copy's submission)
     reused_pages: int = 0  # prefix pages read from the cache (L1 or restored from L2)
     waited_loads: int = 0  # other requests' loads its device prefix waited on
     first_forward: int = -1  # index of the first forward it took part in
@@ -157,6 +180,11 @@ class Seq:
     @property
     def n_pages(self) -> int:
         return len(self.pages)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens left to compute up to the first token."""
+        return self.n_tokens - self.progress
 
     def next_chunk(self, budget: int, chunk_tokens: int, page_size: int) -> int:
         """Tokens this sequence computes in a forward with `budget` tokens left (0: none)."""
@@ -248,6 +276,7 @@ class Scheduler:
         self.rejected = 0
         self.restarts = 0
         self.redone = 0
+        self._short_streak = 0
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -291,8 +320,12 @@ class Scheduler:
     # ---- batching and admission --------------------------------------------------------------
 
     def _build_batch(self, now: float) -> list[tuple[Seq, int]]:
-        """Running sequences first, then admissions, while the padded batch
-        (sequences x the longest chunk) stays within `max_batch_tokens`."""
+        batch = self._fcfs_batch(now)
+        return self._short_first(batch) if self.opt.order is Order.SHORT_FIRST else batch
+
+    def _fcfs_batch(self, now: float) -> list[tuple[Seq, int]]:
+        """Running sequences first, then admissions, while the batch's tokens
+        stay within `max_batch_tokens`."""
         batch: list[tuple[Seq, int]] = []
         for seq in self.running:
             q = self._take(seq, batch)
@@ -307,13 +340,20 @@ class Scheduler:
                 batch.append((seq, q))
         return batch
 
-    def _room(self, batch: list[tuple[Seq, int]]) -> int:
-        """The longest chunk one more sequence may bring (0: none fits).
+    def _short_first(self, batch: list[tuple[Seq, int]]) -> list[tuple[Seq, int]]:
+        """Only the sequences that finish within `short_tokens`, fewest tokens
+        first, when the batch also holds longer ones (and they have not waited
+        `SHORT_STREAK` forwards already)."""
+        short = [(seq, q) for seq, q in batch if seq.remaining <= self.opt.short_tokens]
+        if not short or len(short) == len(batch) or self._short_streak >= SHORT_STREAK:
+            self._short_streak = 0
+            return batch
+        self._short_streak += 1
+        return sorted(short, key=lambda e: e[0].remaining)
 
-        The forward pads every sequence to the longest chunk, so a batch of B
-        sequences costs B x that many tokens of compute and memory."""
-        cap = self.opt.max_batch_tokens // (len(batch) + 1)
-        return cap if cap >= max((q for _, q in batch), default=0) else 0
+    def _room(self, batch: list[tuple[Seq, int]]) -> int:
+        """Tokens one more sequence may bring to this forward."""
+        return max(0, self.opt.max_batch_tokens - sum(q for _, q in batch))
 
     def _take(self, seq: Seq, batch: list[tuple[Seq, int]]) -> int:
         room = self._room(batch)
@@ -337,6 +377,8 @@ class Scheduler:
         m = cache.match_prefix(ids)
         timer = LoadTimer.before_load(self.clock) if m.host_len else None
         load = cache.load_back(m)
+        if load is not None and timer is not None:
+            rec.load_submit_s = timer.started(load)
         matched = m.matched_pages
         new = cache.alloc_device(n_pages - matched, matched)
         if new is None:  # cannot happen under the admission check; undo and wait
@@ -346,8 +388,6 @@ class Scheduler:
             self.waiting.appendleft((req, ids, rec))
             return None
         backup = cache.reserve_backup(new, matched) if self.opt.use_l2 else None
-        if load is not None and timer is not None:
-            timer.started(load)
         loaded = load.device_pages if load is not None else np.empty(0, np.int64)
         table = np.concatenate([m.device_pages, loaded, new])
         rec.l1_hit_pages, rec.l2_hit_pages = m.device_len, m.host_len
@@ -375,7 +415,7 @@ class Scheduler:
     def _step(self, batch: list[tuple[Seq, int]], t0: float) -> list[Seq]:
         cache = self.cache
         chunks = [seq.chunk(q, self.ps) for seq, q in batch]
-        plan = BatchPlan.build(chunks, self.ps)
+        plans = [SeqPlan.build(c, self.ps) for c in chunks]
         loads: list[LoadOp] = []
         for seq, _ in batch:
             for op in [*seq.m.waits, *([seq.load] if seq.load is not None else [])]:
@@ -386,10 +426,10 @@ class Scheduler:
         for seq in enders:
             seq.hooked = seq.backup is not None
         t_start = self.clock.now()
-        result = self.forward.run(plan, PagedKV(self.buffers, plan), _BatchHooks(cache, loads, backups))
+        result = self.forward.run([(p, PagedKV(self.buffers, p)) for p in plans], _BatchHooks(cache, loads, backups))
         logits = result.logits.cpu()  # reading the first tokens: the end-of-forward sync
         t_token = self.clock.sync() - t0
-        self._tally_batch(plan, t_start, t_token + t0)
+        self._tally_batch(plans, t_start, t_token + t0)
         self._record_digests(batch, chunks)
         cache.settle()
         rows = {b: i for i, b in enumerate(result.final_rows)}
@@ -412,13 +452,14 @@ class Scheduler:
         self.running = [seq for seq in self.running if seq.state is SeqState.RUNNING]
         return finished
 
-    def _tally_batch(self, plan: BatchPlan, t_start: float, t_end: float) -> None:
+    def _tally_batch(self, plans: list[SeqPlan], t_start: float, t_end: float) -> None:
         s = self.stats
+        tokens = sum(p.tokens for p in plans)
         s.forwards += 1
-        s.max_batch_requests = max(s.max_batch_requests, plan.B)
-        s.max_batch_tokens = max(s.max_batch_tokens, plan.tokens)
-        s.batch_requests_sum += plan.B
-        s.computed_tokens += plan.tokens
+        s.max_batch_requests = max(s.max_batch_requests, len(plans))
+        s.max_batch_tokens = max(s.max_batch_tokens, tokens)
+        s.batch_requests_sum += len(plans)
+        s.computed_tokens += tokens
         s.forward_s += t_end - t_start
 
     def _record_digests(self, batch: list[tuple[Seq, int]], chunks: list[SeqChunk]) -> None:
