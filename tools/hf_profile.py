@@ -13,6 +13,7 @@ explain bench results, they are not bench results themselves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -69,6 +70,29 @@ def hit_chunk(rng: np.random.Generator, prefix: int, q: int, first_page: int, ps
     return SeqChunk(ids, prefix, pages, prefix, prefix + q // ps * ps, None)
 
 
+def new_shape_costs(fw: PagedForward, bufs: dict, rng: np.random.Generator, N: int, ps: int, vocab: int) -> dict:
+    """Hit forwards of (tail, prefix) shapes never seen before, then the same
+    shapes again, under each SDPA backend: what a first-seen shape costs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    backends = {"default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH],
+                "cudnn": [SDPBackend.CUDNN_ATTENTION]}
+    for i, (name, which) in enumerate(backends.items()):
+        shapes = [(N - 1024 - 64 * (7 * i + k), 200 + 37 * k + 11 * i) for k in range(5)]
+        seqs = [hit_chunk(rng, p, q, 1, ps, vocab) for p, q in shapes]
+        try:
+            with sdpa_kernel(which) if which else contextlib.nullcontext():
+                first = [paged_s(fw, bufs, [s], ps) for s in seqs]
+                again = [paged_s(fw, bufs, [s], ps) for s in seqs]
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot run these shapes
+            out[name] = {"error": str(exc)[:300]}
+            continue
+        out[name] = {"shapes": shapes, "first_s": first, "again_s": again}
+        print(name, "first", [round(x, 4) for x in first], "again", [round(x, 4) for x in again], flush=True)
+    return out
+
+
 def median(f, reps: int = 3) -> float:
     f()
     return statistics.median(f() for _ in range(reps))
@@ -81,6 +105,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--serve-limit", type=int, default=16)
+    ap.add_argument("--only-shapes", action="store_true", help="only the new-shape cost per attention backend")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
@@ -93,6 +118,11 @@ def main() -> int:
     ids = rng.integers(0, m.vocab_size, N)
     bufs = m.kv_buffers(N // ps + 16 + 4096 // ps)
     out: dict = {"preset": args.preset, "tokens": N}
+    out["new_shapes"] = new_shape_costs(fw, bufs, rng, N, ps, m.vocab_size)
+    if args.only_shapes:
+        (args.out / "hf-profile.json").write_text(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1))
+        return 0
 
     for chunk in (2048, 1024, 512):
         out[f"recompute_{N}_chunk{chunk}_s"] = median(lambda: recompute_s(fw, ids, chunk, ps))
