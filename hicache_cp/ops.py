@@ -106,6 +106,9 @@ class _CopyOp:
     created_at: float = field(default_factory=time.perf_counter)  # metrics only
     #: Submission-to-completion seconds of copies reaped since the last poll (metrics only).
     copy_latencies: list[float] = field(default_factory=list)
+    #: This rank's (device, host) physical page ids, computed at the first submission
+    #: and shared by every layer and part (the page lists never change).
+    physical: tuple[np.ndarray, np.ndarray] | None = None
 
     kind = "op"
 

@@ -23,6 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 import torch
 
+from hicache_cp.io import kernels
 from hicache_cp.io.base import CopyFailed, Direction, TicketState, backend_names, make_engine
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pools import DevicePool, HostPool
@@ -501,7 +502,6 @@ def big_cuda_pools():
 def test_cuda_backend_many_pages_exact_bytes(big_cuda_pools, name: str) -> None:
     """More pages than one kernel launch takes (kernels.LARGE_PAGES) and than one
     batch of small copies: several launches / descriptors, same byte contract."""
-    from hicache_cp.io import kernels
 
     layout, dev, host = big_cuda_pools
     engine = make_engine(name, dev, host)
@@ -525,6 +525,28 @@ def test_kernel_modes_copy_exact_bytes(cuda_pools, mode: str) -> None:
             _check_roundtrip(engine, layout, dev, host, np.random.default_rng(n + 100), n)
     finally:
         engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("unroll", "tail"), [(1, "loop"), (8, "pred"), (16, "loop")])
+def test_kernel_shapes_copy_exact_bytes(cuda_pools, unroll: int, tail: str) -> None:
+    """The simt kernel's other shapes (loads in flight per thread, an unrolled
+    last pass) keep the byte contract, the remainder pass included."""
+    layout, dev, host = cuda_pools
+    engine = make_engine("kernel", dev, host, unroll=unroll, tail=tail)
+    try:
+        for n in (1, 7, 300, 1000):
+            _check_roundtrip(engine, layout, dev, host, np.random.default_rng(n + unroll), n)
+    finally:
+        engine.close()
+
+
+def test_kernel_shapes_are_checked() -> None:
+    with pytest.raises(ValueError, match="tail"):
+        kernels.check_shape(4, "sideways")
+    with pytest.raises(ValueError):
+        kernels.check_shape(0, "loop")
 
 
 @gpu

@@ -350,17 +350,23 @@ class Lifecycle:
             return len(device_pages)
         return int(cp_mapping.owned_mask(device_pages, self.s.rank, self.s.cp_size).sum())
 
+    def _physical(self, op: BackupOp | LoadOp) -> tuple[np.ndarray, np.ndarray]:
+        """The physical ids of the pages of `op` this rank owns (device, host)."""
+        s = self.s
+        dev, host = op.device_pages, op.host_pages
+        if s.cp_size == 1:
+            return dev, host
+        mine = cp_mapping.owned_mask(dev, s.rank, s.cp_size)
+        return cp_mapping.to_physical(dev[mine], s.cp_size), cp_mapping.to_physical(host[mine], s.cp_size)
+
     def _submit(self, op: BackupOp | LoadOp, direction: Direction, part: Part, layer: int) -> list[CopyTicket]:
         """Submit this rank's share of one layer of one part; [] if it owns none."""
         s = self.s
-        dev, host = op.device_pages, op.host_pages
-        if s.cp_size > 1:
-            mine = cp_mapping.owned_mask(dev, s.rank, s.cp_size)
-            if not mine.any():
-                return []
-            dev, host = dev[mine], host[mine]
-        dev = cp_mapping.to_physical(dev, s.cp_size)
-        host = cp_mapping.to_physical(host, s.cp_size)
+        if op.physical is None:
+            op.physical = self._physical(op)
+        dev, host = op.physical
+        if not len(dev):
+            return []
         if direction is Direction.D2H:
             return [s.engine.submit_backup(part, layer, dev, host)]
         return [s.engine.submit_load(part, layer, host, dev)]

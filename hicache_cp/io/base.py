@@ -11,8 +11,8 @@ L2 (host) pages and returns a `CopyTicket`:
     ticket.wait()               # host-blocking; control paths and tests only
 
 Ordering: submissions of one direction run in submission order (one D2H
-"stream", one H2D "stream"); the two directions overlap. A backup reads the
-device pages as they are when the copy runs, so the caller submits layer i's
+"stream", one H2D "stream"); the two directions overlap. A backup reads the device
+pages as they are when the copy runs, so the caller submits layer i's
 backup only after layer i was written (the layer hooks do exactly that).
 
 Page lists are CPU numpy int64 arrays of *physical* page ids of this rank's
@@ -184,9 +184,11 @@ def default_backend(device_pool: DevicePool) -> str:
     link, no SMs taken from the forward; in the DeepSeek-V3.2 trace replay
     every copy was such a copy. Any other copy is one gather/scatter kernel
     launch, so a layer's submission costs the caller tens of microseconds
-    for any page pattern (scattered: 19-43 us up to 1024 pages, 70-82 us at
-    8192); the price on scattered pages is the kernel's: loads at 0.82-0.92
-    of the link and SMs shared with the forward. "direct" (DMA for every
+    for any page pattern (scattered, H200: 20-30 us up to 1024 pages, 45-50
+    us at 8192); the price on scattered pages is the kernel's: loads at
+    0.82-0.92 of the link (the SMs' reads of host memory top at about 0.93,
+    contiguous or not: bench/results/io-sweep-h200.json) and SMs shared
+    with the forward. "direct" (DMA for every
     run) keeps 0.90-0.99 and the overlap on scattered pages too, at about a
     microsecond of driver time per run on the caller's thread (6 ms for
     8192 scattered pages). bench/results/io-h200.json has all of it.

@@ -405,10 +405,12 @@ class KernelCopyEngine(CudaCopyEngine):
 
     Options: `sm_fraction` caps the grid at that share of the SMs (at least
     one CTA); `mode` picks how the kernel moves bytes (`kernels.MODES`:
-    "simt", "l2hint", "tma"); `dma_runs` sends a copy that coalesces into at
-    most that many runs (consecutive on both sides, in the given order) to
-    the DMA engines instead (0: never). Page ids go inside the launch
-    parameters (`kernels.PageCopyLauncher`).
+    "simt", "l2hint", "tma"); `unroll` and `tail` shape the simt kernels
+    (loads in flight per thread, `kernels.TAILS`; tools/io_sweep.py found
+    no setting better than the defaults on the H200); `dma_runs` sends a
+    copy that coalesces into at most that many runs (consecutive on both
+    sides, in the given order) to the DMA engines instead (0: never). Page
+    ids go inside the launch parameters (`kernels.PageCopyLauncher`).
     """
 
     name = "kernel"
@@ -421,13 +423,17 @@ class KernelCopyEngine(CudaCopyEngine):
         sm_fraction: float = DEFAULT_SM_FRACTION,
         mode: str = "simt",
         dma_runs: int = 0,
+        unroll: int = kernels.UNROLL,
+        tail: str = kernels.TAIL,
     ) -> None:
+        kernels.check_shape(unroll, tail)
         super().__init__(device_pool, host_pool)
         if not 0.0 < sm_fraction <= 1.0:
             raise ValueError(f"sm_fraction must be in (0, 1], got {sm_fraction}")
         if dma_runs < 0:
             raise ValueError(f"dma_runs must be >= 0, got {dma_runs}")
-        self.kernels = kernels.load_kernels(self.device_index)
+        self.unroll, self.tail = unroll, tail
+        self.kernels = kernels.load_kernels(self.device_index, unroll, tail)
         self.max_ctas = max(1, int(self.kernels.num_sms * sm_fraction))
         self.mode = mode
         self.dma_runs = dma_runs
@@ -484,8 +490,8 @@ class HybridCopyEngine(KernelCopyEngine):
         device_pool: DevicePool,
         host_pool: HostPool,
         *,
-        sm_fraction: float = DEFAULT_SM_FRACTION,
-        mode: str = "simt",
         dma_runs: int = HYBRID_DMA_RUNS,
+        **options: Any,
     ) -> None:
-        super().__init__(device_pool, host_pool, sm_fraction=sm_fraction, mode=mode, dma_runs=dma_runs)
+        """`options`: the kernel backend's (grid cap, mode, kernel shape)."""
+        super().__init__(device_pool, host_pool, dma_runs=dma_runs, **options)

@@ -12,9 +12,17 @@ Three ways to move the bytes (`MODES`):
   space walked by a grid-stride loop, so a warp's 32 lanes touch 32
   consecutive vectors of one page (coalesced 512-byte bursts at 16-byte
   width) and every CTA gets the same share however many pages there are.
-  Each thread issues `UNROLL` independent loads before its first store:
-  PCIe reads are slow (about a microsecond), and only many requests in
-  flight fill the link.
+  Each thread issues `unroll` (`UNROLL` by default) independent loads
+  before its first store: PCIe reads are slow (about a microsecond), and
+  only many requests in flight fill the link. The tail (`TAILS`): "loop"
+  finishes the last `< unroll` strides one load at a time; "pred" runs
+  every pass unrolled with predicated loads, so the tail also keeps all of
+  a thread's loads in flight (a small copy is mostly tail). Measured on
+  the H200 (bench/results/io-sweep-h200.json): grid caps of 0.25-1.0 of
+  the SMs, unroll 4-16 and either tail move the H2D rate by about 0.01 of
+  the link at most (unroll 16 with "loop" loses 0.05 at 64 pages); SM reads
+  of host memory stream at about 0.93 of the DMA peak, contiguous pages or
+  scattered, plus about 4 us per copy (2 us D2H). So the defaults stay.
 * `l2hint`: the same, with 16-byte loads that ask L2 to fetch 256-byte
   blocks (`ld.global.L2::256B`), so reads of host memory may go out as
   fewer, larger PCIe requests.
@@ -66,8 +74,11 @@ MODES = ("simt", "l2hint", "tma")
 #: Threads per CTA of the simt kernels: 16 warps, enough resident loads per SM
 #: without needing many CTAs (the grid is kept small on purpose).
 THREADS = 512
-#: Independent loads per thread before the first store (simt kernels).
+#: Independent loads per thread before the first store (simt kernels), by default.
 UNROLL = 4
+#: Tail handling of the simt kernels (see the module docstring), and the default.
+TAILS = ("loop", "pred")
+TAIL = "loop"
 #: TMA kernels: bytes per bulk copy, and shared buffers per CTA in flight.
 TMA_CHUNK = 4096
 TMA_STAGES = 4
@@ -83,6 +94,7 @@ _CAPS = (SMALL_PAGES, LARGE_PAGES, 0)
 _SOURCE_HEAD = r"""
 typedef unsigned long long u64;
 #define UNROLL %(unroll)d
+#define PRED_TAIL %(pred)d
 #define TMA_CHUNK %(chunk)d
 #define TMA_STAGES %(stages)d
 
@@ -103,6 +115,25 @@ __device__ __forceinline__ void copy_pages(const V* __restrict__ s, V* __restric
   const unsigned int total = n * vpp;
   const unsigned int stride = gridDim.x * blockDim.x;
   unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+#if PRED_TAIL
+  for (; i < total; i += UNROLL * stride) {
+    V v[UNROLL];
+    u64 o[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const unsigned int j = i + u * stride;
+      if (j < total) {
+        const unsigned int p = j / vpp;
+        const unsigned int r = j - p * vpp;
+        v[u] = load<V, HINT>(s + ((u64)(unsigned int)sp[p] * vpp + r));
+        o[u] = (u64)(unsigned int)dp[p] * vpp + r;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+      if (i + u * stride < total) d[o[u]] = v[u];
+  }
+#else
   for (; i + (UNROLL - 1) * stride < total; i += UNROLL * stride) {
     V v[UNROLL];
     u64 o[UNROLL];
@@ -122,6 +153,7 @@ __device__ __forceinline__ void copy_pages(const V* __restrict__ s, V* __restric
     const unsigned int r = i - p * vpp;
     d[(u64)(unsigned int)dp[p] * vpp + r] = load<V, HINT>(s + ((u64)(unsigned int)sp[p] * vpp + r));
   }
+#endif
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -224,9 +256,21 @@ def kernel_name(mode: str, cap: int, width: int) -> str:
     return f"page_tma_{cap}" if mode == "tma" else f"page_{mode}_{cap}_w{width}"
 
 
-def source(arch_major: int = 9) -> str:
-    """The CUDA C++ source of every kernel variant (pure function); TMA kernels from sm_90."""
-    parts = [_SOURCE_HEAD % {"unroll": UNROLL, "chunk": TMA_CHUNK, "stages": TMA_STAGES}]
+def check_shape(unroll: int, tail: str) -> None:
+    """Raise ValueError unless (`unroll`, `tail`) shapes a simt kernel we compile."""
+    if not 1 <= unroll <= 32:
+        raise ValueError(f"unroll must be in [1, 32], got {unroll}")
+    if tail not in TAILS:
+        raise ValueError(f"unknown kernel tail {tail!r}; tails: {', '.join(TAILS)}")
+
+
+def source(arch_major: int = 9, unroll: int = UNROLL, tail: str = TAIL) -> str:
+    """The CUDA C++ source of every kernel variant (pure function); TMA kernels from sm_90.
+
+    `unroll` and `tail` shape the simt/l2hint kernels (module docstring)."""
+    check_shape(unroll, tail)
+    head = {"unroll": unroll, "pred": int(tail == "pred"), "chunk": TMA_CHUNK, "stages": TMA_STAGES}
+    parts = [_SOURCE_HEAD % head]
     if arch_major < 9:  # no bulk copies: drop the TMA helper
         parts = [parts[0][: parts[0].index("__device__ __forceinline__ unsigned smem_addr")]]
     parts.append(_SOURCE_PTR)
@@ -277,6 +321,8 @@ class CopyKernels:
     functions: dict[str, int]  # kernel name -> CUfunction handle
     num_sms: int
     has_tma: bool
+    unroll: int = UNROLL
+    tail: str = TAIL
 
     def launch(self, launcher: PageCopyLauncher, stream: int, grid: int, src: int, dst: int,
                src_pages: np.ndarray, dst_pages: np.ndarray, page_bytes: int) -> None:
@@ -312,7 +358,7 @@ class PageCopyLauncher:
             params = np.array([raw.ctypes.data], dtype=np.uint64)  # void* kernelParams[1]
             self._blocks[cap] = (raw, head, params, ids)
         self._param_ptr = {cap: int(block[2].ctypes.data) for cap, block in self._blocks.items()}
-        self._plans: dict[int, tuple[int, int, int, dict[int, int]]] = {}
+        self._plans: dict[tuple[int, int], tuple[int, int, int, dict[int, int]]] = {}
         self._dev_ids: Any = None  # torch int32 tensor on the device: the ids of the copy past LARGE_PAGES
         self._ring: Any = None  # pinned torch int32 tensor: ids on their way to _dev_ids
         self._ring_view = np.zeros(0, dtype=np.int32)
@@ -331,16 +377,17 @@ class PageCopyLauncher:
 
     def _plan(self, kernels: CopyKernels, page_bytes: int) -> tuple[int, int, int, dict[int, int]]:
         """(threads, unit, elements per CTA pass, {capacity: function}) for a page size; cached."""
-        plan = self._plans.get(page_bytes)
+        key = (page_bytes, kernels.unroll)
+        plan = self._plans.get(key)
         if plan is None:
             mode = self.mode_for(page_bytes, kernels)
             if mode == "tma":  # unit: the page size in bytes; one item per TMA_CHUNK of a page
                 threads, unit, per_cta, width = TMA_THREADS, page_bytes, 1, 16
             else:  # unit: vectors per page
                 width = 16 if mode == "l2hint" else vector_width(page_bytes)
-                threads, unit, per_cta = THREADS, page_bytes // width, THREADS * UNROLL
+                threads, unit, per_cta = THREADS, page_bytes // width, THREADS * kernels.unroll
             plan = (threads, unit, per_cta, {cap: kernels.functions[kernel_name(mode, cap, width)] for cap in _CAPS})
-            self._plans[page_bytes] = plan
+            self._plans[key] = plan
         return plan
 
     def launch(self, kernels: CopyKernels, stream: int, grid_cap: int, src: int, dst: int,
@@ -423,11 +470,11 @@ _LOCK = threading.Lock()
 
 
 @functools.cache
-def _compile(arch: str) -> bytes:
+def _compile(arch: str, unroll: int = UNROLL, tail: str = TAIL) -> bytes:
     """NVRTC-compile every variant for `arch` (e.g. "sm_90") into a CUBIN."""
     from cuda.bindings import nvrtc
 
-    src = source(int(arch[3:-1])).encode()
+    src = source(int(arch[3:-1]), unroll, tail).encode()
     prog = _check(nvrtc.nvrtcCreateProgram(src, b"hicache_page_copy.cu", 0, [], []), "nvrtcCreateProgram")
     opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
     try:
@@ -442,29 +489,31 @@ def _compile(arch: str) -> bytes:
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    logger.debug("compiled page-copy kernels for %s (%d bytes of CUBIN)", arch, len(cubin))
+    logger.debug("compiled page-copy kernels for %s, unroll %d, tail %s (%d bytes of CUBIN)", arch, unroll, tail, len(cubin))
     return cubin
 
 
-_LOADED: dict[int, CopyKernels] = {}
+_LOADED: dict[tuple[int, int, str], CopyKernels] = {}
 
 
-def load_kernels(device_index: int) -> CopyKernels:
-    """Compile (once per process and architecture) and load the kernels on a device.
+def load_kernels(device_index: int, unroll: int = UNROLL, tail: str = TAIL) -> CopyKernels:
+    """Compile (once per process, architecture and shape) and load the kernels on a device.
 
     Loads into the device's primary context, the one torch uses. Cached per
-    device; thread-safe. Raises KernelError (or ImportError without
-    cuda-python) with the NVRTC log when compilation fails.
+    device and shape (`unroll`, `tail`); thread-safe. Raises ValueError for
+    a bad shape, KernelError (or ImportError without cuda-python) with the
+    NVRTC log when compilation fails.
     """
+    check_shape(unroll, tail)
     with _LOCK:
-        cached = _LOADED.get(device_index)
+        cached = _LOADED.get((device_index, unroll, tail))
         if cached is not None:
             return cached
         import torch
         from cuda.bindings import driver
 
         major, minor = torch.cuda.get_device_capability(device_index)
-        cubin = _compile(f"sm_{major}{minor}")
+        cubin = _compile(f"sm_{major}{minor}", unroll, tail)
         _check(driver.cuInit(0), "cuInit")
         dev = _check(driver.cuDeviceGet(device_index), "cuDeviceGet")
         ctx = _check(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
@@ -484,7 +533,7 @@ def load_kernels(device_index: int) -> CopyKernels:
             if int(previous) and int(previous) != int(ctx):
                 driver.cuCtxSetCurrent(previous)
         num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-        kernels = CopyKernels(device_index, int(ctx), module, functions, num_sms, has_tma=major >= 9)
-        _LOADED[device_index] = kernels
+        kernels = CopyKernels(device_index, int(ctx), module, functions, num_sms, major >= 9, unroll, tail)
+        _LOADED[(device_index, unroll, tail)] = kernels
         logger.debug("page-copy kernels loaded on cuda:%d (sm_%d%d, %d SMs)", device_index, major, minor, num_sms)
         return kernels

@@ -23,6 +23,11 @@ One run measures, on the current GPU:
   kernel's CTAs take SMs from it; DMA takes none);
 * the kernel backend at several grid caps (`--kernel-sm-fractions`).
 
+Warm-up: before the first variant, the default backend submits copies of
+every size for `_WARMUP_S` seconds, unmeasured: the first variant measured
+was otherwise slower on the host (H200, 64 pages: 28 us per submission
+against 21 us for the same backend measured again later, tools/io_sweep.py).
+
 Timing: CUDA events around GPU work. Each timed batch is gated behind a GPU
 sleep on the compute stream, so every submission is queued before the GPU
 starts and the rate is the GPU's, not Python's. The host cost of one
@@ -33,8 +38,8 @@ rate is the median of several repetitions. GB/s are 1e9 bytes per second.
 
 Variants: the backends with their defaults (`hybrid`, `kernel`, `direct`,
 `staging`) and experiments: `kernel-l2hint`, `kernel-tma` (the kernel's
-other modes), `direct-given` (DMA runs in the caller's order, not sorted by
-device page).
+other modes), `direct-given` (DMA runs in the caller's order, not sorted
+by device page).
 
 Without CUDA it prints one error line and exits with status 2.
 """
@@ -81,6 +86,8 @@ _SUBMIT_SAMPLES = 40
 #: Page counts whose numbers of the default backend are recorded on their own.
 _DEFAULT_SIZES = ("64", "1024", "8192")
 _REPEATS = 3
+#: Seconds of unmeasured submissions before the first variant (see Warm-up).
+_WARMUP_S = 1.0
 #: Longest gate: beyond it the measurement is host-bound and says so.
 _MAX_SLEEP_MS = 400.0
 
@@ -304,6 +311,22 @@ def measure_alloc_runs(gate: _Gate, path: Path, backends: list[str], page_bytes:
     return out
 
 
+def warm_up(engine: CopyEngine, sizes: list[int], rng: np.random.Generator, seconds: float = _WARMUP_S) -> None:
+    """Submit copies of every size both ways for `seconds`, unmeasured; then close `engine`."""
+    sets = [s for n in sizes for s in _page_sets(rng, 2, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages)]
+    end, i = time.perf_counter() + seconds, 0
+    try:
+        while time.perf_counter() < end:
+            d, h = sets[i % len(sets)]
+            t = engine.submit_backup(Part.TARGET_KV, 0, d, h) if i % 2 else engine.submit_load(Part.TARGET_KV, 0, h, d)
+            i += 1
+            if i % 16 == 0:
+                t.wait()
+        torch.cuda.synchronize()
+    finally:
+        engine.close()
+
+
 def measure_bidir(gate: _Gate, engine: CopyEngine, n: int, page_bytes: int, rng: np.random.Generator) -> float:
     """Backups (layer 0) and loads (layer 1) at once with one engine: GB/s total."""
     reps = int(np.clip((256 << 20) // (n * page_bytes), 3, 50))
@@ -406,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench-io: unknown backend(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     order = sorted(names, key=lambda x: x != default)  # the default first: it matters most
+    warm_up(_make(default, dev, host), sizes, rng)
     result["backends"] = {}
     for name in order:
         try:
@@ -482,7 +506,7 @@ def _make(label: str, dev: Any, host: Any) -> CopyEngine:
 
 def _describe(engine: CopyEngine) -> dict[str, Any]:
     """What ran: the backend and its options (batched DMA, kernel mode, grid, DMA-routed copies)."""
-    keys = ("name", "batch", "order", "mode", "max_ctas", "dma_runs", "counts")
+    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "counts")
     return {k: getattr(engine, k) for k in keys if hasattr(engine, k)}
 
 

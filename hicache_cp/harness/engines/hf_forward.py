@@ -25,6 +25,13 @@ attention and indexer work: on an H200 a 512-token hit beside a 2,048-token
 chunk took 0.43 s padded against 0.07 + 0.04 s apart (tools/hf_profile.py).
 The hooks still fire once per layer for the whole batch.
 
+On CUDA the attention runs on PyTorch's memory-efficient SDPA kernel, not
+cuDNN's: cuDNN builds an execution plan for every (query, key) length it has
+not seen, and a serving batch is made of such shapes. On an H200 a hit
+forward of a new shape took 0.8-2.3 s with the default choice and 36-45 ms
+with the memory-efficient kernel, against 20-33 ms for either once warm
+(`tools/hf_profile.py --only-shapes`).
+
 Each sequence's index arrays (`SeqPlan`) are built on the CPU once per
 forward (numpy, vectorised) and moved to the device once; every layer and
 part reuses them, because all parts share page ids. No host sync inside the
@@ -34,7 +41,8 @@ reads them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -230,9 +238,14 @@ class PagedForward:
         parts = model.parts
         self.target_parts = (parts[Part.TARGET_KV], parts.get(Part.TARGET_STATE))
         self.draft_parts = (parts[Part.DRAFT_KV], parts.get(Part.DRAFT_STATE))
+        self._attention = _attention_backends(model.device)
 
     @torch.no_grad()
     def run(self, batch: Sequence[tuple[SeqPlan, KVStore]], hooks: LayerHooks | None = None) -> ForwardResult:
+        with self._attention():
+            return self._run(batch, hooks)
+
+    def _run(self, batch: Sequence[tuple[SeqPlan, KVStore]], hooks: LayerHooks | None) -> ForwardResult:
         if not batch:
             raise ValueError("a forward needs at least one sequence")
         hooks = hooks or NoHooks()
@@ -301,3 +314,14 @@ class PagedForward:
         if state_part is not None and layer in state_part.layers:
             row.kv.scatter(state_part.part, state_part.layers.index(layer), cl.indexer_keys[:, P:].reshape(Q, state_part.dim))
         cl.reset()
+
+
+def _attention_backends(device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The SDPA kernels a forward may use (see the module docstring): on CUDA
+    every backend but cuDNN's; elsewhere whatever PyTorch picks."""
+    if device.type != "cuda":
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return lambda: sdpa_kernel(allowed)
