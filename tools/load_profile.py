@@ -32,6 +32,23 @@ from hicache_cp.layout import Model  # noqa: E402
 PS, L1, L2, DOC_PAGES = 64, 300, 873, 132
 
 
+PHASES: dict[str, list[float]] = {}
+
+
+def _timed(cls: type, name: str) -> None:
+    """Record the wall time of every call of `cls.name` in PHASES[name] (ms)."""
+    f = getattr(cls, name)
+
+    def timed(*a, **k):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            PHASES.setdefault(name, []).append((time.perf_counter() - t) * 1e3)
+
+    setattr(cls, name, timed)
+
+
 def serve(c: HiCache, tokens: np.ndarray, times: list | None = None, prof: cProfile.Profile | None = None) -> None:
     m = c.match_prefix(tokens)
     t0 = time.perf_counter()
@@ -74,13 +91,23 @@ def main() -> int:
     for d in docs:
         serve(c, np.concatenate([d, rng.integers(0, 1000, 100)]))
     c.drain()
+    from hicache_cp.cache.eviction import Evictor
+    from hicache_cp.cache.lifecycle import Lifecycle
+
     times: list[float] = []
-    prof = cProfile.Profile()
-    for i in range(args.rounds):
-        serve(c, np.concatenate([docs[i % 5], rng.integers(0, 1000, 200)]), times, prof if i >= 5 else None)
-    c.drain()
+    _timed(Evictor, "alloc_device")
+    _timed(Lifecycle, "_submit_all_layers")
+    _timed(Lifecycle, "_submit")
+    for i in range(args.rounds):  # unprofiled
+        serve(c, np.concatenate([docs[i % 5], rng.integers(0, 1000, 200)]), times)
     print(f"load_back ms over {len(times)} loads of {DOC_PAGES} pages: median {np.median(times):.3f} "
           f"p90 {np.percentile(times, 90):.3f}; io {getattr(c.engine, 'counts', '')}")
+    for name, v in PHASES.items():
+        print(f"  {name}: {len(v)} calls, median {np.median(v):.3f} ms, p90 {np.percentile(v, 90):.3f} ms")
+    prof = cProfile.Profile()
+    for i in range(10):
+        serve(c, np.concatenate([docs[i % 5], rng.integers(0, 1000, 200)]), None, prof)
+    c.drain()
     s = io.StringIO()
     st = pstats.Stats(prof, stream=s)
     st.sort_stats("tottime").print_stats(30)
