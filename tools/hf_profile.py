@@ -70,7 +70,20 @@ def hit_chunk(rng: np.random.Generator, prefix: int, q: int, first_page: int, ps
     return SeqChunk(ids, prefix, pages, prefix, prefix + q // ps * ps, None)
 
 
-def new_shape_costs(fw: PagedForward, bufs: dict, rng: np.random.Generator, N: int, ps: int, vocab: int) -> dict:
+def first_shape_profile(fw: PagedForward, bufs: dict, rng: np.random.Generator, N: int, ps: int, vocab: int) -> str:
+    """Host-side ops of a hit forward of a shape never seen before (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seq = hit_chunk(rng, N - 1024 - 64 * 41, 219, 1, ps, vocab)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        paged_s(fw, bufs, [seq], ps)
+    text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+    print(text, flush=True)
+    return text
+
+
+def new_shape_costs(fw: PagedForward, bufs: dict, rng: np.random.Generator, N: int, ps: int, vocab: int,
+                    names: list[str]) -> dict:  # fmt: skip
     """Hit forwards of (tail, prefix) shapes never seen before, then the same
     shapes again, under each SDPA backend: what a first-seen shape costs."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -79,6 +92,8 @@ def new_shape_costs(fw: PagedForward, bufs: dict, rng: np.random.Generator, N: i
     backends = {"default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH],
                 "cudnn": [SDPBackend.CUDNN_ATTENTION]}
     for i, (name, which) in enumerate(backends.items()):
+        if name not in names:
+            continue
         shapes = [(N - 1024 - 64 * (7 * i + k), 200 + 37 * k + 11 * i) for k in range(5)]
         seqs = [hit_chunk(rng, p, q, 1, ps, vocab) for p, q in shapes]
         try:
@@ -106,6 +121,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--serve-limit", type=int, default=16)
     ap.add_argument("--only-shapes", action="store_true", help="only the new-shape cost per attention backend")
+    ap.add_argument("--backends", default="default,efficient,math,cudnn", help="SDPA backends for the new-shape costs")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
@@ -118,8 +134,10 @@ def main() -> int:
     ids = rng.integers(0, m.vocab_size, N)
     bufs = m.kv_buffers(N // ps + 16 + 4096 // ps)
     out: dict = {"preset": args.preset, "tokens": N}
-    out["new_shapes"] = new_shape_costs(fw, bufs, rng, N, ps, m.vocab_size)
+    out["new_shapes"] = new_shape_costs(fw, bufs, rng, N, ps, m.vocab_size, args.backends.split(","))
     if args.only_shapes:
+        if m.device.type == "cuda":
+            out["first_shape_ops"] = first_shape_profile(fw, bufs, rng, N, ps, m.vocab_size)
         (args.out / "hf-profile.json").write_text(json.dumps(out, indent=1))
         print(json.dumps(out, indent=1))
         return 0
