@@ -78,6 +78,7 @@ def test_paged_batched_chunked_forward_matches_one_full_forward() -> None:
     seqs = [SeqChunk(a[64:], 64, pages_a, 96, 96, None), SeqChunk(b, 0, np.arange(40, 47), 0, 48, None),
             SeqChunk(a[32:70], 32, pages_c, 32, 64, None)]  # fmt: skip
     plans = [SeqPlan.build(seq, ps) for seq in seqs]
+    assert [p.Qp - p.Q for p in plans] == [4, 6, 2]  # filler queries up to whole pages change nothing
     r = fw.run([(plan, PagedKV(bufs, plan)) for plan in plans])
     assert r.final_rows == [0, 1, 2]
     refs = [ref_a, ref_b, recompute_logits(m.target, a[:70])]

@@ -3,11 +3,11 @@
 #
 # DeepSeek-V3.2 at its real widths (transformers 5.20, bf16, seeded random weights,
 # 4 dense layers + the MTP draft layer, index top-k above every prompt), batched and
-# chunked, with hicache-cp as its L2; prompts of 6k-14k tokens (the embedded
-# workload at 384 tokens a block, the requests of >= 16 blocks), arriving at their
-# trace timestamps (x TIME_SCALE). A CPU rehearsal of the same trace shape (tiny
-# model, 6 pages a block, L1 1.35x the longest prompt) gave 12 of 50 requests
-# with >= 90% hits, 9 of them loading from L2.
+# chunked, with hicache-cp as its L2; prompts of 8k-19k tokens (the embedded
+# workload's requests of >= 16 blocks at 512 tokens a block, the block of the
+# Mooncake trace format), arriving at their trace timestamps (x TIME_SCALE); L1
+# of 400 pages (1.35x the longest prompt) makes L2 matter. PyTorch's allocator
+# runs with expandable segments: every request brings tensors of new sizes.
 #
 #   serve  $DEST/serve-h200.json     both oracles, TTFT p50/p90/p99, >= 90%-hit requests:
 #                                    TTFT over recompute and load time over the PCIe bound,
@@ -22,7 +22,7 @@
 # From the repository root on nvidia-h200, carry [".whl"]:
 #   HICACHE_COMMIT=<hash> bash tools/device_serve.sh            # STEPS="serve pd" by default
 # A CPU rehearsal of the script's mechanics (no wheels, the tiny model):
-#   WHEELS=0 PRESET=tiny DEVICE=cpu TPB=48 L1_PAGES=300 PYTHON=.venv/bin/python OUT=/tmp/serve bash tools/device_serve.sh
+#   WHEELS=0 PRESET=tiny DEVICE=cpu TPB=64 PYTHON=.venv/bin/python OUT=/tmp/serve bash tools/device_serve.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -32,6 +32,7 @@ if [ "${WHEELS:-1}" = 1 ]; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 DEST=${OUT:-bench/results}
 STEPS=${STEPS:-serve pd}
 LIMIT=${LIMIT:-50}
@@ -40,9 +41,8 @@ TIME_SCALE=${TIME_SCALE:-1.0}
 TRACE=.devdata/serve-6k.jsonl
 PRESET=${PRESET:-dsv32-width}
 DEVICE=${DEVICE:-cuda}
-TPB=${TPB:-384}
-L1_PAGES=${L1_PAGES:-300}
-CHUNK=${CHUNK:-1024}
+TPB=${TPB:-512}
+L1_PAGES=${L1_PAGES:-400}
 SCHEDULE=${SCHEDULE:-short-first}
 mkdir -p "$DEST" .devdata
 step() { echo; echo "=== $* ($(date +%T))"; }
@@ -56,16 +56,14 @@ $PYTHON - "$TRACE" <<'EOF' || exit 1
 import sys
 from hicache_cp.harness.trace import write_trace
 from hicache_cp.harness.workload import default_workload
-long = [r for r in default_workload(seed=0) if r.full_blocks >= 16]  # >= 6144 tokens at 384 a block
+long = [r for r in default_workload(seed=0) if r.full_blocks >= 16]  # >= 8192 tokens at 512 a block
 write_trace(sys.argv[1], long)
 print(f"{len(long)} requests of >= 16 blocks -> {sys.argv[1]}")
 EOF
 
-# L1 of 300 pages (19.2k tokens, 1.35x the longest prompt) makes L2 matter; L2 half the footprint.
-# Chunks of 1,024 tokens: a hit request arriving mid-prefill waits for at most one such forward.
+# L2 half the footprint.
 COMMON=(--engine hf --hf-preset "$PRESET" --device "$DEVICE" --trace "$TRACE" --tokens-per-block "$TPB"
-        --l2-fraction 0.5 --l1-pages "$L1_PAGES" --arrivals trace --time-scale "$TIME_SCALE"
-        --chunk-tokens "$CHUNK" --schedule "$SCHEDULE")
+        --l2-fraction 0.5 --l1-pages "$L1_PAGES" --arrivals trace --time-scale "$TIME_SCALE" --schedule "$SCHEDULE")
 
 if want serve; then
   step "serve: dsv32-width with L2, then L2 off; byte and output oracles"

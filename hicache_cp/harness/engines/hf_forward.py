@@ -100,26 +100,39 @@ class NoHooks:
 @dataclass
 class SeqPlan:
     """CPU-side index arrays of one sequence's chunk in a forward: `Q` query
-    positions [start, start + Q) over a prefix of `P` = start positions."""
+    positions [start, start + Q) over a prefix of `P` = start positions,
+    padded with `Qp - Q` trailing filler queries (see `build`)."""
 
     seq: SeqChunk
     page_size: int
     P: int
     Q: int
-    ids: np.ndarray  # [1, Q]
-    positions: np.ndarray  # [1, Q]
+    Qp: int
+    ids: np.ndarray  # [1, Qp]
+    positions: np.ndarray  # [1, Qp]
     gather_idx: np.ndarray  # [P] flat token slots of the prefix
-    src: np.ndarray  # rows of the chunk [Q] to store
+    src: np.ndarray  # rows of the chunk [Qp] to store (real queries only)
     dst: np.ndarray  # their flat token slots
 
     @classmethod
     def build(cls, s: SeqChunk, page_size: int) -> SeqPlan:
+        """The plan of `s`, its queries padded up to a multiple of the page size.
+
+        The padding bounds the shapes the model's kernels see: cuBLAS picks a
+        GEMM algorithm per new shape on the host, about 17 ms for one hit
+        forward of the real widths on an H200 (`tools/hf_profile.py
+        --only-shapes`), more than a hit's compute. Filler queries come after
+        every real one, so under the causal mask no real query sees them;
+        their KV is never stored and their logits never read."""
         q = len(s.ids)
         if q == 0:
             raise ValueError("a sequence brings no tokens to the forward")
         if s.write_to > s.write_from and not (s.start <= s.write_from and s.write_to <= s.end):
             raise ValueError(f"write range [{s.write_from}, {s.write_to}) outside [{s.start}, {s.end})")
-        pos = np.arange(s.start, s.end)
+        qp = -(-q // page_size) * page_size
+        ids = np.zeros(qp, np.int64)
+        ids[:q] = s.ids
+        pos = np.arange(s.start, s.start + qp)
         empty = np.empty(0, np.int64)
         gather, src, dst = empty, empty, empty
         if s.pages is not None:
@@ -127,17 +140,18 @@ class SeqPlan:
             if s.write_to > s.write_from:
                 w = np.arange(s.write_from, s.write_to)
                 src, dst = w - s.start, _slots(s.pages, w, page_size)
-        return cls(s, page_size, s.start, q, np.asarray(s.ids, np.int64)[None], pos[None], gather, src, dst)
+        return cls(s, page_size, s.start, q, qp, ids[None], pos[None], gather, src, dst)
 
     @property
     def tokens(self) -> int:
+        """Real query tokens (padding excluded)."""
         return self.Q
 
     def mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Additive causal mask [1, 1, Q, P+Q]: query i sees keys 0..P+i."""
-        q = torch.arange(self.Q, device=device)[:, None]
-        k = torch.arange(self.P + self.Q, device=device)[None, :]
-        out = torch.zeros((self.Q, self.P + self.Q), dtype=dtype, device=device)
+        """Additive causal mask [1, 1, Qp, P+Qp]: query i sees keys 0..P+i."""
+        q = torch.arange(self.Qp, device=device)[:, None]
+        k = torch.arange(self.P + self.Qp, device=device)[None, :]
+        out = torch.zeros((self.Qp, self.P + self.Qp), dtype=dtype, device=device)
         out.masked_fill_(k > self.P + q, torch.finfo(dtype).min)
         return out[None, None]
 
@@ -157,7 +171,7 @@ class KVStore(Protocol):
         """Prefix KV of one layer of one part: [1, P, dim]."""
 
     def scatter(self, part: Part, slot: int, new: torch.Tensor) -> None:
-        """Store the chunk's KV of one layer of one part; `new` is [Q, dim]."""
+        """Store the chunk's KV of one layer of one part; `new` is [Qp, dim]."""
 
 
 class PagedKV:
@@ -200,6 +214,8 @@ class ScratchKV:
         return self.kv[(part, slot)][None, : self.plan.P]
 
     def scatter(self, part: Part, slot: int, new: torch.Tensor) -> None:
+        assert self.plan is not None
+        new = new[: self.plan.Q]  # the filler queries' KV is not the sequence's
         old = self.kv.get((part, slot))
         self.kv[(part, slot)] = new if old is None else torch.cat([old, new])
 
@@ -265,7 +281,7 @@ class PagedForward:
         final_rows = [b for b, (plan, _) in enumerate(batch) if plan.seq.final]
         logits = torch.empty((0, m.vocab_size), dtype=torch.float32, device=m.device)
         if final_rows:
-            last = torch.cat([rows[b].hidden[:, -1] for b in final_rows])
+            last = torch.cat([rows[b].hidden[:, rows[b].plan.Q - 1] for b in final_rows])
             logits = m.target.lm_head(base.norm(last)).float()
         sampled = logits.argmax(dim=-1)
         for i, b in enumerate(final_rows):
@@ -273,7 +289,8 @@ class PagedForward:
         hooks.before_layer(Model.DRAFT, 0)
         for r in rows:
             self._fill(r.draft_cache, 0, 0, r, self.draft_parts)
-            draft_ids = torch.cat([r.ids[:, 1:], r.next_token[:, None]], dim=1)
+            q = r.plan.Q
+            draft_ids = torch.cat([r.ids[:, 1:q], r.next_token[:, None], r.ids[:, q:]], dim=1)
             m.draft(
                 inputs_embeds=base.embed_tokens(draft_ids), previous_hidden_state=r.hidden, position_embeddings=r.pos_emb,
                 attention_mask=r.mask, position_ids=r.positions, past_key_values=r.draft_cache, use_cache=True,
@@ -308,11 +325,11 @@ class PagedForward:
         """Store the chunk's KV of `layer` from the cache layer, then free the layer."""
         kv_part, state_part = parts
         cl = cache.layers[idx]
-        P, Q = row.plan.P, row.plan.Q
-        new = torch.cat([cl.keys[:, 0, P:], cl.values[:, 0, P:]], dim=-1).reshape(Q, kv_part.dim)
+        P, Qp = row.plan.P, row.plan.Qp
+        new = torch.cat([cl.keys[:, 0, P:], cl.values[:, 0, P:]], dim=-1).reshape(Qp, kv_part.dim)
         row.kv.scatter(kv_part.part, kv_part.layers.index(layer), new)
         if state_part is not None and layer in state_part.layers:
-            row.kv.scatter(state_part.part, state_part.layers.index(layer), cl.indexer_keys[:, P:].reshape(Q, state_part.dim))
+            row.kv.scatter(state_part.part, state_part.layers.index(layer), cl.indexer_keys[:, P:].reshape(Qp, state_part.dim))
         cl.reset()
 
 
