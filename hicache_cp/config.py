@@ -23,6 +23,7 @@ TOML example::
     l2_free_room = 0.02
     write_policy = "write_through_selective"
     write_threshold = 2
+    l2_exclusive = false               # write_back only: L1 and L2 hold disjoint pages
     eviction_policy = "lru"
     io_backend = "auto"
 
@@ -49,6 +50,11 @@ class WritePolicy(enum.Enum):
     WRITE_THROUGH = "write_through"  # back up every new page, per layer, during the forward
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # back up once a node was hit `write_threshold` times
     WRITE_BACK = "write_back"  # back up when L1 evicts a node
+    # With `l2_exclusive = true` (write_back only), a load from L2 gives up
+    # the node's L2 copy once it is done and no request holds the node, so L1
+    # and L2 hold disjoint pages and the cache holds L1 + L2 pages of content,
+    # not L2; the node is backed up again when L1 evicts it (one more D2H per
+    # L2 hit).
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,7 @@ class Config:
     l2_free_room: float | int = 0.02
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     write_threshold: int = 2
+    l2_exclusive: bool = False  # write_back only: L1 and L2 hold disjoint pages (see WritePolicy)
     eviction_policy: str = "lru"
     io_backend: str = "auto"
     cp_size: int = 1
@@ -138,6 +145,10 @@ class Config:
                 raise ConfigError(f"{name}: expected a string, got {getattr(self, name)!r}")
         if not isinstance(self.debug_checks, bool):
             raise ConfigError(f"debug_checks: expected true or false, got {self.debug_checks!r}")
+        if not isinstance(self.l2_exclusive, bool):
+            raise ConfigError(f"l2_exclusive: expected true or false, got {self.l2_exclusive!r}")
+        if self.l2_exclusive and self.write_policy is not WritePolicy.WRITE_BACK:
+            raise ConfigError(f"l2_exclusive needs write_policy = write_back, got {self.write_policy.value}")
         if self.pin_host is not None and not isinstance(self.pin_host, bool):
             raise ConfigError(f"pin_host: expected true, false or auto, got {self.pin_host!r}")
         _positive("page_size", self.page_size)

@@ -36,6 +36,10 @@ which covers page ownership, leaks, evictable sets and op bookkeeping):
 
 `CudaCacheMachine` runs the same machine on the CUDA copy engines (real
 streams and events, pinned host pool), without injected copy failures.
+`ExclusiveCacheMachine` (one rank and two) runs it under write_back with
+`l2_exclusive`: an allocation may wait for its victims' backups (a poll, so
+the ranks' protocol calls run in lockstep threads, and a blocking wait runs
+the queued copies it needs).
 """
 
 from __future__ import annotations
@@ -74,16 +78,40 @@ _COUNTED = ("backups_committed", "backups_aborted", "loads_done", "loads_aborted
 VERIFIED = dict.fromkeys(STEPS_RUN, 0)  # loaded pages whose bytes were compared, per machine
 
 
+class _LazyFuture(cf.Future):  # type: ignore[type-arg]
+    """A queued copy that a blocking wait runs (with every copy queued before it),
+    as a real worker would have by then: `settle` inside an eviction (write_back)
+    waits on copies the machine has not landed yet."""
+
+    def __init__(self, executor: ManualExecutor) -> None:
+        super().__init__()
+        self._executor = executor
+
+    def result(self, timeout: float | None = None) -> None:
+        self._executor.run_until(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._executor.run_until(self)
+        return super().exception(timeout)
+
+
 class ManualExecutor:
-    """Stands in for a copy worker: jobs run in submission order, only when asked."""
+    """Stands in for a copy worker: jobs run in submission order, only when asked
+    (or when a blocking wait needs one: `_LazyFuture`)."""
 
     def __init__(self) -> None:
         self.queue: deque[tuple[cf.Future[None], Callable[..., None], tuple[Any, ...]]] = deque()
 
     def submit(self, fn: Callable[..., None], *args: Any) -> cf.Future[None]:
-        fut: cf.Future[None] = cf.Future()
+        fut: cf.Future[None] = _LazyFuture(self)
         self.queue.append((fut, fn, args))
         return fut
+
+    def run_until(self, fut: cf.Future[None]) -> None:
+        """Run queued jobs in order until `fut` is done (nothing if it is not queued)."""
+        while not fut.done() and any(f is fut for f, _, _ in self.queue):
+            self.run(1)
 
     def run(self, k: int | None = None) -> None:
         n = len(self.queue) if k is None else min(k, len(self.queue))
@@ -117,6 +145,34 @@ class FailNext:
                 raise RuntimeError(f"injected failure: {direction.value} {part.value} layer {layer}")
 
 
+def lockstep(calls: list[Callable[[], Any]]) -> list[Any]:
+    """One call per CP rank, run concurrently (rank 0 here, the others on
+    threads) so that a collective inside them (an eviction's settle under
+    write_back) meets every rank; returns their results in rank order."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    out: list[Any] = [None] * len(calls)
+    err: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as exc:  # re-raised in the caller
+            err.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(1, len(calls))]
+    for t in threads:
+        t.start()
+    try:
+        run(0)
+    finally:
+        for t in threads:
+            t.join(timeout=60)
+    if err:
+        raise err[0]
+    return out
+
+
 class OpenRequest:
     """One request on every rank (identical calls), with its forward progress."""
 
@@ -141,6 +197,7 @@ class Driver:
         l1_pages: int = 13,
         host_pages: int = 24,
         io_backend: str = "cpu",
+        l2_exclusive: bool = False,
     ) -> None:
         self.cuda = io_backend != "cpu"
         self.manual = manual and not self.cuda
@@ -154,6 +211,7 @@ class Driver:
             cfg = tiny_config(
                 l1_pages=l1_pages, host_pages=host_pages, cp_size=ranks, write_policy=write_policy,
                 io_backend=io_backend, pin_host=self.cuda,
+                l2_exclusive=l2_exclusive and write_policy is WritePolicy.WRITE_BACK,
             )  # fmt: skip
             cache = HiCache(cfg, agreement=agreements[rank], rank=rank, device="cuda" if self.cuda else "cpu")
             if not self.cuda:  # the fault hook is the cpu backend's test double
@@ -184,12 +242,12 @@ class Driver:
         for r in reqs:
             r.match()
             self._check_match(r)
-            r.load_back()
+        lockstep([lambda r=r: r.load_back() for r in reqs])  # write_back may poll inside (a collective)
         if fail_load and self.manual:
             self.faults.pending[Direction.H2D] = 1
             self.copies_land(Direction.H2D)
             self.faults.pending[Direction.H2D] = 0
-        ok = [r.alloc() for r in reqs]
+        ok = lockstep([r.alloc for r in reqs])
         assert len(set(ok)) == 1, f"ranks disagree on alloc: {ok}"
         if not ok[0]:
             for r in reqs:
@@ -324,9 +382,14 @@ class Driver:
             c.config.l2_free_room = l2_target
             c.ensure_free()
             l1, l2 = c.device_pool.allocator, c.host_pool.allocator
+            # write_back: L1 victims being backed up leave L1 when their backups
+            # commit; ensure_free does not wait for them, and counts them as freed.
+            leaving = 0
+            if c.config.write_policy is WritePolicy.WRITE_BACK:
+                leaving = sum(op.num_pages for op in c.in_flight()[0] if not op.layerwise and op.active and op.nodes)
             # Evict to the target, or until nothing more is evictable.
-            assert l1.free_pages >= min(l1_target, l1.capacity) or not c.tree.device_leaves, (
-                f"L1 free {l1.free_pages} < target {l1_target} with evictable {c.tree.device_leaves}"
+            assert l1.free_pages + leaving >= min(l1_target, l1.capacity) or not c.tree.device_leaves, (
+                f"L1 free {l1.free_pages} (+{leaving} leaving) < target {l1_target} with evictable {c.tree.device_leaves}"
             )
             assert l2.free_pages >= min(l2_target, l2.capacity) or not c.tree.host_leaves, (
                 f"L2 free {l2.free_pages} < target {l2_target} with evictable {c.tree.host_leaves}"
@@ -583,6 +646,24 @@ class CpCacheMachine(CacheMachine):
     l1_pages = 10  # 18 logical pages over two ranks: enough L1 pressure for host hits
 
 
+class ExclusiveCacheMachine(CacheMachine):
+    """write_back with l2_exclusive: loads drop L2 copies, evictions wait for backups."""
+
+    counter = "hypothesis_exclusive"
+    host_pages = 12  # logical: L2 smaller than L1 + L2's usual, so that L2 evicts too
+
+    @initialize()
+    def start(self) -> None:  # type: ignore[override]
+        self.d = Driver(ranks=self.ranks, write_policy=WritePolicy.WRITE_BACK, l1_pages=self.l1_pages,
+                        host_pages=self.host_pages, l2_exclusive=True)  # fmt: skip
+
+
+class ExclusiveCpCacheMachine(ExclusiveCacheMachine):
+    ranks = 2
+    counter = "hypothesis_exclusive_cp"
+    l1_pages = 10
+
+
 class CudaCacheMachine(CacheMachine):
     """The same machine on a CUDA engine: real streams and events, a smaller budget."""
 
@@ -620,6 +701,21 @@ def test_cache_machine() -> None:
     steps, events, verified = _run_machine(CacheMachine, max_examples=200, stateful_step_count=100)
     assert steps >= 10_000, f"only {steps} hypothesis steps ran"
     _assert_covered(events, ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"))
+    assert verified > 0, "no loaded page was ever byte-checked"
+
+
+@pytest.mark.parametrize(
+    "machine,covered",
+    [(ExclusiveCacheMachine, ("evictions_l2", "loads_aborted")), (ExclusiveCpCacheMachine, ())],
+)
+def test_exclusive_cache_machine(machine: type[CacheMachine], covered: tuple[str, ...]) -> None:
+    """l2_exclusive (one rank, and two CP ranks with identical trees after every
+    step): every invariant after every step, loaded bytes checked. (Which
+    examples the CP machine draws depends on the tests run before it in the
+    process; L2 evictions are asserted on the one-rank machine.)"""
+    steps, events, verified = _run_machine(machine, max_examples=40, stateful_step_count=80)
+    assert steps >= 1_500, f"only {steps} steps ran"
+    _assert_covered(events, ("backups_committed", "loads_done", "l2_hit_pages", "backups_all_layer", *covered))
     assert verified > 0, "no loaded page was ever byte-checked"
 
 
@@ -683,11 +779,14 @@ def test_cp_one_rank_failure_aborts_both() -> None:
 # ---- seeded plain-random stress ------------------------------------------------------------
 
 
-def stress(seed: int, steps: int, *, ranks: int = 1, manual: bool = False, policy: WritePolicy | None = None) -> int:
+def stress(
+    seed: int, steps: int, *, ranks: int = 1, manual: bool = False, policy: WritePolicy | None = None,
+    exclusive: bool = False,
+) -> int:
     """Random protocol actions with the real (threaded) copy engine; returns steps run."""
     rng = random.Random(seed)
     policy = policy or rng.choice(list(WritePolicy))
-    d = Driver(ranks=ranks, manual=manual, write_policy=policy)
+    d = Driver(ranks=ranks, manual=manual, write_policy=policy, l2_exclusive=exclusive)
     actions: list[tuple[float, Callable[[], None]]] = [
         (6, lambda: d.new_request([rng.randrange(2)] + [rng.randrange(3) for _ in range(rng.randint(0, 4))]) if len(d.open) < 4 else None),
         (10, lambda: d.target_hook(rng.randrange(8))),
@@ -721,6 +820,13 @@ def test_seeded_stress(seed: int) -> None:
 
 def test_seeded_stress_cp() -> None:
     stress(7, 800, ranks=2, manual=True)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_seeded_stress_write_back_exclusive(ranks: int) -> None:
+    """write_back with l2_exclusive: evictions that wait for their backups
+    (settle inside alloc, in lockstep on CP ranks) and loads that drop L2 copies."""
+    stress(11, 800, ranks=ranks, manual=ranks == 2, policy=WritePolicy.WRITE_BACK, exclusive=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ policy x L2 size x workload, as the fraction of the way from LRU to Belady.
 
 Each cell is one replay (CPU, integrity verified unless --no-verify) of the
 whole workload with L2 at that fraction of its unique-block footprint (L1
-at its default, L2 / 8 but at least 3 longest requests). `gap` is
+at its default, L2 / 8 but at least 3 longest requests). A variant is
+`POLICY` (the default write policy, write_through) or `POLICY@MODE` with MODE
+`write_back` or `exclusive` (write_back with `l2_exclusive`: L1 and L2 hold
+disjoint pages, so the cache holds L1 + L2 pages of content); LRU under
+write_through is the baseline of every gap. `gap` is
 (hit - lru) / (belady - lru): 0 is LRU, 1 is the block-level Belady bound
 at the L2 capacity (`hicache_cp.harness.bounds`); the replay's hit rate
 also counts partial tail tokens as misses, so 1 is out of reach. A policy
@@ -42,9 +46,27 @@ EMBEDDED_FRACTIONS = (0.1, 0.25, 0.5)  # 0.5 is the embedded workload's default
 TARGET = 0.35  # issue 17: hit rate on the trace at L2 = 10%
 
 
-def replay_cell(trace: Path | None, fraction: float, policy: str, *, bounds: bool, verify: bool) -> dict[str, Any]:
+WRITE_MODES: dict[str, list[str]] = {  # POLICY@MODE -> replay flags
+    "write_through": [],
+    "write_back": ["--write-policy", "write_back"],
+    "exclusive": ["--write-policy", "write_back", "--set", "l2_exclusive=true"],
+}
+DEFAULT_VARIANTS = ("hit_weighted", "reuse_lru", "lru@write_back", "lru@exclusive", "reuse_lru@exclusive")
+
+
+def split_variant(variant: str) -> tuple[str, str]:
+    """"POLICY[@MODE]" -> (policy, mode); ValueError for an unknown mode."""
+    policy, _, mode = variant.partition("@")
+    mode = mode or "write_through"
+    if mode not in WRITE_MODES:
+        raise ValueError(f"unknown write mode {mode!r} in {variant!r}; supported: {', '.join(WRITE_MODES)}")
+    return policy, mode
+
+
+def replay_cell(trace: Path | None, fraction: float, variant: str, *, bounds: bool, verify: bool) -> dict[str, Any]:
     """One replay; the report's numbers that the table needs."""
-    argv = ["--l2-fraction", str(fraction), "--policy", policy, "--device", "cpu"]
+    policy, mode = split_variant(variant)
+    argv = ["--l2-fraction", str(fraction), "--policy", policy, "--device", "cpu", *WRITE_MODES[mode]]
     if trace is not None:
         argv += ["--trace", str(trace)]
     if bounds:
@@ -63,6 +85,7 @@ def replay_cell(trace: Path | None, fraction: float, policy: str, *, bounds: boo
         "l2_hit_tokens": rep["l2_hit_tokens"],
         "evictions_l2": rep["evictions_l2"],
         "bytes_d2h": rep["bytes_d2h"],
+        "bytes_h2d": rep["bytes_h2d"],
         "integrity_checked_pages": rep["integrity_checked_pages"],
         "integrity_mismatches": rep["integrity_mismatches"],
         "rejected_requests": rep["rejected_requests"],
@@ -113,21 +136,21 @@ def verdicts(rows: list[dict[str, Any]], target: float) -> dict[str, dict[str, A
 
 def _line(r: dict[str, Any]) -> str:
     gap = "-" if r["gap_fraction"] is None else f"{r['gap_fraction']:+.3f}"
-    return (f"{r['workload']:<9} {r['l2_fraction']:>5.2f} {r['policy']:<13} {r['hit_rate']:.4f} "
+    return (f"{r['workload']:<9} {r['l2_fraction']:>5.2f} {r['policy']:<19} {r['hit_rate']:.4f} "
             f"{r['lru_hit_rate']:.4f} {r['belady_hit_rate']:.4f} {gap:>7} {r['integrity_mismatches']:>4} "
             f"{r['wall_s']:>6.1f}")  # fmt: skip
 
 
 def print_table(rows: list[dict[str, Any]], verdict: dict[str, dict[str, Any]], target: float) -> None:
     print()
-    print(f"{'workload':<9} {'L2':>5} {'policy':<13} {'hit':>6} {'lru':>6} {'belady':>6} {'gap':>7} "
+    print(f"{'workload':<9} {'L2':>5} {'policy':<19} {'hit':>6} {'lru':>6} {'belady':>6} {'gap':>7} "
           f"{'mism':>4} {'wall_s':>6}")
     for r in rows:
         print(_line(r))
     print()
     for policy, v in verdict.items():
         at10 = "-" if v["trace_10pct_hit_rate"] is None else f"{v['trace_10pct_hit_rate']:.4f}"
-        print(f"{policy:<13} never below LRU: {v['never_below_lru']}, trace at 10%: {at10} (target {target}), "
+        print(f"{policy:<19} never below LRU: {v['never_below_lru']}, trace at 10%: {at10} (target {target}), "
               f"qualifies as default: {v['qualifies_as_default']}")
 
 
@@ -137,13 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fractions", default=",".join(map(str, TRACE_FRACTIONS)), help="L2 fractions for the trace")
     p.add_argument("--embedded-fractions", default=",".join(map(str, EMBEDDED_FRACTIONS)),
                    help="L2 fractions for the embedded workload ('' to skip it)")
-    p.add_argument("--policies", default=",".join(policy_names()), help="comma-separated (lru is always run)")
+    p.add_argument("--policies", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated POLICY or POLICY@MODE (MODE: write_back, exclusive); lru is always run")
     p.add_argument("--target", type=float, default=TARGET, help="hit rate the default must reach on the trace at 10%%")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte integrity check")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "policy-sweep.json")
     args = p.parse_args(argv)
     policies = ["lru"] + [x for x in args.policies.split(",") if x and x != "lru"]
-    unknown = sorted(set(policies) - set(policy_names()))
+    try:
+        unknown = sorted({split_variant(v)[0] for v in policies} - set(policy_names()))
+    except ValueError as exc:
+        p.error(str(exc))
     if unknown:
         p.error(f"unknown policies {unknown}; supported: {', '.join(policy_names())}")
     workloads: list[tuple[str, Path | None, tuple[float, ...]]] = []
@@ -163,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace": str(args.trace) if args.trace else None,
         "target": args.target,
         "gap_fraction": "(hit_rate - lru_hit_rate) / (belady_hit_rate - lru_hit_rate)",
+        "write_modes": WRITE_MODES,
         "rows": rows,
         "verdict": verdict,
     }

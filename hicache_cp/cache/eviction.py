@@ -9,7 +9,17 @@ the policy's order; a node whose eviction empties its parent makes the
 parent a candidate in the same pass.
 
 Under `write_back`, an L1 victim without a host copy is backed up instead
-(the lifecycle's all-layer backup) and leaves L1 once that commits.
+(the lifecycle's all-layer backup) and leaves L1 once that commits. A pass
+counts the pages of such backups as freed, so it backs up only what the
+target needs; when the request's pages still do not fit, it waits for those
+copies (`settle_backups`: the lifecycle's settle, an agreed poll, taken at
+the same step on every rank since the decision reads replicated state only)
+and evicts again.
+
+Under `l2_exclusive`, a node loaded from L2 gives up its L2 copy once nobody
+holds it (`drop_loaded_copies`, run before each eviction pass and by
+`ensure_free`): a request holding a node may still read its L2 pages (a
+PD transfer sends committed pages from L2), so a locked node keeps its copy.
 """
 
 from __future__ import annotations
@@ -35,6 +45,10 @@ class Evictor:
         #: write_back: start a backup of an L1 victim that has no host copy;
         #: returns whether one started (set by the facade to the lifecycle's).
         self.backup_victim: Callable[[Node], bool] = lambda node: False
+        #: write_back: wait for the copies in flight and decide them (the lifecycle's settle).
+        self.settle_backups: Callable[[], None] = lambda: None
+        #: l2_exclusive: nodes loaded into L1 whose L2 copies go once they are unlocked (load order).
+        self.loaded: list[Node] = []
         state.policy.bind(
             page_size=state.layout.page_size,
             l1_pages=state.device_pool.allocator.capacity,
@@ -69,14 +83,69 @@ class Evictor:
 
     def ensure_free(self) -> None:
         """Evict each tier back up to its free-room target when under it."""
+        self.drop_loaded_copies()
         self.make_room("l1", 0, 0)
         self.make_room("l2", 0, 0)
+
+    def note_loaded(self, nodes: list[Node]) -> None:
+        """`l2_exclusive`: these nodes' loads are done; their L2 copies are now duplicates."""
+        self.loaded.extend(nodes)
+
+    def drop_loaded_copies(self) -> None:
+        """`l2_exclusive`: free the L2 copies of loaded nodes that L1 still holds
+        and nobody holds (write_back backs them up again when L1 evicts them).
+        Locked ones wait for a later call; the others leave the list. O(list)."""
+        s = self.s
+        keep: list[Node] = []
+        for node in self.loaded:
+            if not (node.on_device and node.host_visible and node.stale_load is None and node.load is None):
+                continue  # left L1, lost its copy, or became stale: nothing to drop
+            if node.lock_ref > 0:
+                keep.append(node)
+                continue
+            pages: np.ndarray = node.host_pages  # type: ignore[assignment]
+            node.host_pages = None
+            node.host_state = HostState.NONE
+            node.host_parts = frozenset()
+            if s.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
+                pages = s.l3.on_evict_l2(pages)
+            s.host_pool.allocator.free(pages)
+            s.tree.refresh_family(node)
+        self.loaded = keep
 
     def make_room(self, tier: str, need: int, first_position: int) -> bool:
         """Evict until `tier` has `need` pages for these positions plus its
         free-room target free, or nothing more is evictable. Returns whether
-        `need` pages fit now. O(k log k) over the k evictable leaves."""
+        `need` pages fit now. O(k log k) over the k evictable leaves.
+
+        Under `write_back`, while L1 victims are being backed up and `need`
+        does not fit yet, waits for their copies (`settle_backups`) and
+        evicts again, as long as a round frees pages."""
+        fits = self._make_room(tier, need, first_position)
+        # Each round evicts the victims whose backups committed; their parents
+        # may be victims of the next round. A round that frees nothing (their
+        # backups failed) ends it: the allocation fails rather than retrying.
+        alloc = self.s.device_pool.allocator
+        while not fits and tier == "l1" and self._victim_backup_pages():
+            before = alloc.free_pages
+            self.settle_backups()
+            fits = self._make_room(tier, need, first_position)
+            if alloc.free_pages == before:
+                break
+        return fits
+
+    def _victim_backup_pages(self) -> int:
+        """write_back: L1 pages whose all-layer backup is in flight (they leave
+        L1 once it commits); 0 under other write policies."""
         s = self.s
+        if s.config.write_policy is not WritePolicy.WRITE_BACK:
+            return 0
+        return sum(op.num_pages for op in s.backups if not op.layerwise and op.active and op.nodes)
+
+    def _make_room(self, tier: str, need: int, first_position: int) -> bool:
+        s = self.s
+        if self.loaded:
+            self.drop_loaded_copies()
         pool = s.device_pool if tier == "l1" else s.host_pool
         alloc = pool.allocator
         target = s.config.free_room_pages(tier, alloc.capacity)
@@ -84,14 +153,19 @@ class Evictor:
             return True
         goal = min(target + need, alloc.capacity)
         leaves = s.tree.device_leaves if tier == "l1" else s.tree.host_leaves
+        pending = self._victim_backup_pages() if tier == "l1" else 0  # freed once their backups commit
         heap = [(s.policy.key_in(n, tier), n.id, n) for n in leaves]
         heapq.heapify(heap)
-        while heap and not (alloc.free_pages >= goal and alloc.fits(need, first_position)):
+        while heap and not (
+            alloc.free_pages + pending >= goal and (pending or alloc.fits(need, first_position))
+        ):
             _, _, node = heapq.heappop(heap)
             if node not in leaves:
                 continue
             parent = self._evict_l1(node) if tier == "l1" else self._evict_l2(node)
-            if parent is not None and parent in leaves:
+            if parent is None:  # write_back: a backup started, the pages leave L1 at its commit
+                pending += node.num_pages
+            elif parent in leaves:
                 heapq.heappush(heap, (s.policy.key_in(parent, tier), parent.id, parent))
         return alloc.fits(need, first_position)
 

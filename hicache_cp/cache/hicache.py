@@ -114,6 +114,7 @@ class HiCache:
         self._prefixes = Prefixes(self._state, self._lifecycle)
         self._engine_l1 = EngineL1(self._state, self._lifecycle)
         self._evictor.backup_victim = lambda node: self._lifecycle.start_backup(node) is not None
+        self._evictor.settle_backups = self._lifecycle.settle
         self._tier3: Tier3 | None = None
         if config.l3.enabled or l3_store is not None:
             self._tier3 = self._make_tier3(l3_store)
@@ -212,7 +213,10 @@ class HiCache:
 
         Evicts down to the L1 free-room target when needed. Returns None when
         not enough is evictable (the caller must not proceed with the request).
-        The caller owns the pages until `insert` or `free_device`.
+        The caller owns the pages until `insert` or `free_device`. Under
+        `write_back`, victims without a host copy are backed up first; when the
+        pages do not fit without them it waits for those copies (`settle`, so
+        every CP rank must call it at the same step, as it does anyway).
         """
         return self._evictor.alloc_device(n, first_position)
 

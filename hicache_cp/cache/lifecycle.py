@@ -295,6 +295,8 @@ class Lifecycle:
             s.metrics.loads_done += 1
             s.metrics.bytes_h2d += op.nbytes
             s.metrics.load_done_latency.observe(time.perf_counter() - op.created_at)
+            if s.config.l2_exclusive:
+                self.evictor.note_loaded(op.nodes)
         elif not ok:
             if op.state is not LoadState.FAILING:
                 op.transition(LoadState.FAILING)

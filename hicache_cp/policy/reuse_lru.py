@@ -19,7 +19,8 @@ until L2 first evicts. A node is protected when it was hit while cached
 (`Node.hit_count`) or when `Node.reuse_hint` (set at insert) says so: the
 ghost table remembers its pages from before, or its class is protected.
 L1 order is plain LRU: every L1 node also has its L2 copy under
-write-through, so L1 order only moves hits between the tiers.
+write-through, so L1 order only moves hits between the tiers (and under
+`l2_exclusive` an L1 eviction moves the node to L2, where this order applies).
 
 Classes of first-timer nodes (no ghost history), learned online: FRESH (the
 node starts the prompt: nothing of it was cached) and EXTENSION (it
