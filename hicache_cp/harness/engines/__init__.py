@@ -24,17 +24,16 @@ engine runs).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.cp.agreement import Agreement
-from hicache_cp.harness.engines.base import Engine, EngineRun, progress_bar
+from hicache_cp.harness.engines.base import Engine, EngineRun, RunOptions, progress_bar
 from hicache_cp.harness.trace import TraceRequest, request_tokens
 
-__all__ = ["ENGINES", "Engine", "EngineRun", "SyntheticEngine", "add_engine_arguments", "config_overrides",
-           "make_engine", "progress_bar"]  # fmt: skip
+__all__ = ["ENGINES", "Engine", "EngineRun", "RunOptions", "SyntheticEngine", "add_engine_arguments",
+           "config_overrides", "make_engine", "progress_bar"]  # fmt: skip
 
 ENGINES = ("synthetic", "hf")
 
@@ -50,23 +49,13 @@ class SyntheticEngine:
     def open_cache(self, config: Config, *, rank: int, agreement: Agreement | None, device: str) -> HiCache:
         return HiCache(config, rank=rank, agreement=agreement, device=device)
 
-    def run(
-        self,
-        cache: HiCache,
-        requests: list[TraceRequest],
-        *,
-        tokens_per_block: int,
-        sink: Any,
-        verify: bool,
-        progress: bool,
-        on_request: Callable[[int], None],
-    ) -> EngineRun:
+    def run(self, cache: HiCache, requests: list[TraceRequest], opts: RunOptions) -> EngineRun:
         from hicache_cp.harness.engines.synthetic import ReferenceServer
 
-        server = ReferenceServer(cache, verify=verify, sink=sink)
-        for i, req in enumerate(progress_bar(requests, progress)):
-            server.serve(req.index, request_tokens(req, tokens_per_block))
-            on_request(i)
+        server = ReferenceServer(cache, verify=opts.verify, sink=opts.sink)
+        for i, req in enumerate(progress_bar(requests, opts.progress)):
+            server.serve(req.index, request_tokens(req, opts.tokens_per_block))
+            opts.on_request(i)
         t = server.integrity
         return EngineRun(
             t.checked_pages, t.checked_units, t.expected_units, t.mismatches,

@@ -19,6 +19,17 @@ from hicache_cp.cp.agreement import Agreement
 from hicache_cp.harness.trace import TraceRequest
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    """How the replay asks an engine to serve its requests."""
+
+    tokens_per_block: int
+    sink: Any = None  # the PD sender, or None
+    verify: bool = True
+    progress: bool = False
+    on_request: Callable[[int], None] = lambda i: None  # after the i-th request finished
+
+
 @dataclass
 class EngineRun:
     """What an engine's run measured, in the terms of the replay report."""
@@ -42,18 +53,8 @@ class Engine(Protocol):
     def open_cache(self, config: Config, *, rank: int, agreement: Agreement | None, device: str) -> HiCache:
         """The cache, over this engine's L1 buffers."""
 
-    def run(
-        self,
-        cache: HiCache,
-        requests: list[TraceRequest],
-        *,
-        tokens_per_block: int,
-        sink: Any,
-        verify: bool,
-        progress: bool,
-        on_request: Callable[[int], None],
-    ) -> EngineRun:
-        """Serve every request; `on_request(i)` after the i-th one finished."""
+    def run(self, cache: HiCache, requests: list[TraceRequest], opts: RunOptions) -> EngineRun:
+        """Serve every request; `opts.on_request(i)` after the i-th one finished."""
 
 
 def progress_bar(items: list[Any], show: bool, desc: str = "replay") -> Any:

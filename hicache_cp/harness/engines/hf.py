@@ -41,7 +41,7 @@ from hicache_cp.config import Config, WritePolicy
 from hicache_cp.cp.agreement import Agreement
 import hicache_cp.harness.engines.hf_model as hf_model
 import hicache_cp.harness.engines.hf_options as hf_options
-from hicache_cp.harness.engines.base import EngineRun, progress_bar
+from hicache_cp.harness.engines.base import EngineRun, RunOptions, progress_bar
 from hicache_cp.harness.engines.hf_forward import PagedForward, ScratchKV, SeqChunk, SeqPlan
 from hicache_cp.harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_logits
 from hicache_cp.harness.engines.hf_timing import Clock, copy_peak_gbps
@@ -96,38 +96,28 @@ class HfEngine:
         self._buffers[id(cache)] = buffers
         return cache
 
-    def run(
-        self,
-        cache: HiCache,
-        requests: list[TraceRequest],
-        *,
-        tokens_per_block: int,
-        sink: Any,
-        verify: bool,
-        progress: bool,
-        on_request: Callable[[int], None],
-    ) -> EngineRun:
+    def run(self, cache: HiCache, requests: list[TraceRequest], opts: RunOptions) -> EngineRun:
         model = self.model(str(cache.device_pool.device))
-        work = [(r, request_tokens(r, tokens_per_block, vocab_size=model.vocab_size)) for r in requests]
+        work = [(r, request_tokens(r, opts.tokens_per_block, vocab_size=model.vocab_size)) for r in requests]
         longest = max((len(ids) for _, ids in work), default=0)
         if longest > hf_model.DENSE_INDEX_TOPK:
             raise ValueError(f"a prompt of {longest} tokens exceeds the index top-k {hf_model.DENSE_INDEX_TOPK}")
-        bar = progress_bar(list(range(len(work))), progress, desc="hf replay")
-        ticks = iter(bar) if progress else None
+        bar = progress_bar(list(range(len(work))), opts.progress, desc="hf replay")
+        ticks = iter(bar) if opts.progress else None
 
         def done(i: int) -> None:
-            on_request(i)
+            opts.on_request(i)
             if ticks is not None:
                 next(ticks, None)
 
         threads = self.preset.cpu_threads if model.device.type == "cpu" else None
         with _torch_threads(threads):
             self._time_recompute(model, np.arange(self.chunk_tokens + 1) % model.vocab_size)  # warm-up: kernels, allocator
-            result = self._serve(cache, work, sink=sink, verify=verify, use_l2=True, on_request=done)
+            result = self._serve(cache, work, sink=opts.sink, verify=opts.verify, use_l2=True, on_request=done)
             if hasattr(bar, "close"):
                 bar.close()
             extra = self._report(model, cache, work, result)
-            other = self._compare_no_l2(cache.config, work, verify) if self.args.compare_no_l2 else None
+            other = self._compare_no_l2(cache.config, work, opts.verify) if self.args.compare_no_l2 else None
         integ = result.integrity
         checked, units, expected, mism = integ.checked_pages, integ.checked_units, integ.expected_units, integ.mismatches
         examples = [str(m) for m in integ.examples[:10]]

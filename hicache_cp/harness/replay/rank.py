@@ -16,7 +16,7 @@ from typing import Any
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.cp.agreement import Agreement
-from hicache_cp.harness.engines import make_engine
+from hicache_cp.harness.engines import RunOptions, make_engine
 from hicache_cp.harness.engines.synthetic import RequestSink
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.harness.replay.setup import tokens_per_block
@@ -61,8 +61,8 @@ def replay_rank(
             if i % every == 0 or i == len(requests) - 1:
                 samples.append(_sample(i, cache))
 
-        run = engine.run(cache, requests, tokens_per_block=tpb, sink=sink, verify=not args.no_verify,
-                         progress=progress and rank == 0, on_request=on_request)  # fmt: skip
+        opts = RunOptions(tpb, sink, verify=not args.no_verify, progress=progress and rank == 0, on_request=on_request)
+        run = engine.run(cache, requests, opts)
         cache.drain()
         cache.check_invariants()
         stats = cache.stats()
