@@ -13,7 +13,6 @@ explain bench results, they are not bench results themselves.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
 import json
@@ -22,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,24 +82,25 @@ def first_shape_profile(fw: PagedForward, bufs: dict, rng: np.random.Generator, 
     return text
 
 
-def new_shape_costs(fw: PagedForward, bufs: dict, rng: np.random.Generator, N: int, ps: int, vocab: int,
+def new_shape_costs(model: Any, bufs: dict, rng: np.random.Generator, N: int, ps: int, vocab: int,
                     names: list[str]) -> dict:  # fmt: skip
     """Hit forwards of (tail, prefix) shapes never seen before, then the same
-    shapes again, under each SDPA backend: what a first-seen shape costs."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    shapes again, with the forward restricted to each SDPA backend
+    ("engine": the engine's own choice): what a first-seen shape costs."""
+    from torch.nn.attention import SDPBackend
 
     out = {}
-    backends = {"default": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH],
-                "cudnn": [SDPBackend.CUDNN_ATTENTION]}
+    backends = {"engine": None, "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH],
+                "cudnn": [SDPBackend.CUDNN_ATTENTION]}  # fmt: skip
     for i, (name, which) in enumerate(backends.items()):
         if name not in names:
             continue
+        fw = PagedForward(model, attention=which)
         shapes = [(N - 1024 - 64 * (7 * i + k), 200 + 37 * k + 11 * i) for k in range(5)]
         seqs = [hit_chunk(rng, p, q, 1, ps, vocab) for p, q in shapes]
         try:
-            with sdpa_kernel(which) if which else contextlib.nullcontext():
-                first = [paged_s(fw, bufs, [s], ps) for s in seqs]
-                again = [paged_s(fw, bufs, [s], ps) for s in seqs]
+            first = [paged_s(fw, bufs, [s], ps) for s in seqs]
+            again = [paged_s(fw, bufs, [s], ps) for s in seqs]
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run these shapes
             out[name] = {"error": str(exc)[:300]}
             continue
@@ -121,7 +122,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--serve-limit", type=int, default=16)
     ap.add_argument("--only-shapes", action="store_true", help="only the new-shape cost per attention backend")
-    ap.add_argument("--backends", default="default,efficient,math,cudnn", help="SDPA backends for the new-shape costs")
+    ap.add_argument("--backends", default="engine,efficient,math,cudnn", help="SDPA backends for the new-shape costs")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
@@ -134,7 +135,7 @@ def main() -> int:
     ids = rng.integers(0, m.vocab_size, N)
     bufs = m.kv_buffers(N // ps + 16 + 4096 // ps)
     out: dict = {"preset": args.preset, "tokens": N}
-    out["new_shapes"] = new_shape_costs(fw, bufs, rng, N, ps, m.vocab_size, args.backends.split(","))
+    out["new_shapes"] = new_shape_costs(m, bufs, rng, N, ps, m.vocab_size, args.backends.split(","))
     if args.only_shapes:
         if m.device.type == "cuda":
             out["first_shape_ops"] = first_shape_profile(fw, bufs, rng, N, ps, m.vocab_size)

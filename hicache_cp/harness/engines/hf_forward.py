@@ -246,7 +246,9 @@ class _Row:
 class PagedForward:
     """Runs a batch of `SeqPlan`s through the target model and its draft layer."""
 
-    def __init__(self, model: HfModel) -> None:
+    def __init__(self, model: HfModel, attention: Sequence[Any] | None = None) -> None:
+        """`attention`: the SDPA backends (`torch.nn.attention.SDPBackend`) the
+        forward may use on CUDA; None: every one but cuDNN's (module docstring)."""
         from transformers import DynamicCache
 
         self.m = model
@@ -254,7 +256,7 @@ class PagedForward:
         parts = model.parts
         self.target_parts = (parts[Part.TARGET_KV], parts.get(Part.TARGET_STATE))
         self.draft_parts = (parts[Part.DRAFT_KV], parts.get(Part.DRAFT_STATE))
-        self._attention = _attention_backends(model.device)
+        self._attention = _attention_backends(model.device, attention)
 
     @torch.no_grad()
     def run(self, batch: Sequence[tuple[SeqPlan, KVStore]], hooks: LayerHooks | None = None) -> ForwardResult:
@@ -333,12 +335,14 @@ class PagedForward:
         cl.reset()
 
 
-def _attention_backends(device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+def _attention_backends(
+    device: torch.device, allowed: Sequence[Any] | None
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """The SDPA kernels a forward may use (see the module docstring): on CUDA
-    every backend but cuDNN's; elsewhere whatever PyTorch picks."""
+    `allowed`, by default every backend but cuDNN's; elsewhere whatever PyTorch picks."""
     if device.type != "cuda":
         return contextlib.nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    allowed = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return lambda: sdpa_kernel(allowed)
+    backends = list(allowed or (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH))
+    return lambda: sdpa_kernel(backends)
