@@ -97,8 +97,11 @@ class SchedulerOptions:
             raise ValueError(f"chunk_tokens and max_batch_tokens must be >= 1, got {self.chunk_tokens}, {self.max_batch_tokens}")
         if self.short_tokens < 0:
             raise ValueError(f"short_tokens must be >= 0, got {self.short_tokens}")
-        if not self.short_tokens:
-            object.__setattr__(self, "short_tokens", max(1, self.chunk_tokens // 2))
+
+    @property
+    def short_limit(self) -> int:
+        """Tokens left within which a sequence counts as short."""
+        return self.short_tokens or max(1, self.chunk_tokens // 2)
         if self.time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
 
@@ -341,10 +344,10 @@ class Scheduler:
         return batch
 
     def _short_first(self, batch: list[tuple[Seq, int]]) -> list[tuple[Seq, int]]:
-        """Only the sequences that finish within `short_tokens`, fewest tokens
+        """Only the sequences that finish within `short_limit`, fewest tokens
         first, when the batch also holds longer ones (and they have not waited
         `SHORT_STREAK` forwards already)."""
-        short = [(seq, q) for seq, q in batch if seq.remaining <= self.opt.short_tokens]
+        short = [(seq, q) for seq, q in batch if seq.remaining <= self.opt.short_limit]
         if not short or len(short) == len(batch) or self._short_streak >= SHORT_STREAK:
             self._short_streak = 0
             return batch
