@@ -21,7 +21,7 @@ pytest.importorskip("transformers", minversion="5.20")
 from hicache_cp.harness.cli import main  # noqa: E402
 from hicache_cp.harness.engines import hf_model  # noqa: E402
 from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
-from hicache_cp.harness.engines.hf_oracle import recompute_logits  # noqa: E402
+from hicache_cp.harness.engines.hf_oracle import recompute_logits, recompute_outputs  # noqa: E402
 from hicache_cp.layout import Part  # noqa: E402
 
 
@@ -57,36 +57,42 @@ def test_model_layout_is_the_latent_cache() -> None:
 
 def test_paged_batched_chunked_forward_matches_one_full_forward() -> None:
     """The layer-by-layer forward over pages, in chunks and in a ragged batch with
-    different prefix and chunk lengths, gives the model's own logits; pages written
-    by two computations of the same tokens agree (to rounding)."""
+    different prefix and chunk lengths, gives the model's own logits, and the MTP
+    draft's logits of a recompute (`recompute_outputs`); pages written by two
+    computations of the same tokens agree (to rounding), the draft's too. A chunk
+    after the first starts one position before the first it writes (the draft
+    runs one position ahead and needs that hidden state)."""
     m = hf_model.build("tiny")
     ps = m.preset.page_size
     bufs = m.kv_buffers(64)
     fw = PagedForward(m)
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, m.vocab_size, 100), rng.integers(0, m.vocab_size, 50)
-    ref_a, ref_b = recompute_logits(m.target, a), recompute_logits(m.target, b)
+    (ref_a, draft_a), (ref_b, draft_b) = recompute_outputs(m, a), recompute_outputs(m, b)
+    assert float((ref_a - recompute_logits(m.target, a)).abs().max()) == 0.0
     pages_a = np.arange(1, 14)
-    for start in range(0, 100, 32):  # chunks of 32 (4 pages), writing whole pages only
-        end = min(start + 32, 100)
-        seq = SeqChunk(a[start:end], start, pages_a, start, min(end, 96), None if end == 100 else int(a[end]))
+    for first in range(0, 100, 32):  # chunks of 32 new tokens (4 pages), writing whole pages only
+        start, end = max(0, first - 1), min(first + 32, 100)
+        seq = SeqChunk(a[start:end], start, pages_a, first, min(end, 96), None if end == 100 else int(a[end]))
         plan = SeqPlan.build(seq, ps)
         r = fw.run([(plan, PagedKV(bufs, plan))])
     assert float((r.logits[0].cpu() - ref_a).abs().max()) < 1e-5
+    assert float((r.draft_logits[0].cpu() - draft_a).abs().max()) < 1e-5  # type: ignore[index]
     # A batch: a's tail on 64 cached tokens, b from scratch, and a's tokens 32..70 on 32 cached.
     pages_c = np.concatenate([pages_a[:4], np.arange(30, 36)])
-    seqs = [SeqChunk(a[64:], 64, pages_a, 96, 96, None), SeqChunk(b, 0, np.arange(40, 47), 0, 48, None),
-            SeqChunk(a[32:70], 32, pages_c, 32, 64, None)]  # fmt: skip
+    seqs = [SeqChunk(a[63:], 63, pages_a, 96, 96, None), SeqChunk(b, 0, np.arange(40, 47), 0, 48, None),
+            SeqChunk(a[31:70], 31, pages_c, 32, 64, None)]  # fmt: skip
     plans = [SeqPlan.build(seq, ps) for seq in seqs]
-    assert [p.Qp - p.Q for p in plans] == [4, 6, 2]  # filler queries up to whole pages change nothing
+    assert [p.Qp - p.Q for p in plans] == [3, 6, 1]  # filler queries up to whole pages change nothing
     r = fw.run([(plan, PagedKV(bufs, plan)) for plan in plans])
     assert r.final_rows == [0, 1, 2]
-    refs = [ref_a, ref_b, recompute_logits(m.target, a[:70])]
-    for row, ref in enumerate(refs):
+    refs = [(ref_a, draft_a), (ref_b, draft_b), recompute_outputs(m, a[:70])]
+    for row, (ref, draft) in enumerate(refs):
         assert float((r.logits[row].cpu() - ref).abs().max()) < 1e-5, row
-    for part in (Part.TARGET_KV, Part.TARGET_STATE):
+        assert float((r.draft_logits[row].cpu() - draft).abs().max()) < 1e-5, row  # type: ignore[index]
+    for part in Part:
         for layer in bufs[part]:
-            assert torch.allclose(layer[pages_c[4:8]], layer[pages_a[4:8]], atol=1e-5)
+            assert torch.allclose(layer[pages_c[4:8]], layer[pages_a[4:8]], atol=1e-5), part
     # The recompute path (no pages) gives the same logits too.
     store = ScratchKV()
     for start in range(0, 100, 48):

@@ -168,7 +168,8 @@ def test_backups_in_a_batch_fire_per_layer_in_forward_order(model: hf_model.HfMo
 def test_chunked_prefill_over_a_loading_prefix(model: hf_model.HfModel, server: Any) -> None:
     """A long request in 3 chunks on an L2 prefix: the load is waited on in the
     first chunk's forward, the backup's hooks fire only in the last, and a fully
-    cached prompt still computes its last token."""
+    cached prompt still computes its last token. Each chunk also recomputes the
+    position before its first new one (the MTP draft needs its hidden state)."""
     s = server(chunk=16, batch=32)
     x = prompt(20, 4)
     s.serve(x)
@@ -177,8 +178,8 @@ def test_chunked_prefill_over_a_loading_prefix(model: hf_model.HfModel, server: 
     before = s.sched.stats.forwards
     result = s.serve(long, first=1)
     rec = result.records[-1]
-    assert rec.l2_hit_pages == 4 and rec.computed_tokens == 42
-    assert result.batches.forwards - before == 3  # 16 + 16 + 10 tokens (stats are cumulative)
+    assert rec.l2_hit_pages == 4 and rec.computed_tokens == 42 + 3
+    assert result.batches.forwards - before == 3  # 1 + 16, 1 + 16, 1 + 10 tokens (stats are cumulative)
     assert s.cache.metrics.backups_committed == 2
     full = s.serve(long[: 9 * 8], first=2)  # every page cached: computes the last token only
     assert full.records[-1].computed_tokens == 1
@@ -217,7 +218,7 @@ def test_a_hit_request_goes_ahead_of_a_long_prefill(model: hf_model.HfModel, ser
     long, hit = prompt(21, 20), np.concatenate([x, prompt(22, 0, tail=3)])
     result = s.serve(long, hit, first=1)
     rl, rh = (next(r for r in result.records if r.request == i) for i in (1, 2))
-    assert rh.l1_hit_pages == 6 and rh.computed_tokens == 3
+    assert rh.l1_hit_pages == 6 and rh.computed_tokens == 1 + 3  # the last cached position, then the tail
     if order is Order.SHORT_FIRST:
         assert rh.first_forward < rl.first_forward and rh.first_token_s < rl.first_token_s
     else:

@@ -13,6 +13,18 @@ besides the replay's usual keys:
     outputs_checked / _max_abs_err / _mismatches
                                    the output oracle (`hf_oracle`) on --check-outputs N
                                    hit requests, against the model's own full forward
+    draft_outputs_checked / _max_abs_err / _mismatches
+                                   the same requests' MTP draft: last-token logits and
+                                   proposed token against the draft over a recompute
+    spec_checked / _mismatches / spec_accept_mean_restored / _recomputed, spec_checks
+                                   --spec-steps steps of greedy MTP speculation from the
+                                   restored prefix and from a recompute (`hf_spec`), per
+                                   request the accept lengths, tokens and proposals of both
+    loads_refused, integrity_refused_units, integrity_restore_checked_units
+                                   restored pages checked before use (`hf_oracle.RestoreGuard`)
+    faults_injected                what --hf-fault fired (`hf_faults`)
+    cp_exchange_collectives / _bytes
+                                   CP: the prefix all-gathers of this rank (`hf_cp`)
     ttft_hit_over_recompute        requests with >= 90% hits: their TTFT over the time
                                    this engine takes to compute the same prompt without
                                    the cache (median; `_p90`, and the samples)
@@ -22,6 +34,11 @@ besides the replay's usual keys:
 
 The byte oracle (`integrity_*` keys) covers every reused page of every part
 and layer; its digests are recorded when pages are computed.
+
+With `--cp-size N` each rank is one process (`replay.multirank`) running
+this engine over its own share of L1 and L2 (`hf_cp`): the forward is
+replicated and reads the full prefix through a per-layer all-gather of the
+ranks' owned pages; every oracle runs on every rank.
 """
 
 from __future__ import annotations
@@ -42,8 +59,11 @@ from hicache_cp.cp.agreement import Agreement
 import hicache_cp.harness.engines.hf_model as hf_model
 import hicache_cp.harness.engines.hf_options as hf_options
 from hicache_cp.harness.engines.base import EngineRun, RunOptions, progress_bar
+from hicache_cp.harness.engines.hf_cp import PrefixExchange, make_view
+from hicache_cp.harness.engines.hf_faults import FaultInjector, HfFault
 from hicache_cp.harness.engines.hf_forward import PagedForward, ScratchKV, SeqChunk, SeqPlan
-from hicache_cp.harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_logits
+from hicache_cp.harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_outputs
+from hicache_cp.harness.engines.hf_spec import OracleSamples, Sample, SpecCheck, Speculator, spec_report
 from hicache_cp.harness.engines.hf_timing import Clock, copy_peak_gbps
 from hicache_cp.harness.engines.scheduler import Arrivals, Order, RequestRecord, Scheduler, SchedulerOptions, ServeResult
 from hicache_cp.harness.trace import TraceRequest, request_tokens
@@ -73,13 +93,14 @@ class HfEngine:
         self.max_batch_tokens = args.max_batch_tokens or self.preset.max_batch_tokens
         self._model: hf_model.HfModel | None = None
         self._buffers: dict[int, dict[Any, list[torch.Tensor]]] = {}
+        self.faults = [HfFault.parse(f) for f in getattr(args, "hf_fault", None) or ()]
 
     # ---- Engine protocol ---------------------------------------------------------------------
 
     def configure(self, args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> Config:
         """Check that the replay's setup resolved the config with `config_overrides`
         (this model's layout and page size, applied before sizing); return it."""
-        hf_options.check_cp_size(config.cp_size)
+        hf_options.check_cp_size(args, config.cp_size)
         over = config_overrides(args)
         if config.model_layout != over["model_layout"] or config.page_size != over["page_size"]:
             raise ValueError(
@@ -97,6 +118,7 @@ class HfEngine:
         return cache
 
     def run(self, cache: HiCache, requests: list[TraceRequest], opts: RunOptions) -> EngineRun:
+        """Serve `requests` on this rank (every CP rank calls it with the same requests)."""
         model = self.model(str(cache.device_pool.device))
         work = [(r, request_tokens(r, opts.tokens_per_block, vocab_size=model.vocab_size)) for r in requests]
         longest = max((len(ids) for _, ids in work), default=0)
@@ -113,10 +135,20 @@ class HfEngine:
         threads = self.preset.cpu_threads if model.device.type == "cpu" else None
         with _torch_threads(threads):
             self._time_recompute(model, np.arange(self.chunk_tokens + 1) % model.vocab_size)  # warm-up: kernels, allocator
-            result = self._serve(cache, work, sink=opts.sink, verify=opts.verify, use_l2=True, on_request=done)
+            injector = FaultInjector(cache, self.faults) if self.faults else None
+            samples = OracleSamples(
+                self.args.check_outputs, snapshots=self.args.spec_steps > 0, buffers=self._buffers[id(cache)],
+                rank=cache.rank, cp_size=cache.cp_size, page_size=cache.layout.page_size,
+                flagged=injector.requests if injector is not None else frozenset(),
+            )  # fmt: skip
+            exchange = PrefixExchange(model, cache.rank, cache.cp_size)
+            result = self._serve(cache, work, sink=opts.sink, verify=opts.verify, use_l2=True, on_request=done,
+                                 exchange=exchange, samples=samples, injector=injector)  # fmt: skip
             if hasattr(bar, "close"):
                 bar.close()
-            extra = self._report(model, cache, work, result)
+            extra = self._report(model, cache, work, result, samples, exchange)
+            if injector is not None:
+                extra["faults_injected"] = injector.injected
             other = self._compare_no_l2(cache.config, work, opts.verify) if self.args.compare_no_l2 else None
         integ = result.integrity
         checked, units, expected, mism = integ.checked_pages, integ.checked_units, integ.expected_units, integ.mismatches
@@ -146,12 +178,16 @@ class HfEngine:
 
     def _serve(
         self, cache: HiCache, work: list[tuple[TraceRequest, np.ndarray]], *, sink: Any, verify: bool, use_l2: bool,
-        on_request: Callable[[int], None],
+        on_request: Callable[[int], None], exchange: PrefixExchange | None = None, samples: OracleSamples | None = None,
+        injector: FaultInjector | None = None,
     ) -> ServeResult:  # fmt: skip
         model = self.model(str(cache.device_pool.device))
+        buffers = self._buffers[id(cache)]
         scheduler = Scheduler(
-            cache, PagedForward(model), self._buffers[id(cache)], self._options(use_l2=use_l2, verify=verify),
-            sink=sink, on_request=on_request,
+            cache, PagedForward(model), buffers, self._options(use_l2=use_l2, verify=verify),
+            sink=sink, on_request=on_request, view=make_view(model, buffers, cache.rank, cache.cp_size, exchange),
+            on_finish=samples.offer if samples is not None else None,
+            before_load=injector.before_load if injector is not None else None,
         )  # fmt: skip
         return scheduler.serve(work)
 
@@ -170,8 +206,9 @@ class HfEngine:
         return {"summary": summary, "integrity": result.integrity}
 
     def _report(
-        self, model: hf_model.HfModel, cache: HiCache, work: list[tuple[TraceRequest, np.ndarray]], result: ServeResult
-    ) -> dict[str, Any]:
+        self, model: hf_model.HfModel, cache: HiCache, work: list[tuple[TraceRequest, np.ndarray]], result: ServeResult,
+        samples: OracleSamples, exchange: PrefixExchange,
+    ) -> dict[str, Any]:  # fmt: skip
         peak, peak_source = copy_peak_gbps(model.device)
         out: dict[str, Any] = {
             "engine": "hf",
@@ -193,38 +230,67 @@ class HfEngine:
             "copy_peak_source": peak_source,
             "integrity_checked_l2_units": result.integrity.checked_l2_units,
             "integrity_digest_variants": result.integrity.digest_variants,
+            "integrity_restore_checked_units": result.integrity.restore_checked_units,
+            "integrity_refused_units": result.integrity.refused_units,
+            "loads_refused": result.integrity.refused_loads,
+            "cp_exchange_collectives": exchange.collectives,
+            "cp_exchange_bytes": exchange.bytes_sent,
         }
         out.update(_serving_summary(result))
         ids = {r.index: t for r, t in work}
-        out.update(self._output_oracle(model, result, ids))
+        chosen = samples.chosen()
+        out.update(self._output_oracle(model, result, chosen))
+        out.update(self._spec_oracle(model, chosen, exchange))
         out.update(self._hit90(model, result, ids, peak))
         out["per_request"] = [_record_row(r) for r in result.records]
         return out
 
-    def _output_oracle(self, model: hf_model.HfModel, result: ServeResult, ids: dict[int, np.ndarray]) -> dict[str, Any]:
-        """Oracle (b): sampled hit requests (those with L2 hits first) against a full recompute."""
-        n = self.args.check_outputs
-        hits = [r for r in result.records if r.reused_pages and r.request in result.logits]
-        rng = np.random.default_rng(self.args.hf_seed)
-        l2 = [r for r in hits if r.l2_hit_pages]
-        l1 = [r for r in hits if not r.l2_hit_pages]
-        chosen = [*(l2[i] for i in rng.permutation(len(l2))), *(l1[i] for i in rng.permutation(len(l1)))][:n]
+    def _output_oracle(self, model: hf_model.HfModel, result: ServeResult, chosen: list[Sample]) -> dict[str, Any]:
+        """Oracle (b): the sampled hit requests' target and draft outputs against a full recompute."""
+        p = self.preset
         checks: list[OutputCheck] = []
-        for rec in chosen:
-            ref = recompute_logits(model.target, ids[rec.request], self.chunk_tokens)
-            err, tol, same = compare_logits(result.logits[rec.request], ref, self.preset.logits_atol, self.preset.logits_rtol)
-            checks.append(OutputCheck(rec.request, rec.prompt_tokens, rec.hit_tokens, rec.l2_hit_pages * rec.page_size,
-                                      err, tol, same))  # fmt: skip
-            if err > tol:
-                logger.warning("output mismatch: request %d max |logit diff| %.3g > %.3g", rec.request, err, tol)
+        for s in chosen:
+            ref, draft_ref = recompute_outputs(model, s.ids, self.chunk_tokens)
+            err, tol, same = compare_logits(result.logits[s.request], ref, p.logits_atol, p.logits_rtol)
+            served_draft = result.draft_logits[s.request]
+            d_err, d_tol, d_same = compare_logits(served_draft, draft_ref, p.logits_atol, p.logits_rtol)
+            check = OutputCheck(s.request, len(s.ids), s.reused_pages * p.page_size, s.restored_pages * p.page_size,
+                                err, tol, same, d_err, d_tol, d_same)  # fmt: skip
+            checks.append(check)
+            if not check.ok:
+                logger.warning("output mismatch: request %d max |logit diff| %.3g > %.3g", s.request, err, tol)
+            if not check.draft_ok:
+                logger.warning("draft output mismatch: request %d max |draft logit diff| %.3g (tolerance %.3g), "
+                               "same proposed token: %s", s.request, d_err, d_tol, d_same)  # fmt: skip
         return {
             "outputs_checked": len(checks),
             "outputs_max_abs_err": max((c.max_abs_err for c in checks), default=0.0),
             "outputs_mismatches": sum(not c.ok for c in checks),
             "outputs_same_argmax": sum(c.same_argmax for c in checks),
-            "outputs_tolerance": f"|restored - recompute| <= {self.preset.logits_atol} + {self.preset.logits_rtol} * max|recompute|",
+            "outputs_tolerance": f"|restored - recompute| <= {p.logits_atol} + {p.logits_rtol} * max|recompute|",
+            "draft_outputs_checked": len(checks),
+            "draft_outputs_max_abs_err": max((c.draft_max_abs_err for c in checks), default=0.0),
+            "draft_outputs_mismatches": sum(not c.draft_ok for c in checks),
+            "draft_outputs_same_token": sum(c.draft_same_token for c in checks),
             "output_checks": [dataclasses.asdict(c) for c in checks],
         }
+
+    def _spec_oracle(self, model: hf_model.HfModel, chosen: list[Sample], exchange: PrefixExchange) -> dict[str, Any]:
+        """Speculation from each sample's restored prefix and from a recompute (`hf_spec`)."""
+        steps = self.args.spec_steps
+        if not steps or not chosen:
+            return spec_report([], steps)
+        spec = Speculator(PagedForward(model), self.chunk_tokens, steps)
+        stores = spec.restored_prefixes(exchange, chosen)  # collectives: every rank, same samples
+        checks = []
+        for s, store in zip(chosen, stores):
+            start = s.snapshot.tokens if s.snapshot is not None else 0
+            check = SpecCheck(s.request, start, spec.run(s.ids, store, start), spec.run(s.ids, ScratchKV(), 0))
+            if not check.same:
+                logger.warning("speculation differs: request %d restored %s, recomputed %s", s.request,
+                               check.restored, check.recomputed)  # fmt: skip
+            checks.append(check)
+        return spec_report(checks, steps)
 
     def _hit90(
         self, model: hf_model.HfModel, result: ServeResult, ids: dict[int, np.ndarray], peak_gbps: float

@@ -15,7 +15,20 @@ transformers' own code); between them the engine moves KV:
             store <- the chunk's KV of layer l (whole pages only)
         hooks.after_layer(TARGET, l)      # the layer hook: backup of layer l starts
     logits of the last token of every sequence that ends here; next token = argmax
-    the MTP draft layer the same way (input: embedding of the next token, target hidden)
+    the MTP draft layer the same way, one position ahead (below); its last
+    logits (the shared head over its output) propose the token after the next
+
+The draft's entries are shifted by one, as transformers' own MTP decoding
+has them: entry j (rotary position j) reads the embedding of token j and the
+target's hidden state at j - 1, so it depends on tokens 0..j only and a
+cached page's draft KV is a function of its prefix like the target's. A
+chunk of target queries [start, end) computes draft entries [start + 1,
+end + 1) over the draft prefix [0, start + 1); entry 0 has no hidden state
+before it: it is stored as zeros and masked out. Entry `end` reads the token
+after the chunk (`next_token`, or the sampled first token) and gives the
+proposal; it is not stored, since the next chunk starts at end - 1
+(`scheduler`: a chunk recomputes the last position before it, whose hidden
+state the draft needs) and computes it again.
 
 The batch is ragged: each sequence goes through a layer as its own call, on
 its own [1, chunk] queries and [prefix | chunk] keys, as a varlen attention
@@ -61,8 +74,10 @@ class SeqChunk:
     `pages` maps page position -> this rank's physical L1 page of the
     sequence (enough pages for [0, write_to)); None for a sequence whose KV
     lives in a `ScratchKV` (no pages, nothing written to L1). `next_token` is the token at
-    position `end` (the draft's input for the last position); None means the
-    prompt ends here: the forward samples it from the logits.
+    position `end` (the draft's input for its last entry); None means the
+    prompt ends here: the forward samples it from the logits. Both models
+    write positions [write_from, write_to) (the draft: entries, module
+    docstring); write_from > start unless both are 0.
     """
 
     ids: np.ndarray
@@ -113,6 +128,13 @@ class SeqPlan:
     gather_idx: np.ndarray  # [P] flat token slots of the prefix
     src: np.ndarray  # rows of the chunk [Qp] to store (real queries only)
     dst: np.ndarray  # their flat token slots
+    #: The draft's: prefix entries [0, P + 1) (none when P == 0: entry 0 is zeros), the
+    #: rows of its chunk entries [P + 1, P + 1 + Qp) to store and their slots, and
+    #: whether this chunk stores entry 0 (as zeros).
+    d_gather: np.ndarray
+    d_src: np.ndarray
+    d_dst: np.ndarray
+    d_zero: bool
 
     @classmethod
     def build(cls, s: SeqChunk, page_size: int) -> SeqPlan:
@@ -129,18 +151,25 @@ class SeqPlan:
             raise ValueError("a sequence brings no tokens to the forward")
         if s.write_to > s.write_from and not (s.start <= s.write_from and s.write_to <= s.end):
             raise ValueError(f"write range [{s.write_from}, {s.write_to}) outside [{s.start}, {s.end})")
+        if s.write_to > s.write_from and s.write_from == s.start and s.start > 0:
+            raise ValueError(f"a chunk at {s.start} writes its first position: the draft entry there is its predecessor's")
         qp = -(-q // page_size) * page_size
         ids = np.zeros(qp, np.int64)
         ids[:q] = s.ids
         pos = np.arange(s.start, s.start + qp)
         empty = np.empty(0, np.int64)
-        gather, src, dst = empty, empty, empty
+        gather, src, dst, d_gather, d_src, d_dst = empty, empty, empty, empty, empty, empty
+        d_zero = s.write_from == 0 and s.write_to > 0
         if s.pages is not None:
             gather = _slots(s.pages, np.arange(s.start), page_size)
+            if s.start:
+                d_gather = _slots(s.pages, np.arange(s.start + 1), page_size)
             if s.write_to > s.write_from:
                 w = np.arange(s.write_from, s.write_to)
                 src, dst = w - s.start, _slots(s.pages, w, page_size)
-        return cls(s, page_size, s.start, q, qp, ids[None], pos[None], gather, src, dst)
+                j = w[w > s.start]
+                d_src, d_dst = j - (s.start + 1), _slots(s.pages, j, page_size)
+        return cls(s, page_size, s.start, q, qp, ids[None], pos[None], gather, src, dst, d_gather, d_src, d_dst, d_zero)
 
     @property
     def tokens(self) -> int:
@@ -153,6 +182,14 @@ class SeqPlan:
         k = torch.arange(self.P + self.Qp, device=device)[None, :]
         out = torch.zeros((self.Qp, self.P + self.Qp), dtype=dtype, device=device)
         out.masked_fill_(k > self.P + q, torch.finfo(dtype).min)
+        return out[None, None]
+
+    def draft_mask(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The draft's [1, 1, Qp, P+1+Qp]: entry P+1+i sees entries 1..P+1+i (entry 0 is no entry)."""
+        q = torch.arange(self.Qp, device=device)[:, None]
+        k = torch.arange(self.P + 1 + self.Qp, device=device)[None, :]
+        out = torch.zeros((self.Qp, self.P + 1 + self.Qp), dtype=dtype, device=device)
+        out.masked_fill_((k > self.P + 1 + q) | (k == 0), torch.finfo(dtype).min)
         return out[None, None]
 
 
@@ -168,10 +205,11 @@ class KVStore(Protocol):
     """Where a forward reads one sequence's prefix KV from and writes its new KV to."""
 
     def gather(self, part: Part, slot: int) -> torch.Tensor:
-        """Prefix KV of one layer of one part: [1, P, dim]."""
+        """Prefix KV of one layer of one part: [1, P, dim] (a draft part: [1, P + 1, dim]).
+        Not called when P == 0 (the draft's prefix is then entry 0: zeros)."""
 
     def scatter(self, part: Part, slot: int, new: torch.Tensor) -> None:
-        """Store the chunk's KV of one layer of one part; `new` is [Qp, dim]."""
+        """Store the chunk's KV of one layer of one part; `new` is [Qp, dim] (module docstring)."""
 
 
 class PagedKV:
@@ -181,20 +219,26 @@ class PagedKV:
         self.buffers = buffers
         self.plan = plan
         device = next(iter(buffers.values()))[0].device
-        self.gather_idx = torch.from_numpy(plan.gather_idx).to(device)
-        self.src = torch.from_numpy(plan.src).to(device)
-        self.dst = torch.from_numpy(plan.dst).to(device)
+        put = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        self.idx = {
+            Model.TARGET: (put(plan.gather_idx), put(plan.src), put(plan.dst)),
+            Model.DRAFT: (put(plan.d_gather), put(plan.d_src), put(plan.d_dst)),
+        }
 
     def _flat(self, part: Part, slot: int) -> torch.Tensor:
         t = self.buffers[part][slot]
         return t.view(-1, t.shape[-1])
 
     def gather(self, part: Part, slot: int) -> torch.Tensor:
-        return self._flat(part, slot).index_select(0, self.gather_idx)[None]
+        return self._flat(part, slot).index_select(0, self.idx[part.model][0])[None]
 
     def scatter(self, part: Part, slot: int, new: torch.Tensor) -> None:
-        if len(self.dst):
-            self._flat(part, slot).index_copy_(0, self.dst, new.index_select(0, self.src))
+        _, src, dst = self.idx[part.model]
+        flat = self._flat(part, slot)
+        if len(dst):
+            flat.index_copy_(0, dst, new.index_select(0, src))
+        if part.model is Model.DRAFT and self.plan.d_zero:
+            flat[self.plan.seq.pages[0] * self.plan.page_size].zero_()  # type: ignore[index]
 
 
 class ScratchKV:
@@ -211,13 +255,18 @@ class ScratchKV:
 
     def gather(self, part: Part, slot: int) -> torch.Tensor:
         assert self.plan is not None
-        return self.kv[(part, slot)][None, : self.plan.P]
+        return self.kv[(part, slot)][None, : self.plan.P + (part.model is Model.DRAFT)]
 
     def scatter(self, part: Part, slot: int, new: torch.Tensor) -> None:
+        """Keep every position (draft: entry) the chunk computed, after the prefix it read."""
         assert self.plan is not None
         new = new[: self.plan.Q]  # the filler queries' KV is not the sequence's
+        draft = part.model is Model.DRAFT
         old = self.kv.get((part, slot))
-        self.kv[(part, slot)] = new if old is None else torch.cat([old, new])
+        if old is None:
+            assert self.plan.P == 0, "a ScratchKV starts at position 0"
+            old = new.new_zeros((1 if draft else 0, new.shape[-1]))  # the draft's entry 0
+        self.kv[(part, slot)] = torch.cat([old[: self.plan.P + draft], new])
 
 
 @dataclass
@@ -225,6 +274,13 @@ class ForwardResult:
     logits: torch.Tensor  # [n_final, vocab] float32 on the device, in batch order of the final sequences
     final_rows: list[int]  # batch rows that ended their prompt in this forward
     next_tokens: torch.Tensor  # [n_final] sampled first tokens (device)
+    #: [n_final, vocab] float32: the MTP draft's last-token logits (what it predicts after
+    #: the sampled token); their argmax is the draft's proposed token.
+    draft_logits: torch.Tensor | None = None
+
+    @property
+    def draft_tokens(self) -> torch.Tensor | None:
+        return None if self.draft_logits is None else self.draft_logits.argmax(dim=-1)
 
 
 @dataclass
@@ -241,6 +297,8 @@ class _Row:
     next_token: torch.Tensor  # [1] the token after the chunk (sampled for a final row)
     cache: Any  # transformers cache objects of the target and of the draft layer
     draft_cache: Any
+    draft_mask: torch.Tensor
+    draft_pos_emb: Any  # rotary embeddings of the draft's entries (one position ahead)
 
 
 class PagedForward:
@@ -289,17 +347,24 @@ class PagedForward:
         for i, b in enumerate(final_rows):
             rows[b].next_token = sampled[i : i + 1]
         hooks.before_layer(Model.DRAFT, 0)
+        draft_last: list[torch.Tensor] = []
         for r in rows:
             self._fill(r.draft_cache, 0, 0, r, self.draft_parts)
             q = r.plan.Q
             draft_ids = torch.cat([r.ids[:, 1:q], r.next_token[:, None], r.ids[:, q:]], dim=1)
-            m.draft(
-                inputs_embeds=base.embed_tokens(draft_ids), previous_hidden_state=r.hidden, position_embeddings=r.pos_emb,
-                attention_mask=r.mask, position_ids=r.positions, past_key_values=r.draft_cache, use_cache=True,
+            out = m.draft(
+                inputs_embeds=base.embed_tokens(draft_ids), previous_hidden_state=r.hidden,
+                position_embeddings=r.draft_pos_emb, attention_mask=r.draft_mask, position_ids=r.positions + 1,
+                past_key_values=r.draft_cache, use_cache=True,
             )  # fmt: skip
+            if r.plan.seq.final:
+                draft_last.append(out[:, q - 1])
             self._drain(r.draft_cache, 0, 0, r, self.draft_parts)
         hooks.after_layer(Model.DRAFT, 0)
-        return ForwardResult(logits, final_rows, sampled)
+        draft_logits = torch.empty_like(logits)
+        if draft_last:  # the MTP layer's output is post-normed; the head is the target's (shared)
+            draft_logits = m.target.lm_head(torch.cat(draft_last)).float()
+        return ForwardResult(logits, final_rows, sampled, draft_logits)
 
     def _row(self, plan: SeqPlan, kv: KVStore) -> _Row:
         m = self.m
@@ -308,26 +373,36 @@ class PagedForward:
         positions = torch.from_numpy(plan.positions).to(dev)
         nxt = plan.seq.next_token if plan.seq.next_token is not None else 0
         hidden = m.target.model.embed_tokens(ids)
-        pos_emb = m.target.model.rotary_emb(hidden, position_ids=positions)
-        return _Row(plan, kv, ids, positions, plan.mask(dev, m.dtype), pos_emb, hidden, torch.tensor([nxt], device=dev),
-                    self._cache_cls(config=m.target_config), self._cache_cls(config=m.draft_config))  # fmt: skip
+        rope = m.target.model.rotary_emb
+        return _Row(plan, kv, ids, positions, plan.mask(dev, m.dtype), rope(hidden, position_ids=positions), hidden,
+                    torch.tensor([nxt], device=dev), self._cache_cls(config=m.target_config),
+                    self._cache_cls(config=m.draft_config), plan.draft_mask(dev, m.dtype),
+                    rope(hidden, position_ids=positions + 1))  # fmt: skip
 
     def _fill(self, cache: Any, idx: int, layer: int, row: _Row, parts: tuple[Any, Any]) -> None:
-        """Put the prefix KV of `layer` into the transformers cache layer `idx`."""
-        if row.plan.P == 0:
-            return
+        """Put the prefix KV of `layer` into the transformers cache layer `idx`
+        (the draft's: entries [0, P + 1), entry 0 zeros at P == 0)."""
         kv_part, state_part = parts
+        draft = kv_part.part.model is Model.DRAFT
+        if row.plan.P == 0 and not draft:
+            return
+        has_state = state_part is not None and layer in state_part.layers
+        if row.plan.P == 0:  # the draft at position 0: entry 0 only, no entry at all (masked)
+            prefix = row.hidden.new_zeros((1, 1, kv_part.dim))
+            state = row.hidden.new_zeros((1, 1, state_part.dim)) if has_state else None
+        else:
+            prefix = row.kv.gather(kv_part.part, kv_part.layers.index(layer))
+            state = row.kv.gather(state_part.part, state_part.layers.index(layer)) if has_state else None
         rank = self.m.kv_lora_rank
-        prefix = row.kv.gather(kv_part.part, kv_part.layers.index(layer))
         cache.update(prefix[..., :rank].unsqueeze(1), prefix[..., rank:].unsqueeze(1), idx)
-        if state_part is not None and layer in state_part.layers:
-            cache.update_indexer(row.kv.gather(state_part.part, state_part.layers.index(layer)), idx)
+        if state is not None:
+            cache.update_indexer(state, idx)
 
     def _drain(self, cache: Any, idx: int, layer: int, row: _Row, parts: tuple[Any, Any]) -> None:
         """Store the chunk's KV of `layer` from the cache layer, then free the layer."""
         kv_part, state_part = parts
         cl = cache.layers[idx]
-        P, Qp = row.plan.P, row.plan.Qp
+        P, Qp = row.plan.P + (kv_part.part.model is Model.DRAFT), row.plan.Qp
         new = torch.cat([cl.keys[:, 0, P:], cl.values[:, 0, P:]], dim=-1).reshape(Qp, kv_part.dim)
         row.kv.scatter(kv_part.part, kv_part.layers.index(layer), new)
         if state_part is not None and layer in state_part.layers:

@@ -27,29 +27,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests arrive all at once (asap) or at their trace timestamps (trace)")
     g.add_argument("--time-scale", type=float, default=1.0, help="with --arrivals trace: multiply the timestamps by this")
     g.add_argument("--check-outputs", type=int, default=0, metavar="N",
-                   help="compare the last-token logits of N hit requests with a full recompute")
+                   help="compare the last-token logits of N hit requests, and their MTP draft's logits and "
+                        "proposed token, with a full recompute")
+    g.add_argument("--spec-steps", type=int, default=4, metavar="K",
+                   help="with --check-outputs: K steps of greedy MTP speculation from each checked request's "
+                        "restored prefix and from a recompute; their accept lengths are compared (0: off)")
+    g.add_argument("--hf-fault", action="append", metavar="KIND:PART:LAYER@RANK",
+                   help="inject a fault on the first load from L2 with a page RANK owns (testing): "
+                        "corrupt, drop-draft or fail-copy, e.g. corrupt:draft_kv:0@1 (see hf_faults)")
     g.add_argument("--recompute-samples", type=int, default=8, metavar="N",
                    help="time a recompute (no cache) of up to N requests with >= 90%% hits, for ttft_hit_over_recompute")
     g.add_argument("--compare-no-l2", action="store_true", help="also run the same trace with L2 off and report both")
     # fmt: skip
 
 
-def check_cp_size(cp_size: int | None) -> None:
-    if cp_size not in (None, 1):
-        raise InputError(f"--engine hf runs on one rank (every forward reads whole prefixes); got cp_size {cp_size}")
+def check_cp_size(args: argparse.Namespace, cp_size: int | None) -> None:
+    """What the hf engine cannot do under CP (one process per rank, `hf_cp`)."""
+    if cp_size is None or cp_size == 1:
+        return
+    if getattr(args, "compare_no_l2", False):
+        raise InputError(f"--compare-no-l2 runs on one rank; drop it or --cp-size {cp_size}")
+    if getattr(args, "pd", False):
+        raise InputError(f"--pd with --engine hf runs on one rank for now (CP + PD is its own issue); got --cp-size {cp_size}")
 
 
 def check(args: argparse.Namespace, page_size: int) -> None:
     """Fail fast, as one line, on options the hf engine cannot run with."""
     if getattr(args, "model", None):
         raise InputError("--model picks the synthetic engine's layout; --engine hf derives its layout from --hf-preset")
-    check_cp_size(getattr(args, "cp_size", None))
+    check_cp_size(args, getattr(args, "cp_size", None))
     for name in ("chunk_tokens", "max_batch_tokens"):
         value = getattr(args, name)
         if value is not None and value < page_size:
             raise InputError(f"--{name.replace('_', '-')} must be at least one page ({page_size} tokens), got {value}")
-    for name in ("check_outputs", "recompute_samples"):
+    for name in ("check_outputs", "recompute_samples", "spec_steps"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.time_scale < 0:
         raise InputError(f"--time-scale must be >= 0, got {args.time_scale}")
+    from hicache_cp.harness.engines.hf_faults import HfFault  # checked before any work
+
+    for text in getattr(args, "hf_fault", None) or ():
+        HfFault.parse(text)

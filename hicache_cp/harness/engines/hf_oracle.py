@@ -1,4 +1,4 @@
-"""The real engine's two oracles: byte identity of every reused page, and outputs.
+"""The real engine's oracles: byte identity of every reused page, and outputs.
 
 (a) Byte identity. A real model's KV is not a function anyone can recompute
 bit for bit (a batched forward rounds differently from an unbatched one), so
@@ -13,6 +13,16 @@ left both tiers, or in place after an aborted load) legitimately has
 several digests (`DigestBook.variants`); a unit passes when it equals one of
 them. Corrupt, stale, misplaced or half-copied bytes match none.
 
+Restored pages are checked twice. `RestoreGuard` digests every page a load
+brought back from L2 (this rank's share of it) at the end of the first
+forward that waited on it, before the load is decided: a unit that matches
+no recorded digest fails the load on this rank, the agreed poll aborts it on
+every rank, and the request recomputes those pages (the hit is refused; what
+the forward computed on them is never served). The refused units are
+integrity mismatches naming request, page, part, layer, rank and node. Then,
+as for every reused page, the request's pages are checked again when it
+finishes. Under CP each rank records and checks the pages it owns.
+
 The digest of a unit is two independent sums of its 32-bit words times
 fixed random multipliers, modulo two primes below 2**31, packed into one
 int64: any change of one word changes it, and two different pages collide
@@ -26,7 +36,12 @@ recompute of the prompt by the model's own forward (transformers' cache
 object, chunked through `past_key_values`; no pages, no hicache), within
 the preset's tolerance: |restored - recompute| <= atol + rtol *
 max|recompute|. The presets use an index top-k above any prompt length, so
-the sparse selection is the same in both.
+the sparse selection is the same in both. The MTP draft is held to the same
+test (`recompute_outputs`): its last-token logits (the shared head over its
+output at the last position, whose input is the target's first token) and
+its proposed token, against the draft layer run over the recomputed target
+hidden states with its own cache. A draft restored wrong (the fork's lost
+draft state) leaves the target's logits intact and fails this one.
 """
 
 from __future__ import annotations
@@ -38,7 +53,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_cp.cp import mapping as cp_mapping
+from hicache_cp.errors import ConsistencyError
 from hicache_cp.layout import KVLayout, PartLayout
+from hicache_cp.ops import LoadOp
 from hicache_cp.pools import DevicePool
 
 logger = logging.getLogger(__name__)
@@ -57,9 +75,14 @@ class UnitMismatch:
     part: str
     layer: int
     tier: str  # "l1" (device prefix) or "l2" (restored by a load)
+    rank: int = 0
+    node: int | None = None  # the tree node holding the page, where known
+    refused: bool = False  # caught before use: the load was failed and the hit refused
 
     def __str__(self) -> str:
-        return f"request {self.request} page {self.position} {self.part} layer {self.layer} ({self.tier})"
+        where = f"rank {self.rank}" + (f" node {self.node}" if self.node is not None else "")
+        what = "; hit refused" if self.refused else ""
+        return f"request {self.request} page {self.position} {self.part} layer {self.layer} ({self.tier}, {where}{what})"
 
 
 DIGEST_SEED = 0x5EED
@@ -149,6 +172,9 @@ class IntegrityTally:
     checked_l2_units: int = 0
     digest_variants: int = 0  # contents computed more than once with different bytes
     mismatches: int = 0
+    restore_checked_units: int = 0  # units of loaded pages checked before use (`RestoreGuard`)
+    refused_loads: int = 0  # loads failed because a restored unit matched no digest
+    refused_units: int = 0  # those units (also counted in `mismatches`)
     examples: list[UnitMismatch] = field(default_factory=list)
 
     def add(self, found: list[UnitMismatch]) -> None:
@@ -157,6 +183,62 @@ class IntegrityTally:
         self.examples.extend(found[:room])
         for m in found[:room]:
             logger.warning("integrity mismatch: %s", m)
+
+
+class RestoreGuard:
+    """The byte check of restored pages before use (module docstring, (a)).
+
+    Runs on every rank over the pages it owns; one host sync per call. A
+    failed check sets the load's error, as a failed copy does: the next
+    agreed poll aborts the load on every rank (DOMAIN.md rule 7: nothing here
+    decides alone)."""
+
+    def __init__(self, digester: Digester, book: DigestBook, tally: IntegrityTally, *, rank: int, cp_size: int) -> None:
+        self.digester = digester
+        self.book = book
+        self.tally = tally
+        self.rank = rank
+        self.cp_size = cp_size
+
+    def check(self, request: int, load: LoadOp, hashes: np.ndarray) -> bool:
+        """Digest this rank's share of `load`'s pages (every copy of it must have
+        landed) against the digests of their contents (`hashes`: the request's
+        page hashes by position). False: the load is failed, the hit refused."""
+        positions = load.first_position + np.arange(load.num_pages)
+        mine = cp_mapping.owned_mask(load.device_pages, self.rank, self.cp_size)
+        pos = positions[mine]
+        if not len(pos):
+            return True
+        digests = self.digester.digests(cp_mapping.to_physical(load.device_pages[mine], self.cp_size))
+        ok = self.book.check(hashes[pos], digests)
+        self.tally.restore_checked_units += ok.size
+        bad = np.argwhere(~ok)
+        if not len(bad):
+            return True
+        units = self.digester.units
+        found = [
+            UnitMismatch(request, int(pos[i]), units[u][0].part.value, units[u][1], "l2", self.rank,
+                         _node_at(load, int(pos[i])), refused=True)
+            for i, u in bad
+        ]  # fmt: skip
+        self.tally.add(found)
+        self.tally.refused_loads += 1
+        self.tally.refused_units += len(found)
+        first = found[0]
+        load.error = load.error or ConsistencyError(
+            f"restored bytes differ from what prefill computed ({len(found)} units); the hit is refused",
+            node=first.node, pages=pos[np.unique(bad[:, 0])], part=first.part, layer=first.layer, rank=self.rank,
+            details={"request": request, "position": first.position},
+        )  # fmt: skip
+        logger.warning("request %d: load %d refused: %s", request, load.id, load.error)
+        return False
+
+
+def _node_at(load: LoadOp, position: int) -> int | None:
+    for node in load.nodes:
+        if node.first_position <= position < node.first_position + node.num_pages:
+            return int(node.id)
+    return None
 
 
 @dataclass
@@ -170,10 +252,18 @@ class OutputCheck:
     max_abs_err: float
     tolerance: float
     same_argmax: bool  # the greedy first token agrees
+    #: The MTP draft's last-token logits and proposed token, held to the same tolerance.
+    draft_max_abs_err: float = 0.0
+    draft_tolerance: float = 0.0
+    draft_same_token: bool = True
 
     @property
     def ok(self) -> bool:
         return self.max_abs_err <= self.tolerance
+
+    @property
+    def draft_ok(self) -> bool:
+        return self.draft_max_abs_err <= self.draft_tolerance and self.draft_same_token
 
 
 def recompute_logits(model: Any, ids: np.ndarray, chunk_tokens: int | None = None) -> torch.Tensor:
@@ -192,6 +282,51 @@ def recompute_logits(model: Any, ids: np.ndarray, chunk_tokens: int | None = Non
         for start in range(0, x.shape[1], step):
             out = model(input_ids=x[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1].float().cpu()
+
+
+def recompute_outputs(m: Any, ids: np.ndarray, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target, draft) last-token logits of a prompt computed from scratch, float32 on the CPU.
+
+    The target runs as in `recompute_logits` (its own forward and cache
+    object); a forward hook keeps the last decoder layer's output (the hidden
+    state the MTP layer reads, before the final norm). The draft layer
+    (`HfModel.draft`) then runs with its own cache over entries 1..n, one
+    position ahead of the target as in transformers' MTP decoding: entry j
+    reads token j (for j = n the target's greedy first token) and the target
+    hidden at j - 1; its logits are the shared head over its output at entry n."""
+    from transformers import DynamicCache
+
+    target, base, dev = m.target, m.target.model, m.device
+    x = torch.from_numpy(np.asarray(ids, np.int64))[None].to(dev)
+    n = x.shape[1]
+    step = chunk_tokens or n
+    hidden: list[torch.Tensor] = []
+    hook = base.layers[-1].register_forward_hook(lambda mod, inp, out: hidden.append(out[0] if isinstance(out, tuple) else out))
+    cache = DynamicCache(config=target.config)
+    try:
+        with torch.no_grad():
+            for start in range(0, n, step):
+                out = target(input_ids=x[:, start : start + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        hook.remove()
+    logits = out.logits[0, -1].float()
+    h = torch.cat(hidden, dim=1)
+    draft_ids = torch.cat([x[:, 1:], logits.argmax().view(1, 1)], dim=1)
+    dcache = DynamicCache(config=m.draft_config)
+    with torch.no_grad():
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            pos = torch.arange(start, end, device=dev)[None]
+            emb = base.embed_tokens(draft_ids[:, start:end])
+            mask = torch.zeros((end - start, end), dtype=m.dtype, device=dev)
+            mask.masked_fill_(torch.arange(end, device=dev)[None] > pos[0][:, None], torch.finfo(m.dtype).min)
+            d = m.draft(
+                inputs_embeds=emb, previous_hidden_state=h[:, start:end],
+                position_embeddings=base.rotary_emb(emb, position_ids=pos + 1), attention_mask=mask[None, None],
+                position_ids=pos + 1, past_key_values=dcache, use_cache=True,
+            )  # fmt: skip
+        draft_logits = target.lm_head(d[:, -1]).float()[0]
+    return logits.cpu(), draft_logits.cpu()
 
 
 def compare_logits(restored: torch.Tensor, reference: torch.Tensor, atol: float, rtol: float) -> tuple[float, float, bool]:

@@ -36,10 +36,25 @@ Each step builds one forward (a batch) and runs it:
                                          reused pages, PD send, release
                   then `poll()` (the inserted backups commit) and `ensure_free()`
 
+Under CP (`hf_cp`) every rank runs this same loop on replicated decisions;
+the forward reads the full prefix through the view's exchange, and each rank
+writes, digests and checks only the pages it owns.
+
+Restored pages are byte-checked at the end of the first forward that waited
+on them, before their load is decided (`hf_oracle.RestoreGuard`): a
+mismatch fails the load and the request recomputes (the hit is refused).
+
 A request's backup covers all its new pages; its layer hooks fire in the
 forward of its last chunk, when every page is written. The trailing partial
-page of a prompt is computed but not cached; a fully cached prompt still
-computes its last token (the first token needs its logits).
+page of a prompt is computed but not cached. Every chunk after a sequence's
+first starts one position before the first it writes: a request that reuses
+R tokens computes from R - 1 on (`resume_position`), a later chunk from the
+previous one's last position. The MTP draft's next entry reads the target's
+hidden state there (`hf_forward`: the draft runs one position ahead), and a
+fully cached prompt needs its last position's logits anyway. That position's
+KV is recomputed, not written again (the stored copy stays as computed, as
+the digests recorded it); the recomputed token rides along beyond the
+chunk's token budget.
 """
 
 from __future__ import annotations
@@ -56,8 +71,9 @@ import numpy as np
 
 from hicache_cp.cache import HiCache, MatchResult
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, SeqChunk, SeqPlan
-from hicache_cp.harness.engines.hf_oracle import DigestBook, Digester, IntegrityTally, UnitMismatch
+from hicache_cp.harness.engines.hf_cp import KVView, LocalView
+from hicache_cp.harness.engines.hf_forward import PagedForward, SeqChunk, SeqPlan
+from hicache_cp.harness.engines.hf_oracle import DigestBook, Digester, IntegrityTally, RestoreGuard, UnitMismatch
 from hicache_cp.harness.engines.hf_timing import LoadTimer, Clock
 from hicache_cp.harness.trace import TraceRequest
 from hicache_cp.layout import Model
@@ -164,12 +180,13 @@ class Seq:
     table: np.ndarray  # logical L1 page of every page position
     pages: np.ndarray  # the same pages, physical (what the forward indexes)
     record: RequestRecord
-    progress: int  # next position to compute
+    progress: int  # first position whose KV is not stored yet (the next chunk starts one before it)
     write_page: int  # first page position this sequence writes
     reuse_pages: int  # page positions [0, reuse_pages) are reused (checked by the byte oracle)
     timer: LoadTimer | None = None
     redo_load: LoadOp | None = None
     hooked: bool = False  # the backup's layer hooks fired
+    load_checked: bool = False  # its load's restored pages went through the RestoreGuard
     state: SeqState = SeqState.RUNNING
     #: Digests of the pages this sequence computed, by page position, until insert
     #: tells which of its pages the cache kept (a page another request inserted
@@ -185,21 +202,31 @@ class Seq:
         return len(self.pages)
 
     @property
+    def start(self) -> int:
+        """The first position the next chunk computes (module docstring)."""
+        return max(0, self.progress - 1)
+
+    @property
     def remaining(self) -> int:
         """Tokens left to compute up to the first token."""
-        return self.n_tokens - self.progress
+        return self.n_tokens - self.start
 
     def next_chunk(self, budget: int, chunk_tokens: int, page_size: int) -> int:
-        """Tokens this sequence computes in a forward with `budget` tokens left (0: none)."""
-        left = self.n_tokens - self.progress
-        if left <= min(budget, chunk_tokens):
+        """Tokens this sequence computes in a forward with `budget` tokens left (0: none):
+        up to that many new ones, plus the recomputed one before them; a chunk
+        that is not the last ends on a page boundary."""
+        start = self.start
+        left = self.n_tokens - start
+        room = min(budget, chunk_tokens) + (self.progress - start)
+        if left <= room:
             return left
-        return min(budget, chunk_tokens) // page_size * page_size
+        q = (start + room) // page_size * page_size - start
+        return q if start + q > self.progress else 0
 
     def chunk(self, q: int, page_size: int) -> SeqChunk:
-        start, end = self.progress, self.progress + q
+        start, end = self.start, self.start + q
         final = end == self.n_tokens
-        lo = max(start, self.write_page * page_size)
+        lo = max(self.progress, self.write_page * page_size)
         hi = min(end, self.n_pages * page_size)
         return SeqChunk(self.ids[start:end], start, self.pages, lo, max(lo, hi), None if final else int(self.ids[end]))
 
@@ -242,6 +269,7 @@ class ServeResult:
     redone: int
     logits: dict[int, Any] = field(default_factory=dict)  # request -> last-token logits (CPU float32)
     wall_s: float = 0.0
+    draft_logits: dict[int, Any] = field(default_factory=dict)  # request -> the MTP draft's last-token logits
 
 
 class Scheduler:
@@ -257,9 +285,20 @@ class Scheduler:
         sink: Any = None,
         on_request: Callable[[int], None] | None = None,
         clock: Clock | None = None,
+        view: KVView | None = None,
+        on_finish: Callable[[Seq], None] | None = None,
+        before_load: Callable[[int, MatchResult], None] | None = None,
     ) -> None:
-        if cache.cp_size != 1:
-            raise ValueError("the hf engine computes whole prefixes on one rank: cp_size must be 1")
+        """`view`: how forwards read KV (`hf_cp`; default: the L1 pools, CP 1).
+        `on_finish(seq)`: after a request's first token, while it still holds its pages.
+        `before_load(request, match)`: before a match with an L2 continuation is loaded
+        (the fault injector's hook, `hf_faults`)."""
+        self.view = view or LocalView(buffers)
+        if (self.view.cp_size, self.view.rank) != (cache.cp_size, cache.rank):
+            raise ValueError(f"a view of rank {self.view.rank} of CP {self.view.cp_size} over the cache of "
+                             f"rank {cache.rank} of CP {cache.cp_size}")  # fmt: skip
+        self.on_finish = on_finish
+        self.before_load = before_load
         self.cache = cache
         self.forward = forward
         self.buffers = buffers
@@ -271,11 +310,13 @@ class Scheduler:
         self.digester = Digester(cache.layout, cache.device_pool)
         self.book = DigestBook(self.digester.num_units)
         self.integrity = IntegrityTally()
+        self.guard = RestoreGuard(self.digester, self.book, self.integrity, rank=cache.rank, cp_size=cache.cp_size)
         self.stats = BatchStats()
         self.waiting: deque[tuple[TraceRequest, np.ndarray, RequestRecord]] = deque()
         self.running: list[Seq] = []
         self.records: list[RequestRecord] = []
         self.logits: dict[int, Any] = {}
+        self.draft_logits: dict[int, Any] = {}
         self.rejected = 0
         self.restarts = 0
         self.redone = 0
@@ -310,7 +351,7 @@ class Scheduler:
         self.integrity.digest_variants = self.book.variants
         return ServeResult(
             self.records, self.integrity, self.stats, self.rejected, self.restarts, self.redone,
-            self.logits, self.clock.now() - t0,
+            self.logits, self.clock.now() - t0, self.draft_logits,
         )  # fmt: skip
 
     def _arrival_times(self, requests: list[tuple[TraceRequest, np.ndarray]]) -> list[tuple[float, TraceRequest, np.ndarray]]:
@@ -378,6 +419,8 @@ class Scheduler:
             return None
         self.waiting.popleft()
         m = cache.match_prefix(ids)
+        if m.host_len and self.before_load is not None:
+            self.before_load(req.index, m)
         timer = LoadTimer.before_load(self.clock) if m.host_len else None
         load = cache.load_back(m)
         if load is not None and timer is not None:
@@ -396,10 +439,10 @@ class Scheduler:
         rec.l1_hit_pages, rec.l2_hit_pages = m.device_len, m.host_len
         rec.waited_loads = len(m.waits)
         rec.admitted_s = now
-        rec.load_bytes = (load.num_pages if load is not None else 0) * cache.layout.bytes_per_page
+        rec.load_bytes = (load.local_pages if load is not None else 0) * cache.layout.bytes_per_page  # this rank's
         seq = Seq(
             req, ids, prefix_hashes(ids, ps), m, load, new, backup, table,
-            cp_mapping.to_physical(table, cache.cp_size), rec, progress=min(matched * ps, len(ids) - 1),
+            cp_mapping.to_physical(table, cache.cp_size), rec, progress=matched * ps,
             write_page=matched, reuse_pages=matched, timer=timer if load is not None else None,
         )  # fmt: skip
         self.running.append(seq)
@@ -429,11 +472,15 @@ class Scheduler:
         for seq in enders:
             seq.hooked = seq.backup is not None
         t_start = self.clock.now()
-        result = self.forward.run([(p, PagedKV(self.buffers, p)) for p in plans], _BatchHooks(cache, loads, backups))
+        stores = self.view.stores([(seq.table, p) for (seq, _), p in zip(batch, plans)])
+        result = self.forward.run(list(zip(plans, stores)), self.view.hooks(_BatchHooks(cache, loads, backups), stores))
         logits = result.logits.cpu()  # reading the first tokens: the end-of-forward sync
+        draft = result.draft_logits.cpu() if result.draft_logits is not None else None
         t_token = self.clock.sync() - t0
         self._tally_batch(plans, t_start, t_token + t0)
         self._record_digests(batch, chunks)
+        if self.opt.verify:
+            self._guard_loads()
         cache.settle()
         rows = {b: i for i, b in enumerate(result.final_rows)}
         for b, ((seq, q), chunk) in enumerate(zip(batch, chunks)):
@@ -446,9 +493,9 @@ class Scheduler:
                 self._restart(seq)
             elif chunk.final:
                 seq.record.first_token_s = t_token
-                self._finish(seq, logits[rows[b]])
+                self._finish(seq, logits[rows[b]], draft[rows[b]] if draft is not None else None)
             else:
-                seq.progress += q
+                seq.progress = chunk.end
         cache.poll()
         cache.ensure_free()
         finished = [seq for seq in self.running if seq.state is SeqState.DONE]
@@ -472,7 +519,9 @@ class Scheduler:
         owners: list[tuple[Seq, np.ndarray]] = []
         for (seq, _), c in zip(batch, chunks):
             if c.write_to > c.write_from:
-                owners.append((seq, np.arange(c.write_from // self.ps, c.write_to // self.ps)))
+                pos = self._mine(seq, np.arange(c.write_from // self.ps, c.write_to // self.ps))
+                if len(pos):
+                    owners.append((seq, pos))
         if not owners:
             return
         rows = self.digester.digests(np.concatenate([seq.pages[pos] for seq, pos in owners]))
@@ -481,6 +530,26 @@ class Scheduler:
             for p in pos.tolist():
                 seq.digests[p] = rows[i]
                 i += 1
+
+    def _mine(self, seq: Seq, positions: np.ndarray) -> np.ndarray:
+        """The page positions of `seq` among `positions` that this rank owns (all at CP 1)."""
+        return positions[cp_mapping.owned_mask(seq.table[positions], self.cache.rank, self.cache.cp_size)]
+
+    def _guard_loads(self) -> None:
+        """Byte-check every load not checked yet before the poll decides it
+        (`RestoreGuard`): settle would wait for its copies anyway. A load that
+        already failed a copy is left to abort."""
+        layout = self.cache.layout
+        for seq in self.running:
+            load = seq.load
+            if load is None or seq.load_checked or not load.active:
+                continue
+            seq.load_checked = True
+            for model in (Model.TARGET, Model.DRAFT):
+                for layer in range(layout.num_layers(model)):
+                    load.wait_layer(layer, model)
+            if load.error is None:
+                self.guard.check(seq.req.index, load, seq.hashes)
 
     def _keep_digests(self, seq: Seq, node: Any) -> None:
         """Record the digests of the pages of `seq` the tree kept after its insert."""
@@ -502,7 +571,7 @@ class Scheduler:
         seq.record.redone = True
         seq.redo_load = seq.load
         seq.write_page = seq.reuse_pages = seq.m.device_len
-        seq.progress = min(seq.m.device_len * self.ps, seq.n_tokens - 1)
+        seq.progress = seq.m.device_len * self.ps
         if seq.hooked and seq.backup is not None:  # its copies carry the garbage
             self.cache.abort_backup(seq.backup)
             seq.backup = self.cache.reserve_backup(seq.new, seq.m.matched_pages) if self.opt.use_l2 else None
@@ -524,7 +593,7 @@ class Scheduler:
         self.waiting.appendleft((seq.req, seq.ids, seq.record))
         logger.warning("request %d: a load its prefix read aborted; matching again", seq.req.index)
 
-    def _finish(self, seq: Seq, logits: Any) -> None:
+    def _finish(self, seq: Seq, logits: Any, draft_logits: Any = None) -> None:
         cache = self.cache
         if seq.redo_load is not None:
             cache.recomputed(seq.redo_load)
@@ -536,6 +605,10 @@ class Scheduler:
             self._verify(seq)
         seq.record.reused_pages = seq.reuse_pages
         self.logits[seq.req.index] = logits
+        if draft_logits is not None:
+            self.draft_logits[seq.req.index] = draft_logits
+        if self.on_finish is not None:
+            self.on_finish(seq)
         if self.sink is not None:  # the PD sender: the decode peer checks every unit against the digests
             self.sink.send_request(seq.req.index, node, seq.hashes, cache, digests=self.book.expected(seq.hashes))
         cache.release(node)
@@ -547,22 +620,32 @@ class Scheduler:
 
     def _verify(self, seq: Seq) -> None:
         """Byte oracle: every unit of every reused page against the recorded digests."""
-        n = seq.reuse_pages
+        pos = self._mine(seq, np.arange(seq.reuse_pages))
         t = self.integrity
-        t.expected_units += n * self.digester.num_units
-        digests = self.digester.digests(seq.pages[:n])
-        ok = self.book.check(seq.hashes[:n], digests)
-        t.checked_pages += n
+        t.expected_units += len(pos) * self.digester.num_units
+        if not len(pos):
+            return
+        digests = self.digester.digests(seq.pages[pos])
+        ok = self.book.check(seq.hashes[pos], digests)
+        t.checked_pages += len(pos)
         t.checked_units += ok.size
         device_len = seq.m.device_len
-        t.checked_l2_units += max(0, n - device_len) * self.digester.num_units
+        t.checked_l2_units += int((pos >= device_len).sum()) * self.digester.num_units
         bad = np.argwhere(~ok)
         if len(bad):
-            units = self.digester.units
+            units, rank = self.digester.units, self.cache.rank
             t.add([
-                UnitMismatch(seq.req.index, int(i), units[u][0].part.value, units[u][1], "l1" if i < device_len else "l2")
+                UnitMismatch(seq.req.index, int(pos[i]), units[u][0].part.value, units[u][1],
+                             "l1" if pos[i] < device_len else "l2", rank)
                 for i, u in bad
             ])  # fmt: skip
+
+
+def resume_position(reused_pages: int, page_size: int, n_tokens: int) -> int:
+    """The first position a request computes when it reuses `reused_pages` whole
+    pages of its `n_tokens`: the last reused one (module docstring), or 0
+    (`Seq.start` of a newly admitted sequence)."""
+    return max(0, min(reused_pages * page_size, n_tokens) - 1)
 
 
 def _tree_pages(node: Any, n: int) -> np.ndarray:

@@ -21,6 +21,7 @@ from typing import Any
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.errors import ConsistencyError
+from hicache_cp.harness.engines import make_engine
 from hicache_cp.harness.engines.synthetic import RequestSink
 from hicache_cp.harness.launch import DEFAULT_RUN_TIMEOUT_S, RankContext, spawn_ranks
 from hicache_cp.harness.replay.rank import replay_rank
@@ -31,11 +32,26 @@ PER_RANK_SUM_KEYS = (
     "bytes_d2h", "bytes_h2d", "integrity_checked_pages", "integrity_checked_units", "integrity_expected_units",
     "integrity_mismatches", "host_bytes",
 )  # fmt: skip
+# The same, from the hf engine (present only in its reports).
+HF_PER_RANK_SUM_KEYS = (
+    "integrity_checked_l2_units", "integrity_digest_variants", "integrity_restore_checked_units",
+    "integrity_refused_units", "loads_refused", "cp_exchange_collectives", "cp_exchange_bytes",
+)  # fmt: skip
 # Decisions every rank makes identically: taken from rank 0, checked on all.
 REPLICATED_KEYS = (
     "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "hit_rate",
     "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2", "rejected_requests",
     "l2_used_pages", "l2_capacity_pages", "l1_capacity_pages",
+    # hf engine: every rank runs the replicated forward and every oracle on the same requests
+    "served_requests", "redone_requests", "restarted_requests", "forwards",
+    "outputs_checked", "outputs_mismatches", "draft_outputs_checked", "draft_outputs_mismatches",
+    "spec_checked", "spec_mismatches", "faults_injected",
+)  # fmt: skip
+# Per-rank values of the hf engine's oracles, shown in each rank's entry (rank 0's are the report's).
+HF_PER_RANK_KEYS = (
+    "outputs_max_abs_err", "draft_outputs_max_abs_err", "spec_accept_mean_restored", "spec_accept_mean_recomputed",
+    "loads_refused", "integrity_refused_units", "integrity_restore_checked_units", "cp_exchange_collectives",
+    "cp_exchange_bytes",
 )  # fmt: skip
 
 
@@ -43,6 +59,7 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
     """Replay `requests` on `config.cp_size` rank processes; return the combined report.
 
     The whole run's deadline is `HICACHE_CP_RANK_TIMEOUT_S` (default one hour)."""
+    make_engine(args)  # the engine's options are checked here, before any rank starts
     peer = None
     rank_info = None
     if args.pd:
@@ -55,8 +72,10 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
     try:
         if config.cp_size == 1:  # one rank (with the decode peer): in this process
             reports = [replay_rank(args, config, requests, sink_factory=_sink_factory(rank_info))]
-        else:
-            reports = spawn_ranks(_replay_rank, config.cp_size, (args, config, requests, rank_info), timeout_s=timeout)
+        else:  # gloo for a CPU run even where CUDA exists; NCCL (one GPU a rank) for --device cuda
+            backend = "gloo" if args.device == "cpu" else None
+            reports = spawn_ranks(_replay_rank, config.cp_size, (args, config, requests, rank_info), timeout_s=timeout,
+                                  backend=backend)  # fmt: skip
     finally:
         pd_report = peer.stop() if peer is not None else None
     combined = combine_reports(reports, wall_s=time.perf_counter() - t0)
@@ -68,9 +87,11 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
 def _replay_rank(
     ctx: RankContext, args: argparse.Namespace, config: Config, requests: list[TraceRequest], pd_info: Any
 ) -> dict[str, Any]:
-    """One rank of `run_ranks` (runs in the child)."""
+    """One rank of `run_ranks` (runs in the child). On CUDA each rank uses its own
+    GPU (`cuda:LOCAL_RANK`, the one its NCCL group was set up on)."""
+    device = ctx.group.device if str(args.device).startswith("cuda") else args.device
     report = replay_rank(args, config, requests, rank=ctx.rank, agreement=ctx.agreement,
-                         sink_factory=_sink_factory(pd_info), progress=ctx.rank == 0)
+                         sink_factory=_sink_factory(pd_info), progress=ctx.rank == 0, device=device)
     report["collectives"] = ctx.agreement.collectives
     return report
 
@@ -103,6 +124,9 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, wall_s: float) -> dict
     out = dict(base)
     for k in PER_RANK_SUM_KEYS:
         out[k] = sum(int(rep.get(k, 0)) for rep in reports)
+    for k in HF_PER_RANK_SUM_KEYS:
+        if k in base:
+            out[k] = sum(int(rep.get(k, 0)) for rep in reports)
     for k in base:  # PD transfer bytes are counted per sending rank (DOMAIN.md rule 10)
         if k.startswith("pd_") and k.endswith("bytes"):
             out[k] = sum(int(rep.get(k, 0)) for rep in reports)
@@ -134,4 +158,5 @@ def _per_rank(rank: int, rep: dict[str, Any]) -> dict[str, Any]:
         "wall_s": rep.get("wall_s"),
     }
     entry.update({k: v for k, v in rep.items() if k.startswith("pd_")})
+    entry.update({k: rep[k] for k in HF_PER_RANK_KEYS if k in rep})
     return entry

@@ -39,16 +39,18 @@ def replay_rank(
     agreement: Agreement | None = None,
     sink_factory: Callable[[HiCache], RequestSink] | None = None,
     progress: bool = True,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Replay every request on this rank through the engine `--engine` names
     (the synthetic reference server by default); return this rank's report.
 
     `sink_factory` builds the request sink (the PD sender) once the cache and
-    its pools exist; its `totals.as_dict()` joins the report.
+    its pools exist; its `totals.as_dict()` joins the report. `device`: this
+    rank's device (a CP rank's own GPU); default `--device`.
     """
     engine = make_engine(args)
     config = engine.configure(args, config, requests)
-    device = args.device  # checked and resolved by setup.check_args
+    device = device or args.device  # checked and resolved by setup.check_args
     tpb = tokens_per_block(args, config)
     t0 = time.perf_counter()
     samples: list[dict[str, Any]] = []

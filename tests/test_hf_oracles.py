@@ -1,0 +1,174 @@
+"""The real engine's oracles for the MTP draft, speculation, and faults on one rank.
+
+- The draft runs one position ahead of the target (its entry j reads token j
+  and the target's hidden state at j - 1, as in transformers' MTP decoding),
+  so a cached page's draft KV depends on its prefix only: a forward over
+  restored pages gives the draft logits of a recompute.
+- The draft oracle sees what the target's does not: a prefix whose draft
+  state was lost (the fork's bug) leaves the target's logits intact.
+- Speculation from a restored prefix repeats the recompute's accept lengths,
+  tokens and proposals; from a wrong prefix it does not.
+- Faults in L2 on the real model at CP 1: corrupt draft KV, corrupt indexer
+  keys, a failed copy. Never served: refused (exit 1, named) or recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.20")
+
+from hicache_cp.harness.cli import main  # noqa: E402
+from hicache_cp.harness.engines import hf_model  # noqa: E402
+from hicache_cp.harness.engines.hf_cp import PrefixExchange, PrefixSource  # noqa: E402
+from hicache_cp.harness.engines.hf_faults import FaultKind, HfFault  # noqa: E402
+from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
+from hicache_cp.harness.engines.hf_oracle import recompute_outputs  # noqa: E402
+from hicache_cp.harness.engines.hf_spec import Sample, SpecCheck, Speculator  # noqa: E402
+from hicache_cp.harness.errors import InputError  # noqa: E402
+from hicache_cp.layout import Part  # noqa: E402
+
+PS = 8
+
+
+@pytest.fixture(scope="module")
+def model() -> hf_model.HfModel:
+    return hf_model.build("tiny")
+
+
+def prefill(m: hf_model.HfModel, fw: PagedForward, bufs: Any, ids: np.ndarray, pages: np.ndarray, first: int = 0) -> Any:
+    """Compute `ids` into `pages` from position `first` on (positions before it are
+    in the pages already), in chunks of 32 new tokens, as the scheduler does."""
+    n_whole = len(ids) // PS * PS
+    progress, r = first, None
+    while True:
+        start = max(0, progress - 1)
+        end = min(len(ids), progress + 32)
+        if end < len(ids):
+            end = end // PS * PS
+        seq = SeqChunk(ids[start:end], start, pages, progress, max(progress, min(end, n_whole)),
+                       None if end == len(ids) else int(ids[end]))  # fmt: skip
+        plan = SeqPlan.build(seq, PS)
+        r = fw.run([(plan, PagedKV(bufs, plan))])
+        progress = end
+        if end == len(ids):
+            return r
+
+
+def test_draft_on_restored_pages_equals_a_recompute_and_depends_on_its_own_kv(model: hf_model.HfModel) -> None:
+    """A prompt continued over pages another prompt computed (a shared prefix of 5
+    pages, followed by different tokens) gives the target and draft logits of a
+    recompute; zeroing the shared pages' draft KV moves the draft's logits only."""
+    m, fw = model, PagedForward(model)
+    rng = np.random.default_rng(7)
+    shared = rng.integers(0, m.vocab_size, 5 * PS)
+    a = np.concatenate([shared, rng.integers(0, m.vocab_size, 12)])
+    b = np.concatenate([shared, rng.integers(0, m.vocab_size, 21)])
+    bufs = m.kv_buffers(32)
+    prefill(m, fw, bufs, a, np.arange(1, 8))
+    pages_b = np.concatenate([np.arange(1, 6), np.arange(10, 14)])
+    r = prefill(m, fw, bufs, b, pages_b, first=5 * PS)  # reuses a's 5 pages
+    ref, draft_ref = recompute_outputs(m, b)
+    assert float((r.logits[0] - ref).abs().max()) < 1e-5
+    assert float((r.draft_logits[0] - draft_ref).abs().max()) < 1e-5
+    assert int(r.draft_tokens[0]) == int(draft_ref.argmax())
+    for part in (Part.DRAFT_KV, Part.DRAFT_STATE):  # the draft state is lost on a hit
+        for t in bufs[part]:
+            t[1:6] = 0
+    lost = prefill(m, fw, bufs, b, pages_b, first=5 * PS)
+    assert float((lost.logits[0] - ref).abs().max()) < 1e-5  # the target's oracle passes
+    assert float((lost.draft_logits[0] - draft_ref).abs().max()) > 1e-3  # the draft's does not
+
+
+def test_speculation_from_restored_kv_repeats_the_recompute(model: hf_model.HfModel) -> None:
+    """From a prefix restored exactly (a snapshot of its pages, rebuilt by the
+    exchange) the steps equal the recompute's; from a prefix whose draft KV is
+    noise the draft proposes other tokens."""
+    m, fw = model, PagedForward(model)
+    ids = np.random.default_rng(3).integers(0, m.vocab_size, 6 * PS + 5)
+    bufs = m.kv_buffers(16)
+    pages = np.arange(1, 7)
+    prefill(m, fw, bufs, ids, pages)
+    spec = Speculator(fw, 32, steps=6)
+    start = 6 * PS - 1  # the server resumes at the last reused position
+    src = PrefixSource(bufs, pages, np.zeros(6, np.int64), start)
+    sample = Sample(0, ids, 6, 6, 1, src)
+    exact = spec.restored_prefixes(PrefixExchange(m, 0, 1), [sample])[0]
+    check = SpecCheck(0, start, spec.run(ids, exact, start), spec.run(ids, ScratchKV(), 0))
+    assert check.same and len(check.restored.accept_lengths) == 6
+    assert sum(check.restored.accept_lengths) + 1 == len(check.restored.tokens)
+    for part in (Part.DRAFT_KV, Part.DRAFT_STATE):
+        for t in bufs[part]:
+            t[1:7] = torch.randn_like(t[1:7]) * 10
+    noisy = spec.restored_prefixes(PrefixExchange(m, 0, 1), [sample])[0]
+    wrong = SpecCheck(0, start, spec.run(ids, noisy, start), check.recomputed)
+    assert not wrong.same and wrong.restored.proposals != check.recomputed.proposals
+
+
+def test_fault_specs_parse_or_fail_as_one_line() -> None:
+    f = HfFault.parse("corrupt:draft_kv:0@1#2")
+    assert (f.kind, f.part, f.layer, f.rank, f.nth) == (FaultKind.CORRUPT, Part.DRAFT_KV, 0, 1, 2)
+    assert HfFault.parse("fail-copy:target_kv:2@0").nth == 1
+    for bad in ("corrupt:draft_kv:0", "melt:draft_kv:0@0", "corrupt:kv:0@0", "corrupt:draft_kv:x@0", "corrupt:draft_kv:0@0#0"):
+        with pytest.raises(InputError):
+            HfFault.parse(bad)
+
+
+def replay(path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    rc = main(["replay", "--engine", "hf", "--limit", "40", "--check-outputs", "5", *extra, "--json", str(path)])
+    return rc, json.loads(path.read_text())
+
+
+def test_cp1_faults_are_refused_or_recomputed_never_served(tmp_path: Path) -> None:
+    """Corrupt draft KV (1st load), corrupt indexer keys (2nd), a failed copy (3rd):
+    both corrupt hits are refused before use and named (exit 1), the failed copy
+    aborts its load; each request is recomputed and its outputs are right."""
+    faults = ["corrupt:draft_kv:0@0", "corrupt:target_state:1@0#2", "fail-copy:target_kv:2@0#3"]
+    rc, r = replay(tmp_path / "faults.json", *(a for f in faults for a in ("--hf-fault", f)))
+    assert rc == 1 and r["integrity_failures"]
+    injected = [f for f in r["faults_injected"]]
+    assert [f["fault"].split("#")[0] for f in injected] == [f.split("#")[0] for f in faults]
+    assert len({f["request"] for f in injected}) == 3  # three different loads
+    for f in injected[:2]:
+        name = (f"request {f['request']} page {f['page']} {f['part']} layer {f['layer']} "
+                f"(l2, rank 0 node {f['node']}; hit refused)")  # fmt: skip
+        assert name in r["mismatch_examples"], (name, r["mismatch_examples"])
+    # Refused hits are byte mismatches caught before use; a later hit on the same corrupt copy is refused again.
+    assert r["loads_refused"] >= 2 and r["integrity_mismatches"] == r["integrity_refused_units"] >= 2
+    rows = {p["request"]: p for p in r["per_request"]}
+    assert all(rows[f["request"]]["redone"] and rows[f["request"]]["served"] for f in injected)
+    assert r["redone_requests"] >= 3
+    checked = {c["request"]: c for c in r["output_checks"]}
+    assert {f["request"] for f in injected} <= set(checked)
+    assert r["outputs_mismatches"] == 0 and r["draft_outputs_mismatches"] == 0 and r["spec_mismatches"] == 0
+
+
+def test_cp1_a_failed_copy_alone_is_recomputed_and_the_run_is_clean(tmp_path: Path) -> None:
+    rc, r = replay(tmp_path / "copy.json", "--hf-fault", "fail-copy:draft_state:0@0")
+    assert rc == 0 and not r["integrity_failures"]
+    (f,) = r["faults_injected"]
+    assert r["loads_refused"] == 0 and r["integrity_mismatches"] == 0
+    assert r["integrity_checked_units"] == r["integrity_expected_units"] > 0
+    assert r["per_request"][[p["request"] for p in r["per_request"]].index(f["request"])]["redone"]
+    assert r["stats"]["loads_aborted"] == 1 and r["outputs_mismatches"] == 0 and r["draft_outputs_mismatches"] == 0
+
+
+def test_cp1_lost_draft_state_passes_the_target_oracle_and_fails_the_draft_oracle(tmp_path: Path) -> None:
+    """The fork's bug without the byte check (--no-verify): one load's draft parts
+    come back as zeros. The target's outputs are right; the draft's are not."""
+    rc, r = replay(tmp_path / "draft.json", "--no-verify", "--hf-fault", "drop-draft:draft_kv:0@0")
+    (f,) = r["faults_injected"]
+    assert r["outputs_checked"] == 5 and r["outputs_mismatches"] == 0
+    assert r["draft_outputs_mismatches"] >= 1
+    bad = [c for c in r["output_checks"] if not (c["draft_max_abs_err"] <= c["draft_tolerance"] and c["draft_same_token"])]
+    assert f["request"] in {c["request"] for c in bad}
+    # with the byte check the same fault is refused before use
+    rc, r = replay(tmp_path / "draft2.json", "--hf-fault", "drop-draft:draft_kv:0@0")
+    assert rc == 1 and r["loads_refused"] >= 1 and r["draft_outputs_mismatches"] == 0
+    assert {m.split(" layer")[0].split()[-1] for m in r["mismatch_examples"]} == {"draft_kv", "draft_state"}
