@@ -172,3 +172,15 @@ def test_cp1_lost_draft_state_passes_the_target_oracle_and_fails_the_draft_oracl
     rc, r = replay(tmp_path / "draft2.json", "--hf-fault", "drop-draft:draft_kv:0@0")
     assert rc == 1 and r["loads_refused"] >= 1 and r["draft_outputs_mismatches"] == 0
     assert {m.split(" layer")[0].split()[-1] for m in r["mismatch_examples"]} == {"draft_kv", "draft_state"}
+
+
+@pytest.mark.parametrize("extra", [
+    ["--cp-size", "2", "--compare-no-l2"],
+    ["--cp-size", "2", "--hf-fault", "corrupt:draft_kv:0@2"],  # no rank 2
+    ["--hf-fault", "corrupt:draft_kv:1@0"],  # the draft has one layer
+    ["--spec-steps", "-1"],
+])  # fmt: skip
+def test_options_the_cp_engine_cannot_run_with_fail_before_any_work(tmp_path: Path, extra: list[str]) -> None:
+    out = tmp_path / "out.json"
+    assert main(["replay", "--engine", "hf", "--limit", "3", *extra, "--json", str(out)]) == 2
+    assert not out.exists()

@@ -60,7 +60,7 @@ import hicache_cp.harness.engines.hf_model as hf_model
 import hicache_cp.harness.engines.hf_options as hf_options
 from hicache_cp.harness.engines.base import EngineRun, RunOptions, progress_bar
 from hicache_cp.harness.engines.hf_cp import PrefixExchange, make_view
-from hicache_cp.harness.engines.hf_faults import FaultInjector, HfFault
+from hicache_cp.harness.engines.hf_faults import FaultInjector, HfFault, check_faults
 from hicache_cp.harness.engines.hf_forward import PagedForward, ScratchKV, SeqChunk, SeqPlan
 from hicache_cp.harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_outputs
 from hicache_cp.harness.engines.hf_spec import OracleSamples, Sample, SpecCheck, Speculator, spec_report
@@ -101,6 +101,7 @@ class HfEngine:
         """Check that the replay's setup resolved the config with `config_overrides`
         (this model's layout and page size, applied before sizing); return it."""
         hf_options.check_cp_size(args, config.cp_size)
+        check_faults(self.faults, config)
         over = config_overrides(args)
         if config.model_layout != over["model_layout"] or config.page_size != over["page_size"]:
             raise ValueError(

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from hicache_cp.cache import HiCache, MatchResult
+from hicache_cp.config import Config
 from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.harness.errors import InputError
 from hicache_cp.io.base import Direction
@@ -76,6 +77,17 @@ class HfFault:
         return f"{self.kind.value}:{self.part.value}:{self.layer}@{self.rank}#{self.nth}"
 
 
+def check_faults(faults: list[HfFault], config: Config) -> None:
+    """InputError for a fault naming a rank, part or layer the run does not have."""
+    layout = config.layout()
+    parts = {p.part: p for p in layout.parts}
+    for f in faults:
+        if f.rank >= config.cp_size:
+            raise InputError(f"--hf-fault {f.name}: the run has ranks 0..{config.cp_size - 1}")
+        if f.part not in parts or f.layer not in parts[f.part].layer_ids:
+            raise InputError(f"--hf-fault {f.name}: {f.part.value} layer {f.layer} is not in this layout")
+
+
 @dataclass
 class FaultInjector:
     """Fires the faults of one rank's run (module docstring); `before_load` is the scheduler's hook."""
@@ -89,14 +101,9 @@ class FaultInjector:
 
     def __post_init__(self) -> None:
         c = self.cache
-        for f in self.faults:
-            if f.rank >= c.cp_size:
-                raise InputError(f"--hf-fault rank {f.rank}: the run has ranks 0..{c.cp_size - 1}")
-            part = c.layout.part(f.part) if f.part in {p.part for p in c.layout.parts} else None
-            if part is None or f.layer not in part.layer_ids:
-                raise InputError(f"--hf-fault {f.part.value} layer {f.layer}: not a part and layer of this layout")
-            if f.kind is FaultKind.FAIL_COPY and c.engine.name != "cpu":
-                raise InputError("--hf-fault fail-copy needs the cpu io backend (its copies have a fault hook)")
+        check_faults(self.faults, c.config)
+        if any(f.kind is FaultKind.FAIL_COPY for f in self.faults) and c.engine.name != "cpu":
+            raise InputError("--hf-fault fail-copy needs the cpu io backend (its tickets are what fails)")
         if any(f.kind is FaultKind.FAIL_COPY for f in self.faults):
             self._submit_load = c.engine.submit_load
             c.engine.submit_load = self._failing_submit_load  # type: ignore[method-assign]

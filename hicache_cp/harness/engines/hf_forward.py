@@ -76,8 +76,10 @@ class SeqChunk:
     lives in a `ScratchKV` (no pages, nothing written to L1). `next_token` is the token at
     position `end` (the draft's input for its last entry); None means the
     prompt ends here: the forward samples it from the logits. Both models
-    write positions [write_from, write_to) (the draft: entries, module
-    docstring); write_from > start unless both are 0.
+    write positions [write_from, write_to) (the draft: its entries, module
+    docstring), except the draft's entry `start` when start > 0: that one is
+    the previous chunk's last, which a server recomputes by starting the next
+    chunk one position early (`scheduler`), so write_from > start there.
     """
 
     ids: np.ndarray
@@ -151,8 +153,6 @@ class SeqPlan:
             raise ValueError("a sequence brings no tokens to the forward")
         if s.write_to > s.write_from and not (s.start <= s.write_from and s.write_to <= s.end):
             raise ValueError(f"write range [{s.write_from}, {s.write_to}) outside [{s.start}, {s.end})")
-        if s.write_to > s.write_from and s.write_from == s.start and s.start > 0:
-            raise ValueError(f"a chunk at {s.start} writes its first position: the draft entry there is its predecessor's")
         qp = -(-q // page_size) * page_size
         ids = np.zeros(qp, np.int64)
         ids[:q] = s.ids

@@ -59,7 +59,7 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
     """Replay `requests` on `config.cp_size` rank processes; return the combined report.
 
     The whole run's deadline is `HICACHE_CP_RANK_TIMEOUT_S` (default one hour)."""
-    make_engine(args)  # the engine's options are checked here, before any rank starts
+    make_engine(args).configure(args, config, requests)  # the engine's options, checked before any rank starts
     peer = None
     rank_info = None
     if args.pd:
