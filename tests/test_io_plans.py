@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache_cp.io.base import CopyFailed, Direction, TicketState, make_engine
-from hicache_cp.io.plans import DescriptorTable, PartGeometry, Runs, layer_descriptors
+from hicache_cp.io.plans import DescriptorTable, PartGeometry, Runs, TableShape, layer_descriptors
 from hicache_cp.layout import KVLayout, Model, Part
 from hicache_cp.pools import DevicePool, HostPool
 
@@ -74,7 +74,7 @@ def test_table_rows_equal_the_per_layer_descriptors(pairs, chunk: int, d2h: bool
     host = np.array([h for _, h in pairs], np.int64)
     geoms = geometries(layout, 48, chunk)
     runs = Runs.of(dev, host)
-    table = DescriptorTable(d2h, geoms, runs, table_layers(layout), max_descriptors=cap)
+    table = DescriptorTable(d2h, TableShape(geoms, table_layers(layout)), runs, max_descriptors=cap)
     assert table.tabulated is (cap > 0)
     by_part = {g.part: g for g in geoms}
     for layer, parts in table_layers(layout):
@@ -112,10 +112,10 @@ def test_table_asked_for_other_parts_computes_that_layer() -> None:
     layout = layout_with_skip()
     geoms = geometries(layout, 48, 1 << 30)
     runs = Runs.of(np.array([3, 4, 9]), np.array([7, 8, 2]))
-    table = DescriptorTable(True, geoms, runs, table_layers(layout))
+    table = DescriptorTable(True, TableShape(geoms, table_layers(layout)), runs)
     only_kv = table.get((Part.TARGET_KV,), 1)  # the table holds layer 1 with both target parts
     both = table.get((Part.TARGET_KV, Part.TARGET_STATE), 1)
-    assert len(only_kv) == 2 and len(both) == 4
+    assert only_kv.count == 2 and both.count == 4
     assert expand(only_kv) < expand(both)
 
 

@@ -41,7 +41,11 @@ def _short_submissions(monkeypatch: pytest.MonkeyPatch, direction: Direction, pa
             got[part] = [self.s.engine.submit_load(part, layer, host, dev)]
         return [got[p] for p in parts]
 
+    def short_all(self, op, d, jobs):  # type: ignore[no-untyped-def]
+        return [short(self, op, d, parts, layer) for parts, layer in jobs]
+
     monkeypatch.setattr(Lifecycle, "_submit_layer", short)
+    monkeypatch.setattr(Lifecycle, "_submit_layers", short_all)
 
 
 @pytest.mark.parametrize("drop_all", [False, True], ids=["one-page-short", "nothing-submitted"])

@@ -16,7 +16,7 @@ nothing else: the same wrapper source (tvm-ffi headers, the .cuh, one
 as `sglang/kernels/ops/kvcache/hicache.py` (register kernel
 `HiCacheKernel<row, unroll, 2 blocks, 1024 threads>`, TMA kernel
 `HiCacheTmaKernel<32 KB stages, 6 stages, 4 store warps, 4 CTAs>`), the same
-flags (`-std=c++20 -O3 --expt-relaxed-constexpr`, sm_90a), linked against
+flags (`-DSGL_CUDA_ARCH=900 -std=c++20 -O3 --expt-relaxed-constexpr`, sm_90a), linked against
 libtvm_ffi and libcudart, loaded with `tvm_ffi.load_module`.
 
 Contestants, all on the same pages (random, scattered on both sides) of one
@@ -27,7 +27,9 @@ kernel needs on CUDA), 64-token pages (73,728 B):
                       ([token][layer][row]: SGLang's kernel layout) and layer-first
     sglang-tma        its TMA kernel, the same two host layouts
     sglang-direct     its direct path's shape: one cudaMemcpyAsync per page
-                      (a page's layer slice is contiguous in page_first_direct)
+                      (a page's layer slice is contiguous in page_first_direct),
+                      issued here from a Python loop (SGLang loops in C++: its
+                      submit time is lower than this row's; the GPU side is the same)
     ours-<backend>    this project's engines (`--ours`), the cache's planned path
 
 Each SGLang call runs on a copy stream ordered after the caller's stream by an
@@ -94,8 +96,9 @@ def build(src: Path, out: Path, name: str, cuh: str, kernel: str, exports: list[
     includes = [find_include_path(), find_dlpack_include_path(), str((src / "include").resolve())]
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     obj, so = out / f"{name}.o", out / f"{name}.so"
-    nvcc = [f"{cuda_home}/bin/nvcc", "-Xcompiler", "-fPIC", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++20", "-O3",
-            "--expt-relaxed-constexpr", *[f"-I{p}" for p in dict.fromkeys(includes)], "-c", str(wrapper), "-o", str(obj)]
+    major, minor = torch.cuda.get_device_capability()
+    nvcc = [f"{cuda_home}/bin/nvcc", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{major}{minor}a,code=sm_{major}{minor}a",
+            f"-DSGL_CUDA_ARCH={major * 100 + minor * 10}", "-std=c++20", "-O3", "--expt-relaxed-constexpr", *[f"-I{p}" for p in dict.fromkeys(includes)], "-c", str(wrapper), "-o", str(obj)]
     t0 = time.perf_counter()
     subprocess.run(nvcc, check=True, capture_output=True, text=True)
     link = ["g++", str(obj), "-shared", f"-L{lib.parent}", f"-l{lib.stem.removeprefix('lib')}", f"-L{cuda_home}/lib64",
@@ -235,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sglang-src", type=Path, default=Path(".sglang_src"))
     ap.add_argument("--build-dir", type=Path, default=Path("/tmp/sglang_jit"))
     ap.add_argument("--pages", type=int, default=1024, help="pages per layer")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--ours", default="direct,hybrid,kernel-tma-4sm", help="bench-io variants of ours")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--ours", default="direct,direct-inline,hybrid,kernel-tma-4sm", help="bench-io variants of ours")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -272,22 +275,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[io-vs-sglang] {label}: {json.dumps(row)}", flush=True)
         write_json(args.json, result)
 
+    from concurrent.futures import ThreadPoolExecutor
+
+    specs = {
+        "register": ("hicache_register", "hicache.cuh", f"HiCacheKernel<{ROW}, {_default_unroll(ROW)}, {REGISTER_QUOTA}, 1024>",
+                     ["launch_one_mla=run_one_mla"]),
+        "tma": ("hicache_tma", "hicache_tma.cuh", f"HiCacheTmaKernel<{', '.join(map(str, TMA_ARGS))}>",
+                ["launch_one_mla=run_one_mla", "fits_device=fits_device"]),
+    }
     modules: dict[str, Any] = {}
-    try:
-        modules["register"] = build(
-            args.sglang_src, args.build_dir, "hicache_register", "hicache.cuh",
-            f"HiCacheKernel<{ROW}, {_default_unroll(ROW)}, {REGISTER_QUOTA}, 1024>", ["launch_one_mla=run_one_mla"],
-        )
-    except Exception as exc:  # noqa: BLE001
-        result["build_error_register"] = getattr(exc, "stderr", None) or repr(exc)
-    try:
-        modules["tma"] = build(
-            args.sglang_src, args.build_dir, "hicache_tma", "hicache_tma.cuh",
-            f"HiCacheTmaKernel<{', '.join(map(str, TMA_ARGS))}>", ["launch_one_mla=run_one_mla", "fits_device=fits_device"],
-        )
-        result["tma_fits_device"] = bool(modules["tma"].fits_device(torch.cuda.current_device()))
-    except Exception as exc:  # noqa: BLE001
-        result["build_error_tma"] = getattr(exc, "stderr", None) or repr(exc)
+    with ThreadPoolExecutor(2) as pool:  # the two nvcc builds at once
+        futures = {kind: pool.submit(build, args.sglang_src, args.build_dir, *spec) for kind, spec in specs.items()}
+    for kind, fut in futures.items():
+        try:
+            modules[kind] = fut.result()
+        except Exception as exc:  # noqa: BLE001
+            result[f"build_error_{kind}"] = getattr(exc, "stderr", None) or repr(exc)
+    if "tma" in modules:
+        try:
+            result["tma_fits_device"] = bool(modules["tma"].fits_device(torch.cuda.current_device()))
+        except Exception as exc:  # noqa: BLE001
+            result["tma_fits_device"] = repr(exc)
     write_json(args.json, result)
     for kind, module in modules.items():
         for page_first in (True, False):

@@ -153,6 +153,12 @@ class CopyEngine(abc.ABC):
             return [None] * len(parts)
         return [self._submit(plan.direction, part, layer, plan.device_pages, plan.host_pages) for part in parts]
 
+    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        """`submit_layer` for each (parts, layer) of `jobs`, in order, all at once (the
+        all-layer paths: a load, the all-layer backup); a backend may share the
+        ordering calls among them."""
+        return [self.submit_layer(plan, parts, layer) for parts, layer in jobs]
+
     def _prepare(self, plan: CopyPlan) -> None:
         """Backend hook of `plan`: check and precompute whatever every layer shares."""
 

@@ -65,7 +65,7 @@ import torch
 
 from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState
 from hicache_cp.io.cudadrv import DmaIssuer, Driver, driver
-from hicache_cp.io.plans import DescriptorTable, LayerDescriptors, PartGeometry, Runs
+from hicache_cp.io.plans import DescriptorTable, LayerDescriptors, PartGeometry, Runs, TableShape
 from hicache_cp.io.runs import coalesce_pairs, dma_plan, plan_runs, run_starts, split_at_chunks  # noqa: F401 - re-exported
 from hicache_cp.layout import Part
 from hicache_cp.pools import DevicePool, HostPool
@@ -288,7 +288,7 @@ class CudaCopyEngine(CopyEngine):
         self._issuer = DmaIssuer(self._drv)
         self._device_limit = device_pool.physical_pages
         self._host_limit = host_pool.physical_pages
-        self._table_shape: tuple[list[tuple[int, tuple[Part, ...]]], list[PartGeometry]] | None = None
+        self._table_shape: TableShape | None = None
         self._info: dict[int, PartInfo] = {}  # by id(part): enum members are singletons, and hashing one costs
         for p in self.layout.parts:
             arena = host_pool.arenas[p.part]
@@ -405,9 +405,8 @@ class CudaCopyEngine(CopyEngine):
                 for parts in [self.layout.parts_of(model)]
                 for layer in range(self.layout.num_layers(model))
             ]
-            self._table_shape = (layers, [info.geometry() for info in self._info.values()])
-        layers, geoms = self._table_shape
-        return DescriptorTable(plan.direction is _D2H, geoms, Runs.of(plan.device_pages, plan.host_pages), layers)
+            self._table_shape = TableShape([info.geometry() for info in self._info.values()], layers)
+        return DescriptorTable(plan.direction is _D2H, self._table_shape, Runs.of(plan.device_pages, plan.host_pages))
 
     def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
         """Copy `layer` of every part in `parts` with one set of stream-ordering
@@ -448,6 +447,52 @@ class CudaCopyEngine(CopyEngine):
         if len(parts) == 1:
             return [primary]
         return [primary, *(SharedTicket(primary, info.part, n * info.page_bytes) for info in infos[1:])]
+
+    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        """All of `jobs` behind one compute-ordering wait (they are submitted at one
+        moment), then per layer its copies and its event. A failure fails that
+        layer's tickets and every later one's (nothing after it was enqueued)."""
+        n = plan.num_pages
+        if not n:
+            return [[None] * len(parts) for parts, _ in jobs]
+        direction = plan.direction
+        i = 0 if direction is _D2H else 1
+        stream = self._handle[i]
+        sync = self._sync
+        out: list[list[CopyTicket | None]] = []
+        previous = sync.enter()
+        try:
+            if self._keep:
+                self._prune()
+            error: BaseException | None = None
+            try:
+                order = self._order[i]
+                self._drv.event_record(order, sync.current_stream())
+                self._drv.stream_wait_event(stream, order)
+            except Exception as exc:  # noqa: BLE001 - the submit boundary
+                error = exc
+            for parts, layer in jobs:
+                infos = [self._info[id(part)] for part in parts]
+                if error is None:
+                    event = sync.event()
+                    keep: list[Any] = []
+                    try:
+                        self._enqueue_layer(plan, parts, infos, layer, stream, keep)
+                        self._drv.event_record(event, stream)
+                    except Exception as exc:  # noqa: BLE001
+                        sync.give_back(event)
+                        error = exc
+                        logger.warning("%s layer %d (%d pages): submission failed: %s", direction.value, layer, n, exc, exc_info=True)
+                if error is not None:
+                    out.append([CudaTicket(direction, info.part, layer, n * info.page_bytes, None, error=error) for info in infos])
+                    continue
+                primary = CudaTicket(direction, parts[0], layer, n * infos[0].page_bytes, sync, event)
+                if keep:
+                    self._keep.append((primary, keep))
+                out.append([primary, *(SharedTicket(primary, info.part, n * info.page_bytes) for info in infos[1:])])
+        finally:
+            sync.leave(previous)
+        return out
 
     def _enqueue_layer(
         self, plan: CopyPlan, parts: tuple[Part, ...], infos: list[PartInfo], layer: int, stream: int, keep: list[Any]

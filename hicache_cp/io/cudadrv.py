@@ -250,6 +250,15 @@ class DmaIssuer:
         self._attr_idx = np.zeros(1, dtype=np.uint64)
         self._attrs_ptr, self._attr_idx_ptr = self._attrs.ctypes.data, self._attr_idx.ctypes.data
 
+    @property
+    def attrs_ptr(self) -> int:
+        """Address of the one CUmemcpyAttributes every batch uses (alive as long as the issuer)."""
+        return self._attrs_ptr
+
+    @property
+    def attr_idx_ptr(self) -> int:
+        return self._attr_idx_ptr
+
     def issue_table_row(self, desc: Any, stream: int) -> None:
         """One layer of a descriptor table (`io.plans.LayerDescriptors`): one cuMemcpyAsync
         or one batch over the row's precomputed addresses. Raises DriverError."""

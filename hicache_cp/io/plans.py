@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -57,10 +58,9 @@ class PartGeometry:
         return slot * self.host_layer_bytes
 
 
-@dataclass(frozen=True, slots=True)
-class LayerDescriptors:
+class LayerDescriptors(NamedTuple):
     """The DMAs of one layer of some parts: C-contiguous uint64 arrays of equal
-    length, and their addresses (what the driver call takes: looked up once,
+    length, and their addresses (what the driver call takes: computed once,
     since `ndarray.ctypes` costs a microsecond a call)."""
 
     dst: np.ndarray
@@ -75,9 +75,6 @@ class LayerDescriptors:
     def of(cls, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> LayerDescriptors:
         assert len(dst) == len(src) == len(sizes), (len(dst), len(src), len(sizes))
         return cls(dst, src, sizes, len(sizes), dst.ctypes.data, src.ctypes.data, sizes.ctypes.data)
-
-    def __len__(self) -> int:
-        return self.count
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,75 +118,88 @@ def layer_descriptors(d2h: bool, geoms: Sequence[PartGeometry], runs: Runs, laye
     return LayerDescriptors.of(dst, src, _cat(sizes))
 
 
-class DescriptorTable:
-    """Every layer's DMAs of one op, for the parts that own each layer.
+class TableShape:
+    """What every op's table shares, from the layout alone (built once per engine):
+    the groups of layers owned by the same parts, and where each (layer, parts)
+    lives in them. `layers` lists the (logical layer, parts) pairs: per model,
+    the parts of that model that own the layer, in layout order (target and
+    draft layer ids overlap, so one layer id may come with two part sets)."""
 
-    Built once per op (O(layers x runs x parts), vectorised per group of
-    layers with the same parts); `get(parts, layer)` then costs a dict lookup
-    and two row views. `layers` lists the (logical layer, parts) pairs the
-    table is built for: per model, the parts of that model that own the
-    layer, in layout order (target and draft layer ids overlap, so one layer
-    id may come with two part sets). Asking for another set of parts computes
-    that layer afresh (`layer_descriptors`).
+    def __init__(self, geoms: Sequence[PartGeometry], layers: Sequence[tuple[int, tuple[Part, ...]]]) -> None:
+        self.geoms = {g.part: g for g in geoms}
+        grouped: dict[tuple[Part, ...], list[int]] = {}
+        for layer, parts in layers:
+            if parts:
+                grouped.setdefault(parts, []).append(layer)
+        #: Per group: its parts, its layers, and per part the slots' device bases and arena offsets.
+        self.groups: list[tuple[tuple[Part, ...], list[int], list[tuple[PartGeometry, np.ndarray, np.ndarray]]]] = []
+        self.index: dict[int, list[tuple[tuple[Part, ...], int, int]]] = {}
+        for g_idx, (parts, group) in enumerate(grouped.items()):
+            columns = []
+            for part in parts:
+                geom = self.geoms[part]
+                slots = np.array([geom.slots[layer] for layer in group], dtype=np.int64)
+                columns.append((geom, np.asarray(geom.device_layers, dtype=np.int64)[slots][:, None],
+                                (slots * geom.host_layer_bytes)[:, None]))
+            self.groups.append((parts, group, columns))
+            for row, layer in enumerate(group):
+                self.index.setdefault(layer, []).append((parts, g_idx, row))
+        self.descriptors_per_run = sum(len(group) * len(parts) for parts, group, _ in self.groups)
+
+
+class DescriptorTable:
+    """Every layer's DMAs of one op, for the part sets of its `TableShape`.
+
+    Built once per op: per group of layers, two 2-D uint64 arrays (layers x
+    runs of all its parts) from a few vectorised operations, O(layers x runs
+    x parts). `get(parts, layer)` then costs a dict lookup and two row views;
+    another set of parts is computed afresh (`layer_descriptors`), and so are
+    the rare layers where a run crosses a registration chunk.
     """
 
     def __init__(
-        self,
-        d2h: bool,
-        geoms: Sequence[PartGeometry],
-        runs: Runs,
-        layers: Sequence[tuple[int, tuple[Part, ...]]],
-        max_descriptors: int = MAX_TABLE_DESCRIPTORS,
+        self, d2h: bool, shape: TableShape, runs: Runs, max_descriptors: int = MAX_TABLE_DESCRIPTORS
     ) -> None:
         self.d2h = d2h
         self.runs = runs
-        self._geoms = {g.part: g for g in geoms}
-        self._rows: dict[int, list[tuple[tuple[Part, ...], LayerDescriptors]]] = {}
-        total = sum(len(runs) * len(parts) for _, parts in layers)
-        self.tabulated = total <= max_descriptors
-        if not self.tabulated or len(runs) == 0:
-            return
-        groups: dict[tuple[Part, ...], list[int]] = {}
-        for layer, parts in layers:
-            if parts:
-                groups.setdefault(parts, []).append(layer)
-        for parts, group in groups.items():
-            self._build_group(parts, group)
+        self._shape = shape
+        self._index = shape.index
+        self.tabulated = len(runs) * shape.descriptors_per_run <= max_descriptors
+        #: Per group: (dst 2-D, src 2-D, sizes row, crossing rows, row bytes, dst/src/sizes addresses).
+        self._groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, int, int]] = []
+        if self.tabulated and len(runs):
+            for parts, layers, columns in shape.groups:
+                self._groups.append(self._build_group(columns, len(layers)))
 
     def get(self, parts: tuple[Part, ...], layer: int) -> LayerDescriptors:
         """The DMAs of `layer` of `parts`: table rows, or computed now when not tabulated."""
-        for built, desc in self._rows.get(layer, ()):
-            if built == parts:
-                return desc
-        return layer_descriptors(self.d2h, [self._geoms[p] for p in parts], self.runs, layer)
+        if self._groups:
+            for built, g, row in self._index.get(layer, ()):
+                if built == parts:
+                    dst2d, src2d, sizes, crossing, row_bytes, dst0, src0, sizes_ptr = self._groups[g]
+                    if crossing[row]:
+                        break
+                    off = row * row_bytes
+                    return LayerDescriptors(dst2d[row], src2d[row], sizes, len(sizes), dst0 + off, src0 + off, sizes_ptr)
+        return layer_descriptors(self.d2h, [self._shape.geoms[p] for p in parts], self.runs, layer)
 
-    def _build_group(self, parts: tuple[Part, ...], layers: list[int]) -> None:
+    def _build_group(self, columns: list[tuple[PartGeometry, np.ndarray, np.ndarray]], rows: int) -> tuple[Any, ...]:
         runs = self.runs
-        devs, offs, sizes, crossing = [], [], [], np.zeros(len(layers), dtype=bool)
-        for part in parts:
-            g = self._geoms[part]
-            slots = np.array([g.slots[layer] for layer in layers], dtype=np.int64)
-            dev = np.asarray(g.device_layers, dtype=np.int64)[slots][:, None] + runs.device_starts * g.page_bytes
-            off = (slots * g.host_layer_bytes)[:, None] + runs.host_starts * g.page_bytes
-            size = runs.lengths * g.page_bytes
-            crossing |= (off // g.chunk != (off + size - 1) // g.chunk).any(axis=1)
-            devs.append(dev)
-            offs.append(off + g.host_base)
+        devs, hosts, sizes = [], [], []
+        crossing = np.zeros(rows, dtype=bool)
+        for geom, dev_base, host_off in columns:
+            size = runs.lengths * geom.page_bytes
+            off = host_off + runs.host_starts * geom.page_bytes
+            crossing |= (off // geom.chunk != (off + size - 1) // geom.chunk).any(axis=1)
+            devs.append(dev_base + runs.device_starts * geom.page_bytes)
+            hosts.append(off + geom.host_base)
             sizes.append(size)
-        dev2d = np.ascontiguousarray(np.hstack(devs), dtype=_U64)
-        host2d = np.ascontiguousarray(np.hstack(offs), dtype=_U64)
+        dev2d = np.ascontiguousarray(devs[0] if len(devs) == 1 else np.hstack(devs), dtype=_U64)
+        host2d = np.ascontiguousarray(hosts[0] if len(hosts) == 1 else np.hstack(hosts), dtype=_U64)
         row_sizes = _cat(sizes)
         dst2d, src2d = (host2d, dev2d) if self.d2h else (dev2d, host2d)
-        geoms = [self._geoms[p] for p in parts]
-        width = dst2d.shape[1]
-        row = width * dst2d.itemsize  # C-contiguous rows: row i starts at base + i * row
-        dst0, src0, sizes_ptr = dst2d.ctypes.data, src2d.ctypes.data, row_sizes.ctypes.data
-        for i, layer in enumerate(layers):
-            if crossing[i]:  # rare: a run crosses a registration chunk in this layer
-                desc = layer_descriptors(self.d2h, geoms, runs, layer)
-            else:
-                desc = LayerDescriptors(dst2d[i], src2d[i], row_sizes, width, dst0 + i * row, src0 + i * row, sizes_ptr)
-            self._rows.setdefault(layer, []).append((parts, desc))
+        row_bytes = dst2d.shape[1] * dst2d.itemsize  # C-contiguous rows: row i starts at base + i * row_bytes
+        return dst2d, src2d, row_sizes, crossing, row_bytes, dst2d.ctypes.data, src2d.ctypes.data, row_sizes.ctypes.data
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:

@@ -36,10 +36,19 @@ over the gated batches plus `_SUBMIT_SAMPLES` more. The default backend's
 rows at 64, 1024 and 8192 pages are repeated under `default_numbers`. Each
 rate is the median of several repetitions. GB/s are 1e9 bytes per second.
 
-Variants: the backends with their defaults (`hybrid`, `kernel`, `direct`,
-`staging`) and experiments: `kernel-l2hint`, `kernel-tma` (the kernel's
-other modes), `direct-given` (DMA runs in the caller's order, not sorted
-by device page).
+Submissions take the cache's path: each page set is planned once
+(`CopyEngine.plan`, timed apart as `plan_us`) and submitted per layer
+(`submit_layer`).
+
+Variants: the backends with their defaults (`direct`, the default on CUDA,
+`hybrid`, `kernel`, `staging`) and experiments: `kernel-l2hint`,
+`kernel-tma` (the kernel's other modes), `kernel-tma-4sm`/`-8sm` (SGLang's
+CTA counts), `direct-given` (DMA runs in the caller's order, not sorted by
+device page), `direct-inline` (every descriptor issued on the caller's
+thread, no issue worker), `direct-overlap-hint` (the driver's
+prefer-overlap-with-compute flag). Exposure is measured for every variant
+and every grid cap of the kernel sweep at `--overlap-pages`, and for the
+default at each `--exposure-pages`, scattered and in runs (`exposure`).
 
 Without CUDA it prints one error line and exits with status 2.
 """
@@ -80,16 +89,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "kernel-tma-8sm": ("kernel", {"mode": "tma", "sm_fraction": 0.061}),
     "direct-given": ("direct", {"order": "given"}),
     "direct-overlap-hint": ("direct", {"overlap_hint": True}),
+    "direct-inline": ("direct", {"worker_above": None}),
 }
-BACKENDS = ("direct", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
+BACKENDS = ("direct", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
 TARGETS = {
     "scattered_ratio_1024plus": 0.90, "scattered_ratio_64": 0.85, "runs_ratio_1024plus": 0.93, "runs_ratio_64": 0.90,
     "bidir_ratio": 0.90, "exposed_load_fraction": 0.05, "exposed_backup_fraction": 0.10,
     "submit_us_64": 30.0, "submit_us_8192": 100.0,
 }
-#: Page counts of the default backend's exposure rows (scattered and in runs), and the
-#: overlap test's layers at each (fewer at 8192 pages: 24 layers would need 16 GiB per pool).
-_EXPOSURE_LAYERS = {64: 24, 1024: 24, 8192: 6}
+#: Layers of the default backend's exposure rows (scattered and in runs): 24 at every
+#: page count, so the floor (one layer's copy, 1/24) is the same; at 8192 pages each
+#: pool holds 8.3 GB.
+_EXPOSURE_LAYERS = 24
 #: Host-only submissions timed per page count and direction (besides the gated batches).
 _SUBMIT_SAMPLES = 40
 #: Page counts whose numbers of the default backend are recorded on their own.
@@ -548,12 +559,11 @@ def measure_exposure_rows(
     save: Callable[[], None], result: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
     """The exposure of one variant at each page count, scattered and in runs of
-    `run` pages (allocator-shaped), each with its own pools (`_EXPOSURE_LAYERS`)."""
+    `run` pages (allocator-shaped), each with its own pools of `_EXPOSURE_LAYERS` layers."""
     out: dict[str, dict[str, Any]] = {"scattered": {}, "runs": {}}
     result["exposure"] = out
     for n in sizes:
-        layers = _EXPOSURE_LAYERS.get(n, 24 if n <= 1024 else 6)
-        dev, host = _pools(page_bytes, layers, 2 * n + run + 1)
+        dev, host = _pools(page_bytes, _EXPOSURE_LAYERS, n + run + 1)
         try:
             for pattern, r in (("scattered", 1), ("runs", run)):
                 try:
@@ -578,7 +588,7 @@ def _make(label: str, dev: Any, host: Any) -> CopyEngine:
 
 def _describe(engine: CopyEngine) -> dict[str, Any]:
     """What ran: the backend and its options (batched DMA, kernel mode, grid, DMA-routed copies)."""
-    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "counts")
+    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "worker_above", "counts")
     return {k: getattr(engine, k) for k in keys if hasattr(engine, k)}
 
 
