@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
 
 if want tests; then
   step "GPU tests"
-  cmd="$PY -m pytest -m gpu tests/test_io_engine.py tests/test_io_plans.py tests/test_cache_stateful.py -q -p no:cacheprovider -rs -x -o faulthandler_timeout=60"
+  cmd="$PY -m pytest -m gpu tests/test_io_engine.py tests/test_io_plans.py tests/test_io_issue.py tests/test_cache_stateful.py -q -p no:cacheprovider -rs -o faulthandler_timeout=60"
   { header "$cmd"; timeout "${TESTS_TIMEOUT:-150}" $cmd 2>&1 | tail -30; } | tee "$DEST/io-gpu-tests.log"
   keep "${PIPESTATUS[0]}"
 fi
