@@ -86,6 +86,10 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata  # noqa: E402
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult  # noqa: E402
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
+
 from hicache_cp.io.base import CopyFailed, CopyTicket, Direction, TicketState  # noqa: E402
 from hicache_cp.io.cpu import CpuCopyEngine  # noqa: E402
 
@@ -241,7 +245,82 @@ def inject_fault(engine, hook) -> None:
     engine._submit = submit
 
 
+# ---- vLLM's OffloadingConnector with a host-copy worker (its CUDA copy path stood in) -------------
+
+
+class HostCopyOffloadingWorker(OffloadingWorker):
+    """Test double for vLLM's `CPUOffloadingWorker`, the one part of vLLM's
+    OffloadingConnector that needs CUDA (its swap kernels and streams). It
+    copies the same canonical block tensors vLLM's connector worker hands it,
+    with torch, between the KV tensors and host buffers of `num_chunks` chunks,
+    synchronously (every job finished when it is submitted: the best case for
+    vLLM's scheduler). `fail_loads` makes every load report failure, as a
+    failed copy would."""
+
+    def __init__(self, kv_caches, num_chunks: int, blocks_per_chunk: int) -> None:
+        assert blocks_per_chunk == 1, "the double copies one block per chunk"
+        self.tensors = [t.tensor for t in kv_caches.tensors]
+        self.host = [torch.zeros((num_chunks, t.shape[1]), dtype=t.dtype) for t in self.tensors]
+        self.finished: list[TransferResult] = []
+        self.fail_loads = False
+
+    def _copy(self, job_id: int, gpu, cpu, store: bool, ok: bool = True) -> bool:
+        blocks = torch.from_numpy(gpu.block_ids.astype(np.int64))
+        chunks = torch.from_numpy(cpu.block_ids.astype(np.int64))
+        nbytes = 0
+        if ok:
+            for t, h in zip(self.tensors, self.host):
+                if store:
+                    h[chunks] = t[blocks].to("cpu")
+                else:
+                    t[blocks] = h[chunks].to(t.device)
+                nbytes += len(blocks) * t.shape[1]
+        self.finished.append(TransferResult(job_id, ok, nbytes, 0.0))
+        return True
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, store=False, ok=not self.fail_loads)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.finished = self.finished, []
+        return done
+
+    def wait(self, job_ids) -> None:
+        pass  # every job finished at submission
+
+
+class HostCopyOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading spec (its scheduler-side manager, sizes, LRU),
+    with `HostCopyOffloadingWorker` as the worker. Loaded by vLLM's
+    `OffloadingSpecFactory` from `spec_module_path`."""
+
+    def get_worker(self, kv_caches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = HostCopyOffloadingWorker(kv_caches, self.num_chunks, self.blocks_per_chunk)
+        return self._worker
+
+
+def offloading_worker(connector) -> HostCopyOffloadingWorker:
+    return connector.connector_worker.worker
+
+
 # ---- the bench ------------------------------------------------------------------------------
+
+
+def copy_jobs(meta) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """(loads, saves) of one step's connector metadata, each (req id, first page, pages)."""
+    if isinstance(meta, OffloadingConnectorMetadata):
+        def gpu(job, spec):
+            first = int(spec.block_indices[0]) if getattr(spec, "block_indices", None) is not None else -1
+            return job.req_id, first, len(spec.block_ids)
+
+        return ([gpu(j, j.dst_spec) for j in meta.load_jobs.values()],
+                [gpu(j, j.src_spec) for j in meta.store_jobs.values()])
+    return ([(j.req_id, j.first_position, len(j.device_pages)) for j in meta.loads],
+            [(j.req_id, j.first_position, len(j.device_pages)) for j in meta.saves])
 
 
 @dataclass
@@ -310,10 +389,8 @@ class Bench:
         meta = so.kv_connector_metadata
         for rid in abort_before_forward:
             self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        rec = StepRecord(
-            {}, [(j.req_id, j.first_position, len(j.device_pages)) for j in meta.loads],
-            [(j.req_id, j.first_position, len(j.device_pages)) for j in meta.saves], set(), set(so.preempted_req_ids),
-        )
+        loads, saves = copy_jobs(meta)
+        rec = StepRecord({}, loads, saves, set(), set(so.preempted_req_ids))
         work = []  # (req id, tokens, blocks, computed before, scheduled)
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests.get(rid)
@@ -346,6 +423,8 @@ class Bench:
     def _forward(self, w, kv, meta, so, work, ids) -> ModelRunnerOutput:
         """One worker's forward, as vLLM's model runner calls the connector."""
         w.bind_connector_metadata(meta)
+        if so.preempted_req_ids:
+            w.handle_preemptions(meta)
         if so.has_sync_kv_loads:
             w.start_load_kv(None)
         for spec in self.specs:
@@ -362,10 +441,11 @@ class Bench:
         if not so.has_sync_kv_loads:
             w.start_load_kv(None)
         w.wait_for_save()
-        invalid = w.get_block_ids_with_load_errors()
+        results = w.get_transfer_results(so.finished_req_ids)
         out = KVConnectorOutput(
-            finished_sending=set(), finished_recving=set(), invalid_block_ids=set(invalid),
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving, invalid_block_ids=set(w.get_block_ids_with_load_errors()),
+            kv_connector_stats=w.get_kv_connector_stats(), kv_connector_worker_meta=w.build_connector_worker_meta(),
         )
         w.clear_connector_metadata()
         sampled = []
@@ -418,7 +498,9 @@ def vllm_config(model_dir: Path, kv_transfer: KVTransferConfig | None, *, device
         scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
                                          max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        parallel_config=ParallelConfig(tensor_parallel_size=workers),
+        # the executor named: vLLM's own pick refuses more TP ranks than GPUs, and the bench's workers share one
+        parallel_config=ParallelConfig(tensor_parallel_size=workers,
+                                       distributed_executor_backend="mp" if workers > 1 else None),
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig(device),
     )
@@ -439,15 +521,27 @@ def block_hasher():
 
 
 def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", workers: int = 1, num_blocks: int = 64,
-               host_pages: int = 64, max_batched: int = 256, policy: str = "recompute") -> Bench:
+               host_pages: int = 64, max_batched: int = 256, policy: str = "recompute",
+               connector: str = "hicache", debug_checks: bool = True) -> Bench:
+    """The bench with `connector` "hicache" (ours) or "offloading" (vLLM's
+    OffloadingConnector with `HostCopyOffloadingWorker`), at the same host bytes."""
     specs = layer_specs(shape)
-    extra = {"host_budget_bytes": host_pages * sum(s.page_bytes for s in specs), "debug_checks": True}
-    if device == "cpu":
-        extra.update(io_backend="cpu", pin_host=False)  # on CUDA: the connector's defaults (auto, pinned)
-    kt = KVTransferConfig(
-        kv_connector="HiCacheConnector", kv_connector_module_path="hicache_cp.integrations.vllm",
-        kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra,
-    )
+    host_bytes = host_pages * sum(s.page_bytes for s in specs)
+    if connector == "hicache":
+        extra = {"host_budget_bytes": host_bytes, "debug_checks": debug_checks}
+        if device == "cpu":
+            extra.update(io_backend="cpu", pin_host=False)  # on CUDA: the connector's defaults (auto, pinned)
+        kt = KVTransferConfig(
+            kv_connector="HiCacheConnector", kv_connector_module_path="hicache_cp.integrations.vllm",
+            kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra,
+        )
+    elif connector == "offloading":
+        extra = {"cpu_bytes_to_use": host_bytes, "spec_name": "HostCopyOffloadingSpec",
+                 "spec_module_path": __name__}
+        kt = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                              kv_load_failure_policy=policy, kv_connector_extra_config=extra)
+    else:
+        raise ValueError(f"unknown connector {connector!r}")
     vc = vllm_config(model_dir, kt, device=device, workers=workers, max_batched=max_batched)
     kvc = kv_cache_config(specs, num_blocks)
     sched = make_scheduler(vc, generate_scheduler_kv_cache_config([kvc]))

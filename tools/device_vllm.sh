@@ -52,7 +52,7 @@ fi
 
 if want tests; then
   step "the vLLM connector's tests (cpu and cuda)"
-  cmd="python3 -m pytest -q -p no:cacheprovider -rfEs -o junit_family=xunit1 --junitxml=$DEST/vllm-junit.xml tests/test_vllm_connector.py tests/test_vllm_plan.py tests/test_vllm_engine_l1.py"
+  cmd="python3 -m pytest -q -p no:cacheprovider -rfEs -o junit_family=xunit1 --junitxml=$DEST/vllm-junit.xml tests/test_vllm_connector.py tests/test_vllm_plan.py tests/test_vllm_engine_l1.py tests/test_vllm_compare.py"
   echo "\$ $cmd"
   timeout "${TESTS_TIMEOUT:-330}" $cmd 2>&1 | tail -150
   rc=${PIPESTATUS[0]}

@@ -89,15 +89,15 @@ def pack_sources(dest: Path) -> dict:
             if (info / name).exists():
                 tar.add(info / name, arcname=f"{info.name}/{name}")
         # INSTALLER/RECORD-less dist-info is enough for importlib.metadata.version("vllm").
-        shims = sorted(SHIMS.glob("*.py"))
+        shims = sorted(SHIMS.rglob("*.py"))
         for shim in shims:
-            target = f"vllm/{shim.name}"
+            target = f"vllm/{shim.relative_to(SHIMS).as_posix()}"
             data = shim.read_bytes()
             ti = tarfile.TarInfo(target)
             ti.size = len(data)
             tar.addfile(ti, io.BytesIO(data))
     return {"version": dist.version, "from": str(pkg), "files": kept, "bytes": kept_bytes, "skipped_files": skipped,
-            "tarball_bytes": out.stat().st_size, "shims": [s.name for s in shims]}
+            "tarball_bytes": out.stat().st_size, "shims": [s.relative_to(SHIMS).as_posix() for s in shims]}
 
 
 def download_wheels(dest: Path) -> list[str]:
