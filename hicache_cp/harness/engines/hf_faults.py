@@ -11,7 +11,7 @@ fired):
                                 load's pages (the fork's bug: the draft state not restored);
                                 PART and LAYER are ignored
     fail-copy:PART:LAYER@RANK   RANK's copy of PART, LAYER of that load fails (cpu io backend;
-                                the engine's `submit_load` is wrapped for the run)
+                                the engine's `_submit` is wrapped for the run)
 
 What must follow: a corrupt page is refused before anything computed on it
 is served (`hf_oracle.RestoreGuard`: the load fails, the request
@@ -105,8 +105,8 @@ class FaultInjector:
         if any(f.kind is FaultKind.FAIL_COPY for f in self.faults) and c.engine.name != "cpu":
             raise InputError("--hf-fault fail-copy needs the cpu io backend (its tickets are what fails)")
         if any(f.kind is FaultKind.FAIL_COPY for f in self.faults):
-            self._submit_load = c.engine.submit_load
-            c.engine.submit_load = self._failing_submit_load  # type: ignore[method-assign]
+            self._submit = c.engine._submit
+            c.engine._submit = self._failing_submit  # type: ignore[method-assign]
 
     def before_load(self, request: int, match: MatchResult) -> None:
         if not match.host_nodes:
@@ -152,11 +152,14 @@ class FaultInjector:
         else:
             self._armed[(f.part, f.layer)] = f
 
-    def _failing_submit_load(self, part: Part, layer: int, host_pages: np.ndarray, device_pages: np.ndarray) -> Any:
-        """The engine's `submit_load`, wrapped (a test double): the first submission of
-        an armed (part, layer) is a copy that failed, bytes not moved; the rest pass."""
-        if self._armed.pop((part, layer), None) is None:
-            return self._submit_load(part, layer, host_pages, device_pages)
+    def _failing_submit(
+        self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
+    ) -> Any:
+        """The cpu engine's `_submit` (every copy's), wrapped (a test double): the first
+        H2D submission of an armed (part, layer) is a copy that failed, bytes not
+        moved; the rest pass."""
+        if direction is not Direction.H2D or self._armed.pop((part, layer), None) is None:
+            return self._submit(direction, part, layer, device_pages, host_pages)
         from hicache_cp.io.cpu import CpuTicket
 
         failed: cf.Future[None] = cf.Future()
