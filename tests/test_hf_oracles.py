@@ -184,3 +184,37 @@ def test_options_the_cp_engine_cannot_run_with_fail_before_any_work(tmp_path: Pa
     out = tmp_path / "out.json"
     assert main(["replay", "--engine", "hf", "--limit", "3", *extra, "--json", str(out)]) == 2
     assert not out.exists()
+
+
+class _ScriptedForward:
+    """A forward double for the speculation loop: the target's greedy token after
+    position p is 100 + p + 1; the draft proposes the token after that right
+    (100 + p + 2) except at the positions in `wrong`."""
+
+    def __init__(self, wrong: set[int]) -> None:
+        from types import SimpleNamespace
+
+        self.m = SimpleNamespace(preset=SimpleNamespace(page_size=PS))
+        self.wrong = wrong
+
+    def run(self, batch: Any, hooks: Any = None) -> Any:
+        from types import SimpleNamespace
+
+        (plan, _), = batch
+        last = plan.seq.end - 1
+        draft = 100 + last + 2 + (1000 if last in self.wrong else 0)
+        return SimpleNamespace(next_tokens=torch.tensor([100 + last + 1]), draft_tokens=torch.tensor([draft]))
+
+
+def test_speculation_steps_accept_the_right_proposal_and_add_the_bonus_token() -> None:
+    """The loop's accounting: a right proposal is accepted with the bonus token
+    (length 2), a wrong one is replaced by the target's token (length 1); the
+    tokens are the target's greedy sequence either way."""
+    spec = Speculator(_ScriptedForward(wrong={10, 13}), 32, steps=4)  # type: ignore[arg-type]
+    run = spec.run(np.arange(10), ScratchKV(), 0)  # prompt positions 0..9: first token 110, proposal 111
+    # 1: 111 right -> accepted, bonus 112 (the draft at 10 was wrong, but the bonus step's proposal counts: 113)
+    # 2: 113 right -> accepted, bonus 114, proposal from 13 wrong (1115)
+    # 3: 1115 -> the target's 115 instead; 4: proposal 116 right -> accepted, bonus 117
+    assert run.accept_lengths == [2, 2, 1, 2]
+    assert run.proposals == [111, 113, 1115, 116]
+    assert run.tokens == list(range(110, 118))  # the target's greedy tokens, whatever was proposed
