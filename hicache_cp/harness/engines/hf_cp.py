@@ -18,6 +18,9 @@ prefix from what it holds and what it received:
     forward of layer l reads prefix[b]  (`SharedKV.gather`)
     the chunk's new KV: only the pages this rank owns go to its L1 (`SharedKV.scatter`)
 
+The draft layer's exchange carries one entry more than the target's (its
+entries run one position ahead, `hf_forward`).
+
 No rank reads a page it neither holds (computed or restored into its own L1)
 nor received in that layer's all-gather: the physical ids of another rank's
 pages are never used to index this rank's buffers. Every rank issues the
