@@ -62,6 +62,7 @@ def assert_clean(r: dict[str, Any]) -> None:
         assert c["accept_lengths_restored"] == c["accept_lengths_recomputed"], c
         assert len(c["accept_lengths_restored"]) == r["spec_steps"] and c["tokens_restored"] == c["tokens_recomputed"]
     assert r["spec_accept_mean_restored"] == r["spec_accept_mean_recomputed"]
+    assert r["spec_max_abs_err"] < 1e-4  # every step's target and draft logits, restored against recomputed
 
 
 @pytest.mark.slow

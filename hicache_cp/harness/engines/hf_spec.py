@@ -28,10 +28,12 @@ It runs twice per sampled request, from the same start:
                 computed on top of it, then the steps
     recomputed  the whole prompt computed from scratch, then the steps
 
-and the two runs' accept lengths, tokens and proposals are compared. With
-random weights the lengths themselves mean little; a draft whose prefix KV
-was restored wrong proposes other tokens than the recomputed one, and a
-target restored wrong verifies differently.
+and the two runs' accept lengths, tokens and proposals are compared, and
+every forward's target and draft logits within the output oracle's
+tolerance. With random weights the lengths themselves mean little (the
+draft rarely proposes the target's token); a draft whose prefix KV was
+restored wrong moves its logits, and proposes other tokens once the
+difference is large, and a target restored wrong verifies differently.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class SpecRun:
     accept_lengths: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # the first token, then what each step emitted
     proposals: list[int] = field(default_factory=list)  # the draft token each step verified
+    #: Every forward's last-token logits, target and draft side by side (CPU float32 [2, vocab]).
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @property
     def mean_accept(self) -> float:
@@ -127,11 +131,21 @@ class SpecCheck:
     restored_tokens: int  # prefix tokens the restored run took from the cache
     restored: SpecRun
     recomputed: SpecRun
+    tolerance: float = 0.0  # on the logits of every forward, target's and draft's
+
+    @property
+    def max_abs_err(self) -> float:
+        """The largest |restored - recomputed| logit over the forwards both runs made alike."""
+        pairs = zip(self.restored.logits, self.recomputed.logits)
+        return max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
 
     @property
     def same(self) -> bool:
+        """Equal accept lengths, tokens and proposals, and logits within the tolerance
+        (a draft prefix restored wrong may keep the argmax of random weights)."""
         a, b = self.restored, self.recomputed
-        return (a.accept_lengths, a.tokens, a.proposals) == (b.accept_lengths, b.tokens, b.proposals)
+        exact = (a.accept_lengths, a.tokens, a.proposals) == (b.accept_lengths, b.tokens, b.proposals)
+        return exact and self.max_abs_err <= self.tolerance
 
 
 class Speculator:
@@ -161,16 +175,17 @@ class Speculator:
 
     def run(self, ids: np.ndarray, store: ScratchKV, start: int) -> SpecRun:
         """Compute positions [start, len(ids)) over `store`'s prefix [0, start), then the steps."""
+        out = SpecRun()
         r = self._prompt(ids, store, start)
         n = len(ids)
-        pending, proposal = int(r.next_tokens[0]), int(r.draft_tokens[0])  # type: ignore[index]
-        out = SpecRun(tokens=[pending])
+        pending, proposal = self._keep(out, r)
+        out.tokens.append(pending)
         for _ in range(self.steps):
             out.proposals.append(proposal)
-            nxt, after = self._one(store, pending, n)
+            nxt, after = self._one(out, store, pending, n)
             n += 1
             if nxt == proposal:  # accepted: the target computes it and gives the bonus token
-                bonus, proposal = self._one(store, nxt, n)
+                bonus, proposal = self._one(out, store, nxt, n)
                 n += 1
                 out.accept_lengths.append(2)
                 out.tokens += [nxt, bonus]
@@ -193,10 +208,15 @@ class Speculator:
         assert r is not None, f"nothing to compute: start {start} of {len(ids)} tokens"
         return r
 
-    def _one(self, store: ScratchKV, token: int, position: int) -> tuple[int, int]:
+    def _one(self, out: SpecRun, store: ScratchKV, token: int, position: int) -> tuple[int, int]:
         """The target and the draft on one token: (target's next token, draft's proposal after it)."""
         plan = SeqPlan.build(SeqChunk(np.array([token], np.int64), position, None, 0, 0, None), self.ps)
-        r = self.fw.run([(plan, store.bind(plan))])
+        return self._keep(out, self.fw.run([(plan, store.bind(plan))]))
+
+    @staticmethod
+    def _keep(out: SpecRun, r: ForwardResult) -> tuple[int, int]:
+        """Record a final forward's logits; (its sampled token, the draft's proposal)."""
+        out.logits.append(torch.stack([r.logits[0], r.draft_logits[0]]).float().cpu())  # type: ignore[index]
         return int(r.next_tokens[0]), int(r.draft_tokens[0])  # type: ignore[index]
 
 
@@ -210,8 +230,10 @@ def spec_report(checks: Sequence[SpecCheck], steps: int) -> dict[str, Any]:
         "spec_mismatches": sum(not c.same for c in checks),
         "spec_accept_mean_restored": float(np.mean(restored)) if restored else None,
         "spec_accept_mean_recomputed": float(np.mean(recomputed)) if recomputed else None,
+        "spec_max_abs_err": max((c.max_abs_err for c in checks), default=0.0),
         "spec_checks": [
             {"request": c.request, "restored_tokens": c.restored_tokens, "same": c.same,
+             "max_abs_err": c.max_abs_err, "tolerance": c.tolerance,
              "accept_lengths_restored": c.restored.accept_lengths, "accept_lengths_recomputed": c.recomputed.accept_lengths,
              "tokens_restored": c.restored.tokens, "tokens_recomputed": c.recomputed.tokens,
              "proposals_restored": c.restored.proposals, "proposals_recomputed": c.recomputed.proposals}
