@@ -220,6 +220,7 @@ class SGLangPrefillServer:
         self.finished: list[Any] = []
         self._rid = 0
         self._batch: Any = None
+        self.admissions: dict[str, tuple[int, int]] = {}  # rid -> (device-hit tokens, L2-loaded tokens)
 
     def _pool(self, size: int, layers: int, skip: tuple[bool, ...]) -> Any:
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
@@ -275,6 +276,15 @@ class SGLangPrefillServer:
                 return
             self.step()
         raise RuntimeError(f"requests still waiting after {max_steps} steps")
+
+    def settle(self) -> None:
+        """Wait for every copy in flight, then the after-batch flush: what landed is decided,
+        so hits do not depend on copy timing (tests, benchmarks; a server calls
+        flush_pending_backups after every batch and never waits)."""
+        settle = getattr(getattr(self.tree_cache, "cache", None), "settle", None)
+        if settle is not None:
+            settle()
+            self.tree_cache.flush_pending_backups()
 
     def step(self) -> list[Any]:
         """One scheduler iteration: schedule, allocate, forward, process results."""
@@ -351,6 +361,8 @@ class SGLangPrefillServer:
             if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
                                  truncation_align_size=None) != AddReqResult.CONTINUE:  # fmt: skip
                 break
+        for req in adder.can_run_list:  # first admission: where its prefix came from
+            self.admissions.setdefault(req.rid, (req.prefix_len - req.host_loaded_length, req.host_loaded_length))
         admitted = set(map(id, adder.can_run_list))
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         if adder.new_chunked_req is not None:

@@ -263,10 +263,17 @@ class HiCacheCpRadixCache(RadixCache):
     # ---- freeing -------------------------------------------------------------------------
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        """SGLang gives row positions `ranges` back to its allocator: a copy still writing or
+        reading those slots is waited for first (only on abort paths do any remain)."""
         for flow in self._flows.values():
             if flow.kv is kv:
-                _wait_copies([flow.load, *flow.backups])
+                _wait_copies([op for op in (flow.load, *flow.backups) if op is not None and self._touches(op, ranges)])
         super().free_kv_row(kv, ranges)
+
+    def _touches(self, op: LoadOp | BackupOp, ranges: list[tuple[int, int]]) -> bool:
+        lo = op.first_position * self.page_size
+        hi = lo + len(op.device_pages) * self.page_size
+        return any(start < hi and lo < end for start, end in ranges)
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
