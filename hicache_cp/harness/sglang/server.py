@@ -61,6 +61,7 @@ class ServerSpec:
     max_requests: int = 32
     context_len: int = 16384
     check_bytes: bool = True
+    schedule_policy: str = "lpm"  # SGLang's --schedule-policy (lpm matches every waiting request first)
 
 
 @dataclass
@@ -215,6 +216,9 @@ class SGLangPrefillServer:
         self.times = CallTimes()
         for name in TIMED_CALLS:
             setattr(self.tree_cache, name, self.times.timed(name, getattr(self.tree_cache, name)))
+        from sglang.srt.managers.schedule_policy import SchedulePolicy
+
+        self.policy = SchedulePolicy(spec.schedule_policy, self.tree_cache, False, False, False)
         self.waiting: list[Any] = []
         self.chunked_req: Any = None
         self.finished: list[Any] = []
@@ -349,6 +353,7 @@ class SGLangPrefillServer:
 
         spec = self.spec
         running = ScheduleBatch(reqs=[], batch_is_full=False)
+        self.policy.calc_priority(self.waiting, running)
         adder = PrefillAdder(spec.page_size, self.tree_cache, self.allocator, running, 0.0,
                              spec.max_prefill_tokens, spec.chunk_tokens)  # fmt: skip
         if self.chunked_req is not None:
