@@ -100,16 +100,13 @@ def try_sglang_hicache(workdir: Path, page_size: int, device_pages: int) -> dict
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 
-        helper = SGLangPrefillServer.__new__(SGLangPrefillServer)
-        helper.spec = ServerSpec(device_pages=device_pages, page_size=page_size)
-        helper.server_args = args
-        from hicache_cp.harness.sglang.server import TpWorkerHooks
+        from hicache_cp.harness.sglang.server import TpWorkerHooks, build_pools
 
-        pools = _pools(helper)
+        pools = build_pools(ServerSpec(device_pages=device_pages, page_size=page_size))
         ctx = TreeCacheBuildContext(
-            server_args=args, params=pools, is_hybrid_swa=False, is_hybrid_ssm=False, enable_hierarchical_cache=True,
-            disable_radix_cache=False, tp_worker=TpWorkerHooks(), model_config=ModelConfig.from_server_args(args),
-            tp_size=1, tp_rank=0, tp_group=None, is_dsa=True,
+            server_args=args, params=pools.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=TpWorkerHooks(),
+            model_config=ModelConfig.from_server_args(args), tp_size=1, tp_rank=0, tp_group=None, is_dsa=True,
         )  # fmt: skip
         cache = create_unified_radix_cache(ctx)
         return {"backend": "sglang-hicache", "constructed": True, "impl": type(cache).__name__}
@@ -117,20 +114,6 @@ def try_sglang_hicache(workdir: Path, page_size: int, device_pages: int) -> dict
         frames = traceback.extract_tb(exc.__traceback__)
         where = next((f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames) if "sglang" in f.filename), "")
         return {"backend": "sglang-hicache", "constructed": False, "error": f"{type(exc).__name__}: {exc}", "at": where}
-
-
-def _pools(server: SGLangPrefillServer) -> Any:
-    import torch
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    spec = server.spec
-    size = (spec.device_pages - 1) * spec.page_size
-    target = server._pool(size, spec.layers, spec.skip_topk)
-    r2t = ReqToTokenPool(size=spec.max_requests, max_context_len=spec.context_len, device="cpu", enable_memory_saver=False)
-    alloc = PagedTokenToKVPoolAllocator(size, spec.page_size, torch.bfloat16, "cpu", target, need_sort=False)
-    return CacheInitParams(disable=False, req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=spec.page_size)
 
 
 def side_by_side(requests: Sequence[TraceRequest], *, tokens_per_block: int = 64, device_pages: int = 256,

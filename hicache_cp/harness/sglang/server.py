@@ -163,6 +163,42 @@ def _salt(model: str, layer: int) -> int:
     return (0 if model == "target" else 1000) + 17 * layer
 
 
+@dataclass(frozen=True)
+class Pools:
+    """SGLang's pools of one server: the target and draft DSA KV pools and the cache params."""
+
+    target: Any
+    drafts: tuple[Any, ...]
+    params: Any  # CacheInitParams: request-to-token pool, paged allocator, page size, draft pools
+
+
+def build_pools(spec: ServerSpec) -> Pools:
+    """SGLang's request-to-token pool, paged allocator and DSA pools (CPU) for `spec`
+    (its runtime context must be published: `env.publish_server_args`)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+
+    ps = spec.page_size
+    size = (spec.device_pages - 1) * ps
+
+    def dsa(layers: int, skip: tuple[bool, ...]) -> Any:
+        return DSATokenToKVPool(
+            size=size, page_size=ps, kv_lora_rank=spec.kv_lora_rank, dtype=torch.bfloat16,
+            qk_rope_head_dim=spec.rope_dim, layer_num=layers, device="cpu", index_head_dim=128,
+            enable_memory_saver=False, kv_cache_dim=spec.kv_lora_rank + spec.rope_dim, skip_topk_layers=list(skip),
+        )  # fmt: skip
+
+    target = dsa(spec.layers, spec.skip_topk)
+    drafts = (dsa(spec.draft_layers, (False,) * spec.draft_layers),) if spec.draft_layers else ()
+    req_to_token = ReqToTokenPool(size=spec.max_requests, max_context_len=spec.context_len, device="cpu",
+                                  enable_memory_saver=False)  # fmt: skip
+    allocator = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", target, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator,
+                             page_size=ps, mtp_draft_device_pools=drafts)  # fmt: skip
+    return Pools(target, drafts, params)
+
+
 @dataclass
 class CallTimes:
     """Host seconds the scheduler thread spent in the tree cache, by call."""
@@ -193,22 +229,11 @@ class SGLangPrefillServer:
         self.spec = spec
         self.server_args = publish_server_args(workdir, page_size=spec.page_size)
         from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.managers.schedule_policy import SchedulePolicy
 
-        ps = spec.page_size
-        size = (spec.device_pages - 1) * ps
-        self.target = self._pool(size, spec.layers, spec.skip_topk)
-        self.drafts = [self._pool(size, spec.draft_layers, (False,) * spec.draft_layers)] if spec.draft_layers else []
-        self.req_to_token_pool = ReqToTokenPool(
-            size=spec.max_requests, max_context_len=spec.context_len, device="cpu", enable_memory_saver=False
-        )
-        self.allocator = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", self.target, need_sort=False)
-        self.params = CacheInitParams(
-            disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-            page_size=ps, mtp_draft_device_pools=tuple(self.drafts),
-        )  # fmt: skip
+        self.pools = build_pools(spec)
+        self.target, self.drafts, self.params = self.pools.target, self.pools.drafts, self.pools.params
+        self.req_to_token_pool, self.allocator = self.params.req_to_token_pool, self.params.token_to_kv_pool_allocator
         self.model_config = ModelConfig.from_server_args(self.server_args)
         self.worker = TpWorkerHooks()
         self.tree_cache = self._tree_cache(tree_cache_kwargs or {})
@@ -216,8 +241,6 @@ class SGLangPrefillServer:
         self.times = CallTimes()
         for name in TIMED_CALLS:
             setattr(self.tree_cache, name, self.times.timed(name, getattr(self.tree_cache, name)))
-        from sglang.srt.managers.schedule_policy import SchedulePolicy
-
         self.policy = SchedulePolicy(spec.schedule_policy, self.tree_cache, False, False, False)
         self.waiting: list[Any] = []
         self.chunked_req: Any = None
@@ -225,16 +248,6 @@ class SGLangPrefillServer:
         self._rid = 0
         self._batch: Any = None
         self.admissions: dict[str, tuple[int, int]] = {}  # rid -> (device-hit tokens, L2-loaded tokens)
-
-    def _pool(self, size: int, layers: int, skip: tuple[bool, ...]) -> Any:
-        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-
-        s = self.spec
-        return DSATokenToKVPool(
-            size=size, page_size=s.page_size, kv_lora_rank=s.kv_lora_rank, dtype=torch.bfloat16,
-            qk_rope_head_dim=s.rope_dim, layer_num=layers, device="cpu", index_head_dim=128,
-            enable_memory_saver=False, kv_cache_dim=s.kv_lora_rank + s.rope_dim, skip_topk_layers=list(skip),
-        )  # fmt: skip
 
     def _tree_cache(self, kwargs: dict[str, Any]) -> Any:
         if self.spec.backend == "radix":

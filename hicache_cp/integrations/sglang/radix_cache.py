@@ -127,10 +127,14 @@ class HiCacheCpRadixCache(RadixCache):
         self.cache = self._make_cache()
         self.copies = ForwardCopies(self.cache)
         self.stats = PluginStats()
-        self.hooks = {m: LayerHooks(self.copies, m) for m in Model}
+        self.hooks = {Model.TARGET: LayerHooks(self.copies, Model.TARGET)}
         target.register_layer_transfer_counter(self.hooks[Model.TARGET])
-        for pool in draft_pools:
-            pool.register_layer_transfer_counter(self.hooks[Model.DRAFT])
+        first = 0
+        for pool in draft_pools:  # one counter per draft pool: its layers numbered across them
+            hooks = LayerHooks(self.copies, Model.DRAFT, first, pool.layer_num)
+            pool.register_layer_transfer_counter(hooks)
+            self.hooks.setdefault(Model.DRAFT, hooks)
+            first += pool.layer_num
         logger.info(
             "hicache-cp: L2 of %s under SGLang: %d device pages of %d tokens, L2 %d pages (%.1f MiB, %s), io %s",
             self.cache.layout.describe(), self.kv.num_pages, self.page_size, self.cache.host_pool.physical_pages,
