@@ -73,6 +73,14 @@ def serve(server: SGLangPrefillServer, tokens: list[int]):
     return req
 
 
+def in_l2_only(server: SGLangPrefillServer, seed: int, pages: int = 5) -> list[int]:
+    """A prompt served once (its whole pages now in L2), then gone from SGLang's device tree."""
+    tokens = prompt(seed, pages)
+    serve(server, tokens)
+    evict_device(server)
+    return tokens
+
+
 def evict_device(server: SGLangPrefillServer) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -113,9 +121,7 @@ def test_miss_backs_up_every_whole_page_and_a_repeat_is_a_device_hit(make_server
 
 def test_l2_hit_after_device_eviction_loads_every_part(make_server) -> None:
     s = make_server()
-    a = prompt(2, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 2)
     r = serve(s, a)
     # SGLang's device tree is empty: the whole-page prefix (5 pages) comes back from L2,
     # every part: latent, indexer keys of layers 0 and 2, the draft's latent and keys.
@@ -164,9 +170,7 @@ def test_abort_while_the_load_is_in_flight_frees_slots_only_after_it_returned(ma
     from conftest import Faults
 
     s = make_server()
-    a = prompt(6, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 6)
     faults = Faults()
     s.tree_cache.cache.engine.fault = faults
     faults.hold()  # every copy waits at the gate: the load stays in flight
@@ -197,9 +201,7 @@ def test_a_load_that_fails_in_flight_fails_its_request_and_caches_nothing(make_s
     from conftest import Faults
 
     s = make_server()
-    a = prompt(7, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 7)
     faults = Faults()
     faults.fail_on.add((Direction.H2D, Part.TARGET_KV, 2))
     s.tree_cache.cache.engine.fault = faults
@@ -218,9 +220,7 @@ def test_a_load_that_fails_in_flight_fails_its_request_and_caches_nothing(make_s
 
 def test_a_load_that_cannot_start_is_recomputed_by_sglang(make_server) -> None:
     s = make_server()
-    a = prompt(8, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 8)
     engine = s.tree_cache.cache.engine
     real, loads = engine.submit_layer, []
 
@@ -275,9 +275,7 @@ def test_a_retracted_request_comes_back_from_l2(make_server) -> None:
 
 def test_a_draft_part_missing_in_l2_is_refused_loudly(make_server) -> None:
     s = make_server()
-    a = prompt(11, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 11)
     cache = s.tree_cache.cache
     node = next(n for n in cache.tree.nodes() if n.host_pages is not None)
     cache.config.debug_checks = False  # the corruption would trip the invariant check first
