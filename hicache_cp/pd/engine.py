@@ -87,6 +87,7 @@ class _EngineBatch:
     nbytes: int
     status: int | None = None  # None while unwaited; 0 ok; -1 failed
     future: Future[int] | None = None  # the one engine wait for this batch id
+    done_at: float | None = None  # perf_counter when the engine wait returned
 
 
 @dataclass
@@ -108,6 +109,12 @@ class Batch:
     @property
     def done(self) -> bool:
         return all(p.status is not None for p in self.parts)
+
+    @property
+    def done_at(self) -> float | None:
+        """When the last engine batch ended (perf_counter), None until all did."""
+        times = [p.done_at for p in self.parts]
+        return None if any(t is None for t in times) else max(times, default=None)  # type: ignore[type-var]
 
 
 class TransferEngineAdapter:
@@ -223,6 +230,27 @@ class TransferEngineAdapter:
         """Synchronous write: submit + wait."""
         self.wait(self.submit_write(peer, srcs, dsts, lens), timeout)
 
+    def watch(self, batch: Batch) -> None:
+        """Start waiting for `batch` on a helper thread now, so `Batch.done`
+        and `Batch.done_at` turn true when it lands without anyone blocking."""
+        if self._closed:
+            return
+        for eb in batch.parts:
+            with self._lock:
+                if eb.status is None and eb.future is None:
+                    eb.future = self._waiter.submit(self._engine_wait, batch.peer, eb)
+
+    def drain(self, batch: Batch, timeout: float) -> bool:
+        """Wait up to `timeout` s for `batch` to end, landed or failed; never
+        raises for a failed batch. True when every engine batch of it ended."""
+        try:
+            self.wait(batch, timeout)
+        except TransferTimeout:
+            return False
+        except TransferError:
+            pass
+        return batch.done
+
     def abandon(self, batch: Batch) -> None:
         """Stop waiting for `batch`; a reaper thread drains its engine batches."""
         batch.abandoned = True
@@ -302,6 +330,7 @@ class TransferEngineAdapter:
     def _engine_wait(self, peer: str, eb: _EngineBatch) -> int:
         status = int(self.engine.get_batch_transfer_status([eb.batch_id]))
         with self._lock:
+            eb.done_at = time.perf_counter()
             eb.status = status
             q = self._in_flight.get(peer)
             if q is not None and eb in q:

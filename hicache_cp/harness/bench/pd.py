@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from hicache_cp.harness.errors import ExitCode, require
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.layout import KVLayout
+from hicache_cp.pd.control import new_authkey
 from hicache_cp.pd.engine import TransferError, quiet_mooncake_logs
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     n = args.pages
     pool_pages = 2 * n + 1
     rng = np.random.default_rng(args.seed)
-    authkey = os.urandom(16)
+    authkey = new_authkey()
     peer = DecodePeer(layout, n + 1, authkey=authkey)
     peer.start()
     l1 = DevicePool(layout, pool_pages)

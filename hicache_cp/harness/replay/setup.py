@@ -110,6 +110,8 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "write_policy": args.write_policy,
         "io_backend": args.io_backend,
         "cp_size": args.cp_size,
+        "pd_timeout_s": getattr(args, "pd_timeout_s", None),
+        "pd_per_layer": getattr(args, "pd_per_layer", None),
     }
     for name, value in named.items():
         if value is None:
