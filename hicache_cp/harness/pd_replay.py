@@ -48,6 +48,7 @@ from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.harness.decode_peer import control_request, spawn_decode_peer
 from hicache_cp.harness.engines.synthetic import TailPage
+from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.trace import TraceRequest
 from hicache_cp.layout import Model
 from hicache_cp.match import MatchResult
@@ -118,6 +119,8 @@ class PdTotals:
     transfer_s: float = 0.0
     requests_without_pages: int = 0  # shorter than one page: nothing to send
     decode_aborts: int = 0
+    timeout_s: float = 0.0  # the rooms' deadline (Config.pd_timeout_s)
+    per_layer: bool = False
     ready_s: list[float] = field(default_factory=list)  # per room: forward's end -> all KV at decode
     examples: list[str] = field(default_factory=list)
 
@@ -136,6 +139,8 @@ class PdTotals:
             "pd_mismatches": self.mismatches,
             "pd_requests_without_pages": self.requests_without_pages,
             "pd_decode_aborts": self.decode_aborts,
+            "pd_timeout_s": self.timeout_s,
+            "pd_per_layer": self.per_layer,
             "pd_ready_rooms": len(ready),
             "pd_mismatch_examples": self.examples[:10],
         }
@@ -163,7 +168,7 @@ class PdSink:
         self.sender = sender
         self.cache = cache
         self.per_layer = per_layer
-        self.totals = PdTotals()
+        self.totals = PdTotals(timeout_s=sender.rooms.timeout_s, per_layer=per_layer)
         self._pending: _Pending | None = None
         self._cuda = cache.device_pool.buffer(cache.layout.parts[0].part).device.type == "cuda"
         self._total_layers = sum(cache.layout.num_layers(m) for m in (Model.TARGET, Model.DRAFT))
@@ -331,7 +336,11 @@ def start_decode_peer(args: argparse.Namespace, config: Config, requests: list[T
     longest = max((len(r.hash_ids) for r in requests), default=1)
     pages = 2 * longest * math.ceil((args.tokens_per_block or config.page_size) / config.page_size) + 4
     authkey = new_authkey()
-    whole_prompt = (getattr(args, "engine", None) or "synthetic") == "synthetic"  # hf: whole pages only
+    engine = getattr(args, "engine", None) or "synthetic"
+    if engine != "synthetic" and config.pd_per_layer:
+        raise InputError(f"pd_per_layer: the {engine} engine's scheduler sends after insert only "
+                         f"(per-layer PD is wired into the synthetic engine's hooks)")
+    whole_prompt = engine == "synthetic"  # the hf engine computes and sends whole pages only
     process, address = spawn_decode_peer(config.layout(), pages, authkey, whole_prompt=whole_prompt)
     return DecodePeerProcess(process, PeerInfo(address, authkey))
 

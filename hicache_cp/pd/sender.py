@@ -245,6 +245,7 @@ class PdSender:
         for the whole prompt). On a registration mismatch or a refused open
         the room is FAILED (its release called) and the error is raised."""
         room = self.rooms.open(room_id, request_id, num_pages, release=release, timeout_s=timeout_s)
+        reply: dict[str, Any] = {}
         try:
             self.connect()
             msg: dict[str, Any] = {"op": "open", "room": room_id, "request": request_id, "rank": self.rank,
@@ -264,6 +265,8 @@ class PdSender:
             raise
         except Exception as exc:
             room.fail(str(exc))
+            if reply.get("ok"):  # the decode side allocated the room: give its pages back
+                self._tell_abort(room_id, room.failure)
             raise
         room.dst_pages = dst
         room.peer = self.peer
@@ -510,11 +513,11 @@ class PdSender:
     def poll(self) -> list[Room]:
         """Handle decode aborts, abort rooms past their deadline, release drained
         rooms (telling the decode peer); returns the rooms aborted or released now."""
-        self._handle_events()
         now = time.monotonic()
         expired = [r for r in self.rooms.rooms.values() if r.expired(now)]
-        for room in expired:
+        for room in expired:  # our own deadline first: the decode side's is a little later
             self._abort(room, f"timeout after {room.timeout_s:g} s")
+        self._handle_events()
         drained = self.rooms.drained()
         for room in drained:
             if room.room_id in self._unannounced:
