@@ -199,12 +199,11 @@ class PdSink:
         after = self._event()
         room = self.sender.rooms.get(p.request)
         if self.per_layer and room.state is RoomState.TRANSFERRING:
-            for part in self.cache.layout.parts_of(model):
-                if part.has_layer(layer):
-                    try:
-                        self.sender.send_layer(p.request, part.part, layer, p.homes, after=after, background=True)
-                    except RoomFailed:
-                        break  # the room failed (decode abort, deadline): `send_request` tallies it
+            keys = [(part.part, layer) for part in self.cache.layout.parts_of(model) if part.has_layer(layer)]
+            try:  # one submission: this layer of every part of `model`
+                self.sender.send_layers(p.request, keys, p.homes, after=after, background=True)
+            except RoomFailed:
+                pass  # the room failed (decode abort, deadline): `send_request` tallies it
         p.layers_left -= 1
         if p.layers_left == 0:
             self.sender.mark_forward_end(p.request, after=after)

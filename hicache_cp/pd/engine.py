@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -149,6 +150,8 @@ class TransferEngineAdapter:
         self._lock = threading.Lock()
         self._in_flight: dict[str, deque[_EngineBatch]] = {}
         self._waiter = ThreadPoolExecutor(max_workers=16, thread_name_prefix="mc-wait")
+        self._watch_q: queue.Queue[Batch | None] = queue.Queue()
+        self._watcher: threading.Thread | None = None
         self._closed = False
 
     # -- memory ------------------------------------------------------------
@@ -231,14 +234,31 @@ class TransferEngineAdapter:
         self.wait(self.submit_write(peer, srcs, dsts, lens), timeout)
 
     def watch(self, batch: Batch) -> None:
-        """Start waiting for `batch` on a helper thread now, so `Batch.done`
-        and `Batch.done_at` turn true when it lands without anyone blocking."""
+        """Have `batch` waited for in the background now, so `Batch.done` and
+        `Batch.done_at` turn true when it lands without anyone blocking.
+
+        One watcher thread waits the watched batches in submission order (one
+        engine wait at a time: Mooncake's status call spins a core while it
+        waits, and a thread per batch starved the transfer threads on small
+        machines)."""
         if self._closed:
             return
-        for eb in batch.parts:
-            with self._lock:
-                if eb.status is None and eb.future is None:
-                    eb.future = self._waiter.submit(self._engine_wait, batch.peer, eb)
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_loop, name="mc-watch", daemon=True)
+                self._watcher.start()
+        self._watch_q.put(batch)
+
+    def _watch_loop(self) -> None:
+        while True:
+            batch = self._watch_q.get()
+            if batch is None or self._closed:
+                return
+            for eb in batch.parts:
+                try:
+                    self._wait_one(batch.peer, eb, None)
+                except RuntimeError:  # the waiter pool shut down: the adapter is closing
+                    return
 
     def drain(self, batch: Batch, timeout: float) -> bool:
         """Wait up to `timeout` s for `batch` to end, landed or failed; never
@@ -284,6 +304,7 @@ class TransferEngineAdapter:
         if self._closed:
             return
         self._closed = True
+        self._watch_q.put(None)
         self._waiter.shutdown(wait=False, cancel_futures=True)
         errors = []
         for ptr in list(self._registered):

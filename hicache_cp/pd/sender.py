@@ -157,6 +157,7 @@ class PdSender:
         self._ctl: ControlClient | None = None
         self._lock = threading.Lock()  # room state vs the feeder's submissions
         self._feeder: LayerFeeder | None = None
+        self._marks: dict[int, threading.Thread] = {}  # forward-end watchers by room
         self._unannounced: set[int] = set()  # aborted rooms whose drain ended after the abort call
         self.decode_aborts = 0  # rooms the decode side aborted
         self.peer: str | None = None
@@ -314,6 +315,12 @@ class PdSender:
         neither syncs nor waits for the engine's in-flight cap."""
         return self._send(room_id, homes, [(part, layer)], chunk_first_position, after, background)
 
+    def send_layers(self, room_id: int, keys: list[tuple[Part, int]], homes: PageHomes, *,
+                    chunk_first_position: int | None = None, after: Any = None,
+                    background: bool = False) -> TransferPlan:
+        """`send_layer` for several (part, layer) pairs in one submission (one hook's parts)."""
+        return self._send(room_id, homes, list(keys), chunk_first_position, after, background)
+
     def submit_plan(self, room_id: int, plan: TransferPlan) -> TransferPlan:
         """Submit a plan from `plan()` (benchmarks reuse one plan)."""
         room = self.rooms.get(room_id)
@@ -323,16 +330,22 @@ class PdSender:
         return plan
 
     def mark_forward_end(self, room_id: int, after: Any = None) -> None:
-        """Record when the forward's last layer is complete (for `RoomResult.ready_s`)."""
+        """Record when the forward's last layer is complete (for `RoomResult.ready_s`):
+        now, or when `after` (a CUDA event) completes, seen from a short-lived
+        thread (not the feeder, whose queue may be behind)."""
         room = self.rooms.get(room_id)
 
         def mark() -> None:
+            if after is not None:
+                after.synchronize()
             room.forward_end = time.perf_counter()
 
-        if after is None and self._feeder is None:
+        if after is None:
             mark()
-        else:
-            self._feeder_of().put(after, mark)
+            return
+        t = threading.Thread(target=mark, name=f"pd-forward-end-{room_id}", daemon=True)
+        t.start()
+        self._marks[room_id] = t
 
     def _send(self, room_id: int, homes: PageHomes, parts: list[tuple[Part, int]] | None,
               chunk_first_position: int | None, after: Any, background: bool) -> TransferPlan:
@@ -458,6 +471,9 @@ class PdSender:
             return f"timeout after {room.timeout_s:g} s"
         except TransferError as exc:
             return str(exc)
+        mark = self._marks.pop(room.room_id, None)
+        if mark is not None:
+            mark.join(max(0.0, room.deadline - time.monotonic()))
         room.transfer_done = time.perf_counter()
         done_at = [t for t in (getattr(b, "done_at", None) for b in room.in_flight) if t is not None]
         if done_at:
