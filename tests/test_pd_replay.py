@@ -103,3 +103,21 @@ def test_replay_with_pd_exits_1_when_a_room_fails(tmp_path: Path, monkeypatch: p
     assert flipped and report["per_rank"][0]["pd_failed_rooms"] == 1
     assert report["integrity_mismatches"] == 0  # the cache's own bytes were never wrong
     assert any("PD rooms failed" in f for f in report["integrity_failures"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_replay_with_pd_on_cuda(per_layer: bool, tmp_path: Path) -> None:
+    """L1 in GPU memory: per-layer sends wait on each layer's CUDA event (off the
+    forward's thread), after-insert sends sync the forward's end; every byte verified."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "pd.json"
+    argv = ["replay", "--pd", "--device", "cuda", "--limit", "60", "--json", str(out)]
+    assert main(argv + (["--pd-per-layer"] if per_layer else [])) == 0
+    report = json.loads(out.read_text())
+    (rank,) = report["per_rank"]
+    assert report["pd"]["decode_verified_rooms"] == 60 and rank["pd_failed_rooms"] == 0
+    assert rank["pd_mismatches"] == 0 and rank["pd_ready_rooms"] == 60

@@ -159,6 +159,7 @@ class _Pending:
     homes: PageHomes
     tail: TailPage | None
     layers_left: int  # hooks until the forward's end
+    last_event: Any = None  # the last hook's CUDA event (the forward's end on the device)
 
 
 class PdSink:
@@ -205,6 +206,7 @@ class PdSink:
             except RoomFailed:
                 pass  # the room failed (decode abort, deadline): `send_request` tallies it
         p.layers_left -= 1
+        p.last_event = after
         if p.layers_left == 0:
             self.sender.mark_forward_end(p.request, after=after)
 
@@ -235,7 +237,10 @@ class PdSink:
         if len(hashes) == 0 and tail is None:  # shorter than one page, no tail asked for: nothing to ship
             self.totals.requests_without_pages += 1
             return
-        homes = _with_tail(page_homes(cache, node, hashes), tail)
+        if self.per_layer and pending is not None:
+            homes = pending.homes  # what the layer hooks sent (homes before insert), for honest counts
+        else:
+            homes = _with_tail(page_homes(cache, node, hashes), tail)
         mine = homes.positions % cache.cp_size == cache.rank
         aborts_before = self.sender.decode_aborts
         if pending is None:
@@ -245,6 +250,8 @@ class PdSink:
                 logger.warning("pd: request %d: open failed: %s", request, exc)
         room = self.sender.rooms.get(request)
         if not (self.per_layer and pending is not None) and room.state is RoomState.TRANSFERRING:
+            if pending is not None and pending.last_event is not None:
+                pending.last_event.synchronize()  # the forward's KV is complete on the device before it is read
             try:
                 self.sender.send(request, homes)
             except RoomFailed:

@@ -55,7 +55,7 @@ class StandInForward:
         self.cuda = device.startswith("cuda")
         self.reps = 0
         if self.cuda and layer_ms > 0:
-            self.a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+            self.a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
             for _ in range(3):
                 self.a @ self.a
             torch.cuda.synchronize()
