@@ -69,6 +69,7 @@ class ModelLayout:
     draft_layers: int = 0
     draft_kv_bytes_per_token: int = 0
     draft_state_bytes_per_token: int = 0
+    draft_state_layers: tuple[int, ...] | None = None  # None: every draft layer owns NSA state
 
     def layout(self, page_size: int) -> KVLayout:
         return KVLayout.build(
@@ -80,6 +81,7 @@ class ModelLayout:
             draft_layers=self.draft_layers,
             draft_kv_bytes_per_token=self.draft_kv_bytes_per_token,
             draft_state_bytes_per_token=self.draft_state_bytes_per_token,
+            draft_state_layers=self.draft_state_layers,
         )
 
 
@@ -309,9 +311,11 @@ def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
     if unknown:
         raise ConfigError(f"model_layout: unknown field(s) {unknown}; known: {', '.join(sorted(names))}")
     over = dict(over)
-    if over.get("state_layers") is not None:
-        over["state_layers"] = tuple(int(x) for x in over["state_layers"])
-    for name in names - {"name", "state_layers"}:
+    lists = {"state_layers", "draft_state_layers"}
+    for name in lists:
+        if over.get(name) is not None:
+            over[name] = tuple(int(x) for x in over[name])
+    for name in names - {"name"} - lists:
         if name in over and (not isinstance(over[name], int) or isinstance(over[name], bool)):
             raise ConfigError(f"model_layout.{name}: expected an integer, got {over[name]!r}")
     return dataclasses.replace(base, **over)

@@ -1,0 +1,339 @@
+"""`--radix-cache-backend hicache-cp` against SGLang 0.5.23's real classes, on CPU.
+
+SGLang's own request objects, request-to-token pool, paged allocator, DSA KV
+pools (target with index skip, MTP draft), registry and scheduling functions
+(`PrefillAdder`, `ScheduleBatch.prepare_for_extend`, `checkpoint_kv_cache`,
+`release_kv_cache`, `release_req`) drive the plug-in in the scheduler's
+order (`hicache_cp.harness.sglang.server`). A stand-in forward writes each
+new token's deterministic bytes and checks every byte of every prefix token
+each layer reads (MLA latent, indexer keys, draft), so a wrong load, a late
+wait or a partial hit shows as mismatched bytes.
+
+Per token and layer the pools hold 160 latent bytes (kv_lora 64 + rope 16,
+bf16) and, on target layers 0 and 2 and the draft layer, 132 indexer bytes:
+1,196 bytes a token in all, 76,544 a 64-token page.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
+
+from hicache_cp import ConsistencyError, Model, Part  # noqa: E402
+from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
+from hicache_cp.io.base import CopyFailed, Direction  # noqa: E402
+
+pytestmark = pytest.mark.slow  # importing SGLang costs ~10 s once per process
+
+PAGE = 64
+TOKEN_BYTES = 4 * 160 + 2 * 132 + 160 + 132  # what one prefix token costs the checks
+
+
+def budget(pages: int) -> int:
+    return (pages + 1) * TOKEN_BYTES * PAGE
+
+
+@pytest.fixture
+def make_server(tmp_path: Path):
+    made: list[SGLangPrefillServer] = []
+
+    def factory(l2_pages: int = 64, **spec: object) -> SGLangPrefillServer:
+        env = {
+            "HICACHE_HOST_BUDGET_BYTES": str(budget(l2_pages)), "HICACHE_IO_BACKEND": "cpu",
+            "HICACHE_DEBUG_CHECKS": "true", "HICACHE_PIN_HOST": "false", "HICACHE_L2_FREE_ROOM": "0",
+        }  # fmt: skip
+        server = SGLangPrefillServer(ServerSpec(**spec), tmp_path / f"s{len(made)}", tree_cache_kwargs={"env": env})
+        made.append(server)
+        return server
+
+    yield factory
+    for s in made:
+        s.close()
+
+
+def prompt(seed: int, pages: int, tail: int = 9) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(1, 900, pages * PAGE + tail)]
+
+
+def serve(server: SGLangPrefillServer, tokens: list[int]):
+    req = server.submit(tokens)
+    server.run_until_idle()
+    return req
+
+
+def evict_device(server: SGLangPrefillServer) -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    server.tree_cache.evict(EvictParams(num_tokens=10**9))
+    assert server.tree_cache.evictable_size() == 0
+
+
+def clean(server: SGLangPrefillServer) -> None:
+    """No mismatch anywhere; the cache's invariants hold; nothing of ours is left held."""
+    report = server.forward.report
+    assert report.mismatched_bytes == 0, report.mismatches
+    server.tree_cache.cache.check_invariants()
+    assert not server.tree_cache._flows, server.tree_cache._flows
+    assert server.tree_cache.protected_size() == 0
+
+
+# ---- scenarios -------------------------------------------------------------------------------
+
+
+def test_miss_backs_up_every_whole_page_and_a_repeat_is_a_device_hit(make_server) -> None:
+    s = make_server()
+    a = prompt(1, 5)
+    r1 = serve(s, a)
+    # A miss: all 329 tokens computed; the 5 whole pages reserved before the forward, committed after.
+    assert r1.prefix_len == 0 or r1.host_hit_length == 0
+    assert s.forward.report.computed_tokens == len(a) and s.forward.report.checked_bytes == 0
+    assert s.tree_cache.stats.reserved_pages == 5
+    stats = s.tree_cache.cache.stats()
+    assert stats["backups_committed"] == 1 and stats["bytes_d2h"] == 5 * PAGE * TOKEN_BYTES
+    # The same prompt again: SGLang's own device tree serves it; L2 offers nothing past it.
+    r2 = serve(s, a)
+    assert r2.host_hit_length == 0 and s.tree_cache.stats.offered_tokens == 0
+    assert s.forward.report.checked_bytes == 5 * PAGE * TOKEN_BYTES
+    clean(s)
+
+
+def test_l2_hit_after_device_eviction_loads_every_part(make_server) -> None:
+    s = make_server()
+    a = prompt(2, 5)
+    serve(s, a)
+    evict_device(s)
+    r = serve(s, a)
+    # SGLang's device tree is empty: the whole-page prefix (5 pages) comes back from L2,
+    # every part: latent, indexer keys of layers 0 and 2, the draft's latent and keys.
+    assert r.host_hit_length == 5 * PAGE and s.tree_cache.stats.loaded_tokens == 5 * PAGE
+    assert s.tree_cache.cache.stats()["bytes_h2d"] == 5 * PAGE * TOKEN_BYTES
+    assert s.forward.report.checked_bytes == 5 * PAGE * TOKEN_BYTES
+    assert s.forward.report.computed_tokens == 2 * len(a) - 5 * PAGE
+    clean(s)
+    # The loaded pages joined SGLang's device tree at the checkpoint: a third run is a device hit.
+    r3 = serve(s, a)
+    assert r3.host_hit_length == 0 and s.tree_cache.stats.loaded_tokens == 5 * PAGE
+    clean(s)
+
+
+def test_partial_hit_continues_sglangs_device_prefix(make_server) -> None:
+    s = make_server()
+    a = prompt(3, 5)
+    serve(s, a)
+    evict_device(s)
+    serve(s, a[: 2 * PAGE] + [7, 7, 7])  # loads pages 0-1 from L2; they join the device tree
+    loaded_before = s.tree_cache.stats.loaded_tokens
+    assert loaded_before == 2 * PAGE
+    r = serve(s, a)
+    # Device prefix 2 pages (SGLang's tree), then pages 2-4 from L2 continuing it.
+    assert r.host_hit_length == 3 * PAGE
+    assert s.tree_cache.stats.loaded_tokens - loaded_before == 3 * PAGE
+    clean(s)
+
+
+def test_l2_eviction_between_two_requests(make_server) -> None:
+    s = make_server(l2_pages=6)
+    a, b = prompt(4, 5), prompt(5, 5)
+    serve(s, a)
+    serve(s, b)  # L2 holds 6 pages: b's backup evicts a's (LRU, all parts together)
+    stats = s.tree_cache.cache.stats()
+    assert stats["evictions_l2"] >= 1 and stats["backups_committed"] == 2
+    evict_device(s)
+    rb = serve(s, b)
+    assert rb.host_hit_length == 5 * PAGE  # b is whole in L2
+    r = serve(s, a)
+    assert r.host_hit_length < 5 * PAGE  # what L2 lost of a is recomputed, never half-served
+    clean(s)
+
+
+def test_abort_while_the_load_is_in_flight_frees_slots_only_after_it_returned(make_server) -> None:
+    from conftest import Faults
+
+    s = make_server()
+    a = prompt(6, 5)
+    serve(s, a)
+    evict_device(s)
+    faults = Faults()
+    s.tree_cache.cache.engine.fault = faults
+    faults.hold()  # every copy waits at the gate: the load stays in flight
+    s.submit(a)
+    reqs = s.prepare_batch()
+    assert len(reqs) == 1 and reqs[0].host_hit_length == 5 * PAGE
+    free_before = s.allocator.available_size()
+    aborter = threading.Thread(target=s.abort, args=(reqs[0],))
+    aborter.start()
+    time.sleep(0.3)
+    # The abort waits for the H2D still writing the request's slots: nothing is freed yet.
+    assert aborter.is_alive() and s.allocator.available_size() == free_before
+    faults.open()
+    aborter.join(timeout=10)
+    assert not aborter.is_alive()
+    assert s.allocator.available_size() > free_before
+    s.tree_cache.flush_pending_backups()
+    s.tree_cache.cache.engine.fault = None
+    # The host copy is intact: the next request for the prompt is a verified L2 hit.
+    r = serve(s, a)
+    assert r.host_hit_length == 5 * PAGE and r.finished_reason is not None
+    assert s.forward.report.checked_bytes == 5 * PAGE * TOKEN_BYTES
+    clean(s)
+
+
+def test_a_load_that_fails_in_flight_fails_its_request_and_caches_nothing(make_server) -> None:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from conftest import Faults
+
+    s = make_server()
+    a = prompt(7, 5)
+    serve(s, a)
+    evict_device(s)
+    faults = Faults()
+    faults.fail_on.add((Direction.H2D, Part.TARGET_KV, 2))
+    s.tree_cache.cache.engine.fault = faults
+    r = serve(s, a)
+    # Its forward read layer 2 while the copy failed (whatever the slots held): that request is
+    # failed, loudly, with nothing of it in SGLang's tree or in L2.
+    assert isinstance(r.finished_reason, FINISH_ABORT) and "failed" in str(r.finished_reason.message)
+    assert s.tree_cache.stats.failed_loads == 1
+    assert s.tree_cache.evictable_size() == 0  # nothing entered the device tree
+    s.tree_cache.cache.engine.fault = None
+    # The host copy was never touched: the next request loads it again and verifies.
+    r2 = serve(s, a)
+    assert r2.host_hit_length == 5 * PAGE and not isinstance(r2.finished_reason, FINISH_ABORT)
+    clean(s)
+
+
+def test_a_load_that_cannot_start_is_recomputed_by_sglang(make_server) -> None:
+    s = make_server()
+    a = prompt(8, 5)
+    serve(s, a)
+    evict_device(s)
+    engine = s.tree_cache.cache.engine
+    real, loads = engine.submit_layer, []
+
+    def refusing(plan, parts, layer):
+        if plan.direction is Direction.H2D:
+            loads.append(layer)
+            if len(loads) == 3:  # two layers are already in flight: they must return first
+                raise CopyFailed("injected: the copy engine refused a submission")
+        return real(plan, parts, layer)
+
+    engine.submit_layer = refusing
+    computed = s.forward.report.computed_tokens
+    r = serve(s, a)
+    engine.submit_layer = real
+    # No hit: SGLang's admission falls back to computing the whole prompt; bytes all fresh.
+    assert s.tree_cache.stats.refused_loads == 1 and s.tree_cache.stats.loaded_tokens == 0
+    assert r.finished_reason is not None and s.forward.report.computed_tokens - computed == len(a)
+    clean(s)
+
+
+def test_chunked_prefill_backs_up_each_chunk_and_a_later_hit_verifies(make_server) -> None:
+    s = make_server(chunk_tokens=2 * PAGE)
+    a = prompt(9, 5)
+    serve(s, a)
+    assert s.forward.report.forwards == 3  # 128 + 128 + 73 tokens
+    assert s.tree_cache.stats.reserved_pages == 5
+    assert s.tree_cache.cache.stats()["backups_committed"] == 3
+    evict_device(s)
+    r = serve(s, a)
+    assert r.host_hit_length == 5 * PAGE
+    clean(s)
+
+
+def test_a_retracted_request_comes_back_from_l2(make_server) -> None:
+    s = make_server(chunk_tokens=2 * PAGE)
+    a = prompt(10, 5)
+    req = s.submit(a)
+    s.step()
+    s.step()  # two chunks computed; the first stashed (checkpointed) at the second step
+    s.retract(req)  # SGLang's release_req: released without caching, back to the queue
+    assert req.is_retracted and req in s.waiting
+    # Its chunks' backups had every layer submitted: they still commit (the next batch's flush;
+    # settle first so the CPU copy engine's copies have landed by then).
+    s.tree_cache.cache.settle()
+    s.tree_cache.flush_pending_backups()
+    evict_device(s)
+    s.run_until_idle()
+    # The committed chunks (pages 0-3 reserved by the two forwards) come back from L2.
+    assert req.host_hit_length == 4 * PAGE and req.finished_reason is not None
+    # Read and checked: chunk 0 by the second forward, then the 4 loaded pages.
+    assert s.forward.report.checked_bytes == (2 + 4) * PAGE * TOKEN_BYTES
+    clean(s)
+
+
+def test_a_draft_part_missing_in_l2_is_refused_loudly(make_server) -> None:
+    s = make_server()
+    a = prompt(11, 5)
+    serve(s, a)
+    evict_device(s)
+    cache = s.tree_cache.cache
+    node = next(n for n in cache.tree.nodes() if n.host_pages is not None)
+    cache.config.debug_checks = False  # the corruption would trip the invariant check first
+    node.host_parts = node.host_parts - {Part.DRAFT_KV}
+    s.submit(a)
+    with pytest.raises(ConsistencyError) as info:
+        s.step()
+    assert info.value.part == "draft_kv" and info.value.node == node.id
+    assert s.tree_cache.stats.offered_tokens == 0  # never a target-only offer
+    assert s.forward.report.forwards == 1
+
+
+def test_backups_are_submitted_per_layer_inside_the_forward(make_server) -> None:
+    s = make_server()
+    events: list[str] = []
+    cache = s.tree_cache.cache
+    real = cache.on_layer_end
+
+    def on_layer_end(model, layer, backups):
+        events.append(f"backup {model.value} {layer}")
+        return real(model, layer, backups)
+
+    cache.on_layer_end = on_layer_end
+    pool = s.target
+    real_get = pool.get_key_buffer
+
+    def get_key_buffer(layer):
+        events.append(f"attention target {layer}")
+        return real_get(layer)
+
+    pool.get_key_buffer = get_key_buffer
+    serve(s, prompt(12, 5))
+    # Layer l's D2H goes out when layer l+1's attention fetches its KV (overlapped with
+    # layer l+1); the last target layer and the (single) draft layer after the forward.
+    assert events == [
+        "attention target 0", "attention target 1", "backup target 0", "attention target 2", "backup target 1",
+        "attention target 3", "backup target 2", "backup target 3", "backup draft 0",
+    ]  # fmt: skip
+    clean(s)
+
+
+def test_registered_through_sglangs_plugin_loader_and_selected_by_name(tmp_path: Path) -> None:
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # SGLang's entry-point loader (group sglang.srt.plugins), as every server process runs it
+    assert "hicache-cp" in registered_radix_cache_backends()
+    from hicache_cp.integrations.sglang.radix_cache import HiCacheCpRadixCache
+
+    server = SGLangPrefillServer(ServerSpec(), tmp_path)
+    try:
+        assert isinstance(server.tree_cache, HiCacheCpRadixCache)
+        assert server.worker.hicache_layer_transfer_counter is server.tree_cache.hooks[Model.TARGET]
+    finally:
+        server.close()
+
+
+def test_engine_fields_from_hicache_config_are_refused(tmp_path: Path) -> None:
+    from hicache_cp import ConfigError
+
+    with pytest.raises(ConfigError, match="page_size"):
+        SGLangPrefillServer(ServerSpec(), tmp_path, tree_cache_kwargs={"env": {"HICACHE_PAGE_SIZE": "16"}})
+    with pytest.raises(ConfigError, match="write_through"):
+        SGLangPrefillServer(ServerSpec(), tmp_path, tree_cache_kwargs={"env": {"HICACHE_WRITE_POLICY": "write_back"}})
