@@ -54,7 +54,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -67,40 +66,12 @@ from hicache_cp.pd.engine import TransferEngineAdapter, TransferError, TransferT
 from hicache_cp.pd.feeder import LayerFeeder
 from hicache_cp.pd.plan import L1, L2, PageHomes, TransferPlan, plan_transfer, tier_name
 from hicache_cp.pd.registration import RegistrationDescriptor, RegistrationMismatch, check_compatible
+from hicache_cp.pd.result import RoomResult, dump_partition, partition_log, room_result
 from hicache_cp.pd.room import DEFAULT_DRAIN_S, DEFAULT_TIMEOUT_S, Room, RoomFailed, RoomState, RoomTable
 
 logger = logging.getLogger(__name__)
-partition_log = logging.getLogger("hicache_cp.pd.partition")
 
 __all__ = ["L1", "L2", "PageHomes", "PdSender", "RoomResult", "TransferPlan"]
-
-
-@dataclass
-class RoomResult:
-    room_id: int
-    request_id: int
-    state: RoomState
-    failure: str | None
-    bytes_per_part: dict[str, int]
-    descriptors_per_part: dict[str, int]
-    pages_per_part: dict[str, int]
-    transfer_s: float
-    gbps: float  # bytes / transfer_s / 1e9 (first submit to last batch done)
-    mismatches: list[str] = field(default_factory=list)
-    mismatch_count: int = 0
-    ready_s: float | None = None  # forward's end -> every batch landed (None: not measured)
-
-    @property
-    def ok(self) -> bool:
-        return self.state is RoomState.SUCCESS
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.bytes_per_part.values())
-
-    @property
-    def descriptors(self) -> int:
-        return sum(self.descriptors_per_part.values())
 
 
 class PdSender:
@@ -443,8 +414,8 @@ class PdSender:
                 room.fail("another CP rank failed this room (MIN agreement)")
         if room.state is RoomState.TRANSFERRING:
             room.transition(RoomState.SUCCESS)
-        self._dump_partition(room)
-        return self._result(room)
+        dump_partition(self.layout, room, self.rank)
+        return room_result(room)
 
     def _complete(self, room: Room) -> str | None:
         """Flush the feeder, check all-or-nothing, wait every batch once; a failure reason or None."""
@@ -540,44 +511,6 @@ class PdSender:
                 self._unannounced.discard(room.room_id)
                 self._tell_abort(room.room_id, room.failure)
         return expired + [r for r in drained if r not in expired]
-
-    # -- results ---------------------------------------------------------------
-    def _result(self, room: Room) -> RoomResult:
-        t = 0.0
-        if room.first_submit is not None and room.transfer_done is not None:
-            t = room.transfer_done - room.first_submit
-        ready = None
-        if room.forward_end is not None and room.transfer_done is not None and room.state is RoomState.SUCCESS:
-            ready = max(0.0, room.transfer_done - room.forward_end)
-        nbytes = sum(room.bytes_sent.values())
-        pages = {}
-        for (part, _), m in room.sent.items():
-            pages[part.value] = max(pages.get(part.value, 0), int(m.sum()))
-        return RoomResult(
-            room.room_id, room.request_id, room.state, room.failure,
-            {p.value: b for p, b in room.bytes_sent.items()},
-            {p.value: c for p, c in room.descriptors_sent.items()}, pages, t,
-            nbytes / t / 1e9 if t > 0 else 0.0,
-            list(room.mismatches), room.mismatch_count, ready)
-
-    def _dump_partition(self, room: Room) -> None:
-        """Debugging aid (logger ``hicache_cp.pd.partition`` at DEBUG): each part's
-        positions with their source (tier, page) and decode page. Logging only."""
-        if not partition_log.isEnabledFor(logging.DEBUG):
-            return
-        for p in self.layout.parts:
-            rows = room.partition.get(p.part, [])
-            if not rows:
-                partition_log.debug("room %d request %d rank %d %s: nothing sent", room.room_id, room.request_id,
-                                    self.rank, p.part.value)
-                continue
-            pos, tier, pages, dst = (np.concatenate([r[i] for r in rows]) for i in range(4))
-            order = np.argsort(pos, kind="stable")
-            pos, first = np.unique(pos[order], return_index=True)
-            src = [f"{tier_name(int(t))}:{int(g)}" for t, g in zip(tier[order][first], pages[order][first])]
-            partition_log.debug("room %d request %d rank %d %s (%s): positions %s sources %s decode pages %s",
-                                room.room_id, room.request_id, self.rank, p.part.value, room.state.name,
-                                pos.tolist(), src, dst[order][first].tolist())
 
     def close(self) -> None:
         """Fail open rooms, drop the control channel, unregister this sender's buffers."""
