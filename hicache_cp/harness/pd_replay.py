@@ -276,6 +276,7 @@ class PdSink:
             t.mismatches += result.mismatch_count
             t.examples.extend(result.mismatches or [f"request {request}: {result.failure}"])
             logger.warning("pd: request %d failed: %s", request, result.failure)
+        self.sender.poll()  # decode aborts, deadlines, drained rooms (released and announced)
         if self.sender.rooms.get(request).released:
             self.sender.rooms.forget(request)
 

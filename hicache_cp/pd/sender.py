@@ -249,9 +249,11 @@ class PdSender:
         return room
 
     def _open_room_for_chunks(self, room_id: int) -> Room:
-        """The room, if chunks may be sent; a room past its deadline is aborted here, at once."""
-        self._handle_events()
+        """The room, if chunks may be sent; a room past its deadline is aborted here, at once
+        (our own deadline is checked before the decode side's events: its deadline is later)."""
         room = self.rooms.get(room_id)
+        if not room.expired():
+            self._handle_events()
         try:
             room.require_open()
         except RoomFailed as exc:
