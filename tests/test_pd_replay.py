@@ -121,3 +121,21 @@ def test_replay_with_pd_on_cuda(per_layer: bool, tmp_path: Path) -> None:
     (rank,) = report["per_rank"]
     assert report["pd"]["decode_verified_rooms"] == 60 and rank["pd_failed_rooms"] == 0
     assert rank["pd_mismatches"] == 0 and rank["pd_ready_rooms"] == 60
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_replay_with_pd_on_the_hf_engine(per_layer: bool, tmp_path: Path) -> None:
+    """The real model's KV (transformers, tiny preset), batched and chunked: per layer
+    the scheduler's forward hooks (target layers, then the MTP draft layer) submit each
+    layer; the decode peer checks every unit against the digests prefill recorded."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "pd.json"
+    argv = ["replay", "--engine", "hf", "--hf-preset", "tiny", "--pd", "--limit", "6", "--json", str(out)]
+    assert main(argv + (["--pd-per-layer"] if per_layer else [])) == 0
+    report = json.loads(out.read_text())
+    (rank,) = report["per_rank"]
+    assert report["pd"]["decode_verified_rooms"] == 6
+    assert rank["pd_rooms"] == 6 and rank["pd_failed_rooms"] == 0 and rank["pd_mismatches"] == 0
+    assert rank["pd_per_layer"] is per_layer
+    assert rank["pd_ready_rooms"] == (6 if per_layer else 0)  # the forward's end is known from its hooks

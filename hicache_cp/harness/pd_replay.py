@@ -48,7 +48,6 @@ from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.harness.decode_peer import control_request, spawn_decode_peer
 from hicache_cp.harness.engines.synthetic import TailPage
-from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.trace import TraceRequest
 from hicache_cp.layout import Model
 from hicache_cp.match import MatchResult
@@ -119,6 +118,7 @@ class PdTotals:
     transfer_s: float = 0.0
     requests_without_pages: int = 0  # shorter than one page: nothing to send
     decode_aborts: int = 0
+    abandoned_rooms: int = 0  # per-layer rooms aborted because the engine recomputes the request
     timeout_s: float = 0.0  # the rooms' deadline (Config.pd_timeout_s)
     per_layer: bool = False
     ready_s: list[float] = field(default_factory=list)  # per room: forward's end -> all KV at decode
@@ -139,6 +139,7 @@ class PdTotals:
             "pd_mismatches": self.mismatches,
             "pd_requests_without_pages": self.requests_without_pages,
             "pd_decode_aborts": self.decode_aborts,
+            "pd_abandoned_rooms": self.abandoned_rooms,
             "pd_timeout_s": self.timeout_s,
             "pd_per_layer": self.per_layer,
             "pd_ready_rooms": len(ready),
@@ -170,8 +171,8 @@ class PdSink:
         self.cache = cache
         self.per_layer = per_layer
         self.totals = PdTotals(timeout_s=sender.rooms.timeout_s, per_layer=per_layer)
-        self._pending: _Pending | None = None
-        self._cuda = cache.device_pool.buffer(cache.layout.parts[0].part).device.type == "cuda"
+        self._pending: dict[int, _Pending] = {}  # requests whose forward is running (per-layer, or timed)
+        self._cuda = bool(cache.device_pool.is_cuda)
         self._total_layers = sum(cache.layout.num_layers(m) for m in (Model.TARGET, Model.DRAFT))
 
     @property
@@ -186,7 +187,7 @@ class PdSink:
         homes = homes_before_insert(self.cache, m, new, hashes, tail)
         if len(homes) == 0:
             return
-        self._pending = _Pending(request, homes, tail, self._total_layers)
+        self._pending[request] = _Pending(request, homes, tail, self._total_layers)
         try:
             self._open(request, len(hashes), tail)
         except Exception as exc:  # the room is FAILED; `send_request` tallies it (and runs the CP vote)
@@ -194,10 +195,13 @@ class PdSink:
 
     def on_layer_end(self, model: Model, layer: int) -> None:
         """The forward finished `layer` of `model` (called beside `HiCache.on_layer_end`)."""
-        p = self._pending
-        if p is None:
+        if not self._pending:
             return
         after = self._event()
+        for p in self._pending.values():
+            self._layer_end(p, model, layer, after)
+
+    def _layer_end(self, p: _Pending, model: Model, layer: int, after: Any) -> None:
         room = self.sender.rooms.get(p.request)
         if self.per_layer and room.state is RoomState.TRANSFERRING:
             keys = [(part.part, layer) for part in self.cache.layout.parts_of(model) if part.has_layer(layer)]
@@ -231,9 +235,7 @@ class PdSink:
         """Called after insert, while `node` is locked. `digests`: per page position,
         the digest rows [variants, units] the decode peer must find (the hf engine's
         real KV); None: `integrity.content` bytes."""
-        pending, self._pending = self._pending, None
-        if pending is not None and pending.request != request:
-            raise ValueError(f"pd: request {request} finishing while request {pending.request} is pending")
+        pending = self._pending.pop(request, None)
         if len(hashes) == 0 and tail is None:  # shorter than one page, no tail asked for: nothing to ship
             self.totals.requests_without_pages += 1
             return
@@ -277,6 +279,17 @@ class PdSink:
             t.examples.extend(result.mismatches or [f"request {request}: {result.failure}"])
             logger.warning("pd: request %d failed: %s", request, result.failure)
         self.sender.poll()  # decode aborts, deadlines, drained rooms (released and announced)
+        if self.sender.rooms.get(request).released:
+            self.sender.rooms.forget(request)
+
+    def abandon(self, request: int, reason: str) -> None:
+        """The request's forward is void (the engine recomputes it): abort its room
+        (drained before its pages are released); it opens a new one when it runs again."""
+        if self._pending.pop(request, None) is None:
+            return
+        self.sender.abort(request, reason)
+        self.sender.finish(request)  # concluded (FAILED) on this side
+        self.totals.abandoned_rooms += 1
         if self.sender.rooms.get(request).released:
             self.sender.rooms.forget(request)
 
@@ -344,9 +357,6 @@ def start_decode_peer(args: argparse.Namespace, config: Config, requests: list[T
     pages = 2 * longest * math.ceil((args.tokens_per_block or config.page_size) / config.page_size) + 4
     authkey = new_authkey()
     engine = getattr(args, "engine", None) or "synthetic"
-    if engine != "synthetic" and config.pd_per_layer:
-        raise InputError(f"pd_per_layer: the {engine} engine's scheduler sends after insert only "
-                         f"(per-layer PD is wired into the synthetic engine's hooks)")
     whole_prompt = engine == "synthetic"  # the hf engine computes and sends whole pages only
     process, address = spawn_decode_peer(config.layout(), pages, authkey, whole_prompt=whole_prompt)
     return DecodePeerProcess(process, PeerInfo(address, authkey))
