@@ -13,30 +13,38 @@
 #   replay   $DEST/pd-replay-h200-{after-insert,per-layer}.json   replay --pd --device cuda on
 #            the embedded workload (the synthetic engine's KV generated on the GPU), per-layer
 #            off and on: 0 mismatches, every room verified, pd_ready_s_p50/p90 per room.
+#   serve    $DEST/pd-serve-h200-{after-insert,per-layer}.json   the real-width DeepSeek-V3.2
+#            server of tools/device_serve.sh (hf engine, 4 layers + MTP, 8-19k-token prompts,
+#            batched and chunked) with --pd, per-layer off and on: pd_ready_s_* is the real
+#            forward's end to the decode peer holding all KV; every unit checked against digests.
 #
-# Mooncake's CUDA-13 build is carried as a wheel in .whl/ (git-ignored; `pip download
-# mooncake-transfer-engine-cuda13==0.3.14 --no-deps -d .whl` for the image's Python, as for
-# tools/device_serve.sh). From the repository root on nvidia-h200, carry [".whl"]:
-#   HICACHE_COMMIT=<hash> bash tools/device_pd.sh                # STEPS="overlap replay"
+# Wheels in .whl/ (git-ignored), as for tools/device_serve.sh: Mooncake's CUDA-13 build
+# (mooncake_transfer_engine_cuda13-0.3.14, cp312) and, for `serve`, transformers-5.20.2.
+# From the repository root on nvidia-h200, carry [".whl"]:
+#   HICACHE_COMMIT=<hash> bash tools/device_pd.sh                # STEPS="overlap replay serve"
 # The same on CPU loopback (no wheels; the venv's non-CUDA Mooncake; forward = a wait):
 #   WHEELS=0 DEVICE=cpu PYTHON=.venv/bin/python OUT=/tmp/pd bash tools/device_pd.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-WHEEL_GLOB=${WHEEL_GLOB:-.whl/mooncake*.whl}
+WHEEL_GLOB=${WHEEL_GLOB:-.whl/*.whl}
 if [ "${WHEELS:-1}" = 1 ]; then
   $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEEL_GLOB || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
 DEST=${OUT:-bench/results}
-STEPS=${STEPS:-overlap replay}
+STEPS=${STEPS:-overlap replay serve}
 DEVICE=${DEVICE:-cuda}
 SUFFIX=${SUFFIX:-$([ "$DEVICE" = cpu ] && echo cpu || echo h200)}
 PAGES=${PAGES:-128}
 LAYER_MS=${LAYER_MS:-5 28}   # 28 ms: a real-width V3.2 layer at 4k tokens on the H200 (DOMAIN.md section 6)
 REPEATS=${REPEATS:-5}
 LIMIT=${LIMIT:-300}
+PD_LIMIT=${PD_LIMIT:-25}
+PRESET=${PRESET:-dsv32-width}
+TPB=${TPB:-512}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 mkdir -p "$DEST"
 step() { echo; echo "=== $* ($(date +%T))"; }
 want() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -64,6 +72,26 @@ if want replay; then
   done
 fi
 
+if want serve; then
+  TRACE=.devdata/serve-6k.jsonl
+  mkdir -p .devdata
+  $PYTHON - "$TRACE" <<'EOF2' || exit 1
+import sys
+from hicache_cp.harness.trace import write_trace
+from hicache_cp.harness.workload import default_workload
+long = [r for r in default_workload(seed=0) if r.full_blocks >= 16]  # >= 8192 tokens at 512 a block
+write_trace(sys.argv[1], long)
+EOF2
+  for mode in after-insert per-layer; do
+    step "serve: $PRESET on $DEVICE with --pd, $mode"
+    flag=$([ "$mode" = per-layer ] && echo --pd-per-layer || true)
+    timeout 240 $PYTHON -m hicache_cp.harness.cli replay --engine hf --hf-preset "$PRESET" --device "$DEVICE" \
+      --trace "$TRACE" --tokens-per-block "$TPB" --l2-fraction 0.5 --l1-pages 400 --arrivals trace \
+      --limit "$PD_LIMIT" --pd $flag --json "$DEST/pd-serve-$SUFFIX-$mode.json" 2>&1 \
+      | grep -v "hf replay:" | grep -E "pd_|integrity|ttft|error" | head -30 || rc=1
+  done
+fi
+
 step summary
 $PYTHON - "$DEST" "$SUFFIX" <<'EOF'
 import json, pathlib, sys
@@ -72,8 +100,8 @@ for path in sorted(dest.glob(f"pd-overlap-{suffix}-*ms.json")):
     r = json.loads(path.read_text())
     print(path.name, {k: r[k] for k in ("ready_s_median", "forward_s_median", "ratio_per_layer_over_after_insert",
                                         "bytes", "layer_ms", "device", "commit")})
-for mode in ("after-insert", "per-layer"):
-    path = dest / f"pd-replay-{suffix}-{mode}.json"
+for path in [dest / f"pd-{kind}-{suffix}-{mode}.json" for kind in ("replay", "serve")
+             for mode in ("after-insert", "per-layer")]:
     if path.is_file():
         r = json.loads(path.read_text())
         x = r["per_rank"][0]

@@ -211,7 +211,7 @@ class _BatchHooks:
         self.cache = cache
         self.loads = loads
         self.backups = backups
-        self.pd = pd  # the PD sink when it sends per layer (`pd_per_layer`), from these same hooks
+        self.pd = pd  # the PD sink: sends per layer (`pd_per_layer`) from these same hooks, or times the forward
 
     def before_layer(self, model: Model, layer: int) -> None:
         for op in self.loads:
@@ -431,7 +431,7 @@ class Scheduler:
         backups = [seq.backup for seq in enders if seq.backup is not None]
         for seq in enders:
             seq.hooked = seq.backup is not None
-        pd = self.sink if getattr(self.sink, "per_layer", False) else None
+        pd = self.sink if hasattr(self.sink, "begin_request") else None  # the PD sink (sends per layer or times)
         for seq in enders if pd is not None else ():  # rooms open before the forward whose hooks send
             pd.begin_request(seq.req.index, seq.m, seq.new, seq.hashes)
         t_start = self.clock.now()
