@@ -26,7 +26,10 @@ import pytest
 pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
 from hicache_cp import ConsistencyError, Model, Part  # noqa: E402
+from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
 from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
+
+import_sglang()  # SGLang's configs package on a CPU torch (see hicache_cp.harness.sglang.env)
 from hicache_cp.io.base import CopyFailed, Direction  # noqa: E402
 
 pytestmark = pytest.mark.slow  # importing SGLang costs ~10 s once per process
@@ -63,9 +66,19 @@ def prompt(seed: int, pages: int, tail: int = 9) -> list[int]:
 
 
 def serve(server: SGLangPrefillServer, tokens: list[int]):
+    """One request to completion, then its copies decided (the next batch's flush, after they landed)."""
     req = server.submit(tokens)
     server.run_until_idle()
+    server.settle()
     return req
+
+
+def in_l2_only(server: SGLangPrefillServer, seed: int, pages: int = 5) -> list[int]:
+    """A prompt served once (its whole pages now in L2), then gone from SGLang's device tree."""
+    tokens = prompt(seed, pages)
+    serve(server, tokens)
+    evict_device(server)
+    return tokens
 
 
 def evict_device(server: SGLangPrefillServer) -> None:
@@ -76,7 +89,9 @@ def evict_device(server: SGLangPrefillServer) -> None:
 
 
 def clean(server: SGLangPrefillServer) -> None:
-    """No mismatch anywhere; the cache's invariants hold; nothing of ours is left held."""
+    """Once every copy is decided: no mismatch anywhere, the cache's invariants hold,
+    nothing of ours is left held."""
+    server.settle()
     report = server.forward.report
     assert report.mismatched_bytes == 0, report.mismatches
     server.tree_cache.cache.check_invariants()
@@ -106,9 +121,7 @@ def test_miss_backs_up_every_whole_page_and_a_repeat_is_a_device_hit(make_server
 
 def test_l2_hit_after_device_eviction_loads_every_part(make_server) -> None:
     s = make_server()
-    a = prompt(2, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 2)
     r = serve(s, a)
     # SGLang's device tree is empty: the whole-page prefix (5 pages) comes back from L2,
     # every part: latent, indexer keys of layers 0 and 2, the draft's latent and keys.
@@ -157,9 +170,7 @@ def test_abort_while_the_load_is_in_flight_frees_slots_only_after_it_returned(ma
     from conftest import Faults
 
     s = make_server()
-    a = prompt(6, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 6)
     faults = Faults()
     s.tree_cache.cache.engine.fault = faults
     faults.hold()  # every copy waits at the gate: the load stays in flight
@@ -190,9 +201,7 @@ def test_a_load_that_fails_in_flight_fails_its_request_and_caches_nothing(make_s
     from conftest import Faults
 
     s = make_server()
-    a = prompt(7, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 7)
     faults = Faults()
     faults.fail_on.add((Direction.H2D, Part.TARGET_KV, 2))
     s.tree_cache.cache.engine.fault = faults
@@ -211,9 +220,7 @@ def test_a_load_that_fails_in_flight_fails_its_request_and_caches_nothing(make_s
 
 def test_a_load_that_cannot_start_is_recomputed_by_sglang(make_server) -> None:
     s = make_server()
-    a = prompt(8, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 8)
     engine = s.tree_cache.cache.engine
     real, loads = engine.submit_layer, []
 
@@ -255,10 +262,8 @@ def test_a_retracted_request_comes_back_from_l2(make_server) -> None:
     s.step()  # two chunks computed; the first stashed (checkpointed) at the second step
     s.retract(req)  # SGLang's release_req: released without caching, back to the queue
     assert req.is_retracted and req in s.waiting
-    # Its chunks' backups had every layer submitted: they still commit (the next batch's flush;
-    # settle first so the CPU copy engine's copies have landed by then).
-    s.tree_cache.cache.settle()
-    s.tree_cache.flush_pending_backups()
+    # Its chunks' backups had every layer submitted: they still commit.
+    s.settle()
     evict_device(s)
     s.run_until_idle()
     # The committed chunks (pages 0-3 reserved by the two forwards) come back from L2.
@@ -270,9 +275,7 @@ def test_a_retracted_request_comes_back_from_l2(make_server) -> None:
 
 def test_a_draft_part_missing_in_l2_is_refused_loudly(make_server) -> None:
     s = make_server()
-    a = prompt(11, 5)
-    serve(s, a)
-    evict_device(s)
+    a = in_l2_only(s, 11)
     cache = s.tree_cache.cache
     node = next(n for n in cache.tree.nodes() if n.host_pages is not None)
     cache.config.debug_checks = False  # the corruption would trip the invariant check first
@@ -337,3 +340,114 @@ def test_engine_fields_from_hicache_config_are_refused(tmp_path: Path) -> None:
         SGLangPrefillServer(ServerSpec(), tmp_path, tree_cache_kwargs={"env": {"HICACHE_PAGE_SIZE": "16"}})
     with pytest.raises(ConfigError, match="write_through"):
         SGLangPrefillServer(ServerSpec(), tmp_path, tree_cache_kwargs={"env": {"HICACHE_WRITE_POLICY": "write_back"}})
+
+
+# ---- TP ranks --------------------------------------------------------------------------------
+
+
+def _tp_rank_worker(ctx, workdir: str) -> dict:
+    """One SGLang TP rank: its own pools and L2, decisions agreed over the group (gloo)."""
+    from conftest import Faults
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    env = {
+        "HICACHE_HOST_BUDGET_BYTES": str(budget(64)), "HICACHE_IO_BACKEND": "cpu", "HICACHE_DEBUG_CHECKS": "true",
+        "HICACHE_PIN_HOST": "false", "HICACHE_L2_FREE_ROOM": "0",
+    }  # fmt: skip
+    s = SGLangPrefillServer(ServerSpec(), Path(workdir) / f"rank{ctx.rank}",
+                            tree_cache_kwargs={"env": env, "agreement": ctx.agreement})  # fmt: skip
+    try:
+        a = prompt(20, 5)
+        serve(s, a)
+        evict_device(s)
+        if ctx.rank == 1:  # only this rank's copy of layer 1 fails
+            faults = Faults()
+            faults.fail_on.add((Direction.H2D, Part.TARGET_KV, 1))
+            s.tree_cache.cache.engine.fault = faults
+        failed = serve(s, a)
+        s.tree_cache.cache.engine.fault = None
+        again = serve(s, a)
+        clean_report = s.forward.report.mismatched_bytes
+        return {
+            "failed_aborted": isinstance(failed.finished_reason, FINISH_ABORT),
+            "again_host_hit": again.host_hit_length,
+            "again_aborted": isinstance(again.finished_reason, FINISH_ABORT),
+            "stats": vars(s.tree_cache.stats),
+            "committed": s.tree_cache.cache.stats()["backups_committed"],
+            "device_tree_tokens": s.tree_cache.evictable_size() + s.tree_cache.protected_size(),
+            "mismatched_bytes_rank0": clean_report if ctx.rank == 0 else None,
+        }
+    finally:
+        s.close()
+
+
+def test_tp_ranks_agree_a_load_that_failed_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    from hicache_cp.harness.launch import spawn_ranks
+
+    r0, r1 = spawn_ranks(_tp_rank_worker, 2, (str(tmp_path),), timeout_s=240)
+    # Rank 1's copy failed; the MIN all-reduce failed the load on both ranks at the same step:
+    # both requests fail, neither rank caches anything of them, both keep identical state.
+    assert r0["failed_aborted"] and r1["failed_aborted"]
+    assert r0["stats"] == r1["stats"] and r0["stats"]["failed_loads"] == 1
+    assert r0["committed"] == r1["committed"] and r0["device_tree_tokens"] == r1["device_tree_tokens"]
+    # The host copies were intact on both: the next request is an L2 hit on both ranks.
+    assert r0["again_host_hit"] == r1["again_host_hit"] == 5 * PAGE
+    assert not r0["again_aborted"] and not r1["again_aborted"]
+    assert r0["mismatched_bytes_rank0"] == 0  # rank 0's forward only ever read landed bytes
+
+
+# ---- property: random request sequences ------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ACTIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("serve"), st.integers(0, 3)),
+        st.tuples(st.just("evict"), st.just(0)),
+        st.tuples(st.just("retract"), st.integers(0, 3)),
+        st.tuples(st.just("fail_load"), st.integers(0, 3)),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS)
+def test_random_sequences_keep_every_byte_and_every_invariant(make_server, actions) -> None:
+    """Prompts 0-3 share a 2-page system prefix; L2 holds 12 pages (evictions happen), chunks of
+    2 pages. After every action: the cache's invariants, no byte read that prefill did not
+    compute (except the one forward a failed load fed, which is failed), SGLang's allocator
+    whole (free + tree == capacity), nothing held."""
+    from conftest import Faults
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    s = make_server(l2_pages=12, chunk_tokens=2 * PAGE)
+    system = prompt(99, 2, tail=0)
+    prompts = [system + prompt(100 + i, 2 + i % 2) for i in range(4)]
+    capacity = s.allocator.available_size()
+    for action, i in actions:
+        if action == "serve":
+            serve(s, prompts[i])
+        elif action == "evict":
+            evict_device(s)
+        elif action == "retract":
+            req = s.submit(prompts[i])
+            s.step()
+            if not req.finished():
+                s.retract(req)
+            s.run_until_idle()
+            s.settle()
+        else:  # the next load's layer-1 copy fails: that request fails, nothing of it is kept
+            faults = Faults()
+            faults.fail_on.add((Direction.H2D, Part.TARGET_KV, 1))
+            s.tree_cache.cache.engine.fault = faults
+            evict_device(s)
+            req = serve(s, prompts[i])
+            s.tree_cache.cache.engine.fault = None
+            if isinstance(req.finished_reason, FINISH_ABORT):
+                s.forward.report.mismatched_bytes = 0  # that forward was fed a failed load, and failed
+                s.forward.report.mismatches.clear()
+        clean(s)
+        assert s.allocator.available_size() + s.tree_cache.evictable_size() == capacity

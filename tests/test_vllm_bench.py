@@ -551,6 +551,9 @@ def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", worke
         kv = {s.name: torch.full((num_blocks, BLOCK, s.width), 255 if s.indexer else -1, dtype=s.dtype, device=device)
               for s in specs}
         conn.register_kv_caches(kv)
+        if connector == "hicache" and device == "cuda":  # the CUDA default engine over pinned L2, not the CPU one
+            side = conn.worker_side
+            assert not isinstance(side.engine, CpuCopyEngine) and side.host_pool.pinned, (side.engine.name,)
         conns.append(conn)
         kvs.append(kv)
     return Bench(sched, conns, kvs, specs, block_hasher(), device)

@@ -25,7 +25,8 @@ def io_tables(r: dict[str, Any]) -> str:
     out = [f"bench-io at {r['commit']} on {r['machine']}, {r['page_bytes']} B pages, default `{r['default_backend']}`; "
            f"top level: exposed load {_f(r.get('exposed_load_fraction'), 3)}, exposed backup "
            f"{_f(r.get('exposed_backup_fraction'), 3)}, bidir ratio {_f(r.get('bidir_ratio'))}", ""]
-    out += ["| default, pages | pattern | layers | exposed load | exposed backup |", "|---|---|---|---|---|"]
+    if r.get("exposure"):
+        out += ["| default, pages | pattern | layers | exposed load | exposed backup |", "|---|---|---|---|---|"]
     for pattern, rows in r.get("exposure", {}).items():
         for n, o in rows.items():
             if "error" in o:

@@ -61,6 +61,7 @@ class ServerSpec:
     max_requests: int = 32
     context_len: int = 16384
     check_bytes: bool = True
+    schedule_policy: str = "lpm"  # SGLang's --schedule-policy (lpm matches every waiting request first)
 
 
 @dataclass
@@ -162,6 +163,42 @@ def _salt(model: str, layer: int) -> int:
     return (0 if model == "target" else 1000) + 17 * layer
 
 
+@dataclass(frozen=True)
+class Pools:
+    """SGLang's pools of one server: the target and draft DSA KV pools and the cache params."""
+
+    target: Any
+    drafts: tuple[Any, ...]
+    params: Any  # CacheInitParams: request-to-token pool, paged allocator, page size, draft pools
+
+
+def build_pools(spec: ServerSpec) -> Pools:
+    """SGLang's request-to-token pool, paged allocator and DSA pools (CPU) for `spec`
+    (its runtime context must be published: `env.publish_server_args`)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+
+    ps = spec.page_size
+    size = (spec.device_pages - 1) * ps
+
+    def dsa(layers: int, skip: tuple[bool, ...]) -> Any:
+        return DSATokenToKVPool(
+            size=size, page_size=ps, kv_lora_rank=spec.kv_lora_rank, dtype=torch.bfloat16,
+            qk_rope_head_dim=spec.rope_dim, layer_num=layers, device="cpu", index_head_dim=128,
+            enable_memory_saver=False, kv_cache_dim=spec.kv_lora_rank + spec.rope_dim, skip_topk_layers=list(skip),
+        )  # fmt: skip
+
+    target = dsa(spec.layers, spec.skip_topk)
+    drafts = (dsa(spec.draft_layers, (False,) * spec.draft_layers),) if spec.draft_layers else ()
+    req_to_token = ReqToTokenPool(size=spec.max_requests, max_context_len=spec.context_len, device="cpu",
+                                  enable_memory_saver=False)  # fmt: skip
+    allocator = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", target, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator,
+                             page_size=ps, mtp_draft_device_pools=drafts)  # fmt: skip
+    return Pools(target, drafts, params)
+
+
 @dataclass
 class CallTimes:
     """Host seconds the scheduler thread spent in the tree cache, by call."""
@@ -192,22 +229,11 @@ class SGLangPrefillServer:
         self.spec = spec
         self.server_args = publish_server_args(workdir, page_size=spec.page_size)
         from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.managers.schedule_policy import SchedulePolicy
 
-        ps = spec.page_size
-        size = (spec.device_pages - 1) * ps
-        self.target = self._pool(size, spec.layers, spec.skip_topk)
-        self.drafts = [self._pool(size, spec.draft_layers, (False,) * spec.draft_layers)] if spec.draft_layers else []
-        self.req_to_token_pool = ReqToTokenPool(
-            size=spec.max_requests, max_context_len=spec.context_len, device="cpu", enable_memory_saver=False
-        )
-        self.allocator = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", self.target, need_sort=False)
-        self.params = CacheInitParams(
-            disable=False, req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-            page_size=ps, mtp_draft_device_pools=tuple(self.drafts),
-        )  # fmt: skip
+        self.pools = build_pools(spec)
+        self.target, self.drafts, self.params = self.pools.target, self.pools.drafts, self.pools.params
+        self.req_to_token_pool, self.allocator = self.params.req_to_token_pool, self.params.token_to_kv_pool_allocator
         self.model_config = ModelConfig.from_server_args(self.server_args)
         self.worker = TpWorkerHooks()
         self.tree_cache = self._tree_cache(tree_cache_kwargs or {})
@@ -215,21 +241,13 @@ class SGLangPrefillServer:
         self.times = CallTimes()
         for name in TIMED_CALLS:
             setattr(self.tree_cache, name, self.times.timed(name, getattr(self.tree_cache, name)))
+        self.policy = SchedulePolicy(spec.schedule_policy, self.tree_cache, False, False, False)
         self.waiting: list[Any] = []
         self.chunked_req: Any = None
         self.finished: list[Any] = []
         self._rid = 0
         self._batch: Any = None
-
-    def _pool(self, size: int, layers: int, skip: tuple[bool, ...]) -> Any:
-        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-
-        s = self.spec
-        return DSATokenToKVPool(
-            size=size, page_size=s.page_size, kv_lora_rank=s.kv_lora_rank, dtype=torch.bfloat16,
-            qk_rope_head_dim=s.rope_dim, layer_num=layers, device="cpu", index_head_dim=128,
-            enable_memory_saver=False, kv_cache_dim=s.kv_lora_rank + s.rope_dim, skip_topk_layers=list(skip),
-        )  # fmt: skip
+        self.admissions: dict[str, tuple[int, int]] = {}  # rid -> (device-hit tokens, L2-loaded tokens)
 
     def _tree_cache(self, kwargs: dict[str, Any]) -> Any:
         if self.spec.backend == "radix":
@@ -275,6 +293,15 @@ class SGLangPrefillServer:
                 return
             self.step()
         raise RuntimeError(f"requests still waiting after {max_steps} steps")
+
+    def settle(self) -> None:
+        """Wait for every copy in flight, then the after-batch flush: what landed is decided,
+        so hits do not depend on copy timing (tests, benchmarks; a server calls
+        flush_pending_backups after every batch and never waits)."""
+        settle = getattr(getattr(self.tree_cache, "cache", None), "settle", None)
+        if settle is not None:
+            settle()
+            self.tree_cache.flush_pending_backups()
 
     def step(self) -> list[Any]:
         """One scheduler iteration: schedule, allocate, forward, process results."""
@@ -339,6 +366,7 @@ class SGLangPrefillServer:
 
         spec = self.spec
         running = ScheduleBatch(reqs=[], batch_is_full=False)
+        self.policy.calc_priority(self.waiting, running)
         adder = PrefillAdder(spec.page_size, self.tree_cache, self.allocator, running, 0.0,
                              spec.max_prefill_tokens, spec.chunk_tokens)  # fmt: skip
         if self.chunked_req is not None:
@@ -351,6 +379,8 @@ class SGLangPrefillServer:
             if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
                                  truncation_align_size=None) != AddReqResult.CONTINUE:  # fmt: skip
                 break
+        for req in adder.can_run_list:  # first admission: where its prefix came from
+            self.admissions.setdefault(req.rid, (req.prefix_len - req.host_loaded_length, req.host_loaded_length))
         admitted = set(map(id, adder.can_run_list))
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         if adder.new_chunked_req is not None:

@@ -141,10 +141,13 @@ class ForwardCopies:
 class LayerHooks:
     """SGLang's `layer_transfer_counter` for one model's pool (see the module docstring)."""
 
-    def __init__(self, copies: ForwardCopies, model: Model) -> None:
+    def __init__(self, copies: ForwardCopies, model: Model, first_layer: int = 0, num_layers: int | None = None) -> None:
+        """`first_layer`: the model's layer id of this pool's local layer 0 (MTP layers
+        spread over several draft pools are numbered across them)."""
         self.copies = copies
         self.model = model
-        self.num_layers = copies.layout.num_layers(model)
+        self.first_layer = first_layer
+        self.num_layers = copies.layout.num_layers(model) if num_layers is None else num_layers
 
     @property
     def consumer_index(self) -> int:
@@ -156,7 +159,7 @@ class LayerHooks:
             self.copies.begin()
 
     def wait_until(self, layer: int) -> None:
-        self.copies.reached(self.model, layer)
+        self.copies.reached(self.model, self.first_layer + layer)
 
     def reset(self) -> None:
         """SGLang's counter API; the forward's state lives in `ForwardCopies`."""

@@ -127,10 +127,14 @@ class HiCacheCpRadixCache(RadixCache):
         self.cache = self._make_cache()
         self.copies = ForwardCopies(self.cache)
         self.stats = PluginStats()
-        self.hooks = {m: LayerHooks(self.copies, m) for m in Model}
+        self.hooks = {Model.TARGET: LayerHooks(self.copies, Model.TARGET)}
         target.register_layer_transfer_counter(self.hooks[Model.TARGET])
-        for pool in draft_pools:
-            pool.register_layer_transfer_counter(self.hooks[Model.DRAFT])
+        first = 0
+        for pool in draft_pools:  # one counter per draft pool: its layers numbered across them
+            hooks = LayerHooks(self.copies, Model.DRAFT, first, pool.layer_num)
+            pool.register_layer_transfer_counter(hooks)
+            self.hooks.setdefault(Model.DRAFT, hooks)
+            first += pool.layer_num
         logger.info(
             "hicache-cp: L2 of %s under SGLang: %d device pages of %d tokens, L2 %d pages (%.1f MiB, %s), io %s",
             self.cache.layout.describe(), self.kv.num_pages, self.page_size, self.cache.host_pool.physical_pages,
@@ -263,10 +267,17 @@ class HiCacheCpRadixCache(RadixCache):
     # ---- freeing -------------------------------------------------------------------------
 
     def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        """SGLang gives row positions `ranges` back to its allocator: a copy still writing or
+        reading those slots is waited for first (only on abort paths do any remain)."""
         for flow in self._flows.values():
             if flow.kv is kv:
-                _wait_copies([flow.load, *flow.backups])
+                _wait_copies([op for op in (flow.load, *flow.backups) if op is not None and self._touches(op, ranges)])
         super().free_kv_row(kv, ranges)
+
+    def _touches(self, op: LoadOp | BackupOp, ranges: list[tuple[int, int]]) -> bool:
+        lo = op.first_position * self.page_size
+        hi = lo + len(op.device_pages) * self.page_size
+        return any(start < hi and lo < end for start, end in ranges)
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
