@@ -393,3 +393,25 @@ def test_corrupt_page_is_reported_by_position_layer_part(decode_peer, adapter) -
         res = s.finish(900)
         assert res.state is RoomState.FAILED and res.mismatch_count == 1
         assert res.mismatches == ["request 42 page 5 target_state layer 2 rank 0"]
+
+
+@needs_mooncake
+@pytest.mark.mooncake
+def test_a_rank_that_owns_no_position_finishes_without_sending(decode_peer, adapter) -> None:
+    """CP 2, a 1-page room: rank 1 owns nothing and never calls send; its finish
+    still says "done" (with no positions) and the room verifies on both ranks."""
+    rng = np.random.default_rng(31)
+    pre = Prefill(tiny_layout(), 2)
+    senders = pre.senders(decode_peer, adapter)
+    try:
+        homes = pre.request(1, rng)
+        for s in senders:
+            s.open_room(950, 950, 1)
+        senders[0].send(950, homes)
+        results = finish_all(senders, 950)
+        assert [r.ok for r in results] == [True, True], [r.failure for r in results]
+        assert results[1].nbytes == 0 and results[0].pages_per_part["target_kv"] == 1
+    finally:
+        for s in senders:
+            s.close()
+        pre.close()

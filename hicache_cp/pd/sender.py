@@ -457,7 +457,8 @@ class PdSender:
     def _done(self, room: Room, extra: dict[str, Any]) -> None:
         """Tell the decode peer "done"; the room stays TRANSFERRING when it verified."""
         assert room.hashes is not None
-        positions = np.flatnonzero(room.sent[(self.layout.parts[0].part, self.layout.parts[0].layer_ids[0])])
+        first = (self.layout.parts[0].part, self.layout.parts[0].layer_ids[0])  # all-or-nothing held: any key
+        positions = np.flatnonzero(room.sent.get(first, np.zeros(room.num_pages, dtype=bool)))
         try:
             reply = self._request({"op": "done", "room": room.room_id, "rank": self.rank,
                                    "positions": positions.tolist(), "hashes": room.hashes[positions].tolist(),
