@@ -23,7 +23,7 @@
 # From the repository root on nvidia-h200, carry [".whl"]:
 #   HICACHE_COMMIT=<hash> bash tools/device_pd.sh                # STEPS="overlap replay serve"
 # The same on CPU loopback (no wheels; the venv's non-CUDA Mooncake; forward = a wait):
-#   WHEELS=0 DEVICE=cpu PYTHON=.venv/bin/python OUT=/tmp/pd bash tools/device_pd.sh
+#   STEPS="overlap replay" WHEELS=0 DEVICE=cpu PYTHON=.venv/bin/python OUT=/tmp/pd bash tools/device_pd.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
