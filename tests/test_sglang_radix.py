@@ -451,3 +451,21 @@ def test_random_sequences_keep_every_byte_and_every_invariant(make_server, actio
                 s.forward.report.mismatches.clear()
         clean(s)
         assert s.allocator.available_size() + s.tree_cache.evictable_size() == capacity
+
+
+def test_overlap_scheduling_order_keeps_every_byte(make_server) -> None:
+    """event_loop_overlap: batch N+1 is scheduled, allocated and run before batch N's results
+    (checkpoints) are processed. Two prompts sharing a system prefix, chunked, with a device
+    eviction in between: every read byte still verifies, and the L2 hit comes back whole."""
+    s = make_server(chunk_tokens=2 * PAGE, overlap=True)
+    system = prompt(30, 2, tail=0)
+    a, b = system + prompt(31, 3), system + prompt(32, 3)
+    s.submit(a)
+    s.submit(b)
+    s.run_until_idle()
+    s.settle()
+    assert s.forward.report.forwards >= 4 and len(s.finished) == 2
+    evict_device(s)
+    r = serve(s, a)
+    assert r.host_hit_length == 5 * PAGE
+    clean(s)

@@ -31,7 +31,14 @@ def main() -> int:
     ap.add_argument("--device-pages", type=int, default=256)
     ap.add_argument("--l2-pages", type=int, default=2048)
     ap.add_argument("--json", type=Path, default=Path("bench/results/sglang-side-by-side.json"))
+    ap.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an existing result and exit")
     args = ap.parse_args()
+    if args.tables is not None:
+        import json
+
+        for name, res in json.loads(args.tables.read_text())["workloads"].items():
+            print(f"{name} ({res['backends'][0].get('requests', '?')} requests):\n\n{table(res)}\n")
+        return 0
     logging.basicConfig(level=logging.ERROR)
     workloads = {"embedded": default_workload()[: args.limit]}
     if args.trace.exists():

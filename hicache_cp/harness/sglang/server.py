@@ -62,6 +62,7 @@ class ServerSpec:
     context_len: int = 16384
     check_bytes: bool = True
     schedule_policy: str = "lpm"  # SGLang's --schedule-policy (lpm matches every waiting request first)
+    overlap: bool = False  # event_loop_overlap's order (results of batch N after batch N+1's forward)
 
 
 @dataclass
@@ -288,10 +289,23 @@ class SGLangPrefillServer:
         return req
 
     def run_until_idle(self, max_steps: int = 10_000) -> None:
+        """Serve until no request waits: `event_loop_normal`'s order, or with `spec.overlap`
+        `event_loop_overlap`'s (batch N+1 is scheduled and its forward launched before the
+        results of batch N are processed)."""
+        pending: list[Any] = []
         for _ in range(max_steps):
-            if not self.waiting and self.chunked_req is None:
+            if not self.waiting and self.chunked_req is None and not pending:
                 return
-            self.step()
+            if not self.spec.overlap:
+                self.step()
+                continue
+            reqs = self.prepare_batch()
+            if reqs:
+                self._forward(reqs)
+            if pending:
+                self._results(pending)
+                self.tree_cache.flush_pending_backups()
+            pending = reqs
         raise RuntimeError(f"requests still waiting after {max_steps} steps")
 
     def settle(self) -> None:
@@ -321,6 +335,8 @@ class SGLangPrefillServer:
         reqs = self._schedule()
         if not reqs:
             return []
+        if self.chunked_req is not None:  # it runs a middle chunk in this batch (as the scheduler counts)
+            self.chunked_req.inflight_middle_chunks += 1
         self._batch = ScheduleBatch.init_new(
             reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.model_config, False,
             SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req,
@@ -330,10 +346,13 @@ class SGLangPrefillServer:
 
     def run_batch(self, reqs: list[Any]) -> None:
         """The forward of the prepared batch, its results and the after-batch flush."""
-        self.worker.set_hicache_consumer(self._batch.hicache_consumer_index)
-        self.forward.run(reqs)
+        self._forward(reqs)
         self._results(reqs)
         self.tree_cache.flush_pending_backups()
+
+    def _forward(self, reqs: list[Any]) -> None:
+        self.worker.set_hicache_consumer(self._batch.hicache_consumer_index)  # the TP worker, at forward start
+        self.forward.run(reqs)
 
     def abort(self, req: Any) -> None:
         """Abort a request as the scheduler does for a running one (release without caching)."""
@@ -391,8 +410,9 @@ class SGLangPrefillServer:
         from sglang.srt.mem_cache.common import release_kv_cache
 
         for req in reqs:
-            if req is self.chunked_req:
-                continue  # mid-prefill: stashed at the next step
+            if req.inflight_middle_chunks > 0:  # this batch ran a middle chunk: stashed at the next step
+                req.inflight_middle_chunks -= 1
+                continue
             aborted = req.to_finish is not None
             if not aborted:
                 req.output_ids.append(1)
