@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import multiprocessing as mp
 import os
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client
@@ -25,7 +26,8 @@ import numpy as np
 
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
-from hicache_cp.harness.decode_peer import shutdown_decode_peer, spawn_decode_peer
+from hicache_cp.harness import lifetime
+from hicache_cp.harness.decode_peer import run_decode_peer
 from hicache_cp.harness.trace import TraceRequest
 from hicache_cp.pd.sender import L1, L2, PageHomes, PdSender
 from hicache_cp.radix import Node
@@ -136,34 +138,73 @@ class PeerInfo:
     authkey: bytes
 
 
+#: Bounds on the peer's start and on each step of its orderly stop (no wait is unbounded).
+PEER_START_TIMEOUT_S = 60.0
+PEER_STOP_TIMEOUT_S = 10.0
+
+
 class DecodePeerProcess:
     def __init__(self, process: Any, info: PeerInfo) -> None:
         self.process = process
         self.rank_info = info
 
     def stop(self) -> dict[str, Any]:
-        """Collect the peer's counters, shut it down, and return them."""
-        with Client(self.rank_info.address, authkey=self.rank_info.authkey) as c:
-            c.send({"op": "stats", "seq": 0})
-            stats = c.recv()
-        shutdown_decode_peer(self.rank_info.address, self.rank_info.authkey)
-        self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.terminate()
+        """Collect the peer's counters, shut it down, and return them. Every step
+        is bounded; a peer that does not answer is stopped by signal."""
+        try:
+            stats = self._ask({"op": "stats", "seq": 0})
+            self._ask({"op": "shutdown", "seq": 0})
+            self.process.join(timeout=PEER_STOP_TIMEOUT_S)
+        finally:
+            self.terminate()
         return {
             "decode_verified_rooms": stats.get("verified_rooms"),
             "decode_rejected": stats.get("rejected"),
             "decode_open_rooms_at_exit": stats.get("rooms"),
         }
 
+    def terminate(self) -> None:
+        """Stop the peer by signal (after a failure or an interrupt): never waits on it."""
+        lifetime.stop_processes([self.process])
+
+    def _ask(self, message: dict[str, Any]) -> Any:
+        if not self.process.is_alive():
+            raise RuntimeError(f"decode peer (pid {self.process.pid}) exited with {self.process.exitcode}")
+        with Client(self.rank_info.address, authkey=self.rank_info.authkey) as c:
+            c.send(message)
+            if not c.poll(PEER_STOP_TIMEOUT_S):
+                raise TimeoutError(f"decode peer gave no answer to {message['op']!r} within {PEER_STOP_TIMEOUT_S} s")
+            return c.recv()
+
 
 def start_decode_peer(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> DecodePeerProcess:
     # Rooms are served one request at a time; room for the two longest requests.
     longest = max((len(r.hash_ids) for r in requests), default=1)
     pages = 2 * longest * math.ceil((args.tokens_per_block or config.page_size) / config.page_size) + 2
-    authkey = os.urandom(16)
-    process, address = spawn_decode_peer(config.layout(), pages, authkey)
+    authkey = os.urandom(32)
+    process, address = _spawn_peer(config.layout(), pages, authkey)
     return DecodePeerProcess(process, PeerInfo(address, authkey))
+
+
+def _spawn_peer(layout: Any, pages: int, authkey: bytes) -> tuple[Any, tuple[str, int]]:
+    """`decode_peer.run_decode_peer` in a spawned child tied to this process
+    (`lifetime.child_main`: dies with it, leaves Ctrl-C to it)."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=lifetime.child_main, args=(os.getpid(), run_decode_peer, layout, pages, authkey, child),
+                       daemon=True, name="hicache-cp-decode-peer")  # fmt: skip
+    try:
+        lifetime.start_processes([proc])
+        child.close()
+        if not parent.poll(PEER_START_TIMEOUT_S):
+            raise RuntimeError(f"decode peer did not start within {PEER_START_TIMEOUT_S} s (exit code {proc.exitcode})")
+        info = parent.recv()
+    except BaseException:
+        lifetime.stop_processes([proc])
+        raise
+    finally:
+        parent.close()
+    return proc, tuple(info["address"])
 
 
 def make_sink(info: PeerInfo, cache: HiCache) -> PdSink:

@@ -33,6 +33,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from hicache_cp.config import Config
+from hicache_cp.harness import lifetime
 from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.l3_master import l3_service
 from hicache_cp.harness.replay.rank import replay_rank
@@ -231,15 +232,15 @@ def _spawn(args: argparse.Namespace, config: Config, shares: list[list[TraceRequ
     barrier = ctx.Barrier(len(shares))
     level = logging.getLogger().getEffectiveLevel()
     procs = [
-        ctx.Process(target=_instance_main, args=(i, args, config, share, results, barrier, level),
+        ctx.Process(target=lifetime.child_main,
+                    args=(os.getpid(), _instance_main, i, args, config, share, results, barrier, level),
                     name=f"hicache-cp-instance{i}", daemon=True)  # fmt: skip
         for i, share in enumerate(shares)
     ]
-    for p in procs:
-        p.start()
     reports: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + float(os.environ.get("HICACHE_CP_RANK_TIMEOUT_S", RUN_TIMEOUT_S))
     try:
+        lifetime.start_processes(procs)
         while len(reports) < len(procs):
             try:
                 kind, index, payload = results.get(timeout=0.5)
@@ -255,13 +256,14 @@ def _spawn(args: argparse.Namespace, config: Config, shares: list[list[TraceRequ
             if kind == "error":
                 raise RuntimeError(f"instance {index} failed:\n{payload}")
             reports[index] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    except BaseException:  # an instance failed, or the parent was interrupted: stop the rest now
+        lifetime.stop_processes(procs)
         results.close()
+        raise
+    for p in procs:
+        p.join(timeout=10)
+    lifetime.stop_processes(procs)  # any still alive after reporting
+    results.close()
     return [reports[i] for i in range(len(procs))]
 
 

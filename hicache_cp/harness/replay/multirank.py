@@ -57,8 +57,11 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
             reports = [replay_rank(args, config, requests, sink_factory=_sink_factory(rank_info))]
         else:
             reports = spawn_ranks(_replay_rank, config.cp_size, (args, config, requests, rank_info), timeout_s=timeout)
-    finally:
-        pd_report = peer.stop() if peer is not None else None
+    except BaseException:  # failed or interrupted: stop the peer, never wait on it
+        if peer is not None:
+            peer.terminate()
+        raise
+    pd_report = peer.stop() if peer is not None else None
     combined = combine_reports(reports, wall_s=time.perf_counter() - t0)
     if pd_report is not None:
         combined["pd"] = pd_report
