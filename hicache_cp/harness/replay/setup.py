@@ -40,7 +40,8 @@ EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to ma
 TRACE_L2_FRACTION = 0.1
 L2_TO_L1 = 8  # default L1 = L2 / 8
 MAX_CP_SIZE = 64
-MAX_PAGES = 1 << 40  # no flag may ask for more pages than this, whatever the machine
+MAX_PAGES = 1 << 40
+DEFAULT_METRICS_ADDR = "127.0.0.1"  # no flag may ask for more pages than this, whatever the machine
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,14 @@ def check_args(args: argparse.Namespace) -> None:
         quiet_mooncake_logs(getattr(args, "verbose", 0))  # before Mooncake loads; the ranks inherit it
     if args.pd:
         require("mooncake.engine", "pd", "--pd")
+    checks.ip_literal("--metrics-addr", args.metrics_addr)
     if args.metrics_port is not None:
         checks.in_range("--metrics-port", args.metrics_port, 1, 65535 - MAX_CP_SIZE)
         require("prometheus_client", "metrics", "--metrics-port")
+        ranks = max(args.cp_size or 1, getattr(args, "instances", 1) or 1)
+        checks.ports_free("--metrics-port", args.metrics_addr, range(args.metrics_port, args.metrics_port + ranks))
+    elif args.metrics_addr != DEFAULT_METRICS_ADDR:
+        raise InputError(f"--metrics-addr {args.metrics_addr} needs --metrics-port")
     for item in args.set or ():
         if "=" not in item or not item.partition("=")[0].strip():
             raise InputError(f"--set {item!r}: expected FIELD=VALUE")
