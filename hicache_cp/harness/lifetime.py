@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -71,6 +72,9 @@ def stop_on_signals() -> Iterator[None]:
         fired.append(signum)
         raise Interrupted(signum)
 
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
     old = {s: signal.signal(s, handler) for s in _HANDLED}
     try:
         yield

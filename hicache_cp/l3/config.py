@@ -24,6 +24,7 @@ P2P handshake (no HTTP metadata server).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,9 @@ class L3Config:
     local_buffer_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
+        for name in ("backend", "master", "local_hostname", "protocol", "device_name", "namespace", "kv_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"l3.{name}: expected a string, got {getattr(self, name)!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"l3.backend: unknown backend {self.backend!r}; supported: {', '.join(BACKENDS)}")
         host, sep, port = self.master.rpartition(":")
@@ -89,10 +93,11 @@ class L3Config:
                 raise ConfigError(f"l3.{name}: must be an integer >= {low}, got {value!r}")
         for name in ("prefetch_timeout_s", "lookup_timeout_s", "retry_interval_s", "close_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"l3.{name}: must be a number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"l3.{name}: must be a finite number of seconds > 0, got {value!r}")
         if self.unsafe_hold_s is not None and (
-            isinstance(self.unsafe_hold_s, bool) or not isinstance(self.unsafe_hold_s, (int, float)) or self.unsafe_hold_s < 0
+            isinstance(self.unsafe_hold_s, bool) or not isinstance(self.unsafe_hold_s, (int, float))
+            or not 0 <= self.unsafe_hold_s < math.inf
         ):
             raise ConfigError(f"l3.unsafe_hold_s: must be a number of seconds >= 0, got {self.unsafe_hold_s!r}")
         for name in ("group_parts", "prefetch_wait"):
@@ -116,10 +121,52 @@ class L3Config:
             return cls()
         if isinstance(value, cls):
             return value
+        return cls(**cls.table(value))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def table(cls, value: Any) -> dict[str, Any]:
+        """A checked [l3] table: known fields only; `enabled = true` means
+        `backend = "mooncake"` (the only backend), `enabled = false` "none"."""
         if not isinstance(value, dict):
             raise ConfigError(f"l3: expected a table of L3 settings, got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        value = dict(value)
+        if "enabled" in value:
+            enabled = value.pop("enabled")
+            if not isinstance(enabled, bool):
+                raise ConfigError(f"l3.enabled: expected true/false, got {enabled!r}")
+            backend = "mooncake" if enabled else "none"
+            if value.setdefault("backend", backend) != backend:
+                raise ConfigError(f"l3.enabled = {str(enabled).lower()} contradicts l3.backend = {value['backend']!r}")
+        known = set(cls.field_names())
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ConfigError(f"l3: unknown field(s) {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+            raise ConfigError(f"l3: unknown field(s) {unknown}; known: enabled, {', '.join(sorted(known))}")
+        return value
+
+    @classmethod
+    def coerce(cls, name: str, raw: str, source: str = "") -> Any:
+        """The value of field `name` spelt as a string (environment, --set), typed."""
+        where = f" (from {source})" if source else ""
+        if name == "enabled":
+            name = "backend"
+            raw = {"1": "mooncake", "true": "mooncake", "0": "none", "false": "none"}.get(raw.strip().lower(), raw)
+        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        if name not in types:
+            raise ConfigError(f"l3: unknown field {name!r}{where}; known: {', '.join(sorted(types))}")
+        t, v = types[name], raw.strip()
+        try:
+            if t == "bool":
+                if v.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    return v.lower() in ("1", "true", "yes", "on")
+                raise ValueError(v)
+            if t == "int":
+                return int(v)
+            if t.startswith("float"):
+                return None if v.lower() in ("", "none", "auto") and "None" in t else float(v)
+        except ValueError:
+            raise ConfigError(f"l3.{name}: expected {t}, got {raw!r}{where}") from None
+        return raw

@@ -89,8 +89,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     requests = load_requests(args)
     resolved, sizing = build_config(args, requests)
     config = resolved.config
-    if uses_instances(args):
-        report = run_instances(args, config, requests)
+    if uses_instances(args, config):
+        report = run_instances(args, config, requests, resolved.sources)
     elif config.cp_size > 1 or args.pd:
         report = run_ranks(args, config, requests)
     else:
@@ -102,6 +102,12 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         l2_logical_pages=sizing.l2_logical_pages,
         config=resolved.report(),
     )
+    if "l3_config" in report:  # what ran: the master and sizes derived for the run, not the defaults
+        ran = report.pop("l3_config")
+        report["config"]["l3"]["value"] = ran
+        report["config"]["l3"]["sources"] = {
+            k: (report["config"]["l3"]["sources"].get(k, "default") if v == resolved.config.to_dict()["l3"].get(k)
+                else "derived:replay --l3") for k, v in ran.items()}  # fmt: skip
     if args.bounds:
         report["bounds"] = compute_bounds(requests, sizing, tokens_per_block(args, config) // config.page_size)
     return report

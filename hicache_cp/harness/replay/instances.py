@@ -33,11 +33,12 @@ from contextlib import nullcontext
 from typing import Any
 
 from hicache_cp.config import Config
+from hicache_cp.l3.config import L3Config
 from hicache_cp.harness import lifetime
 from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.l3_master import l3_service
 from hicache_cp.harness.replay.rank import replay_rank
-from hicache_cp.harness.replay.setup import tokens_per_block
+from hicache_cp.harness.replay.setup import check_processes, run_timeout_s, tokens_per_block
 from hicache_cp.harness.trace import TraceRequest, unique_blocks
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,6 @@ _SUM_KEYS = (
     "integrity_checked_units", "integrity_expected_units", "integrity_mismatches", "rejected_requests",
     "host_bytes", "cross_instance_hit_tokens",
 )  # fmt: skip
-RUN_TIMEOUT_S = 3600.0
 MIN_SEGMENT_BYTES = 64 << 20
 #: How long a finished instance keeps its store segment (its objects) for the others.
 FINISH_BARRIER_S = 600.0
@@ -79,14 +79,17 @@ def add_l3_arguments(p: argparse.ArgumentParser) -> None:
     # fmt: skip
 
 
-def uses_instances(args: argparse.Namespace) -> bool:
-    """Whether this replay goes through `run_instances` (an L3 tier or several instances)."""
-    return getattr(args, "l3", None) is not None or getattr(args, "instances", 1) > 1
+def uses_instances(args: argparse.Namespace, config: Config | None = None) -> bool:
+    """Whether this replay goes through `run_instances` (an L3 tier, from the
+    flags or the config's [l3], or several instances)."""
+    return (getattr(args, "l3", None) is not None or getattr(args, "instances", 1) > 1
+            or (config is not None and config.l3.enabled))  # fmt: skip
 
 
 def check_l3_args(args: argparse.Namespace) -> None:
     if args.instances < 1:
         raise InputError(f"--instances must be >= 1, got {args.instances}")
+    check_processes("--instances", args.instances, "cli")
     if args.l3 is None and (args.l3_master or args.l3_pages_per_object or args.l3_segment_mib or args.l3_write_queue):
         raise InputError("--l3-master, --l3-pages-per-object, --l3-segment-mib and --l3-write-queue need --l3 mooncake")
     if (args.instances > 1 or args.l3 is not None) and ((args.cp_size or 1) > 1 or args.pd):
@@ -115,9 +118,21 @@ def spread(requests: list[TraceRequest], n: int, how: str) -> list[list[TraceReq
     return shares
 
 
-def run_instances(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> dict[str, Any]:
-    """Run the replay on `args.instances` instances; return the combined report."""
+def run_instances(
+    args: argparse.Namespace, config: Config, requests: list[TraceRequest], sources: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run the replay on `args.instances` instances; return the combined report.
+
+    L3 is on with `--l3 mooncake` or the config's `[l3]` (backend mooncake).
+    Each [l3] field the config set (TOML, env, --set: `sources`) is kept; the
+    flags beat it, and what is left unset is derived here (the master: one
+    started on 127.0.0.1; the segment; the write-back queue). The report's
+    `l3_config` is the [l3] that ran."""
     check_l3_args(args)
+    sources = sources or {}
+    given = {name for name in L3Config.field_names() if sources.get(f"l3.{name}", "default") != "default"}
+    use_l3 = args.l3 is not None or config.l3.enabled
+    master = args.l3_master or (config.l3.master if "master" in given else None)
     if config.cp_size > 1:
         raise InputError(f"--instances and --l3 replay cp_size 1 instances; the config has cp_size {config.cp_size}")
     n = args.instances
@@ -127,18 +142,23 @@ def run_instances(args: argparse.Namespace, config: Config, requests: list[Trace
     # Every instance lends the store room for the whole footprint (its puts land in its own segment).
     segment = (args.l3_segment_mib << 20) if args.l3_segment_mib else max(MIN_SEGMENT_BYTES, 2 * footprint)
     t0 = time.perf_counter()
-    service = l3_service(args.l3_master) if args.l3 else nullcontext(None)
+    if args.l3_segment_mib is None and "segment_bytes" in given:
+        segment = config.l3.segment_bytes
+    service = l3_service(master) if use_l3 else nullcontext(None)
     with service as address:
         if address is not None:
-            queue_pages = args.l3_write_queue or config.host_budget_bytes // config.layout().bytes_per_page - 1
+            queue_pages = args.l3_write_queue or (
+                config.l3.write_queue_pages if "write_queue_pages" in given
+                else config.host_budget_bytes // config.layout().bytes_per_page - 1)  # fmt: skip
             config = with_l3(config, address, args.l3_pages_per_object, segment, queue_pages)
         if n == 1:
             reports = [run_instance(0, args, config, shares[0])]
         else:
             reports = _spawn(args, config, shares)
     out = combine(reports, wall_s=time.perf_counter() - t0)
-    out.update(instances=n, spread=args.spread, l3=args.l3 or "none",
-               l3_master=args.l3_master or ("started on 127.0.0.1" if args.l3 else None))  # fmt: skip
+    out.update(instances=n, spread=args.spread, l3="mooncake" if use_l3 else "none",
+               l3_master=master or ("started on 127.0.0.1" if use_l3 else None),
+               l3_config=config.to_dict()["l3"])  # fmt: skip
     return out
 
 
@@ -238,7 +258,7 @@ def _spawn(args: argparse.Namespace, config: Config, shares: list[list[TraceRequ
         for i, share in enumerate(shares)
     ]
     reports: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + float(os.environ.get("HICACHE_CP_RANK_TIMEOUT_S", RUN_TIMEOUT_S))
+    deadline = time.monotonic() + run_timeout_s()
     try:
         lifetime.start_processes(procs)
         while len(reports) < len(procs):

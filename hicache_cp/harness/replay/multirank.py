@@ -13,7 +13,6 @@ rank's pages; the ranks' `pd_*` counters go to their per-rank entries and
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,8 +21,9 @@ from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.harness.engines.synthetic import RequestSink
-from hicache_cp.harness.launch import DEFAULT_RUN_TIMEOUT_S, RankContext, spawn_ranks
+from hicache_cp.harness.launch import RankContext, spawn_ranks
 from hicache_cp.harness.replay.rank import replay_rank
+from hicache_cp.harness.replay.setup import run_timeout_s
 from hicache_cp.harness.trace import TraceRequest
 
 # Counters each rank measures for its own pages: summed over ranks.
@@ -50,7 +50,7 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
 
         peer = pd_replay.start_decode_peer(args, config, requests)
         rank_info = peer.rank_info
-    timeout = float(os.environ.get("HICACHE_CP_RANK_TIMEOUT_S", DEFAULT_RUN_TIMEOUT_S))
+    timeout = run_timeout_s()
     t0 = time.perf_counter()
     try:
         if config.cp_size == 1:  # one rank (with the decode peer): in this process

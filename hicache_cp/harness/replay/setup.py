@@ -41,7 +41,9 @@ TRACE_L2_FRACTION = 0.1
 L2_TO_L1 = 8  # default L1 = L2 / 8
 MAX_CP_SIZE = 64
 MAX_PAGES = 1 << 40
-DEFAULT_METRICS_ADDR = "127.0.0.1"  # no flag may ask for more pages than this, whatever the machine
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+PROCESS_BYTES = 512 << 20  # one rank or instance process: Python, torch, its pools' bookkeeping
+PROCESSES_PER_CORE = 4  # no flag may ask for more pages than this, whatever the machine
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ def check_args(args: argparse.Namespace) -> None:
     for item in args.set or ():
         if "=" not in item or not item.partition("=")[0].strip():
             raise InputError(f"--set {item!r}: expected FIELD=VALUE")
+    run_timeout_s()
 
 
 def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
@@ -117,6 +120,12 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "io_backend": args.io_backend,
         "cp_size": args.cp_size,
     }
+    # Flags that size a field another way: with --set for that field as well, which wins is unclear. Refused.
+    sized = {"l1_pages": ("--l1-pages", args.l1_pages), "host_budget_bytes": ("--l2-gib/--l2-fraction",
+             args.l2_gib if args.l2_gib is not None else args.l2_fraction)}  # fmt: skip
+    for name, (flag, value) in sized.items():
+        if value is not None and name in out:
+            raise InputError(f"--set {name}={out[name]} and {flag} {value} both size {name}: give one")
     for name, value in named.items():
         if value is None:
             continue
@@ -126,9 +135,47 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def max_processes() -> int:
+    """Most rank or instance processes this machine runs at once: each is a
+    Python with torch (about PROCESS_BYTES) and wants a core of its own at
+    least every PROCESSES_PER_CORE; never above MAX_CP_SIZE."""
+    import os
+
+    from hostmem.sizing import host_memory
+
+    by_memory = host_memory(reserve_bytes=0).available_bytes // PROCESS_BYTES
+    return int(max(1, min(MAX_CP_SIZE, PROCESSES_PER_CORE * (os.cpu_count() or 1), by_memory)))
+
+
+def check_processes(what: str, n: int, source: str) -> None:
+    limit = max_processes()
+    if n > limit:
+        raise InputError(f"{what} {n} (from {source}) exceeds what this machine runs at once: at most {limit} "
+                         f"({PROCESSES_PER_CORE} per core, {PROCESS_BYTES >> 20} MiB each, at most {MAX_CP_SIZE})")  # fmt: skip
+
+
+def run_timeout_s() -> float:
+    """`HICACHE_CP_RANK_TIMEOUT_S`: the deadline of a multi-process run (default one hour), checked."""
+    import os
+
+    from hicache_cp.harness.launch import DEFAULT_RUN_TIMEOUT_S
+
+    raw = os.environ.get("HICACHE_CP_RANK_TIMEOUT_S")
+    if raw is None:
+        return DEFAULT_RUN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise InputError(f"HICACHE_CP_RANK_TIMEOUT_S={raw!r}: expected a finite number of seconds > 0")
+    return value
+
+
 def build_config(args: argparse.Namespace, requests: list[TraceRequest]) -> tuple[ResolvedConfig, Sizing]:
     """The effective configuration of the run (with sources) and its sizing."""
     base = Config.resolve(args.config, overrides={**cli_overrides(args), **config_overrides(args)})
+    check_processes("cp_size", base.config.cp_size, base.sources["cp_size"])
     tpb = tokens_per_block(args, base.config)
     if tpb % base.config.page_size:
         raise InputError(f"--tokens-per-block {tpb} is not a multiple of the page size ({base.config.page_size})")
