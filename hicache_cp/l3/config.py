@@ -16,6 +16,7 @@ TOML::
     prefetch_timeout_s = 2.0          # deadline of one prefetch
     lookup_timeout_s = 0.5            # deadline of one existence lookup
     retry_interval_s = 1.0            # store down: probe again after this long
+    connect_timeout_s = 5.0           # start-up: the master must accept a connection within this
 
 Everything binds to loopback by default; the store's transfer engine uses the
 P2P handshake (no HTTP metadata server).
@@ -58,6 +59,7 @@ class L3Config:
     lookup_timeout_s: float = 0.5
     retry_interval_s: float = 1.0
     close_timeout_s: float = 15.0
+    connect_timeout_s: float = 5.0  # the master must accept a connection within this at start-up
     #: After a store call failed in a way that may leave a transfer running
     #: (TRANSFER_FAIL, unknown codes), its L2 pages stay held this long.
     #: None: 0 over tcp (its transfers end with the call), 300 s over rdma.
@@ -91,7 +93,7 @@ class L3Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"l3.{name}: must be an integer >= {low}, got {value!r}")
-        for name in ("prefetch_timeout_s", "lookup_timeout_s", "retry_interval_s", "close_timeout_s"):
+        for name in ("prefetch_timeout_s", "lookup_timeout_s", "retry_interval_s", "close_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"l3.{name}: must be a finite number of seconds > 0, got {value!r}")

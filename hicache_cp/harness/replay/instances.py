@@ -34,6 +34,7 @@ from typing import Any
 
 from hicache_cp.config import Config
 from hicache_cp.l3.config import L3Config
+from hicache_cp.l3.store import L3Error, reachable
 from hicache_cp.harness import lifetime
 from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.l3_master import l3_service
@@ -59,6 +60,10 @@ _SUM_KEYS = (
 MIN_SEGMENT_BYTES = 64 << 20
 #: How long a finished instance keeps its store segment (its objects) for the others.
 FINISH_BARRIER_S = 600.0
+
+
+class InstanceFailed(RuntimeError):
+    """An instance process raised; the message is one line, its traceback is logged at INFO."""
 
 
 def add_l3_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,6 +147,11 @@ def run_instances(
     # Every instance lends the store room for the whole footprint (its puts land in its own segment).
     segment = (args.l3_segment_mib << 20) if args.l3_segment_mib else max(MIN_SEGMENT_BYTES, 2 * footprint)
     t0 = time.perf_counter()
+    if use_l3 and master is not None:  # a master named by the user: reachable now, or a one-line error
+        try:
+            reachable(master, config.l3.connect_timeout_s, "replay")
+        except L3Error as exc:
+            raise InputError(f"--l3-master/l3.master: {exc}") from None
     if args.l3_segment_mib is None and "segment_bytes" in given:
         segment = config.l3.segment_bytes
     service = l3_service(master) if use_l3 else nullcontext(None)
@@ -241,9 +251,9 @@ def _instance_main(index: int, args: argparse.Namespace, config: Config, request
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         results.put(("ok", index, run_instance(index, args, config, requests, barrier)))
-    except BaseException:
+    except BaseException as exc:
         barrier.abort()  # the others stop waiting for this one
-        results.put(("error", index, traceback.format_exc()))
+        results.put(("error", index, (f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
 
 
 def _spawn(args: argparse.Namespace, config: Config, shares: list[list[TraceRequest]]) -> list[dict[str, Any]]:
@@ -274,7 +284,9 @@ def _spawn(args: argparse.Namespace, config: Config, shares: list[list[TraceRequ
                     raise TimeoutError(f"instances {[i for i in range(len(procs)) if i not in reports]} did not finish")
                 continue
             if kind == "error":
-                raise RuntimeError(f"instance {index} failed:\n{payload}")
+                summary, trace = payload
+                logger.info("instance %d failed:\n%s", index, trace)  # the whole traceback with -v
+                raise InstanceFailed(f"instance {index} failed: {summary} (run with -v for its traceback)")
             reports[index] = payload
     except BaseException:  # an instance failed, or the parent was interrupted: stop the rest now
         lifetime.stop_processes(procs)
