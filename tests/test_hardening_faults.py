@@ -137,3 +137,29 @@ def test_auto_host_budget_is_the_min_over_cp_ranks(monkeypatch) -> None:
     # 128 MiB shared by the 2 local ranks: 64 MiB each, on both.
     assert [o["budget"] for o in out] == [64 << 20, 64 << 20]
     assert out[0]["l2_capacity_pages"] == out[1]["l2_capacity_pages"] > 0
+
+
+# ---- L3 counters are final after a drain ----------------------------------------------------
+
+
+def test_drain_waits_for_l3_write_backs_so_counters_are_final() -> None:
+    """The replay reads its L3 counters after `cache.drain()`: the puts queued
+    by the last requests must have finished by then (they were counted later,
+    after the report was taken)."""
+    from conftest import run_request, tokens_of
+    from test_l3_support import GatedStore, MemoryStore, l3_cache
+
+    store = GatedStore(MemoryStore())
+    store.put_gate.clear()  # puts wait: the drain must wait for them
+    cache = l3_cache(store, {"backend": "mooncake", "master": "127.0.0.1:1"}, l1_pages=64, host_budget_bytes=1 << 20)
+    try:
+        run_request(cache, tokens_of(61, 62, 63))
+        assert store.put_waiting.wait(10), "no write-back started"
+        threading.Timer(0.3, store.put_gate.set).start()
+        cache.drain()
+        assert cache.l3 is not None and cache.l3.writes == []
+        stats = cache.stats()
+        assert stats["l3_put_jobs"] >= 1 and stats["l3_put_bytes"] > 0
+    finally:
+        store.put_gate.set()
+        cache.close()
