@@ -143,6 +143,12 @@ CASES: list[tuple[str, list[str], Setup | None, list[str], str]] = [
     ("bench-l3-master-unreachable", ["bench-l3", "--l3-master", "127.0.0.1:1"], None, [],
      "no Mooncake master accepts connections"),
     ("bench-l3-page-size-zero", ["bench-l3", "--page-size", "0"], None, [], "--page-size must be in [1"),
+    *[(f"io-backend-{b}-without-cuda", ["replay", "--device", "cpu", "--io-backend", b], None, [], "copies with CUDA")
+      for b in ("hybrid", "kernel", "direct", "staging")],
+    ("pin-host-without-cuda", ["replay", "--device", "cpu", "--set", "pin_host=true"], None, [], "needs CUDA"),
+    ("plot-with-cp", ["replay", "--cp-size", "2", "--plot"], lambda d: [str(d / "p.png")], [], "--plot draws one"),
+    ("plot-with-instances", ["replay", "--instances", "2", "--plot"], lambda d: [str(d / "p.png")], [],
+     "--plot draws one"),
     ("bench-pd-zero-pages", ["bench-pd", "--pages", "0"], None, [], "--pages must be in [1"),
     ("bench-pd-zero-repeats", ["bench-pd", "--repeats", "0"], None, [], "--repeats must be in [1"),
     ("bench-pd-l2-fraction", ["bench-pd", "--l2-fraction", "2"], None, [], "--l2-fraction must be in [0, 1]"),

@@ -176,6 +176,7 @@ def build_config(args: argparse.Namespace, requests: list[TraceRequest]) -> tupl
     """The effective configuration of the run (with sources) and its sizing."""
     base = Config.resolve(args.config, overrides={**cli_overrides(args), **config_overrides(args)})
     check_processes("cp_size", base.config.cp_size, base.sources["cp_size"])
+    _check_machine(base, args)
     tpb = tokens_per_block(args, base.config)
     if tpb % base.config.page_size:
         raise InputError(f"--tokens-per-block {tpb} is not a multiple of the page size ({base.config.page_size})")
@@ -218,6 +219,28 @@ def size(args: argparse.Namespace, resolved: ResolvedConfig, requests: list[Trac
     if l1 < longest + cp:
         raise InputError(f"L1 of {l1} logical pages ({l1_source}) cannot hold the longest request ({longest} pages)")
     return Sizing(footprint, l1, l2, math.ceil(l1 / cp) + 1, budget, l1_source, l2_source)
+
+
+#: io backends that copy with CUDA (the others run anywhere).
+CUDA_BACKENDS = ("hybrid", "kernel", "direct", "staging")
+
+
+def _check_machine(resolved: ResolvedConfig, args: argparse.Namespace) -> None:
+    """Settings this machine or this run cannot honour: refused before any work."""
+    config, sources = resolved.config, resolved.sources
+    cuda = str(args.device).startswith("cuda")
+    if config.io_backend in CUDA_BACKENDS and not cuda:
+        raise InputError(f"io_backend = {config.io_backend} (from {sources['io_backend']}) copies with CUDA, "
+                         f"but the L1 device is {args.device}; use io_backend cpu or auto")  # fmt: skip
+    if config.pin_host is True and not cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"pin_host = true (from {sources['pin_host']}) needs CUDA to pin host memory; "
+                             "this machine has none (use false or auto)")  # fmt: skip
+    if args.plot is not None and (config.cp_size > 1 or getattr(args, "instances", 1) > 1):
+        raise InputError(f"--plot draws one process's run; cp_size {config.cp_size}, "
+                         f"--instances {getattr(args, 'instances', 1)} have several (drop --plot or run one)")  # fmt: skip
 
 
 def _check_memory(config: Config, device: str) -> None:
