@@ -140,7 +140,11 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
             time.sleep(0.2)
         else:
             pytest.fail(f"{case}: children not up within 180 s: {_alive(list(seen.values()))}")
-        time.sleep(3.0)  # into the work, past every child's imports
+        while "req/s" not in err_path.read_text(errors="replace"):  # the replay's progress bar: work started
+            assert time.monotonic() < deadline, f"{case}: no progress within 180 s: {err_path.read_text()[-2000:]}"
+            assert parent.poll() is None, err_path.read_text()[-2000:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the work, every child past its start-up
         for p in _descendants(parent.pid):
             seen.setdefault(p.pid, p)
         assert parent.poll() is None, "the run finished before the signal: make the trace longer"

@@ -9,10 +9,14 @@ The workloads come from the embedded generator (`harness.workload`), seeded:
 
 - `multiturn`: chat sessions that extend their own prefix turn by turn
   (the generator's defaults, another seed than the embedded workload);
-- `agentic`: long tool loops: up to 30 short turns a session (tool results
-  of 50-400 tokens, short answers), few sessions at once;
-- `hot_document`: one long shared document (60-80 blocks) read by many
-  short sessions of one or two questions.
+- `agentic`: tool loops: up to 20 short turns a session (tool results of
+  100-600 tokens, short answers), many sessions interleaved;
+- `hot_document`: one shared 30-block document read by 300 short sessions
+  (1-3 questions of 500-3000 tokens each).
+
+L1 is the replay's default (L2 / 8, but at least three of the longest
+requests), so on small footprints L1 holds much of the working set and the
+hit rate can pass the Belady bound, which is computed at L2's capacity alone.
 
 Each cell is `tools/policy_sweep.py`'s (one verified replay, LRU with the
 Belady bound first). Writes bench/results/policy-workloads.json (commit,
@@ -37,11 +41,11 @@ from hicache_cp.harness.workload import default_workload  # noqa: E402
 from policy_sweep import DEFAULT_VARIANTS, sweep  # noqa: E402
 
 WORKLOADS = {
-    "multiturn": dict(seed=11),
-    "agentic": dict(seed=12, sessions=25, single_shot=5, max_turns=30, user_tokens=(50, 400),
-                    output_tokens=(20, 200), think_ms=3000.0, session_gap_ms=6000.0),
-    "hot_document": dict(seed=13, sessions=150, single_shot=10, system_prompts=1, system_blocks=(60, 80),
-                         max_turns=2, user_tokens=(50, 300), output_tokens=(50, 300), session_gap_ms=500.0),
+    "multiturn": dict(seed=11, sessions=150, single_shot=40),
+    "agentic": dict(seed=12, sessions=200, single_shot=20, max_turns=20, user_tokens=(100, 600),
+                    output_tokens=(20, 200), think_ms=3000.0, session_gap_ms=1000.0),
+    "hot_document": dict(seed=13, sessions=300, single_shot=40, system_prompts=1, system_blocks=(30, 30),
+                         max_turns=3, user_tokens=(500, 3000), output_tokens=(50, 500), session_gap_ms=500.0),
 }  # fmt: skip
 
 

@@ -16,7 +16,9 @@ Every process the harness starts (CP ranks, L3 instances, the decode peer,
 - **Ctrl-C at a terminal** reaches the whole process group: the children
   ignore SIGINT (they start with it blocked, `start_processes`, and then
   ignore it) and leave the shutdown to the parent, which would otherwise wait
-  on peers that died half-way through a protocol.
+  on peers that died half-way through a protocol. The parent defers both
+  signals while it starts children (a start cut short leaves a child reading
+  a truncated pickle), then unwinds.
 
 Linux only (prctl); elsewhere the first two rules still hold.
 """
@@ -70,6 +72,9 @@ def stop_on_signals() -> Iterator[None]:
             logger.warning("%s again while stopping; still stopping", signal.Signals(signum).name)
             return
         fired.append(signum)
+        if _deferring:  # starting children: raised when the starts are done (`_signals_deferred`)
+            _pending.append(signum)
+            return
         raise Interrupted(signum)
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
@@ -83,27 +88,39 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
+_deferring: list[bool] = []
+_pending: list[int] = []
+
+
 @contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """SIGINT blocked in this thread; a child forked meanwhile starts with it blocked
-    (the mask survives fork and exec), and a pending one is delivered on exit."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+def _signals_deferred() -> Iterator[None]:
+    """An interrupt during the block is raised when it exits. The signals are
+    also blocked in this thread, so a child forked meanwhile starts with them
+    blocked (the mask survives fork and exec) until `child_main` takes over;
+    the flag covers a signal the kernel hands to another thread."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(_HANDLED))
+    _deferring.append(True)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _deferring.pop()
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a blocked one is handled here, now
+    if _pending and not _deferring:
+        raise Interrupted(_pending.pop())
 
 
 def start_processes(procs: Sequence[Any]) -> None:
-    """Start multiprocessing children so that a Ctrl-C during their start-up
-    (imports) reaches none of them: only the parent handles it."""
-    with _sigint_blocked():
+    """Start multiprocessing children whole: an interrupt waits until every
+    start returned (a start cut short leaves a child reading a truncated
+    pickle), and a Ctrl-C during their start-up reaches none of them."""
+    with _signals_deferred():
         for p in procs:
             p.start()
 
 
 def stop_processes(procs: Sequence[Any], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every live child, wait up to `grace_s` in all, SIGKILL the rest, reap."""
+    procs = [p for p in procs if p.pid is not None]  # never started: nothing to stop
     for p in procs:
         if p.is_alive():
             with contextlib.suppress(OSError, ValueError):
@@ -139,7 +156,7 @@ def child_main(parent_pid: int, target: Callable[..., Any], *args: Any) -> Any:
     """A multiprocessing child's entry: tie it to `parent_pid`, leave Ctrl-C to the parent, run `target`."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_HANDLED))  # blocked by `start_processes`
     return target(*args)
 
 
