@@ -69,6 +69,7 @@ class ModelLayout:
     draft_layers: int = 0
     draft_kv_bytes_per_token: int = 0
     draft_state_bytes_per_token: int = 0
+    draft_state_layers: tuple[int, ...] | None = None  # None: every draft layer owns NSA state
 
     def layout(self, page_size: int) -> KVLayout:
         return KVLayout.build(
@@ -80,6 +81,7 @@ class ModelLayout:
             draft_layers=self.draft_layers,
             draft_kv_bytes_per_token=self.draft_kv_bytes_per_token,
             draft_state_bytes_per_token=self.draft_state_bytes_per_token,
+            draft_state_layers=self.draft_state_layers,
         )
 
 
@@ -324,12 +326,14 @@ def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
     if unknown:
         raise ConfigError(f"model_layout: unknown field(s) {unknown}; known: {', '.join(sorted(names))}")
     over = dict(over)
-    if over.get("state_layers") is not None:
-        layers = over["state_layers"]
-        if not isinstance(layers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
-            raise ConfigError(f"model_layout.state_layers: expected a list of layer ids, got {layers!r}")
-        over["state_layers"] = tuple(layers)
-    for name in names - {"name", "state_layers"}:
+    lists = {"state_layers", "draft_state_layers"}
+    for name in lists:
+        if over.get(name) is not None:
+            layers = over[name]
+            if not isinstance(layers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+                raise ConfigError(f"model_layout.{name}: expected a list of layer ids, got {layers!r}")
+            over[name] = tuple(layers)
+    for name in names - {"name"} - lists:
         if name in over and (not isinstance(over[name], int) or isinstance(over[name], bool)):
             raise ConfigError(f"model_layout.{name}: expected an integer, got {over[name]!r}")
     return dataclasses.replace(base, **over)

@@ -49,7 +49,36 @@ from hicache_cp.io.base import CopyTicket, TicketState
 from hicache_cp.layout import KVLayout, Model, Part
 
 if TYPE_CHECKING:
+    from hicache_cp.io.base import CopyPlan
     from hicache_cp.radix import Node
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What the per-layer calls need of a layout, looked up once per layout:
+    each model's (part, layer ids) in layout order, and each part's page bytes."""
+
+    layout: KVLayout
+    parts_of: dict[Model, tuple[tuple[Part, frozenset[int]], ...]]
+    page_bytes: dict[Part, int]
+
+
+_SHAPES: dict[int, _Shape] = {}
+
+
+def _shape(layout: KVLayout) -> _Shape:
+    """The layout's `_Shape` (cached by identity; a handful of layouts per process)."""
+    shape = _SHAPES.get(id(layout))
+    if shape is None or shape.layout is not layout:
+        if len(_SHAPES) > 256:  # tests build many layouts; keep the cache bounded
+            _SHAPES.clear()
+        shape = _Shape(
+            layout,
+            {m: tuple((p.part, frozenset(p.layer_ids)) for p in layout.parts_of(m)) for m in Model},
+            {p.part: p.page_bytes for p in layout.parts},
+        )
+        _SHAPES[id(layout)] = shape
+    return shape
 
 
 class BackupState(enum.Enum):
@@ -109,6 +138,9 @@ class _CopyOp:
     #: This rank's (device, host) physical page ids, computed at the first submission
     #: and shared by every layer and part (the page lists never change).
     physical: tuple[np.ndarray, np.ndarray] | None = None
+    #: The copy engine's plan of this rank's pages (`CopyEngine.plan`), made once per op.
+    plan: CopyPlan | None = None
+    _shape: _Shape = field(init=False, repr=False)
 
     kind = "op"
 
@@ -117,6 +149,7 @@ class _CopyOp:
         if self.local_pages < 0:
             self.local_pages = len(self.device_pages)
         assert self.local_pages <= len(self.device_pages), (self.local_pages, len(self.device_pages))
+        self._shape = _shape(self.layout)
         for p in self.layout.parts:
             self.submitted[p.part] = set()
             self.landed[p.part] = set()
@@ -140,13 +173,10 @@ class _CopyOp:
                 out[p.part] = missing
         return out
 
-    def layers_to_submit(self, model: Model, layer: int) -> list[Part]:
-        """Parts of `model` that own `layer` and have not submitted it yet."""
-        return [
-            p.part
-            for p in self.layout.parts_of(model)
-            if p.has_layer(layer) and layer not in self.submitted[p.part]
-        ]
+    def layers_to_submit(self, model: Model, layer: int) -> tuple[Part, ...]:
+        """Parts of `model` that own `layer` and have not submitted it yet, in layout order."""
+        submitted = self.submitted
+        return tuple(part for part, owned in self._shape.parts_of[model] if layer in owned and layer not in submitted[part])
 
     def record_submit(self, part: Part, layer: int, tickets: list[CopyTicket]) -> None:
         """Record the copies submitted for one layer of one part.
@@ -158,7 +188,7 @@ class _CopyOp:
         """
         assert layer not in self.submitted[part], (self.id, part, layer)
         self.submitted[part].add(layer)
-        page_bytes = self.layout.part(part).page_bytes
+        page_bytes = self._shape.page_bytes[part]
         covered = sum(t.nbytes for t in tickets) // page_bytes
         if covered != self.local_pages:
             self.error = self.error or ConsistencyError(
@@ -181,23 +211,31 @@ class _CopyOp:
         A layer counts as landed when none of its tickets is still in flight
         and none failed (a failure fails the op instead). Non-blocking.
         """
-        still: list[CopyTicket] = []
+        # An op's copies go one way, and copies of one direction complete in
+        # submission order (the io contract): the first PENDING ticket ends the
+        # scan, so a poll costs O(finished + 1) queries, not O(in flight).
+        inflight = self.inflight
         finished: list[CopyTicket] = []
         now = time.perf_counter()
-        for t in self.inflight:
+        done = 0
+        for t in inflight:
             state = t.query()
             if state is TicketState.PENDING:
-                still.append(t)
-            elif state is TicketState.FAILED:
+                break
+            done += 1
+            if state is TicketState.FAILED:
                 self.error = self.error or t.error or RuntimeError(f"{t.describe()} failed")
             else:
                 finished.append(t)
                 self.nbytes += t.nbytes
                 self.copy_latencies.append(now - t.submitted_at)
+        if not done:
+            return
+        still = inflight[done:]
         self.inflight = still
         if self.error is not None:
             return
-        pending_layers = {(t.part, t.layer) for t in still}
+        pending_layers = {(t.part, t.layer) for t in still} if still else ()
         for t in finished:
             if (t.part, t.layer) not in pending_layers:
                 self.landed[t.part].add(t.layer)
@@ -261,10 +299,10 @@ class LoadOp(_CopyOp):
         on CPU this blocks. A failed copy does not raise here: it is recorded
         and the op aborts on every rank at the next `poll()`.
         """
-        for p in self.layout.parts_of(model):
-            if not p.has_layer(layer):
+        for part, owned in self._shape.parts_of[model]:
+            if layer not in owned:
                 continue
-            for t in self.by_layer.get((p.part, layer), ()):
+            for t in self.by_layer.get((part, layer), ()):
                 try:
                     t.make_compute_wait()
                 except Exception as exc:  # recorded; the agreed poll aborts the op

@@ -41,6 +41,13 @@ PACKAGES=(
   pyzmq==27.3.0
   ipython==9.18.1
   traitlets==5.16.1
+  # imported by the scheduler-side modules the radix-cache plug-in runs against
+  # (schedule_batch, schedule_policy, memory_pool through sglang.srt.configs and layers)
+  dill==0.4.1
+  sentencepiece==0.2.3
+  compressed-tensors==0.20.1
+  loguru==0.7.3
+  gguf==0.19.0
 )
 
 missing=()
@@ -71,15 +78,15 @@ from pathlib import Path
 import numpy
 import torch
 
-spec = importlib.util.find_spec("sglang")
-pool_host = Path(spec.origin).parent / "srt" / "mem_cache" / "pool_host"
-pkg = types.ModuleType("sglang.srt.mem_cache.pool_host")
-pkg.__path__ = [str(pool_host)]
-sys.modules.setdefault(pkg.__name__, pkg)
+from hicache_cp.harness.sglang.env import import_sglang
+
+import_sglang()  # sglang.srt.configs with the torchvision stand-in (hicache_cp/harness/sglang/env.py)
 base = importlib.import_module("sglang.srt.mem_cache.pool_host.base")
 for name in ("sglang.srt.mem_cache.hicache_storage", "sglang.srt.mem_cache.storage.backend_factory"):
     importlib.import_module(name)
 assert hasattr(base.HostKVCache, "alloc") and hasattr(base.HostKVCache, "free")
+import sglang.srt.managers.schedule_policy  # noqa: F401 - the scheduler functions the plug-in's tests drive
+import sglang.srt.mem_cache.memory_pool  # noqa: F401
 print(f"install_sglang.sh: ok: sglang {importlib.metadata.version('sglang')} mem_cache imports "
       f"(torch {torch.__version__}, numpy {numpy.__version__})")
 EOF

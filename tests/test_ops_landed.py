@@ -25,19 +25,27 @@ PARTS = list(Part)
 
 def _short_submissions(monkeypatch: pytest.MonkeyPatch, direction: Direction, part: Part, *, drop_all: bool) -> None:
     """Make the cache's submissions for (direction, part) cover one page too few (or none)."""
-    real = Lifecycle._submit
+    real = Lifecycle._submit_layer
 
-    def short(self, op, d, p, layer):  # type: ignore[no-untyped-def]
-        if d is not direction or p is not part:
-            return real(self, op, d, p, layer)
-        if drop_all:
-            return []
+    def short(self, op, d, parts, layer):  # type: ignore[no-untyped-def]
+        if d is not direction or part not in parts:
+            return real(self, op, d, parts, layer)
+        others = tuple(p for p in parts if p is not part)
+        got = dict(zip(others, real(self, op, d, others, layer))) if others else {}
         dev, host = op.device_pages[:-1], op.host_pages[:-1]
-        if d is Direction.D2H:
-            return [self.s.engine.submit_backup(p, layer, dev, host)]
-        return [self.s.engine.submit_load(p, layer, host, dev)]
+        if drop_all:
+            got[part] = []
+        elif d is Direction.D2H:
+            got[part] = [self.s.engine.submit_backup(part, layer, dev, host)]
+        else:
+            got[part] = [self.s.engine.submit_load(part, layer, host, dev)]
+        return [got[p] for p in parts]
 
-    monkeypatch.setattr(Lifecycle, "_submit", short)
+    def short_all(self, op, d, jobs):  # type: ignore[no-untyped-def]
+        return [short(self, op, d, parts, layer) for parts, layer in jobs]
+
+    monkeypatch.setattr(Lifecycle, "_submit_layer", short)
+    monkeypatch.setattr(Lifecycle, "_submit_layers", short_all)
 
 
 @pytest.mark.parametrize("drop_all", [False, True], ids=["one-page-short", "nothing-submitted"])

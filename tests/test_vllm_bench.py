@@ -1,21 +1,41 @@
 """Test bench (no tests) for the vLLM connector: vLLM's real `Scheduler` and a fake model runner.
 
 vLLM 0.33.0's own `Scheduler` (prefix caching, chunked prefill, preemption,
-its KV-connector calls) runs on the CPU device with a tiny DeepSeek-V3 config
-written to a temporary folder (offline: no hub, no tokenizer). The connector
-is loaded the way a server loads it, by `kv_connector_module_path`, once per
-role: the scheduler builds its own, the bench builds the worker's through
-vLLM's `KVConnectorFactory`.
+its KV-connector calls) runs with a tiny DeepSeek-V3 config written to a
+temporary folder (offline: no hub, no tokenizer). The connector is loaded the
+way a server loads it, by `kv_connector_module_path`, once per role: the
+scheduler builds its own, the bench builds each worker's through vLLM's
+`KVConnectorFactory`, and their reports are merged by vLLM's own
+`KVOutputAggregator`, as its multiprocess executor does.
+
+Device: `device="cpu"` (CI) keeps vLLM's KV tensors on the CPU with the CPU
+copy engine; `device="cuda"` (the GPU run, tools/device_vllm.sh) puts them on
+the GPU in vLLM's MLA layout ([num_blocks, block_size, head_size] per layer),
+with L2 pinned host memory and the copy engine the connector picks by
+default on CUDA (`io_backend="auto"`).
+
+KV shapes: `shape="v3"` is two MLA layers. `shape="v32"` is DeepSeek-V3.2's:
+per layer an MLA cache and the indexer's key cache (spec role INDEXER, uint8,
+132 B per token) in one KV cache group, plus an MTP draft layer numbered
+after the target's.
 
 The fake model runner stands in for vLLM's GPU model runner and nothing
-else: per step it binds the metadata, starts the loads, and for each MLA
-layer waits for the layer's load, checks that every token the request has
-already computed holds the right KV bytes in vLLM's block tensors, writes
-this step's tokens' KV, and calls the save hook; then `wait_for_save` and the
-reports go back to `Scheduler.update_from_output`, as in vLLM's
+else: per step it binds the metadata on every worker, starts the loads, and
+per model layer runs the indexer (V3.2: reads its cache, no connector call
+before it, as in vLLM) and then the attention layer (waits for the layer's
+load, checks, writes, calls the save hook). Before writing, it checks that
+every token the request has already computed holds the right bytes in every
+worker's tensors; then `wait_for_save` and the reports go back through
+`KVOutputAggregator` to `Scheduler.update_from_output`, as in vLLM's
 `KVConnectorModelRunnerMixin`. A token's KV is a function of its prefix and
 the layer, so a wrong byte anywhere (a bad load, a load that landed in the
 wrong block, a stale page) shows up as a mismatch.
+
+Faults: `inject_fault(engine, hook)` calls `hook(direction, part, layer)`
+before each copy of the worker's real copy engine; a hook that raises fails
+that copy (the CPU engine's own hook; on CUDA a test double that hands back a
+failed ticket and skips the copy, so the bytes are stale as after a real
+failed copy).
 """
 
 from __future__ import annotations
@@ -39,31 +59,62 @@ from vllm.config import (  # noqa: E402
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+)
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata  # noqa: E402
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult  # noqa: E402
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
+
+from hicache_cp.io.base import CopyFailed, CopyTicket, Direction, TicketState  # noqa: E402
+from hicache_cp.io.cpu import CpuCopyEngine  # noqa: E402
+
 BLOCK = 16
-HEAD = 48  # MLA latent (32) + rope (16): one vector per token, float32 on CPU
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-PAGE_BYTES = BLOCK * HEAD * 4  # one layer of one block
+HEAD = 48  # MLA latent (32) + rope (16): one vector per token, float32
+INDEX_HEAD = 132  # V3.2 indexer key: 128 fp8 bytes + a 4-byte scale, per token
+TARGET_LAYERS = 2
 SAMPLED = 7  # every sampled token
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(TARGET_LAYERS)]  # the v3 shape's layers
+PAGE_BYTES = BLOCK * HEAD * 4  # one MLA layer of one block
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+#: The devices every bench test runs on; CUDA ones are GPU tests, skipped without CUDA.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (tools/device_vllm.sh runs these on the H200)")])]
 
 TINY_DEEPSEEK = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
-    "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": len(LAYERS),
+    "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": TARGET_LAYERS,
     "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 1,
-    "num_experts_per_tok": 2, "first_k_dense_replace": len(LAYERS), "kv_lora_rank": 32, "q_lora_rank": None,
+    "num_experts_per_tok": 2, "first_k_dense_replace": TARGET_LAYERS, "kv_lora_rank": 32, "q_lora_rank": None,
     "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "vocab_size": 1000,
     "max_position_embeddings": 4096, "torch_dtype": "float32", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
 }
@@ -75,15 +126,201 @@ def write_model_dir(path: Path) -> Path:
     return path
 
 
-def kv_rows(tokens: list[int], positions: np.ndarray, layer: int) -> torch.Tensor:
-    """The KV vectors of `positions`: a function of each token's prefix and the layer (exact in float32)."""
+@dataclass(frozen=True)
+class LayerSpec:
+    """One vLLM KV layer: its name, what it is, and its per-token row."""
+
+    name: str
+    salt: int  # makes each layer's bytes distinct
+    indexer: bool  # the V3.2 indexer's key cache (uint8) rather than an MLA cache (float32)
+    layer: int  # the model layer it belongs to (MTP: TARGET_LAYERS)
+
+    @property
+    def width(self) -> int:
+        return INDEX_HEAD if self.indexer else HEAD
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8 if self.indexer else torch.float32
+
+    @property
+    def page_bytes(self) -> int:
+        return BLOCK * self.width * (1 if self.indexer else 4)
+
+
+def layer_specs(shape: str) -> list[LayerSpec]:
+    """The KV layers in forward order (per model layer: indexer, then attention)."""
+    if shape == "v3":
+        return [LayerSpec(name, i, False, i) for i, name in enumerate(LAYERS)]
+    if shape != "v32":
+        raise ValueError(f"unknown bench shape {shape!r}")
+    out = []
+    for i in range(TARGET_LAYERS + 1):  # the last one is the MTP draft layer
+        out.append(LayerSpec(f"model.layers.{i}.self_attn.indexer.k_cache", 100 + i, True, i))
+        out.append(LayerSpec(f"model.layers.{i}.self_attn.attn", i, False, i))
+    return out
+
+
+def kv_cache_config(specs: list[LayerSpec], num_blocks: int) -> KVCacheConfig:
+    """The workers' KV cache config; the scheduler gets vLLM's own copy of it
+    (`generate_scheduler_kv_cache_config`: one spec per group, as in EngineCore)."""
+    mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD, dtype=torch.float32)
+    if not any(s.indexer for s in specs):
+        group = KVCacheGroupSpec([s.name for s in specs], mla)
+    else:
+        idx = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=INDEX_HEAD, dtype=torch.uint8,
+                               cache_role=SparseCacheRole.INDEXER)
+        per = {s.name: idx if s.indexer else mla for s in specs}
+        group = KVCacheGroupSpec(list(per), UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs=per))
+    tensors = [KVCacheTensor(size=num_blocks * s.page_bytes, layers=[s.name], layer_stride=num_blocks * s.page_bytes,
+                             block_stride=s.page_bytes) for s in specs]  # layer-outermost: one tensor per layer
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=[group])
+
+
+def _prefix_hashes(tokens: list[int]) -> np.ndarray:
     h = np.zeros(len(tokens), dtype=np.uint64)
-    acc = np.uint64(1469598103934665603)
+    acc = 1469598103934665603
     for i, t in enumerate(tokens):
-        acc = np.uint64((int(acc) * 1099511628211 + int(t) + 1) % (1 << 61))
+        acc = (acc * 1099511628211 + int(t) + 1) % (1 << 61)
         h[i] = acc
-    base = (h[positions] % np.uint64(65536)).astype(np.float32) + np.float32(0.25 * layer)
-    return torch.from_numpy(base[:, None] + np.arange(HEAD, dtype=np.float32)[None, :] / 1024)
+    return h
+
+
+def kv_rows(tokens: list[int], positions: np.ndarray, spec: LayerSpec) -> torch.Tensor:
+    """The KV rows of `positions` for one layer: a function of each token's prefix and the layer (exact)."""
+    h = _prefix_hashes(tokens)[positions]
+    if spec.indexer:
+        rows = (h[:, None] + np.uint64(31 * spec.salt) + np.arange(spec.width, dtype=np.uint64)[None, :]) % 251
+        return torch.from_numpy(rows.astype(np.uint8))
+    base = (h % np.uint64(65536)).astype(np.float32) + np.float32(0.25 * spec.salt)
+    return torch.from_numpy(base[:, None] + np.arange(spec.width, dtype=np.float32)[None, :] / 1024)
+
+
+# ---- fault injection on a worker's real copy engine ---------------------------------------
+
+
+class FailedTicket(CopyTicket):
+    """Test double: the ticket of a copy that failed at submission (nothing was copied)."""
+
+    def __init__(self, direction: Direction, part, layer: int, nbytes: int, error: BaseException) -> None:
+        super().__init__(direction, part, layer, nbytes)
+        self._error = error
+
+    def query(self) -> TicketState:
+        return TicketState.FAILED
+
+    def wait(self) -> None:
+        raise CopyFailed(f"{self.describe()}: {self._error}") from self._error
+
+    def make_compute_wait(self) -> None:
+        self.wait()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+
+def inject_fault(engine, hook) -> None:
+    """Call `hook(direction, part, layer)` before every copy of `engine`; None removes it.
+
+    The CPU engine has its own hook (run on its worker thread: the copy then
+    fails asynchronously). Other engines get a test double around their real
+    submission: a hook that raises skips that copy and yields a failed ticket."""
+    if isinstance(engine, CpuCopyEngine):
+        engine.fault = hook
+        return
+    engine.__dict__.pop("_submit", None)  # back to the class's real submission
+    if hook is None:
+        return
+    real = engine._submit
+
+    def submit(direction, part, layer, device_pages, host_pages):
+        try:
+            hook(direction, part, layer)
+        except Exception as exc:  # noqa: BLE001 - the test's injected fault
+            nbytes = len(device_pages) * engine.layout.part(part).page_bytes
+            return FailedTicket(direction, part, layer, nbytes, exc)
+        return real(direction, part, layer, device_pages, host_pages)
+
+    engine._submit = submit
+
+
+# ---- vLLM's OffloadingConnector with a host-copy worker (its CUDA copy path stood in) -------------
+
+
+class HostCopyOffloadingWorker(OffloadingWorker):
+    """Test double for vLLM's `CPUOffloadingWorker`, the one part of vLLM's
+    OffloadingConnector that needs CUDA (its swap kernels and streams). It
+    copies the same canonical block tensors vLLM's connector worker hands it,
+    with torch, between the KV tensors and host buffers of `num_chunks` chunks,
+    synchronously (every job finished when it is submitted: the best case for
+    vLLM's scheduler). `fail_loads` makes every load report failure, as a
+    failed copy would."""
+
+    def __init__(self, kv_caches, num_chunks: int, blocks_per_chunk: int) -> None:
+        assert blocks_per_chunk == 1, "the double copies one block per chunk"
+        self.tensors = [t.tensor for t in kv_caches.tensors]
+        self.host = [torch.zeros((num_chunks, t.shape[1]), dtype=t.dtype) for t in self.tensors]
+        self.finished: list[TransferResult] = []
+        self.fail_loads = False
+
+    def _copy(self, job_id: int, gpu, cpu, store: bool, ok: bool = True) -> bool:
+        blocks = torch.from_numpy(gpu.block_ids.astype(np.int64))
+        chunks = torch.from_numpy(cpu.block_ids.astype(np.int64))
+        nbytes = 0
+        if ok:
+            for t, h in zip(self.tensors, self.host):
+                if store:
+                    h[chunks] = t[blocks].to("cpu")
+                else:
+                    t[blocks] = h[chunks].to(t.device)
+                nbytes += len(blocks) * t.shape[1]
+        self.finished.append(TransferResult(job_id, ok, nbytes, 0.0))
+        return True
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id, src_spec, dst_spec) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, store=False, ok=not self.fail_loads)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.finished = self.finished, []
+        return done
+
+    def wait(self, job_ids) -> None:
+        pass  # every job finished at submission
+
+
+class HostCopyOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading spec (its scheduler-side manager, sizes, LRU),
+    with `HostCopyOffloadingWorker` as the worker. Loaded by vLLM's
+    `OffloadingSpecFactory` from `spec_module_path`."""
+
+    def get_worker(self, kv_caches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = HostCopyOffloadingWorker(kv_caches, self.num_chunks, self.blocks_per_chunk)
+        return self._worker
+
+
+def offloading_worker(connector) -> HostCopyOffloadingWorker:
+    return connector.connector_worker.worker
+
+
+# ---- the bench ------------------------------------------------------------------------------
+
+
+def copy_jobs(meta) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
+    """(loads, saves) of one step's connector metadata, each (req id, first page, pages)."""
+    if isinstance(meta, OffloadingConnectorMetadata):
+        def gpu(job, spec):
+            first = int(spec.block_indices[0]) if getattr(spec, "block_indices", None) is not None else -1
+            return job.req_id, first, len(spec.block_ids)
+
+        return ([gpu(j, j.dst_spec) for j in meta.load_jobs.values()],
+                [gpu(j, j.src_spec) for j in meta.store_jobs.values()])
+    return ([(j.req_id, j.first_position, len(j.device_pages)) for j in meta.loads],
+            [(j.req_id, j.first_position, len(j.device_pages)) for j in meta.saves])
 
 
 @dataclass
@@ -100,12 +337,23 @@ class StepRecord:
 @dataclass
 class Bench:
     sched: Scheduler
-    worker: object  # the worker-role HiCacheConnector
-    kv: dict[str, torch.Tensor]
+    workers: list  # the worker-role HiCacheConnectors, one per (TP) worker
+    kv: list[dict[str, torch.Tensor]]  # per worker: vLLM's KV tensors by layer name
+    specs: list[LayerSpec]
     hasher: object
+    device: str
+    aggregator: KVOutputAggregator = None  # type: ignore[assignment]
     mismatches: list[tuple[str, str, int]] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
+    held: dict[int, list[KVConnectorOutput]] = field(default_factory=dict)  # worker -> reports not yet delivered
     _n: int = 0
+
+    def __post_init__(self) -> None:
+        self.aggregator = KVOutputAggregator(len(self.workers))
+
+    @property
+    def worker(self):  # worker 0
+        return self.workers[0]
 
     @property
     def connector(self):  # the scheduler-role HiCacheConnector vLLM built
@@ -119,6 +367,15 @@ class Bench:
     def cache(self):
         return self.side.cache
 
+    def engines(self) -> list:
+        return [w.worker_side.engine for w in self.workers]
+
+    def set_fault(self, hook, worker: int | None = None) -> None:
+        """Inject `hook` into one worker's copy engine (every worker's when None)."""
+        for i, engine in enumerate(self.engines()):
+            if worker is None or i == worker:
+                inject_fault(engine, hook)
+
     def add(self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None) -> str:
         self._n += 1
         rid = req_id or f"r{self._n}"
@@ -126,15 +383,14 @@ class Bench:
         self.sched.add_request(Request(rid, list(prompt), params, None, block_hasher=self.hasher))
         return rid
 
-    def step(self, *, abort_before_forward: list[str] = ()) -> StepRecord:
+    def step(self, *, abort_before_forward: list[str] = (), hold: set[int] = frozenset()) -> StepRecord:
+        """One engine step. `hold`: workers whose report is held back, delivered with the next step's."""
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         for rid in abort_before_forward:
             self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        rec = StepRecord(
-            {}, [(j.req_id, j.first_position, len(j.device_pages)) for j in meta.loads],
-            [(j.req_id, j.first_position, len(j.device_pages)) for j in meta.saves], set(), set(so.preempted_req_ids),
-        )
+        loads, saves = copy_jobs(meta)
+        rec = StepRecord({}, loads, saves, set(), set(so.preempted_req_ids))
         work = []  # (req id, tokens, blocks, computed before, scheduled)
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests.get(rid)
@@ -142,40 +398,63 @@ class Bench:
             rec.scheduled[rid] = (before, n)
             if req is not None and not req.is_finished():
                 work.append((rid, list(req.all_token_ids), self.sched.kv_cache_manager.get_block_ids(rid)[0], before, n))
-        w = self.worker
+        ids = list(so.num_scheduled_tokens)
+        outputs = [self._forward(w, kv, meta, so, work, ids) for w, kv in zip(self.workers, self.kv)]
+        for i, out in enumerate(outputs):
+            rec.invalid_blocks |= out.kv_connector_output.invalid_block_ids
+            if i in hold:  # this worker's report arrives late: the scheduler sees an empty one now
+                self.held.setdefault(i, []).append(out.kv_connector_output)
+                out.kv_connector_output = KVConnectorOutput(
+                    finished_sending=set(), finished_recving=set(), invalid_block_ids=set(),
+                    kv_connector_worker_meta=None)
+            elif i in self.held:
+                late = self.held.pop(i)
+                merged = late[0].kv_connector_worker_meta
+                for o in [*late[1:], out.kv_connector_output]:
+                    if o.kv_connector_worker_meta is not None:
+                        merged = o.kv_connector_worker_meta if merged is None else merged.aggregate(
+                            o.kv_connector_worker_meta)
+                out.kv_connector_output.kv_connector_worker_meta = merged
+        mro = self.aggregator.aggregate(outputs)
+        self.sched.update_from_output(so, mro)
+        self.steps.append(rec)
+        return rec
+
+    def _forward(self, w, kv, meta, so, work, ids) -> ModelRunnerOutput:
+        """One worker's forward, as vLLM's model runner calls the connector."""
         w.bind_connector_metadata(meta)
+        if so.preempted_req_ids:
+            w.handle_preemptions(meta)
         if so.has_sync_kv_loads:
             w.start_load_kv(None)
-        for layer, name in enumerate(LAYERS):
-            w.wait_for_layer_load(name)
-            t = self.kv[name]
+        for spec in self.specs:
+            if not spec.indexer:
+                w.wait_for_layer_load(spec.name)  # vLLM's attention wrapper; the indexer runs before it, unwaited
+            t = kv[spec.name]
             for rid, tokens, blocks, before, n in work:
-                self._check(rid, name, t, tokens, blocks, layer, np.arange(before))
+                self._check(rid, spec, t, tokens, blocks, np.arange(before))
                 pos = np.arange(before, min(before + n, len(tokens)))
                 if len(pos):
-                    idx = torch.from_numpy(np.asarray(blocks)[pos // BLOCK]), torch.from_numpy(pos % BLOCK)
-                    t[idx] = kv_rows(tokens, pos, layer)
-            w.save_kv_layer(name, t, None)
+                    t[self._index(blocks, pos)] = kv_rows(tokens, pos, spec).to(t.device)
+            if not spec.indexer:
+                w.save_kv_layer(spec.name, t, None)
         if not so.has_sync_kv_loads:
             w.start_load_kv(None)
         w.wait_for_save()
-        rec.invalid_blocks = w.get_block_ids_with_load_errors()
+        results = w.get_transfer_results(so.finished_req_ids)
         out = KVConnectorOutput(
-            finished_sending=set(), finished_recving=set(), invalid_block_ids=set(rec.invalid_blocks),
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving, invalid_block_ids=set(w.get_block_ids_with_load_errors()),
+            kv_connector_stats=w.get_kv_connector_stats(), kv_connector_worker_meta=w.build_connector_worker_meta(),
         )
         w.clear_connector_metadata()
-        ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in ids:
             req = self.sched.requests.get(rid)
             done_prefill = req is not None and req.num_computed_tokens >= req.num_tokens
             sampled.append([SAMPLED] if done_prefill else [])
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled, kv_connector_output=out)
-        self.sched.update_from_output(so, mro)
-        self.steps.append(rec)
-        return rec
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled, kv_connector_output=out)
 
     def run(self, max_steps: int = 50) -> list[StepRecord]:
         """Step until every request finished."""
@@ -186,13 +465,17 @@ class Bench:
             records.append(self.step())
         raise AssertionError(f"requests still unfinished after {max_steps} steps: {list(self.sched.requests)}")
 
-    def _check(self, rid, name, t, tokens, blocks, layer, pos) -> None:
+    def _index(self, blocks, pos: np.ndarray):
+        b = torch.from_numpy(np.asarray(blocks)[pos // BLOCK]).to(self.device)
+        return b, torch.from_numpy(pos % BLOCK).to(self.device)
+
+    def _check(self, rid, spec: LayerSpec, t, tokens, blocks, pos) -> None:
         if not len(pos):
             return
-        idx = torch.from_numpy(np.asarray(blocks)[pos // BLOCK]), torch.from_numpy(pos % BLOCK)
-        bad = (t[idx] != kv_rows(tokens, pos, layer)).any(dim=1).nonzero().flatten()
+        want = kv_rows(tokens, pos, spec).to(t.device)
+        bad = (t[self._index(blocks, pos)] != want).any(dim=1).nonzero().flatten().cpu()
         for i in bad.tolist()[:4]:
-            self.mismatches.append((rid, name, int(pos[i])))
+            self.mismatches.append((rid, spec.name, int(pos[i])))
 
     def drop_vllm_prefix_cache(self) -> None:
         """Evict vLLM's own prefix cache (its L1), as memory pressure would."""
@@ -201,28 +484,76 @@ class Bench:
     def locked_nodes(self) -> int:
         return sum(1 for n in self.cache.tree.nodes() if n.lock_ref)
 
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        self.connector.shutdown()
 
-def make_bench(model_dir: Path, *, num_blocks: int = 64, host_pages: int = 64, max_batched: int = 256,
-               policy: str = "recompute") -> Bench:
-    extra = {"host_budget_bytes": host_pages * PAGE_BYTES * len(LAYERS), "debug_checks": True, "io_backend": "cpu"}
+
+def vllm_config(model_dir: Path, kv_transfer: KVTransferConfig | None, *, device: str = "cpu", workers: int = 1,
+                max_batched: int = 256, max_seqs: int = 8) -> VllmConfig:
+    """vLLM's config for the tiny model: prefix caching, chunked prefill, `workers` TP ranks."""
     vc = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=1024),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=1024,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
+                                         max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
+        # the executor named: vLLM's own pick refuses more TP ranks than GPUs, and the bench's workers share one
+        parallel_config=ParallelConfig(tensor_parallel_size=workers,
+                                       distributed_executor_backend="mp" if workers > 1 else None),
+        kv_transfer_config=kv_transfer,
+        device_config=DeviceConfig(device),
+    )
+    assert vc.cache_config.block_size == BLOCK, f"vLLM changed the block size to {vc.cache_config.block_size}"
+    assert vc.parallel_config.world_size == workers
+    return vc
+
+
+def make_scheduler(vc: VllmConfig, kvc: KVCacheConfig) -> Scheduler:
+    vc.cache_config.num_gpu_blocks = kvc.num_blocks
+    return Scheduler(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
+                     block_size=BLOCK, log_stats=True)
+
+
+def block_hasher():
+    init_none_hash(sha256)
+    return get_request_block_hasher(BLOCK, sha256)
+
+
+def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", workers: int = 1, num_blocks: int = 64,
+               host_pages: int = 64, max_batched: int = 256, policy: str = "recompute",
+               connector: str = "hicache", debug_checks: bool = True) -> Bench:
+    """The bench with `connector` "hicache" (ours) or "offloading" (vLLM's
+    OffloadingConnector with `HostCopyOffloadingWorker`), at the same host bytes."""
+    specs = layer_specs(shape)
+    host_bytes = host_pages * sum(s.page_bytes for s in specs)
+    if connector == "hicache":
+        extra = {"host_budget_bytes": host_bytes, "debug_checks": debug_checks}
+        if device == "cpu":
+            extra.update(io_backend="cpu", pin_host=False)  # on CUDA: the connector's defaults (auto, pinned)
+        kt = KVTransferConfig(
             kv_connector="HiCacheConnector", kv_connector_module_path="hicache_cp.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy=policy, kv_connector_extra_config=extra,
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
-    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD, dtype=torch.float32)
-    kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
-    vc.cache_config.num_gpu_blocks = num_blocks
-    sched = Scheduler(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
-                      block_size=BLOCK, log_stats=True)
-    worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
-    kv = {name: torch.full((num_blocks, BLOCK, HEAD), -1.0) for name in LAYERS}
-    worker.register_kv_caches(kv)
-    init_none_hash(sha256)
-    return Bench(sched, worker, kv, get_request_block_hasher(BLOCK, sha256))
+        )
+    elif connector == "offloading":
+        extra = {"cpu_bytes_to_use": host_bytes, "spec_name": "HostCopyOffloadingSpec",
+                 "spec_module_path": __name__}
+        kt = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                              kv_load_failure_policy=policy, kv_connector_extra_config=extra)
+    else:
+        raise ValueError(f"unknown connector {connector!r}")
+    vc = vllm_config(model_dir, kt, device=device, workers=workers, max_batched=max_batched)
+    kvc = kv_cache_config(specs, num_blocks)
+    sched = make_scheduler(vc, generate_scheduler_kv_cache_config([kvc]))
+    conns, kvs = [], []
+    for _ in range(workers):
+        conn = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
+        kv = {s.name: torch.full((num_blocks, BLOCK, s.width), 255 if s.indexer else -1, dtype=s.dtype, device=device)
+              for s in specs}
+        conn.register_kv_caches(kv)
+        if connector == "hicache" and device == "cuda":  # the CUDA default engine over pinned L2, not the CPU one
+            side = conn.worker_side
+            assert not isinstance(side.engine, CpuCopyEngine) and side.host_pool.pinned, (side.engine.name,)
+        conns.append(conn)
+        kvs.append(kv)
+    return Bench(sched, conns, kvs, specs, block_hasher(), device)

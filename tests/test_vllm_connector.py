@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip(
     "vllm.distributed.kv_transfer.kv_connector.v1.base", reason="vLLM not installed (scripts/install_vllm.sh)"
@@ -32,6 +33,32 @@ def model_dir(tmp_path_factory):
     return H.write_model_dir(tmp_path_factory.mktemp("tiny-deepseek"))
 
 
+@pytest.fixture(params=H.DEVICES)
+def device(request):
+    return request.param
+
+
+@pytest.fixture(params=[1, 2], ids=["1w", "2w"])
+def workers(request):
+    """vLLM workers (tensor-parallel ranks): the scheduler acts on a job once all reported it."""
+    return request.param
+
+
+@pytest.fixture
+def new_bench(model_dir, device, workers):
+    """`make_bench` on this test's device and worker count; every bench it made is shut down after the test."""
+    made = []
+
+    def make(**kw):
+        kw.setdefault("workers", workers)
+        made.append(H.make_bench(model_dir, device=device, **kw))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.close()
+
+
 def settled(b: H.Bench) -> None:
     """Nothing in flight, nothing locked, the cache's invariants hold."""
     assert b.side.in_flight_jobs() == 0
@@ -40,8 +67,8 @@ def settled(b: H.Bench) -> None:
     b.cache.check_invariants()
 
 
-def test_vllm_miss_then_full_hit_from_l2(model_dir):
-    b = H.make_bench(model_dir)
+def test_vllm_miss_then_full_hit_from_l2(new_bench):
+    b = new_bench()
     b.add(P)
     (s1,) = b.run()
     assert s1.scheduled == {"r1": (0, 85)}  # a miss: vLLM computes the whole prompt
@@ -57,8 +84,8 @@ def test_vllm_miss_then_full_hit_from_l2(model_dir):
     settled(b)
 
 
-def test_vllm_partial_hit_continues_vllm_prefix_cache(model_dir):
-    b = H.make_bench(model_dir)
+def test_vllm_partial_hit_continues_vllm_prefix_cache(new_bench):
+    b = new_bench()
     b.add(P)
     b.run()
     b.drop_vllm_prefix_cache()
@@ -77,8 +104,8 @@ def test_vllm_partial_hit_continues_vllm_prefix_cache(model_dir):
     settled(b)
 
 
-def test_vllm_l2_eviction_between_two_requests(model_dir):
-    b = H.make_bench(model_dir, host_pages=8)  # 7 usable pages: one 5-page prompt at a time
+def test_vllm_l2_eviction_between_two_requests(new_bench):
+    b = new_bench(host_pages=8)  # 7 usable pages: one 5-page prompt at a time
     b.add(P)
     b.run()
     b.add(list(range(300, 385)))  # another 5 pages: L2 evicts r1's (LRU) to make room
@@ -94,8 +121,8 @@ def test_vllm_l2_eviction_between_two_requests(model_dir):
     settled(b)
 
 
-def test_vllm_request_aborted_while_its_load_is_in_flight(model_dir):
-    b = H.make_bench(model_dir)
+def test_vllm_request_aborted_while_its_load_is_in_flight(new_bench):
+    b = new_bench()
     b.add(P)
     b.run()
     b.drop_vllm_prefix_cache()
@@ -117,8 +144,8 @@ def test_vllm_request_aborted_while_its_load_is_in_flight(model_dir):
     assert b.mismatches == []
 
 
-def test_vllm_failed_load_takes_vllms_recompute_path(model_dir):
-    b = H.make_bench(model_dir)
+def test_vllm_failed_load_takes_vllms_recompute_path(new_bench):
+    b = new_bench()
     b.add(P)
     b.run()
     b.drop_vllm_prefix_cache()
@@ -127,7 +154,7 @@ def test_vllm_failed_load_takes_vllms_recompute_path(model_dir):
         if direction is Direction.H2D and layer == 1:
             raise RuntimeError("injected H2D fault")
 
-    b.worker.worker_side.engine.fault = fault
+    b.set_fault(fault)
     b.add(P + list(range(500, 540)))  # 125 tokens: 7 whole pages
     s = b.step()
     assert s.scheduled == {"r2": (80, 45)} and s.loads == [("r2", 0, 5)]
@@ -136,7 +163,7 @@ def test_vllm_failed_load_takes_vllms_recompute_path(model_dir):
     assert s.invalid_blocks == blocks  # vLLM's load-error path, not a hit
     assert {(r, layer) for r, layer, _ in b.mismatches} == {("r2", "model.layers.1.self_attn.attn")}
     b.mismatches.clear()
-    b.worker.worker_side.engine.fault = None
+    b.set_fault(None)
     assert b.sched.requests["r2"].num_computed_tokens == 0  # vLLM truncated at the first bad block
     load = b.cache.metrics.loads_aborted, b.cache.metrics.backups_aborted
     assert load == (1, 1)  # the load aborted, and the backup computed on it with it
@@ -152,8 +179,8 @@ def test_vllm_failed_load_takes_vllms_recompute_path(model_dir):
     assert b.mismatches == []
 
 
-def test_vllm_preempted_request_resumes_from_l2(model_dir):
-    b = H.make_bench(model_dir, num_blocks=12)  # 11 usable blocks: two growing requests do not fit
+def test_vllm_preempted_request_resumes_from_l2(new_bench):
+    b = new_bench(num_blocks=12)  # 11 usable blocks: two growing requests do not fit
     b.add(list(range(1, 65)), max_tokens=40)
     b.add(list(range(201, 265)), max_tokens=40)
     steps = b.run(200)
@@ -169,9 +196,9 @@ def test_vllm_preempted_request_resumes_from_l2(model_dir):
     settled(b)
 
 
-def test_vllm_corrupted_l2_is_detected_by_the_bench(model_dir):
+def test_vllm_corrupted_l2_is_detected_by_the_bench(new_bench):
     """Negative control: the byte check fails when L2 holds wrong bytes."""
-    b = H.make_bench(model_dir)
+    b = new_bench()
     b.add(P)
     b.run()
     node = next(iter(b.cache.tree.root.children.values()))
@@ -183,9 +210,9 @@ def test_vllm_corrupted_l2_is_detected_by_the_bench(model_dir):
     assert {(r, pos // H.BLOCK) for r, _, pos in b.mismatches} == {("r2", 2)}
 
 
-def test_vllm_load_waits_are_per_layer(model_dir):
+def test_vllm_load_waits_are_per_layer(new_bench):
     """The forward waits for a layer's load at that layer's hook, not for the whole load."""
-    b = H.make_bench(model_dir)
+    b = new_bench()
     b.add(P)
     b.run()
     b.drop_vllm_prefix_cache()
@@ -193,12 +220,97 @@ def test_vllm_load_waits_are_per_layer(model_dir):
     so = b.sched.schedule()
     w = b.worker.worker_side
     seen = []
-    w.engine.fault = lambda d, part, layer: seen.append((d, layer))
+    b.set_fault(lambda d, part, layer: seen.append((d, layer)))  # an observer: no copy fails
     b.worker.bind_connector_metadata(so.kv_connector_metadata)
     b.worker.start_load_kv(None)
     (_, op), = w._loads
     assert op.state is LoadState.LOADING
     b.worker.wait_for_layer_load(H.LAYERS[0])
+    if b.device == "cuda":  # the compute stream waits on layer 0's copy: once it ran, that copy landed
+        torch.cuda.current_stream().synchronize()
     assert op.by_layer[(Part.TARGET_KV, 0)][0].query().value == "done"
     b.worker.wait_for_save()
     assert seen == [(Direction.H2D, 0), (Direction.H2D, 1)]  # layer order, one copy per layer
+
+
+def test_vllm_v32_indexer_and_mtp_round_trip(new_bench):
+    """DeepSeek-V3.2's KV under vLLM's scheduler: MLA + indexer caches per layer and an MTP layer.
+    The fake runner reads each indexer cache before its layer's hook, so a load
+    that waited only at the attention hook would show as indexer mismatches."""
+    b = new_bench(shape="v32")
+    assert {p.part for p in b.cache.layout.parts} == {
+        Part.TARGET_KV, Part.TARGET_STATE, Part.DRAFT_KV, Part.DRAFT_STATE}
+    b.add(P)
+    (s1,) = b.run()
+    assert s1.saves == [("r1", 0, 5)] and b.cache.metrics.backups_committed == 1
+    b.drop_vllm_prefix_cache()
+    b.add(P + list(range(900, 940)))  # 125 tokens: 5 pages from L2, 2 new ones
+    (s2,) = b.run()
+    assert s2.scheduled == {"r2": (80, 45)} and s2.loads == [("r2", 0, 5)] and s2.saves == [("r2", 5, 2)]
+    assert b.mismatches == []
+    settled(b)
+    host = b.worker.worker_side.host_pool  # negative control: one indexer byte of the MTP layer flipped in L2
+    node = next(iter(b.cache.tree.root.children.values()))
+    host.layer_view(Part.DRAFT_STATE, 0)[node.host_pages[1], 5] ^= np.uint8(1)
+    b.drop_vllm_prefix_cache()
+    b.add(P)
+    b.run()
+    assert {(r, name, pos // H.BLOCK) for r, name, pos in b.mismatches} == {
+        ("r3", "model.layers.2.self_attn.indexer.k_cache", 1)}
+
+
+def test_vllm_v32_failed_indexer_load_is_recomputed(new_bench):
+    b = new_bench(shape="v32")
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+
+    def fault(direction, part, layer):
+        if direction is Direction.H2D and part is Part.TARGET_STATE and layer == 1:
+            raise RuntimeError("injected indexer H2D fault")
+
+    b.set_fault(fault)
+    b.add(P)
+    s = b.step()
+    assert s.loads == [("r2", 0, 5)] and s.invalid_blocks == set(b.sched.kv_cache_manager.get_block_ids("r2")[0][:5])
+    assert {name for _, name, _ in b.mismatches} == {"model.layers.1.self_attn.indexer.k_cache"}
+    b.mismatches.clear()
+    b.set_fault(None)
+    steps = b.run()
+    assert steps[0].scheduled == {"r2": (0, 85)} and b.side.stats.loads_failed == 1 and b.mismatches == []
+    settled(b)
+
+
+def host_hit_pages(b: H.Bench, prompt: list[int]) -> int:
+    m = b.cache.match_prefix(np.asarray(prompt, dtype=np.int64))
+    b.cache.release(m.last_node)
+    return m.host_len
+
+
+def test_vllm_save_commits_only_once_every_worker_reported(model_dir, device):
+    """Issue 29: a save that one of two workers has not reported yet is not visible;
+    it commits when the late report arrives, and never if a worker failed it."""
+    b = H.make_bench(model_dir, device=device, workers=2)
+    try:
+        b.add(P)
+        s = b.step(hold={1})  # worker 1's report of r1's save comes one step late
+        assert s.saves == [("r1", 0, 5)]
+        assert b.cache.metrics.backups_committed == 0 and host_hit_pages(b, P) == 0
+        assert b.side.in_flight_jobs() == 1  # decided by nobody yet
+        b.step()  # an empty step carries worker 1's report
+        assert b.cache.metrics.backups_committed == 1 and host_hit_pages(b, P) == 5
+        # a save worker 0 landed but worker 1 failed: aborted, never visible
+        other = list(range(300, 385))
+        b.set_fault(lambda d, part, layer: (_ for _ in ()).throw(RuntimeError("worker 1 D2H")) if d is Direction.D2H
+                    else None, worker=1)
+        b.add(other)
+        b.run()
+        assert b.cache.metrics.backups_aborted == 1 and host_hit_pages(b, other) == 0
+        b.set_fault(None)
+        b.drop_vllm_prefix_cache()
+        b.add(P)  # the committed one loads into both workers' blocks, every byte checked in both
+        (s,) = b.run()
+        assert s.loads == [("r3", 0, 5)] and b.mismatches == []
+        settled(b)
+    finally:
+        b.close()

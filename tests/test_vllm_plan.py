@@ -15,13 +15,17 @@ import torch
 
 pytest.importorskip("vllm.v1.kv_cache_interface", reason="vLLM not installed (scripts/install_vllm.sh)")
 
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheTensor,
     MLAAttentionSpec,
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
+
+import test_vllm_bench as H  # noqa: E402
 
 from hicache_cp import LoadState, Part  # noqa: E402
 from hicache_cp.errors import ConfigError  # noqa: E402
@@ -43,7 +47,9 @@ def v32_config(target_layers: int = 3) -> KVCacheConfig:
         specs[f"model.layers.{i}.self_attn.attn"] = mla
         specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = idx
     group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs))
-    return KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=[group])
+    tensors = [KVCacheTensor(size=BLOCKS * s.page_size_bytes, layers=[n], layer_stride=BLOCKS * s.page_size_bytes,
+                             block_stride=s.page_size_bytes) for n, s in specs.items()]
+    return KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors, kv_cache_groups=[group])
 
 
 def test_vllm_plan_maps_mla_indexer_and_mtp_layers():
@@ -58,6 +64,31 @@ def test_vllm_plan_maps_mla_indexer_and_mtp_layers():
         plan.slot("model.layers.9.self_attn.attn")
     config = ConnectorSettings.from_extra_config({"host_budget_gib": 0.01}).cache_config(plan.layout)
     assert config.layout() == plan.layout
+
+
+def test_vllm_plan_is_the_same_from_the_schedulers_copy_of_the_config():
+    """vLLM hands the scheduler a copy of the config with one spec per group
+    (the MLA one or the indexer one): the plan must still be the workers'."""
+    workers = KVPlan.from_kv_cache_config(v32_config(), num_hidden_layers=3)
+    sched_cfg = generate_scheduler_kv_cache_config([v32_config()])
+    assert not getattr(sched_cfg.kv_cache_groups[0].kv_cache_spec, "kv_cache_specs", None)  # collapsed by vLLM
+    assert KVPlan.from_kv_cache_config(sched_cfg, num_hidden_layers=3) == workers
+    sched_cfg.kv_cache_tensors = []
+    with pytest.raises(ValueError, match="cannot tell each layer's bytes"):
+        KVPlan.from_kv_cache_config(sched_cfg, num_hidden_layers=3)
+
+
+def test_vllm_worker_refuses_a_scheduler_layout_that_differs():
+    plan = KVPlan.from_kv_cache_config(v32_config(), num_hidden_layers=3)
+    w = WorkerSide(plan, ConnectorSettings.from_extra_config(
+        {"host_budget_bytes": 1 << 20, "io_backend": "cpu", "pin_host": False}))
+    w.register_kv_caches({n: torch.zeros(BLOCKS, BS, 132 if "indexer" in n else 48,
+                                         dtype=torch.uint8 if "indexer" in n else torch.float32) for n in plan.slots})
+    other = KVPlan.from_kv_cache_config(v32_config(target_layers=2), num_hidden_layers=2).layout.describe()
+    meta = HiCacheMetadata(w.host_pool.physical_pages, other, loads=[CopyJob(1, "r", np.array([5]), np.array([3]), 0)])
+    with pytest.raises(ValueError, match="differs from this worker's"):
+        w.start_load_kv(meta)
+    w.close()
 
 
 def test_vllm_page_major_views_and_refusals():
@@ -84,28 +115,42 @@ def test_vllm_settings_are_checked():
         ConnectorSettings.from_extra_config({"host_budget_gib": -1})
 
 
-def test_vllm_worker_waits_for_indexer_state_one_layer_ahead():
+@pytest.mark.parametrize("device", H.DEVICES)
+def test_vllm_worker_waits_for_indexer_state_one_layer_ahead(device):
     """Layer l's indexer reads its cache before layer l's attention hook: the
-    worker waits for it at layer l-1's hook (layer 0's at start_load_kv)."""
+    worker waits for it at layer l-1's hook (layer 0's at start_load_kv).
+    The copy of layer 1's indexer cache is made slow (CPU: the engine's thread
+    sleeps; CUDA: the H2D stream spins first), so reading it on the compute
+    side right after layer 0's hook sees the loaded bytes only if that hook waited."""
     plan = KVPlan.from_kv_cache_config(v32_config(), num_hidden_layers=3)
-    w = WorkerSide(plan, ConnectorSettings.from_extra_config({"host_budget_bytes": 1 << 20, "io_backend": "cpu"}))
+    extra = {"host_budget_bytes": 1 << 20}
+    if device == "cpu":
+        extra.update(io_backend="cpu", pin_host=False)
+    w = WorkerSide(plan, ConnectorSettings.from_extra_config(extra))
     kv = {name: torch.zeros(BLOCKS, BS, 132 if "indexer" in name else 48,
-                            dtype=torch.uint8 if "indexer" in name else torch.float32) for name in plan.slots}
+                            dtype=torch.uint8 if "indexer" in name else torch.float32, device=device)
+          for name in plan.slots}
     w.register_kv_caches(kv)
     host = w.host_pool.layer_view(Part.TARGET_STATE, w.layout.part(Part.TARGET_STATE).slot(1))
     host[[3, 4]] = 7  # the indexer keys of layer 1 for host pages 3, 4
 
     def slow_state(direction, part, layer):  # test double: the copy of layer 1's state is slow
         if direction is Direction.H2D and part is Part.TARGET_STATE and layer == 1:
-            time.sleep(0.2)
+            if device == "cpu":
+                time.sleep(0.2)
+            else:
+                with torch.cuda.stream(w.engine.stream(Direction.H2D)):
+                    torch.cuda._sleep(400_000_000)  # about 0.2 s of spinning before the copy
 
-    w.engine.fault = slow_state
-    meta = HiCacheMetadata(w.host_pool.physical_pages, loads=[CopyJob(1, "r", np.array([5, 6]), np.array([3, 4]), 0)])
+    H.inject_fault(w.engine, slow_state)
+    meta = HiCacheMetadata(w.host_pool.physical_pages, w.layout.describe(),
+                           loads=[CopyJob(1, "r", np.array([5, 6]), np.array([3, 4]), 0)])
     w.start_load_kv(meta)
     (_, op), = w._loads
     w.wait_for_layer_load("model.layers.0.self_attn.attn")
-    assert op.by_layer[(Part.TARGET_STATE, 1)][0].query() is TicketState.DONE
-    assert (kv["model.layers.1.self_attn.indexer.k_cache"][[5, 6]] == 7).all()
+    assert (kv["model.layers.1.self_attn.indexer.k_cache"][[5, 6]] == 7).all()  # read in compute order
+    if device == "cpu":
+        assert op.by_layer[(Part.TARGET_STATE, 1)][0].query() is TicketState.DONE
     w.wait_for_save(meta)
     assert op.state is LoadState.LOADING and w.block_ids_with_load_errors() == set()
     assert w.worker_meta().results == {1: (1, None)}

@@ -34,7 +34,7 @@ from hicache_cp.cache.lifecycle import Lifecycle
 from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
 from hicache_cp.errors import ConsistencyError
-from hicache_cp.io.base import Direction
+from hicache_cp.io.base import CopyFailed, Direction
 from hicache_cp.ops import BackupOp, LoadOp, LoadState
 from hicache_cp.radix import Node, whole_pages
 
@@ -71,7 +71,15 @@ class EngineL1:
             )
         host = match.host_pages[lo : lo + n]
         op = LoadOp(s.layout, device_pages, host, first_position, self.lifecycle._local_pages(device_pages), s.rank)
-        self.lifecycle._submit_all_layers(op, Direction.H2D)
+        try:
+            self.lifecycle._submit_all_layers(op, Direction.H2D)
+        except CopyFailed:  # copies already submitted write into the engine's pages: let them return
+            for t in op.inflight:
+                try:
+                    t.wait()
+                except Exception:  # the submission's own failure is what the caller gets
+                    pass
+            raise
         op.transition(LoadState.LOADING)
         s.loads.append(op)
         s.metrics.loads_started += 1

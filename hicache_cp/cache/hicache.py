@@ -88,7 +88,8 @@ class HiCache:
     ) -> None:
         layout = config.layout()
         agreement = agreement or LocalAgreement()
-        if agreement.world_size != config.cp_size:
+        if agreement.world_size != config.cp_size and config.cp_size != 1:
+            # cp_size 1 with more ranks: replicas (an engine's TP ranks) that agree on every decision
             raise ValueError(f"agreement spans {agreement.world_size} ranks but cp_size is {config.cp_size}")
         device_pool = device_pool or DevicePool(layout, config.l1_pages, cp_size=config.cp_size, rank=rank, device=device)
         host_pool = host_pool or HostPool(

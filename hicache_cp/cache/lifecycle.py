@@ -31,7 +31,7 @@ from hicache_cp.cache.state import CacheState
 from hicache_cp.config import WritePolicy
 from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.errors import ConsistencyError
-from hicache_cp.io.base import CopyTicket, Direction
+from hicache_cp.io.base import CopyPlan, CopyTicket, Direction
 from hicache_cp.layout import Model, Part
 from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
 from hicache_cp.radix import HostState, Node
@@ -39,6 +39,7 @@ from hicache_cp.radix import HostState, Node
 logger = logging.getLogger(__name__)
 
 _ALL_LAYER_WARN_EVERY = 1000
+_RESERVED, _WRITING = BackupState.RESERVED, BackupState.WRITING
 
 
 class Lifecycle:
@@ -123,21 +124,30 @@ class Lifecycle:
         op = BackupOp(
             s.layout, device_pages, host, first_position, self._local_pages(device_pages), s.rank, layerwise=True
         )
+        self._plan(op, Direction.D2H)  # here, once: the layer hooks then do no per-page work
         s.backups.append(op)
         s.metrics.backups_started += 1
         return op
 
     def on_layer_end(self, model: Model, layer: int, backups: Iterable[BackupOp | None]) -> None:
         """See `HiCache.on_layer_end`."""
+        # The hot path: per op, one lookup of the parts due and one engine call for
+        # all of them (the op's plan was made at reservation).
         for op in backups:
-            if op is None or op.state not in (BackupState.RESERVED, BackupState.WRITING):
+            if op is None:
+                continue
+            state = op.state
+            if state is not _RESERVED and state is not _WRITING:
                 continue
             if not op.layerwise:
                 raise ValueError(f"backup {op.id} is an all-layer backup; layer hooks drive reservations only")
-            for part in op.layers_to_submit(model, layer):
-                op.record_submit(part, layer, self._submit(op, Direction.D2H, part, layer))
-                if op.state is BackupState.RESERVED:
-                    op.transition(BackupState.WRITING)
+            parts = op.layers_to_submit(model, layer)
+            if not parts:
+                continue
+            for part, tickets in zip(parts, self._submit_layer(op, Direction.D2H, parts, layer)):
+                op.record_submit(part, layer, tickets)
+            if op.state is _RESERVED:
+                op.transition(_WRITING)
 
     def start_backup(self, node: Node) -> BackupOp | None:
         """See `HiCache.start_backup`."""
@@ -344,10 +354,16 @@ class Lifecycle:
 
     def _submit_all_layers(self, op: BackupOp | LoadOp, direction: Direction) -> None:
         """Submit every layer of every part, in forward order (the all-layer paths)."""
-        for model in (Model.TARGET, Model.DRAFT):
-            for layer in range(self.s.layout.num_layers(model)):
-                for part in op.layers_to_submit(model, layer):
-                    op.record_submit(part, layer, self._submit(op, direction, part, layer))
+        jobs = [
+            (parts, layer)
+            for model in (Model.TARGET, Model.DRAFT)
+            for layer in range(self.s.layout.num_layers(model))
+            for parts in [op.layers_to_submit(model, layer)]
+            if parts
+        ]
+        for (parts, layer), per_part in zip(jobs, self._submit_layers(op, direction, jobs)):
+            for part, tickets in zip(parts, per_part):
+                op.record_submit(part, layer, tickets)
 
     def _local_pages(self, device_pages: np.ndarray) -> int:
         """How many of these logical pages this rank owns (and copies)."""
@@ -364,17 +380,28 @@ class Lifecycle:
         mine = cp_mapping.owned_mask(dev, s.rank, s.cp_size)
         return cp_mapping.to_physical(dev[mine], s.cp_size), cp_mapping.to_physical(host[mine], s.cp_size)
 
-    def _submit(self, op: BackupOp | LoadOp, direction: Direction, part: Part, layer: int) -> list[CopyTicket]:
-        """Submit this rank's share of one layer of one part; [] if it owns none."""
-        s = self.s
-        if op.physical is None:
-            op.physical = self._physical(op)
-        dev, host = op.physical
-        if not len(dev):
-            return []
-        if direction is Direction.D2H:
-            return [s.engine.submit_backup(part, layer, dev, host)]
-        return [s.engine.submit_load(part, layer, host, dev)]
+    def _plan(self, op: BackupOp | LoadOp, direction: Direction) -> CopyPlan:
+        """The engine's plan of this rank's pages of `op` (`CopyEngine.plan`), made once."""
+        if op.plan is None:
+            if op.physical is None:
+                op.physical = self._physical(op)
+            op.plan = self.s.engine.plan(direction, *op.physical)
+        return op.plan
+
+    def _submit_layer(
+        self, op: BackupOp | LoadOp, direction: Direction, parts: tuple[Part, ...], layer: int
+    ) -> list[list[CopyTicket]]:
+        """Submit this rank's share of one layer of `parts` (one engine call);
+        per part, its tickets ([] where this rank owns no page of the op)."""
+        plan = op.plan if op.plan is not None else self._plan(op, direction)
+        return [[t] if t is not None else [] for t in self.s.engine.submit_layer(plan, parts, layer)]
+
+    def _submit_layers(
+        self, op: BackupOp | LoadOp, direction: Direction, jobs: list[tuple[tuple[Part, ...], int]]
+    ) -> list[list[list[CopyTicket]]]:
+        """`_submit_layer` for every (parts, layer) of `jobs` in one engine call (all-layer paths)."""
+        plan = op.plan if op.plan is not None else self._plan(op, direction)
+        return [[[t] if t is not None else [] for t in tickets] for tickets in self.s.engine.submit_layers(plan, jobs)]
 
 
 def prefix_loads(node: Node) -> tuple[list[LoadOp], bool]:

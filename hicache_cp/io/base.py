@@ -10,6 +10,16 @@ L2 (host) pages and returns a `CopyTicket`:
                                 # current stream waits on the event; no host block)
     ticket.wait()               # host-blocking; control paths and tests only
 
+The cache's hot path plans an op once and submits it layer by layer:
+
+    plan = engine.plan(direction, device_pages, host_pages)   # validated once
+    tickets = engine.submit_layer(plan, parts, layer)         # one per part (None: no pages)
+
+A plan holds what every layer of the op shares (the validated page lists and
+the backend's prepared form, e.g. DMA descriptor tables), so a layer's
+submission does no per-page work; a backend may copy all `parts` of a layer
+with one driver call, their tickets then completing together.
+
 Ordering: submissions of one direction run in submission order (one D2H
 "stream", one H2D "stream"); the two directions overlap. A backup reads the device
 pages as they are when the copy runs, so the caller submits layer i's
@@ -28,6 +38,7 @@ import time
 import enum
 import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -84,6 +95,21 @@ class CopyTicket(abc.ABC):
         return f"{self.direction.value} {self.part.value} layer {self.layer}"
 
 
+@dataclass(slots=True)
+class CopyPlan:
+    """One op's page lists, validated once for every layer and part it copies
+    (`CopyEngine.plan`). `prepared` is the backend's own form of them."""
+
+    direction: Direction
+    device_pages: np.ndarray
+    host_pages: np.ndarray
+    prepared: Any = None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages)
+
+
 class CopyEngine(abc.ABC):
     """Moves pages of one part and one layer between the two pools."""
 
@@ -108,6 +134,34 @@ class CopyEngine(abc.ABC):
         """Copy `host_pages` of (part, layer) to `device_pages` (H2D)."""
         return self._submit(Direction.H2D, part, layer, *self._check(part, layer, device_pages, host_pages))
 
+    def plan(self, direction: Direction, device_pages: np.ndarray, host_pages: np.ndarray) -> CopyPlan:
+        """Validate an op's page lists once and prepare them for `submit_layer`.
+
+        Raises TypeError/ValueError for bad input (as the submit calls do). Costs
+        O(pages) once; every layer's submission then reuses it.
+        """
+        dev, host = self._check_pages(device_pages, host_pages)
+        plan = CopyPlan(direction, dev, host)
+        self._prepare(plan)
+        return plan
+
+    def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
+        """Copy `layer` of each of `parts` for a planned op; one ticket per part, None
+        for a plan without pages. The parts must own `layer` (KeyError/ValueError
+        otherwise). Generic form: one `_submit` per part."""
+        if not plan.num_pages:
+            return [None] * len(parts)
+        return [self._submit(plan.direction, part, layer, plan.device_pages, plan.host_pages) for part in parts]
+
+    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        """`submit_layer` for each (parts, layer) of `jobs`, in order, all at once (the
+        all-layer paths: a load, the all-layer backup); a backend may share the
+        ordering calls among them."""
+        return [self.submit_layer(plan, parts, layer) for parts, layer in jobs]
+
+    def _prepare(self, plan: CopyPlan) -> None:
+        """Backend hook of `plan`: check and precompute whatever every layer shares."""
+
     @abc.abstractmethod
     def _submit(
         self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
@@ -120,14 +174,22 @@ class CopyEngine(abc.ABC):
     def _check(
         self, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
+        checked = self._check_pages(device_pages, host_pages, part, layer)
+        self.layout.part(part).slot(layer)  # raises for a layer the part lacks
+        return checked
+
+    @staticmethod
+    def _check_pages(
+        device_pages: np.ndarray, host_pages: np.ndarray, part: Part | None = None, layer: int = -1
+    ) -> tuple[np.ndarray, np.ndarray]:
         if not isinstance(device_pages, np.ndarray) or not isinstance(host_pages, np.ndarray):
             raise TypeError("page lists must be CPU numpy arrays (control paths never take device tensors)")
         if device_pages.shape != host_pages.shape or device_pages.ndim != 1:
+            where = f"{part.value} layer {layer}: " if part is not None else ""
             raise ValueError(
-                f"{part.value} layer {layer}: device and host page counts differ "
+                f"{where}device and host page counts differ "
                 f"({device_pages.shape} vs {host_pages.shape}); copies are never truncated"
             )
-        self.layout.part(part).slot(layer)  # raises for a layer the part lacks
         return device_pages.astype(np.int64, copy=False), host_pages.astype(np.int64, copy=False)
 
 
@@ -139,8 +201,8 @@ _BACKENDS: dict[str, EngineFactory] = {}
 # the backends (which import this module) are never imported by it.
 BUILTIN: dict[str, str] = {
     "cpu": "hicache_cp.io.cpu",
-    "kernel": "hicache_cp.io.cuda",
-    "hybrid": "hicache_cp.io.cuda",
+    "kernel": "hicache_cp.io.sm",
+    "hybrid": "hicache_cp.io.sm",
     "direct": "hicache_cp.io.dma",
     "staging": "hicache_cp.io.dma",
 }
@@ -177,20 +239,19 @@ def make_engine(name: str, device_pool: DevicePool, host_pool: HostPool, **optio
 
 
 def default_backend(device_pool: DevicePool) -> str:
-    """The backend measured best for the pools' placement (bench-io, issue 13).
+    """The backend measured best for the pools' placement (bench-io, issues 13 and 28).
 
-    CUDA: "hybrid" (hicache_cp.io.cuda). A copy of at most 16 runs (pages
-    consecutive on both sides) goes to the DMA engines: 0.94-0.99 of the
-    link, no SMs taken from the forward; in the DeepSeek-V3.2 trace replay
-    every copy was such a copy. Any other copy is one gather/scatter kernel
-    launch, so a layer's submission costs the caller tens of microseconds
-    for any page pattern (scattered, H200: 20-30 us up to 1024 pages, 45-50
-    us at 8192); the price on scattered pages is the kernel's: loads at
-    0.82-0.92 of the link (the SMs' reads of host memory top at about 0.93,
-    contiguous or not: bench/results/io-sweep-h200.json) and SMs shared
-    with the forward. "direct" (DMA for every
-    run) keeps 0.90-0.99 and the overlap on scattered pages too, at about a
-    microsecond of driver time per run on the caller's thread (6 ms for
-    8192 scattered pages). bench/results/io-h200.json has all of it.
+    CUDA: "direct" (hicache_cp.io.dma): the GPU's copy engines move every
+    byte, one descriptor per run of pages consecutive on both sides, so the
+    copies take no SMs from the forward (H200, 1024 scattered pages beside a
+    compute-bound forward: 0.05 of a load and 0.10 of a backup exposed,
+    against 0.35 and 0.78 for the SM kernels of "hybrid"/"kernel"), at
+    0.98-1.01 of the link. The cache plans each op once (`CopyEngine.plan`:
+    the runs and every layer's descriptors, `io.plans`), so a layer hook
+    hands one precomputed table row to one `cuMemcpyBatchAsync` for both
+    parts of the layer. Its host price is the driver's, about a microsecond
+    per descriptor: small for the runs the allocators hand out, about a
+    millisecond a layer for 1024 fully scattered pages. bench/results/io-h200.json
+    has every variant.
     """
-    return "hybrid" if device_pool.is_cuda else "cpu"
+    return "direct" if device_pool.is_cuda else "cpu"

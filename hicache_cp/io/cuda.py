@@ -2,8 +2,9 @@
 
 Process: the prefill server's, on the thread that drives the forward pass.
 The contract is `hicache_cp.io.base`'s; this module adds how it holds on CUDA
-(the shared machinery and the `kernel` backend; `hicache_cp.io.dma` holds
-the DMA-only backends `direct` and `staging`):
+(the shared machinery; `hicache_cp.io.sm` holds the SM-kernel backends
+`kernel` and `hybrid`, `hicache_cp.io.dma` the DMA-only backends `direct`
+and `staging`):
 
 * Streams. One D2H stream (backups) and one H2D stream (loads) per engine,
   so the two directions overlap each other and the compute stream.
@@ -32,7 +33,7 @@ the DMA-only backends `direct` and `staging`):
 
 Backends (registered with `register_backend`):
 
-    kernel   NVRTC gather/scatter kernel (`kernels`): the SMs (or their bulk
+    kernel   (io.sm) NVRTC gather/scatter kernel (`kernels`): the SMs (or their bulk
              copy units, mode "tma") read/write pinned host pages through
              their mapped device address, page ids inside the launch
              parameters. Host cost independent of the page pattern; the
@@ -40,7 +41,7 @@ Backends (registered with `register_backend`):
              a copy that coalesces into at most R runs (both sides
              consecutive) goes to the DMA engines instead: no SMs, full
              link speed, R microseconds of driver time at most.
-    hybrid   the kernel backend with `dma_runs=HYBRID_DMA_RUNS`: the default
+    hybrid   (io.sm) the kernel backend with `dma_runs=HYBRID_DMA_RUNS`: the default
              on CUDA (`io.base.default_backend`).
     direct   (io.dma) one DMA per run of pages consecutive on both sides,
              all of a layer in one cudaMemcpyBatchAsync.
@@ -62,9 +63,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.io import kernels
-from hicache_cp.io.base import CopyEngine, CopyFailed, CopyTicket, Direction, TicketState, register_backend
+from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState
 from hicache_cp.io.cudadrv import DmaIssuer, Driver, driver
+from hicache_cp.io.plans import DescriptorTable, LayerDescriptors, PartGeometry, Runs, TableShape
 from hicache_cp.io.runs import coalesce_pairs, dma_plan, plan_runs, run_starts, split_at_chunks  # noqa: F401 - re-exported
 from hicache_cp.layout import Part
 from hicache_cp.pools import DevicePool, HostPool
@@ -72,11 +73,6 @@ from hostmem.arena import HostArena
 
 logger = logging.getLogger(__name__)
 
-#: Default share of the SMs the copy kernel may occupy (compute keeps the rest).
-DEFAULT_SM_FRACTION = 0.25
-#: Runs at most of a copy the hybrid backend sends to the DMA engines (about
-#: a microsecond of driver time each on an H200).
-HYBRID_DMA_RUNS = 16
 #: Page ids travel as int32 (kernel parameters): pools stay below this.
 MAX_PAGES = 1 << 31
 _D2H, _H2D = Direction.D2H, Direction.H2D
@@ -211,6 +207,32 @@ class CudaTicket(CopyTicket):
             self._sync.give_back(self._event)
 
 
+class SharedTicket(CopyTicket):
+    """Ticket of one part of a layer whose parts were copied together (one
+    driver call, one event): completion is the primary ticket's."""
+
+    def __init__(self, primary: CudaTicket, part: Part, nbytes: int) -> None:
+        self.direction = primary.direction
+        self.part = part
+        self.layer = primary.layer
+        self.nbytes = nbytes
+        self.submitted_at = primary.submitted_at
+        self._primary = primary
+
+    def query(self) -> TicketState:
+        return self._primary.query()
+
+    def wait(self) -> None:
+        self._primary.wait()
+
+    def make_compute_wait(self) -> None:
+        self._primary.make_compute_wait()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._primary.error
+
+
 @dataclass(slots=True)
 class PartInfo:
     """Addresses and sizes of one part, looked up once per submission."""
@@ -227,6 +249,13 @@ class PartInfo:
     def host_layer(self, slot: int) -> int:
         """Arena byte offset of page 0 of a slot's layer."""
         return slot * self.host_layer_bytes
+
+    def geometry(self) -> PartGeometry:
+        """What a DMA descriptor table needs to know of this part (`io.plans`)."""
+        return PartGeometry(
+            self.part, self.page_bytes, self.slots, tuple(self.device_layers), self.host_base,
+            self.host_layer_bytes, self.arena.register_chunk_bytes,
+        )
 
 
 class CudaCopyEngine(CopyEngine):
@@ -259,6 +288,7 @@ class CudaCopyEngine(CopyEngine):
         self._issuer = DmaIssuer(self._drv)
         self._device_limit = device_pool.physical_pages
         self._host_limit = host_pool.physical_pages
+        self._table_shape: TableShape | None = None
         self._info: dict[int, PartInfo] = {}  # by id(part): enum members are singletons, and hashing one costs
         for p in self.layout.parts:
             arena = host_pool.arenas[p.part]
@@ -346,6 +376,137 @@ class CudaCopyEngine(CopyEngine):
         every object that must outlive the copy. Raises on CUDA errors."""
         raise NotImplementedError
 
+    # -- planned submission (the cache's hot path) -------------------------------------
+
+    def _prepare(self, plan: CopyPlan) -> None:
+        """Range-check the pages and wait for the pinning they need, once per op."""
+        n = plan.num_pages
+        if n:
+            for side, pages, limit in (("device", plan.device_pages, self._device_limit), ("host", plan.host_pages, self._host_limit)):
+                if int(pages.view(np.uint64).max()) >= limit:
+                    lo, hi = int(pages.min()), int(pages.max())
+                    raise ValueError(f"{plan.direction.value} plan: {side} page ids span [{lo}, {hi}] outside the pool's [0, {limit})")
+            for info in self._info.values():
+                if not info.ready:
+                    self._wait_host_ready(info, max(info.slots.values()), plan.host_pages)
+            self._prepare_backend(plan)
+
+    def _prepare_backend(self, plan: CopyPlan) -> None:
+        """Backend hook: precompute `plan.prepared` (default: nothing)."""
+
+    def descriptor_table(self, plan: CopyPlan) -> DescriptorTable:
+        """Every layer's DMAs of a planned op, for each model's parts (`io.plans`).
+
+        O(layers x runs x parts) once; the caller's page order is kept."""
+        if self._table_shape is None:  # the layout's (layer, parts) pairs and geometry: once per engine
+            layers = [
+                (layer, tuple(p.part for p in parts if p.has_layer(layer)))
+                for model in {p.part.model for p in self.layout.parts}
+                for parts in [self.layout.parts_of(model)]
+                for layer in range(self.layout.num_layers(model))
+            ]
+            self._table_shape = TableShape([info.geometry() for info in self._info.values()], layers)
+        return DescriptorTable(plan.direction is _D2H, self._table_shape, Runs.of(plan.device_pages, plan.host_pages))
+
+    def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
+        """Copy `layer` of every part in `parts` with one set of stream-ordering
+        calls and one completion event (their tickets complete together); no
+        per-page work here (the plan did it). Failures: FAILED tickets."""
+        n = plan.num_pages
+        if not n:
+            return [None] * len(parts)
+        infos = [self._info[id(part)] for part in parts]
+        direction = plan.direction
+        previous = self._sync.enter()
+        try:
+            if self._keep:
+                self._prune()
+            i = 0 if direction is _D2H else 1
+            stream = self._handle[i]
+            sync = self._sync
+            event = sync.event()
+            keep: list[Any] = []
+            try:
+                order = self._order[i]
+                self._drv.event_record(order, sync.current_stream())
+                self._drv.stream_wait_event(stream, order)
+                self._enqueue_layer(plan, parts, infos, layer, stream, keep)
+                self._drv.event_record(event, stream)
+            except Exception as exc:  # noqa: BLE001 - the submit boundary: CUDA errors become FAILED tickets
+                sync.give_back(event)
+                logger.warning(
+                    "%s %s layer %d (%d pages): submission failed: %s",
+                    direction.value, [p.value for p in parts], layer, n, exc, exc_info=True,
+                )
+                return [CudaTicket(direction, info.part, layer, n * info.page_bytes, None, error=exc) for info in infos]
+        finally:
+            self._sync.leave(previous)
+        primary = CudaTicket(direction, parts[0], layer, n * infos[0].page_bytes, sync, event)
+        if keep:
+            self._keep.append((primary, keep))
+        if len(parts) == 1:
+            return [primary]
+        return [primary, *(SharedTicket(primary, info.part, n * info.page_bytes) for info in infos[1:])]
+
+    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        """All of `jobs` behind one compute-ordering wait (they are submitted at one
+        moment), then per layer its copies and its event. A failure fails that
+        layer's tickets and every later one's (nothing after it was enqueued)."""
+        n = plan.num_pages
+        if not n:
+            return [[None] * len(parts) for parts, _ in jobs]
+        direction = plan.direction
+        i = 0 if direction is _D2H else 1
+        stream = self._handle[i]
+        sync = self._sync
+        out: list[list[CopyTicket | None]] = []
+        previous = sync.enter()
+        try:
+            if self._keep:
+                self._prune()
+            error: BaseException | None = None
+            try:
+                order = self._order[i]
+                self._drv.event_record(order, sync.current_stream())
+                self._drv.stream_wait_event(stream, order)
+            except Exception as exc:  # noqa: BLE001 - the submit boundary
+                error = exc
+            for parts, layer in jobs:
+                infos = [self._info[id(part)] for part in parts]
+                if error is None:
+                    event = sync.event()
+                    keep: list[Any] = []
+                    try:
+                        self._enqueue_layer(plan, parts, infos, layer, stream, keep)
+                        self._drv.event_record(event, stream)
+                    except Exception as exc:  # noqa: BLE001
+                        sync.give_back(event)
+                        error = exc
+                        logger.warning("%s layer %d (%d pages): submission failed: %s", direction.value, layer, n, exc, exc_info=True)
+                if error is not None:
+                    out.append([CudaTicket(direction, info.part, layer, n * info.page_bytes, None, error=error) for info in infos])
+                    continue
+                primary = CudaTicket(direction, parts[0], layer, n * infos[0].page_bytes, sync, event)
+                if keep:
+                    self._keep.append((primary, keep))
+                out.append([primary, *(SharedTicket(primary, info.part, n * info.page_bytes) for info in infos[1:])])
+        finally:
+            sync.leave(previous)
+        return out
+
+    def _enqueue_layer(
+        self, plan: CopyPlan, parts: tuple[Part, ...], infos: list[PartInfo], layer: int, stream: int, keep: list[Any]
+    ) -> None:
+        """Enqueue `layer` of every part of a planned op on `stream`. Default: the
+        backend's `_enqueue` per part; DMA backends issue the table's descriptors."""
+        d2h = plan.direction is _D2H
+        for info in infos:
+            self._enqueue(d2h, info, info.slots[layer], plan.device_pages, plan.host_pages, stream, keep)
+
+    def _issue(self, desc: LayerDescriptors, stream: int) -> None:
+        """One layer's descriptors: one cuMemcpyAsync, or one batch."""
+        self._issuer.issue_table_row(desc, stream)
+
     # -- helpers for backends -------------------------------------------------------
 
     def device_layer_ptr(self, part: Part, slot: int) -> int:
@@ -397,101 +558,3 @@ class CudaCopyEngine(CopyEngine):
             self._streams[direction].synchronize()
         self._keep.clear()
         self._sync.close()
-
-
-@register_backend("kernel")
-class KernelCopyEngine(CudaCopyEngine):
-    """Gather/scatter kernel writing/reading pinned host pages through their device address.
-
-    Options: `sm_fraction` caps the grid at that share of the SMs (at least
-    one CTA); `mode` picks how the kernel moves bytes (`kernels.MODES`:
-    "simt", "l2hint", "tma"); `unroll` and `tail` shape the simt kernels
-    (loads in flight per thread, `kernels.TAILS`; tools/io_sweep.py found
-    no setting better than the defaults on the H200); `dma_runs` sends a
-    copy that coalesces into at most that many runs (consecutive on both
-    sides, in the given order) to the DMA engines instead (0: never). Page
-    ids go inside the launch parameters (`kernels.PageCopyLauncher`).
-    """
-
-    name = "kernel"
-
-    def __init__(
-        self,
-        device_pool: DevicePool,
-        host_pool: HostPool,
-        *,
-        sm_fraction: float = DEFAULT_SM_FRACTION,
-        mode: str = "simt",
-        dma_runs: int = 0,
-        unroll: int = kernels.UNROLL,
-        tail: str = kernels.TAIL,
-    ) -> None:
-        kernels.check_shape(unroll, tail)
-        super().__init__(device_pool, host_pool)
-        if not 0.0 < sm_fraction <= 1.0:
-            raise ValueError(f"sm_fraction must be in (0, 1], got {sm_fraction}")
-        if dma_runs < 0:
-            raise ValueError(f"dma_runs must be >= 0, got {dma_runs}")
-        self.unroll, self.tail = unroll, tail
-        self.kernels = kernels.load_kernels(self.device_index, unroll, tail)
-        self.max_ctas = max(1, int(self.kernels.num_sms * sm_fraction))
-        self.mode = mode
-        self.dma_runs = dma_runs
-        self._launchers = (kernels.PageCopyLauncher(self.device, mode), kernels.PageCopyLauncher(self.device, mode))
-        #: Copies sent to the kernel / to the DMA engines (dma_runs), for benchmarks.
-        self.counts = {"kernel": 0, "dma": 0}
-
-    def _enqueue(self, d2h, info, slot, device_pages, host_pages, stream, keep) -> None:  # type: ignore[no-untyped-def]
-        if self.dma_runs:
-            starts = run_starts(device_pages, host_pages, self.dma_runs)
-            if starts is not None:
-                self.counts["dma"] += 1
-                self._dma_few(d2h, info, slot, device_pages, host_pages, starts, stream)
-                return
-        self.counts["kernel"] += 1
-        dev_ptr, host_ptr = info.device_layers[slot], info.host_base + info.host_layer(slot)
-        if d2h:
-            src, dst, src_pages, dst_pages = dev_ptr, host_ptr, device_pages, host_pages
-        else:
-            src, dst, src_pages, dst_pages = host_ptr, dev_ptr, host_pages, device_pages
-        self.kernels.launch(self._launchers[0 if d2h else 1], stream, self.max_ctas, src, dst, src_pages, dst_pages, info.page_bytes)
-
-    def _dma_few(
-        self, d2h: bool, info: PartInfo, slot: int, device_pages: np.ndarray, host_pages: np.ndarray, starts: list[int], stream: int
-    ) -> None:
-        """The DMAs of a copy of few runs (`runs.plan_runs`): one cuMemcpyAsync, or one batch."""
-        devs, hosts, sizes = plan_runs(
-            device_pages, host_pages, starts, info.page_bytes, info.device_layers[slot], info.host_base,
-            info.host_layer(slot), info.arena.register_chunk_bytes,
-        )
-        if len(sizes) == 1:
-            src, dst = (devs[0], hosts[0]) if d2h else (hosts[0], devs[0])
-            self._drv.memcpy_async(dst, src, sizes[0], stream)
-            return
-        u64 = np.uint64
-        self._issuer.issue(d2h, np.array(devs, dtype=u64), np.array(hosts, dtype=u64), np.array(sizes, dtype=u64), stream)
-
-
-@register_backend("hybrid")
-class HybridCopyEngine(KernelCopyEngine):
-    """The kernel backend that sends copies of few runs to the DMA engines.
-
-    A copy that coalesces into at most `dma_runs` runs (consecutive on both
-    sides) is one DMA per run: no SMs taken from the forward, the link's full
-    speed, about a microsecond of driver time per run. Any other copy is one
-    kernel launch (two past `kernels.LARGE_PAGES` pages), whatever the
-    pattern: the caller's host time stays bounded by the run threshold.
-    """
-
-    name = "hybrid"
-
-    def __init__(
-        self,
-        device_pool: DevicePool,
-        host_pool: HostPool,
-        *,
-        dma_runs: int = HYBRID_DMA_RUNS,
-        **options: Any,
-    ) -> None:
-        """`options`: the kernel backend's (grid cap, mode, kernel shape)."""
-        super().__init__(device_pool, host_pool, dma_runs=dma_runs, **options)

@@ -30,6 +30,8 @@ import numpy as np
 EVENT_DISABLE_TIMING = 0x2
 #: CUmemcpySrcAccessOrder: the source is read in stream order.
 SRC_ACCESS_ORDER_STREAM = 0x1
+#: CUmemcpyFlags: a hint to overlap the copy with compute on the SMs.
+MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
 #: sizeof(CUmemcpyAttributes): srcAccessOrder, two CUmemLocation, flags.
 MEMCPY_ATTRIBUTES_BYTES = 24
 
@@ -208,6 +210,16 @@ class Driver:
         if code != _SUCCESS:
             raise self.error(f"cuMemcpyBatchAsync({n} copies)", code)
 
+    def memcpy_batch_ptrs(self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, attr_idx: int, stream: int) -> None:
+        """`memcpy_batch_async` over the addresses of the three uint64 arrays (the hot path)."""
+        assert self._batch is not None, "cuMemcpyBatchAsync is unavailable (driver before CUDA 12.8)"
+        if self.batch_abi == 12:
+            code = self._batch(dsts, srcs, sizes, count, attrs, attr_idx, 1, self._fail_idx.ctypes.data, stream)
+        else:
+            code = self._batch(dsts, srcs, sizes, count, attrs, attr_idx, 1, stream)
+        if code != _SUCCESS:
+            raise self.error(f"cuMemcpyBatchAsync({count} copies)", code)
+
     def launch(self, function: int, grid: int, block: int, smem: int, stream: int, params: int) -> None:
         """cuLaunchKernel with a 1-D grid; `params` is the address of the void* array."""
         code = self._launch(function, grid, 1, 1, block, 1, 1, smem, stream, params, None)
@@ -230,15 +242,46 @@ class DmaIssuer:
     #: Descriptors per cuMemcpyBatchAsync call (bounds one call's argument arrays).
     MAX_BATCH = 16384
 
-    def __init__(self, drv: Driver, batch: bool = True) -> None:
+    def __init__(self, drv: Driver, batch: bool = True, flags: int = 0) -> None:
         self.drv = drv
         self.batch = batch and drv.has_batch
-        self._attrs = memcpy_attributes()
+        self.flags = flags
+        self._attrs = memcpy_attributes(flags)
         self._attr_idx = np.zeros(1, dtype=np.uint64)
+        self._attrs_ptr, self._attr_idx_ptr = self._attrs.ctypes.data, self._attr_idx.ctypes.data
+
+    @property
+    def attrs_ptr(self) -> int:
+        """Address of the one CUmemcpyAttributes every batch uses (alive as long as the issuer)."""
+        return self._attrs_ptr
+
+    @property
+    def attr_idx_ptr(self) -> int:
+        return self._attr_idx_ptr
+
+    def issue_table_row(self, desc: Any, stream: int) -> None:
+        """One layer of a descriptor table (`io.plans.LayerDescriptors`): one cuMemcpyAsync
+        or one batch over the row's precomputed addresses. Raises DriverError."""
+        n = desc.count
+        if n == 1:
+            self.drv.memcpy_async(int(desc.dst[0]), int(desc.src[0]), int(desc.sizes[0]), stream)
+        elif self.batch and n <= self.MAX_BATCH:
+            try:
+                self.drv.memcpy_batch_ptrs(desc.dst_ptr, desc.src_ptr, desc.sizes_ptr, n, self._attrs_ptr, self._attr_idx_ptr, stream)
+            except DriverError as exc:
+                logging.getLogger(__name__).warning("cuMemcpyBatchAsync unusable (%s); using one cuMemcpyAsync per run", exc)
+                self.batch = False
+                self.issue_pairs(desc.dst, desc.src, desc.sizes, stream)
+        else:
+            self.issue_pairs(desc.dst, desc.src, desc.sizes, stream)
 
     def issue(self, device_to_host: bool, device: np.ndarray, host: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         """`device`, `host`, `sizes`: C-contiguous uint64 arrays of equal length. Raises DriverError."""
         srcs, dsts = (device, host) if device_to_host else (host, device)
+        self.issue_pairs(dsts, srcs, sizes, stream)
+
+    def issue_pairs(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        """Copies `srcs[i]` -> `dsts[i]` of `sizes[i]` bytes: C-contiguous uint64 arrays. Raises DriverError."""
         n = len(sizes)
         if self.batch and n > 1:
             lo = 0
@@ -256,10 +299,13 @@ class DmaIssuer:
             self.drv.memcpy_async(d, s, size, stream)
 
 
-def memcpy_attributes() -> np.ndarray:
-    """One CUmemcpyAttributes: sources read in stream order, no hints, default flags."""
+def memcpy_attributes(flags: int = 0) -> np.ndarray:
+    """One CUmemcpyAttributes: sources read in stream order, no location hints,
+    `flags` (`MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE` or 0)."""
     attrs = np.zeros(MEMCPY_ATTRIBUTES_BYTES, dtype=np.uint8)
-    attrs.view(np.uint32)[0] = SRC_ACCESS_ORDER_STREAM
+    words = attrs.view(np.uint32)
+    words[0] = SRC_ACCESS_ORDER_STREAM
+    words[5] = flags  # after srcAccessOrder (4 B) and two CUmemLocation (8 B each)
     return attrs
 
 

@@ -25,11 +25,7 @@ timed: for the checks and the run counts).
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import importlib.util
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -311,12 +307,10 @@ def load_sglang_host_kv_cache() -> tuple[type | None, dict[str, str]]:
     """SGLang's ``HostKVCache`` class from the installed sglang, and how it was loaded.
 
     Returns ``(None, info)`` with the reason when sglang is missing, is not
-    version 0.5.23, or its module does not import. The packages ``sglang``
-    and ``sglang.srt.mem_cache.pool_host`` are registered without running
-    their ``__init__`` (the first patches transformers and redirects cache
-    directories for the whole process; the second reaches torchvision through
-    ``sglang.srt.configs``, and a CPU torch has no working torchvision);
-    ``pool_host/base.py`` and everything it imports run unchanged.
+    version 0.5.23, or its module does not import. SGLang is imported as
+    installed (`hicache_cp.harness.sglang.env.import_sglang`: torchvision is a
+    stand-in while `sglang.srt.configs` imports, since a CPU torch has no
+    working torchvision).
     """
     try:
         from importlib.metadata import PackageNotFoundError, version
@@ -327,17 +321,9 @@ def load_sglang_host_kv_cache() -> tuple[type | None, dict[str, str]]:
     if installed != SGLANG_VERSION:
         return None, {"impl": "reimplementation", "reason": f"sglang {installed} installed, the bench pins {SGLANG_VERSION}"}
     try:
-        if "sglang" in sys.modules:
-            root = Path(list(sys.modules["sglang"].__path__)[0])
-        else:
-            spec = importlib.util.find_spec("sglang")
-            assert spec is not None and spec.origin is not None
-            root = Path(spec.origin).parent
-        for package, folder in (("sglang", root), ("sglang.srt.mem_cache.pool_host", root / "srt/mem_cache/pool_host")):
-            if package not in sys.modules:  # the package, without running its __init__
-                spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
-                spec.submodule_search_locations = [str(folder)]
-                sys.modules[package] = importlib.util.module_from_spec(spec)
+        from hicache_cp.harness.sglang.env import import_sglang
+
+        import_sglang()
         module = importlib.import_module(_SGLANG_BASE)
         cls = module.HostKVCache
     except Exception as exc:  # noqa: BLE001 - any import failure means: use the labelled fallback
@@ -346,8 +332,8 @@ def load_sglang_host_kv_cache() -> tuple[type | None, dict[str, str]]:
         "impl": "sglang",
         "version": installed,
         "code": f"{_SGLANG_BASE}.HostKVCache.alloc/free as installed ({module.__file__})",
-        "import_route": "pool_host/base.py imported unchanged; the __init__ of the sglang package (it patches "
-        "transformers and sets cache directories process-wide) and of pool_host (it needs torchvision) skipped",
+        "import_route": "sglang imported as installed; torchvision is a stand-in during the import of "
+        "sglang.srt.configs only (hicache_cp.harness.sglang.env)",
     }
 
 

@@ -36,10 +36,19 @@ over the gated batches plus `_SUBMIT_SAMPLES` more. The default backend's
 rows at 64, 1024 and 8192 pages are repeated under `default_numbers`. Each
 rate is the median of several repetitions. GB/s are 1e9 bytes per second.
 
-Variants: the backends with their defaults (`hybrid`, `kernel`, `direct`,
-`staging`) and experiments: `kernel-l2hint`, `kernel-tma` (the kernel's
-other modes), `direct-given` (DMA runs in the caller's order, not sorted
-by device page).
+Submissions take the cache's path: each page set is planned once
+(`CopyEngine.plan`, timed apart as `plan_us`) and submitted per layer
+(`submit_layer`).
+
+Variants: the backends with their defaults (`direct`, the default on CUDA,
+`hybrid`, `kernel`, `staging`) and experiments: `kernel-l2hint`,
+`kernel-tma` (the kernel's other modes), `kernel-tma-4sm`/`-8sm` (SGLang's
+CTA counts), `direct-given` (DMA runs in the caller's order, not sorted by
+device page), `direct-inline` (every descriptor issued on the caller's
+thread, no issue worker), `direct-overlap-hint` (the driver's
+prefer-overlap-with-compute flag). Exposure is measured for every variant
+and every grid cap of the kernel sweep at `--overlap-pages`, and for the
+default at each `--exposure-pages`, scattered and in runs (`exposure`).
 
 Without CUDA it prints one error line and exits with status 2.
 """
@@ -62,7 +71,7 @@ import torch
 from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
-from hicache_cp.io.base import CopyEngine, TicketState, default_backend, make_engine
+from hicache_cp.io.base import CopyEngine, Direction, TicketState, default_backend, make_engine
 from hicache_cp.layout import KVLayout, Part
 
 #: Measured variants: label -> (backend name, engine options). The plain names are
@@ -74,13 +83,24 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "staging": ("staging", {}),
     "kernel-l2hint": ("kernel", {"mode": "l2hint"}),
     "kernel-tma": ("kernel", {"mode": "tma"}),
+    # SGLang's CTA counts (4 for its TMA kernel, 2 for its register kernel) on our kernels:
+    # about 4 and 8 of the H200's 132 SMs.
+    "kernel-tma-4sm": ("kernel", {"mode": "tma", "sm_fraction": 0.031}),
+    "kernel-tma-8sm": ("kernel", {"mode": "tma", "sm_fraction": 0.061}),
     "direct-given": ("direct", {"order": "given"}),
+    "direct-overlap-hint": ("direct", {"overlap_hint": True}),
+    "direct-inline": ("direct", {"worker_above": None}),
 }
-BACKENDS = ("hybrid", "kernel", "direct", "staging")
+BACKENDS = ("direct", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
 TARGETS = {
-    "scattered_ratio_1024plus": 0.93, "scattered_ratio_64": 0.85, "bidir_ratio": 0.90, "exposed_load_fraction": 0.10,
+    "scattered_ratio_1024plus": 0.90, "scattered_ratio_64": 0.85, "runs_ratio_1024plus": 0.93, "runs_ratio_64": 0.90,
+    "bidir_ratio": 0.90, "exposed_load_fraction": 0.05, "exposed_backup_fraction": 0.10,
     "submit_us_64": 30.0, "submit_us_8192": 100.0,
 }
+#: Layers of the default backend's exposure rows (scattered and in runs): 24 at every
+#: page count, so the floor (one layer's copy, 1/24) is the same; at 8192 pages each
+#: pool holds 8.3 GB.
+_EXPOSURE_LAYERS = 24
 #: Host-only submissions timed per page count and direction (besides the gated batches).
 _SUBMIT_SAMPLES = 40
 #: Page counts whose numbers of the default backend are recorded on their own.
@@ -100,8 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-mib", type=int, default=1024, help="size of the contiguous peak copies")
     parser.add_argument("--overlap-layers", type=int, default=24, help="layers of the overlap test")
     parser.add_argument("--overlap-pages", type=int, default=1024, help="pages per layer in the overlap test")
-    parser.add_argument("--kernel-sm-fractions", default="0.25,0.5,1.0", help="grid caps of the kernel backend sweep ('' skips it)")
-    parser.add_argument("--runs-backends", default="hybrid,kernel,direct", help="variants also measured on pages in runs ('' skips it)")
+    parser.add_argument("--kernel-sm-fractions", default="0.03,0.06,0.12,0.25",
+                        help="grid caps of the kernel backend sweep, with exposure ('' skips it)")
+    parser.add_argument("--runs-backends", default="direct,hybrid,kernel", help="variants also measured on pages in runs ('' skips it)")
+    parser.add_argument("--exposure-pages", default="64,1024,8192",
+                        help="page counts of the default backend's exposure rows, scattered and in runs ('' skips them)")
     parser.add_argument("--run-pages", type=int, default=128, help="consecutive pages per run of the runs pattern")
     parser.add_argument("--alloc-runs", type=Path,
                         help="instead of the sweep: copy the page lists of a bench-alloc JSON (its sample_runs) "
@@ -239,12 +262,21 @@ def _measure_direction(
     submit_us: list[float] = []
     tickets: list[Any] = []
     batches = [0]
+    # The cache's path: each op (page set) planned once, then one submission per layer.
+    direction = Direction.D2H if backup else Direction.H2D
+    plan_us: list[float] = []
+    plans = []
+    for d, h in sets:
+        t0 = time.perf_counter()
+        plans.append(engine.plan(direction, d, h))
+        plan_us.append((time.perf_counter() - t0) * 1e6)
+    parts = (Part.TARGET_KV,)
 
     def submit(i: int) -> Any:
-        d, h = sets[i % len(sets)]
+        plan = plans[i % len(plans)]
         layer = layers[i % len(layers)]
         t0 = time.perf_counter()
-        t = engine.submit_backup(Part.TARGET_KV, layer, d, h) if backup else engine.submit_load(Part.TARGET_KV, layer, h, d)
+        t = engine.submit_layer(plan, parts, layer)[0]
         if batches[0] > 1:  # the first batch is the warm-up
             submit_us.append((time.perf_counter() - t0) * 1e6)
         tickets.append(t)
@@ -271,6 +303,7 @@ def _measure_direction(
         f"{label}_submit_us": float(np.median(submit_us)),
         f"{label}_submit_us_p99": float(np.percentile(submit_us, 99)),
         f"{label}_submit_samples": len(submit_us),
+        f"{label}_plan_us": float(np.median(plan_us)),
     }
 
 
@@ -332,11 +365,14 @@ def measure_bidir(gate: _Gate, engine: CopyEngine, n: int, page_bytes: int, rng:
     reps = int(np.clip((256 << 20) // (n * page_bytes), 3, 50))
     sets = _page_sets(rng, reps, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages)
 
+    plans = [(engine.plan(Direction.D2H, d, h), engine.plan(Direction.H2D, d, h)) for d, h in sets]
+    parts = (Part.TARGET_KV,)
+
     def enqueue() -> None:
         tickets = []
-        for d, h in sets:
-            tickets.append(engine.submit_backup(Part.TARGET_KV, 0, d, h))
-            tickets.append(engine.submit_load(Part.TARGET_KV, 1, h, d))
+        for backup, load in plans:
+            tickets.append(engine.submit_layer(backup, parts, 0)[0])
+            tickets.append(engine.submit_layer(load, parts, 1)[0])
         tickets[-2].make_compute_wait()
         tickets[-1].make_compute_wait()
 
@@ -344,13 +380,22 @@ def measure_bidir(gate: _Gate, engine: CopyEngine, n: int, page_bytes: int, rng:
     return _gbps(2 * reps * n * page_bytes, ms)
 
 
-def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Generator) -> dict[str, float]:
-    """Per-layer load overlap: exposed load time as a fraction of copy-only time."""
+def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Generator, run: int = 1) -> dict[str, float]:
+    """Per-layer load overlap: exposed load time as a fraction of copy-only time
+    (pages scattered, or in runs of `run` on both sides); each op planned once."""
     layers = engine.layout.part(Part.TARGET_KV).layer_ids
-    d, h = _page_sets(rng, 1, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages)[0]
+    d, h = _page_sets(rng, 1, n, engine.device_pool.physical_pages, engine.host_pool.physical_pages, run)[0]
+    load_plan, backup_plan = engine.plan(Direction.H2D, d, h), engine.plan(Direction.D2H, d, h)
+    parts = (Part.TARGET_KV,)
+
+    def load(layer: int) -> Any:
+        return engine.submit_layer(load_plan, parts, layer)[0]
+
+    def backup(layer: int) -> Any:
+        return engine.submit_layer(backup_plan, parts, layer)[0]
 
     def loads() -> list[Any]:
-        return [engine.submit_load(Part.TARGET_KV, layer, h, d) for layer in layers]
+        return [load(layer) for layer in layers]
 
     copy_ms, _ = _median_ms(gate, lambda: loads()[-1].make_compute_wait())
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -374,11 +419,11 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
         for layer in layers:
             for _ in range(per_layer):
                 torch.matmul(a, b, out=c)
-            tickets.append(engine.submit_backup(Part.TARGET_KV, layer, d, h))
+            tickets.append(backup(layer))
         for t in tickets:
             t.make_compute_wait()
 
-    backup_copy_ms, _ = _median_ms(gate, lambda: [engine.submit_backup(Part.TARGET_KV, x, d, h) for x in layers][-1].make_compute_wait())
+    backup_copy_ms, _ = _median_ms(gate, lambda: [backup(x) for x in layers][-1].make_compute_wait())
     backups_ms, _ = _median_ms(gate, with_backups)
     return {
         "copy_ms": copy_ms, "compute_ms": compute_ms, "with_loads_ms": with_ms, "matmuls_per_layer": per_layer,
@@ -471,6 +516,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             engine = make_engine("kernel", dev, host, sm_fraction=f)
             result["kernel_sm_sweep"][str(f)] = measure_backend(gate, engine, [n for n in sizes if n <= 1024], page_bytes, rng)
+            result["kernel_sm_sweep"][str(f)]["engine"] = _describe(engine)
             engine.close()
         except Exception as exc:  # noqa: BLE001
             result["kernel_sm_sweep"][str(f)] = {"error": repr(exc)}
@@ -481,22 +527,58 @@ def run(args: argparse.Namespace) -> int:
     torch.cuda.empty_cache()
     odev, ohost = _pools(page_bytes, int(args.overlap_layers), 2 * int(args.overlap_pages) + 1)
     result["overlap"] = {}
-    for name in order:
+    # Every variant and every grid cap of the sweep, beside the same forward.
+    makers = [(name, lambda name=name, d=odev, h=ohost: _make(name, d, h)) for name in order]
+    makers += [(f"kernel@{f}", lambda f=f, d=odev, h=ohost: make_engine("kernel", d, h, sm_fraction=f)) for f in fractions]
+    for label, maker in makers:
         try:
-            engine = _make(name, odev, ohost)
-            result["overlap"][name] = measure_overlap(gate, engine, int(args.overlap_pages), rng)
+            engine = maker()
+            result["overlap"][label] = measure_overlap(gate, engine, int(args.overlap_pages), rng)
             engine.close()
         except Exception as exc:  # noqa: BLE001
-            result["overlap"][name] = {"error": repr(exc)}
-        _progress(f"overlap {name}: {json.dumps(result['overlap'][name])}")
-        if name == default:
-            result["exposed_load_fraction"] = result["overlap"][name].get("exposed_load_fraction")
-            result["exposed_backup_fraction"] = result["overlap"][name].get("exposed_backup_fraction")
+            result["overlap"][label] = {"error": repr(exc)}
+        _progress(f"overlap {label}: {json.dumps(result['overlap'][label])}")
+        if label == default:
+            result["exposed_load_fraction"] = result["overlap"][label].get("exposed_load_fraction")
+            result["exposed_backup_fraction"] = result["overlap"][label].get("exposed_backup_fraction")
         save()
     ohost.close()
+    del odev, ohost, makers
+    torch.cuda.empty_cache()
+    result["exposure"] = measure_exposure_rows(
+        gate, default, [int(x) for x in str(args.exposure_pages).split(",") if x], page_bytes, int(args.run_pages), rng, save,
+        result,
+    )
     save()
     _print_table(result)
     return 0
+
+
+def measure_exposure_rows(
+    gate: _Gate, label: str, sizes: list[int], page_bytes: int, run: int, rng: np.random.Generator,
+    save: Callable[[], None], result: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """The exposure of one variant at each page count, scattered and in runs of
+    `run` pages (allocator-shaped), each with its own pools of `_EXPOSURE_LAYERS` layers."""
+    out: dict[str, dict[str, Any]] = {"scattered": {}, "runs": {}}
+    result["exposure"] = out
+    for n in sizes:
+        dev, host = _pools(page_bytes, _EXPOSURE_LAYERS, n + run + 1)
+        try:
+            for pattern, r in (("scattered", 1), ("runs", run)):
+                try:
+                    engine = _make(label, dev, host)
+                    out[pattern][str(n)] = measure_overlap(gate, engine, n, rng, r)
+                    engine.close()
+                except Exception as exc:  # noqa: BLE001
+                    out[pattern][str(n)] = {"error": repr(exc)}
+                _progress(f"exposure {label} {pattern} {n}: {json.dumps(out[pattern][str(n)])}")
+                save()
+        finally:
+            host.close()
+            del dev, host
+            torch.cuda.empty_cache()
+    return out
 
 
 def _make(label: str, dev: Any, host: Any) -> CopyEngine:
@@ -506,7 +588,7 @@ def _make(label: str, dev: Any, host: Any) -> CopyEngine:
 
 def _describe(engine: CopyEngine) -> dict[str, Any]:
     """What ran: the backend and its options (batched DMA, kernel mode, grid, DMA-routed copies)."""
-    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "counts")
+    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "worker_above", "counts")
     return {k: getattr(engine, k) for k in keys if hasattr(engine, k)}
 
 
@@ -540,16 +622,35 @@ def _targets(r: dict[str, Any]) -> dict[str, Any]:
                 if budget is not None:
                     met[f"{d}_submit@{n}"] = row[f"{d}_submit_us"] <= budget
         out[name] = met
-    for name, rows in r.get("runs_pattern", {}).items():  # ratios only: the targets are for scattered pages
+    for name, rows in r.get("runs_pattern", {}).items():
         if name == "run_pages" or "error" in rows:
             continue
+        met = {}
         for n, row in rows.items():
-            if n != "engine":
-                for d in ("d2h", "h2d"):
-                    row[f"{d}_ratio"] = row[f"{d}_gbps"] / r[f"peak_{d}_gbps"]
+            if n == "engine":
+                continue
+            need = TARGETS["runs_ratio_64"] if int(n) < 1024 else TARGETS["runs_ratio_1024plus"]
+            for d in ("d2h", "h2d"):
+                row[f"{d}_ratio"] = row[f"{d}_gbps"] / r[f"peak_{d}_gbps"]
+                met[f"{d}@{n}"] = row[f"{d}_ratio"] >= need
+                budget = TARGETS.get(f"submit_us_{n}")
+                if budget is not None:
+                    met[f"{d}_submit@{n}"] = row[f"{d}_submit_us"] <= budget
+        out[f"{name}@runs"] = met
     out["bidir"] = (r.get("bidir_ratio") or 0.0) >= TARGETS["bidir_ratio"]
-    x = r.get("exposed_load_fraction")
-    out["overlap"] = x is not None and x <= TARGETS["exposed_load_fraction"]
+    exposure = {}
+    for pattern, rows in r.get("exposure", {}).items():
+        for n, row in rows.items():
+            if "error" not in row:
+                exposure[f"{pattern}@{n}"] = (
+                    row["exposed_load_fraction"] <= TARGETS["exposed_load_fraction"]
+                    and row["exposed_backup_fraction"] <= TARGETS["exposed_backup_fraction"]
+                )
+    x, y = r.get("exposed_load_fraction"), r.get("exposed_backup_fraction")
+    exposure["overlap@default"] = (
+        x is not None and y is not None and x <= TARGETS["exposed_load_fraction"] and y <= TARGETS["exposed_backup_fraction"]
+    )
+    out["exposure"] = exposure
     return out
 
 
@@ -582,6 +683,15 @@ def _print_table(r: dict[str, Any]) -> None:
             f"with loads {o['with_loads_ms']:.2f} ms -> exposed {o['exposed_load_fraction']:.3f}; "
             f"with backups {o['with_backups_ms']:.2f} ms -> exposed {o['exposed_backup_fraction']:.3f}"
         )
+    for pattern, rows in r.get("exposure", {}).items():
+        for n, o in rows.items():
+            if "error" in o:
+                print(f"exposure {r['default_backend']} {pattern} {n}: failed: {o['error']}")
+                continue
+            print(
+                f"exposure {r['default_backend']} {pattern:<9} {n:>5} pages x {o['layers']} layers: "
+                f"load {o['exposed_load_fraction']:.3f}, backup {o['exposed_backup_fraction']:.3f}"
+            )
     print(f"targets: {json.dumps(r['targets'])}")
 
 

@@ -211,6 +211,9 @@ def measure(args: argparse.Namespace, config: Any, requests: list[Any]) -> dict[
 
     from hicache_cp.cache import HiCache
     from hicache_cp.harness.replay.setup import tokens_per_block
+
+    if args.device == "cuda":
+        import torch  # only for the GPU's name: the CPU path never imports torch's CUDA side here
     from hicache_cp.harness.trace import request_tokens
 
     device = args.device  # resolved by the replay's check_args
@@ -234,7 +237,7 @@ def measure(args: argparse.Namespace, config: Any, requests: list[Any]) -> dict[
         "command": command_line("bench-overhead"),
         "commit": git_commit(),
         "machine": machine(),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,  # noqa: F821 - imported above for cuda
         "device": device,
         "io_backend": engine_info,
         "trace": str(args.trace) if args.trace else "embedded",

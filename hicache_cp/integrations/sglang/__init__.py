@@ -1,3 +1,74 @@
-"""SGLang glue: `storage.HiCacheCpStorage`, an L3 storage backend SGLang loads
-as `--hicache-storage-backend dynamic` (imports sglang; never imported by
-the library)."""
+"""hicache-cp inside SGLang 0.5.23 (imports sglang; never imported by the library).
+
+Two plug-ins:
+
+- `--radix-cache-backend hicache-cp`: hicache-cp as SGLang's host tier (L2)
+  behind its own device radix cache (`radix_cache.HiCacheCpRadixCache`).
+  Importing this package registers the name with SGLang's registry
+  (`register_radix_cache_backend`); SGLang imports it in every process
+  through its plug-in entry point (`sglang.srt.plugins`, declared in this
+  project's pyproject.toml), so an installed hicache-cp needs no code::
+
+      HICACHE_CP_CONFIG=hicache.toml python -m sglang.launch_server \\
+          --model-path deepseek-ai/DeepSeek-V3.2 --page-size 64 --radix-cache-backend hicache-cp
+
+- `storage.HiCacheCpStorage`: an L3 storage backend SGLang loads as
+  `--hicache-storage-backend dynamic` (see that module).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "hicache-cp"
+
+
+def build_tree_cache(ctx: TreeCacheBuildContext) -> Any:
+    """SGLang's radix-cache factory for `--radix-cache-backend hicache-cp`."""
+    from hicache_cp import Model
+    from hicache_cp.integrations.sglang.radix_cache import HiCacheCpRadixCache
+
+    if ctx.enable_hierarchical_cache:
+        raise ValueError("--radix-cache-backend hicache-cp is a host tier itself: drop --enable-hierarchical-cache")
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
+        raise ValueError("--radix-cache-backend hicache-cp supports full-attention (MLA/DSA) models only")
+    cache = HiCacheCpRadixCache(
+        ctx.params, draft_pools=tuple(ctx.params.mtp_draft_device_pools), agreement=_tp_agreement(ctx)
+    )
+    worker = ctx.tp_worker
+    if worker is not None and hasattr(worker, "register_hicache_layer_transfer_counter"):
+        # The TP worker calls set_consumer at the start of every forward: the hooks' forward boundary.
+        worker.register_hicache_layer_transfer_counter(cache.hooks[Model.TARGET])
+    return cache
+
+
+def _tp_agreement(ctx: TreeCacheBuildContext) -> Any:
+    """One MIN all-reduce per poll over SGLang's TP group (its CPU group), or none for one rank."""
+    group = ctx.tp_group
+    if group is None or ctx.tp_size <= 1:
+        return None
+    from hicache_cp import DistributedAgreement
+
+    return DistributedAgreement(getattr(group, "cpu_group", group))
+
+
+def register() -> None:
+    """Register `hicache-cp` with SGLang's radix-cache registry (idempotent).
+
+    The entry point of SGLang's plug-in group `sglang.srt.plugins`."""
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+
+
+try:
+    register()
+except ImportError:  # SGLang is not installed: the storage backend and docs still import
+    logger.debug("sglang is not importable; --radix-cache-backend %s not registered", BACKEND_NAME)

@@ -42,6 +42,7 @@ class CopyJob:
 @dataclass
 class HiCacheMetadata(KVConnectorMetadata):
     host_pages: int  # L2 capacity the scheduler allocates from; every worker's pool must match
+    layout: str = ""  # the scheduler's `KVLayout.describe()`; every worker's must match
     loads: list[CopyJob] = field(default_factory=list)
     saves: list[CopyJob] = field(default_factory=list)
 

@@ -79,17 +79,15 @@ class KVPlan:
             )
         group = groups[0]
         block_size = int(group.kv_cache_spec.block_size)
-        specs = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
+        roles = _layer_roles(kv_cache_config, group)
         # (model, is_state) -> [(index, name, bytes_per_token)]
         found: dict[tuple[Model, bool], list[tuple[int, str, int]]] = {}
         for name in group.layer_names:
-            spec = specs.get(name, group.kv_cache_spec)
-            page = int(spec.page_size_bytes)
+            page, state, is_draft = roles[name]
             if page % block_size:
                 raise ValueError(f"layer {name}: page of {page} B is not a whole number of bytes per token")
             index = layer_index(name)
-            draft = bool(getattr(spec, "is_draft", False)) or index >= num_hidden_layers
-            state = str(getattr(getattr(spec, "cache_role", None), "value", "")) == "indexer"
+            draft = is_draft or index >= num_hidden_layers
             model = Model.DRAFT if draft else Model.TARGET
             found.setdefault((model, state), []).append((index, name, page // block_size))
         if not found.get((Model.TARGET, False)):
@@ -178,6 +176,63 @@ def page_major(t: torch.Tensor, num_blocks: int, page_bytes: int, name: str = "l
     raise ValueError(
         f"vLLM KV cache of {name} (shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype}) is not page-major: {why}"
     )
+
+
+def _layer_roles(kv_cache_config: Any, group: Any) -> dict[str, tuple[int, bool, bool]]:
+    """Per layer: (page bytes, is an indexer cache, is a draft layer).
+
+    The workers' config carries every layer's spec (`UniformTypeKVCacheSpecs`
+    for DeepSeek-V3.2's MLA + indexer group). The scheduler's copy does not:
+    vLLM's `generate_scheduler_kv_cache_config` keeps one arbitrary layer's
+    spec per group. There the page bytes come from the config's
+    `kv_cache_tensors` (the workers' placement, kept in the copy), and an
+    indexer cache is known by vLLM's layer name (`...indexer.k_cache`).
+    Either way the worker checks that both processes built the same layout
+    (`HiCacheMetadata.layout`)."""
+    spec = group.kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)
+    if specs:
+        return {
+            n: (int(s.page_size_bytes), _is_indexer(s), bool(getattr(s, "is_draft", False))) for n, s in specs.items()
+        }
+    names = list(group.layer_names)
+    if not any(_INDEXER_NAME.search(n) for n in names):  # one spec truly describes every layer
+        return {n: (int(spec.page_size_bytes), _is_indexer(spec), bool(getattr(spec, "is_draft", False))) for n in names}
+    pages = _tensor_pages(kv_cache_config, names)
+    missing = sorted(set(names) - set(pages))
+    if missing:
+        raise ValueError(
+            f"the KV cache group mixes attention and indexer caches but names one spec, and its kv_cache_tensors "
+            f"give no page size for {missing[:3]}: cannot tell each layer's bytes"
+        )
+    return {n: (pages[n], bool(_INDEXER_NAME.search(n)), False) for n in names}
+
+
+_INDEXER_NAME = re.compile(r"\.indexer\.k_cache$")
+
+
+def _is_indexer(spec: Any) -> bool:
+    return str(getattr(getattr(spec, "cache_role", None), "value", "")) == "indexer"
+
+
+def _tensor_pages(kv_cache_config: Any, names: list[str]) -> dict[str, int]:
+    """Page bytes per layer from vLLM's `KVCacheTensor`s (layer-outermost or block-outermost placement)."""
+    blocks = int(kv_cache_config.num_blocks)
+    out: dict[str, int] = {}
+    for t in getattr(kv_cache_config, "kv_cache_tensors", None) or []:
+        layers = list(getattr(t, "layers", None) or getattr(t, "shared_by", None) or [])
+        block_stride = int(getattr(t, "block_stride", 0) or 0)
+        layer_stride = int(getattr(t, "layer_stride", 0) or 0)
+        if not layers or not blocks:
+            continue
+        if len(layers) == 1 or layer_stride >= block_stride * blocks:
+            page = block_stride or int(t.size) // blocks // len(layers)  # layer-outermost: a block is one page
+        else:
+            page = layer_stride  # block-outermost: layers are consecutive pages inside a block
+        for n in layers:
+            if n in names:
+                out[n] = page
+    return out
 
 
 def _part(model: Model, state: bool) -> Part:

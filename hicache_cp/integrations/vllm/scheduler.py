@@ -91,6 +91,7 @@ class SchedulerSide:
             config, device_pool=device_pool, host_pool=host_pool, engine=RemoteCopyEngine(device_pool, host_pool)
         )
         self.plan = plan
+        self._layout = layout.describe()
         self.world_size = world_size
         self.stats = SchedulerStats()
         self._reqs: dict[str, _Req] = {}
@@ -172,7 +173,7 @@ class SchedulerSide:
         for st in self._reqs.values():
             if st.load is None:
                 self._release(st)  # looked up but not placed this step
-        meta = HiCacheMetadata(self.cache.host_pool.physical_pages, self._loads, saves)
+        meta = HiCacheMetadata(self.cache.host_pool.physical_pages, self._layout, self._loads, saves)
         self._loads = []
         return meta
 

@@ -199,6 +199,11 @@ class WorkerSide:
     def _engine(self, meta: HiCacheMetadata | None) -> CopyEngine:
         if self.engine is None or self.host_pool is None:
             raise RuntimeError("hicache-cp worker: copies requested before register_kv_caches")
+        if meta is not None and meta.layout and meta.layout != self.layout.describe():
+            raise ValueError(
+                f"the scheduler's KV layout ({meta.layout}) differs from this worker's ({self.layout.describe()}): "
+                f"the two processes read vLLM's KV cache config differently"
+            )
         if meta is not None and meta.host_pages != self.host_pool.physical_pages:
             raise ValueError(
                 f"the scheduler allocates from {meta.host_pages} L2 pages but this worker holds "

@@ -1,0 +1,102 @@
+"""SGLang 0.5.23 imported and configured in a CPU-only process, without its GPU model runner.
+
+Two things stand between SGLang's scheduler-side modules and a CPU machine:
+
+- `sglang.srt.configs` (imported by its memory pools) imports the configs of
+  every multimodal model, and three of them import `torchvision.transforms`
+  at module level for image preprocessing. PyPI's torchvision is a CUDA build
+  whose operators do not load beside a CPU torch (importing it raises), and
+  installing it breaks `transformers` for the whole environment. So, for the
+  duration of that one import only, `torchvision` is a stand-in module whose
+  every attribute raises when used; it is removed from `sys.modules`
+  afterwards, and transformers' own probe still reports torchvision absent.
+  Nothing that runs here preprocesses an image.
+- Its process-wide runtime context (`sglang.srt.runtime_context.publish`)
+  must hold a `ServerArgs` before pools are built. `publish_server_args`
+  publishes a real `ServerArgs` for a tiny model directory (a DeepSeek-V3
+  `config.json`: SGLang resolves DSA models' server arguments through
+  `torch.cuda.get_device_capability`, which a CPU torch cannot answer; the
+  DSA pools themselves are built directly and are SGLang's own classes).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+_STAND_INS = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional", "torchvision.io")
+
+TINY_MODEL = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_nextn_predict_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 4, "kv_lora_rank": 512, "q_lora_rank": 64,
+    "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "vocab_size": 1000,
+    "max_position_embeddings": 65536, "torch_dtype": "bfloat16", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+
+class _Unavailable:
+    """An attribute of the torchvision stand-in: usable as a name, raises when called."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> _Unavailable:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unavailable(f"{self._name}.{attr}")
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{self._name}: torchvision is not installed (CPU-only SGLang harness)")
+
+
+def _stand_in(name: str) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    module.__path__ = []
+
+    def getattr_(attr: str) -> _Unavailable:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unavailable(f"{name}.{attr}")
+
+    module.__getattr__ = getattr_  # type: ignore[method-assign]
+    return module
+
+
+def import_sglang() -> None:
+    """Import SGLang's configs package once (see the module docstring); idempotent."""
+    if "sglang.srt.configs" in sys.modules:
+        return
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()  # cached before the stand-in exists: absent
+    added = [n for n in _STAND_INS if n not in sys.modules]
+    for name in added:
+        sys.modules[name] = _stand_in(name)
+    try:
+        import sglang.srt.configs  # noqa: F401
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+
+
+def publish_server_args(workdir: Path, **server_args: Any) -> Any:
+    """Publish SGLang's runtime context for a tiny model under `workdir`; returns the ServerArgs."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import_sglang()
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    model = workdir / "tiny-model"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(TINY_MODEL))
+    args = ServerArgs(model_path=str(model), device="cpu", skip_server_warmup=True, **server_args)
+    publish(args, role="scheduler")
+    return args

@@ -1,0 +1,427 @@
+"""An SGLang 0.5.23 prefill server on CPU: its real scheduler functions, a stand-in forward.
+
+What is SGLang's own here: the request objects (`Req`), the request-to-token
+pool, the paged token-to-KV allocator, the DSA KV pool (MLA latent plus the
+indexer's key-with-scale buffer, with index skip) for the target and for
+the MTP draft, the tree cache chosen by name through SGLang's registry
+(`--radix-cache-backend hicache-cp` builds ours; `radix` is SGLang's plain
+`RadixCache`), and the scheduling functions, called in the order of
+`Scheduler.get_new_batch_prefill` / `event_loop_normal`:
+
+    stash the chunked request (checkpoint_kv_cache)
+    PrefillAdder: add_chunked_req, then for each waiting request
+        init_next_round_input (match_prefix) and add_one_req (init_load_back)
+    ScheduleBatch.init_new + prepare_for_extend (allocation, maybe_hand_to_session)
+    the TP worker's set_hicache_consumer, then the forward
+    results: release_kv_cache (finished) or the chunk stays for the next step
+    flush_pending_backups
+
+What stands in for SGLang's GPU model runner (which cannot be installed on
+these machines) is `KVForward`: per layer it writes the deterministic bytes
+of the batch's new tokens where attention writes KV (`kv_bytes`), fetches
+the layer through the pool's own accessor (`get_key_buffer`, which runs the
+pool's `layer_transfer_counter` hook exactly as attention does), and checks
+every byte of every prefix token the layer reads: MLA latent of every layer,
+the indexer keys of every layer that owns them (read before attention, as
+the DSA indexer does), and the draft's.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache_cp.harness.sglang.env import publish_server_args
+from hicache_cp.harness.sglang.kv_bytes import prefix_hashes, token_bytes
+
+INDEX_BYTES = 132  # the DSA indexer's key (128 fp8) and scale (4) bytes per token
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """The pools and scheduling knobs of one harness server."""
+
+    backend: str = "hicache-cp"  # a registered --radix-cache-backend name, or "radix"
+    page_size: int = 64
+    device_pages: int = 64  # KV pool capacity in pages (page 0 is SGLang's padding)
+    layers: int = 4
+    skip_topk: tuple[bool, ...] = (False, True, False, True)  # index skip: layers without index keys
+    draft_layers: int = 1  # MTP layers (0: no draft)
+    kv_lora_rank: int = 64
+    rope_dim: int = 16
+    max_prefill_tokens: int = 16384
+    chunk_tokens: int | None = None  # SGLang's --chunked-prefill-size
+    max_requests: int = 32
+    context_len: int = 16384
+    check_bytes: bool = True
+    schedule_policy: str = "lpm"  # SGLang's --schedule-policy (lpm matches every waiting request first)
+    overlap: bool = False  # event_loop_overlap's order (results of batch N after batch N+1's forward)
+
+
+@dataclass
+class ForwardReport:
+    """What the stand-in forwards read and checked."""
+
+    checked_bytes: int = 0
+    mismatched_bytes: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    forwards: int = 0
+    computed_tokens: int = 0
+
+
+class TpWorkerHooks:
+    """The two calls SGLang's TpModelWorker makes on the counter registered with it."""
+
+    def __init__(self) -> None:
+        self.hicache_layer_transfer_counter: Any = None
+
+    def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
+        self.hicache_layer_transfer_counter = counter
+
+    def set_hicache_consumer(self, consumer_index: int) -> None:
+        if self.hicache_layer_transfer_counter is not None:
+            self.hicache_layer_transfer_counter.set_consumer(consumer_index)
+
+
+class KVForward:
+    """The stand-in forward over SGLang's pools (see the module docstring)."""
+
+    def __init__(self, target: Any, drafts: Sequence[Any], req_to_token: torch.Tensor, check: bool) -> None:
+        self.pools = [("target", target), *(("draft", p) for p in drafts)]
+        self.req_to_token = req_to_token
+        self.check = check
+        self.report = ForwardReport()
+
+    def run(self, reqs: Sequence[Any]) -> None:
+        self.report.forwards += 1
+        plans = [self._plan(r) for r in reqs]
+        self.report.computed_tokens += sum(p[2].stop - p[2].start for p in plans)
+        for model, pool in self.pools:
+            index = getattr(pool, "index_k_with_scale_buffer", None)
+            for layer in range(pool.layer_num):
+                salt = _salt(model, layer)
+                owns_index = index is not None and index[layer].shape[0] > 0
+                if owns_index:
+                    for req, slots, new, hashes in plans:
+                        self._write_index(index[layer], slots[new], hashes[new], salt, pool.page_size)
+                    for req, slots, new, hashes in plans:  # the indexer reads its keys before attention
+                        self._check_index(req, model, layer, index[layer], slots, hashes, salt, pool.page_size)
+                kv = pool.kv_buffer[layer]
+                width = kv[0].numel() * kv.element_size()
+                for req, slots, new, hashes in plans:
+                    kv.view(torch.uint8).view(kv.shape[0], width)[slots[new]] = torch.from_numpy(
+                        token_bytes(hashes[new], salt, width)
+                    )
+                got = pool.get_key_buffer(layer).view(torch.uint8).view(kv.shape[0], width)  # runs the hook
+                for req, slots, new, hashes in plans:
+                    self._compare(req, f"{model} kv layer {layer}", got[slots[: req.prefix_len]],
+                                  hashes[: req.prefix_len], salt, width)  # fmt: skip
+
+    def _plan(self, req: Any) -> tuple[Any, torch.Tensor, slice, np.ndarray]:
+        slots = self.req_to_token[req.kv.req_pool_idx, : req.extend_end].to(torch.int64)
+        hashes = prefix_hashes(np.frombuffer(req.full_untruncated_fill_ids[: req.extend_end], dtype=np.int64))
+        return req, slots, slice(req.prefix_len, req.extend_end), hashes
+
+    @staticmethod
+    def _write_index(buf: torch.Tensor, slots: torch.Tensor, hashes: np.ndarray, salt: int, ps: int) -> None:
+        data = torch.from_numpy(token_bytes(hashes, salt + 7, INDEX_BYTES))
+        page, off = slots // ps, slots % ps
+        for col, (lo, width) in enumerate(((0, 128), (ps * 128, 4))):
+            idx = page[:, None] * buf.shape[1] + lo + off[:, None] * width + torch.arange(width)[None, :]
+            buf.view(-1)[idx] = data[:, :128] if col == 0 else data[:, 128:]
+
+    def _check_index(self, req: Any, model: str, layer: int, buf: torch.Tensor, slots: torch.Tensor,
+                     hashes: np.ndarray, salt: int, ps: int) -> None:  # fmt: skip
+        n = req.prefix_len
+        if not self.check or n == 0:
+            return
+        page, off = slots[:n] // ps, slots[:n] % ps
+        keys = buf.view(-1)[page[:, None] * buf.shape[1] + off[:, None] * 128 + torch.arange(128)[None, :]]
+        scales = buf.view(-1)[page[:, None] * buf.shape[1] + ps * 128 + off[:, None] * 4 + torch.arange(4)[None, :]]
+        self._compare(req, f"{model} index layer {layer}", torch.cat([keys, scales], dim=1), hashes[:n], salt + 7,
+                      INDEX_BYTES)  # fmt: skip
+
+    def _compare(self, req: Any, what: str, got: torch.Tensor, hashes: np.ndarray, salt: int, width: int) -> None:
+        if not self.check or len(hashes) == 0:
+            return
+        want = token_bytes(hashes, salt, width)
+        bad = got.numpy() != want
+        self.report.checked_bytes += want.size
+        if bad.any():
+            rows = np.nonzero(bad.any(axis=1))[0]
+            self.report.mismatched_bytes += int(bad.sum())
+            self.report.mismatches.append(f"{req.rid}: {what}: {len(rows)} prefix tokens differ, first at {rows[0]}")
+
+
+def _salt(model: str, layer: int) -> int:
+    return (0 if model == "target" else 1000) + 17 * layer
+
+
+@dataclass(frozen=True)
+class Pools:
+    """SGLang's pools of one server: the target and draft DSA KV pools and the cache params."""
+
+    target: Any
+    drafts: tuple[Any, ...]
+    params: Any  # CacheInitParams: request-to-token pool, paged allocator, page size, draft pools
+
+
+def build_pools(spec: ServerSpec) -> Pools:
+    """SGLang's request-to-token pool, paged allocator and DSA pools (CPU) for `spec`
+    (its runtime context must be published: `env.publish_server_args`)."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+
+    ps = spec.page_size
+    size = (spec.device_pages - 1) * ps
+
+    def dsa(layers: int, skip: tuple[bool, ...]) -> Any:
+        return DSATokenToKVPool(
+            size=size, page_size=ps, kv_lora_rank=spec.kv_lora_rank, dtype=torch.bfloat16,
+            qk_rope_head_dim=spec.rope_dim, layer_num=layers, device="cpu", index_head_dim=128,
+            enable_memory_saver=False, kv_cache_dim=spec.kv_lora_rank + spec.rope_dim, skip_topk_layers=list(skip),
+        )  # fmt: skip
+
+    target = dsa(spec.layers, spec.skip_topk)
+    drafts = (dsa(spec.draft_layers, (False,) * spec.draft_layers),) if spec.draft_layers else ()
+    req_to_token = ReqToTokenPool(size=spec.max_requests, max_context_len=spec.context_len, device="cpu",
+                                  enable_memory_saver=False)  # fmt: skip
+    allocator = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", target, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator,
+                             page_size=ps, mtp_draft_device_pools=drafts)  # fmt: skip
+    return Pools(target, drafts, params)
+
+
+@dataclass
+class CallTimes:
+    """Host seconds the scheduler thread spent in the tree cache, by call."""
+
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        bucket = self.seconds.setdefault(name, [])
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                bucket.append(time.perf_counter() - t0)
+
+        return wrapper
+
+
+TIMED_CALLS = ("match_prefix", "init_load_back", "maybe_hand_to_session", "checkpoint", "flush_pending_backups",
+               "evict", "free_kv_row", "prefix_device_indices")  # fmt: skip
+
+
+class SGLangPrefillServer:
+    """SGLang's pools, tree cache and scheduling functions, driven in the scheduler's order."""
+
+    def __init__(self, spec: ServerSpec, workdir: Path, *, tree_cache_kwargs: dict[str, Any] | None = None) -> None:
+        self.spec = spec
+        self.server_args = publish_server_args(workdir, page_size=spec.page_size)
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.managers.schedule_policy import SchedulePolicy
+
+        self.pools = build_pools(spec)
+        self.target, self.drafts, self.params = self.pools.target, self.pools.drafts, self.pools.params
+        self.req_to_token_pool, self.allocator = self.params.req_to_token_pool, self.params.token_to_kv_pool_allocator
+        self.model_config = ModelConfig.from_server_args(self.server_args)
+        self.worker = TpWorkerHooks()
+        self.tree_cache = self._tree_cache(tree_cache_kwargs or {})
+        self.forward = KVForward(self.target, self.drafts, self.req_to_token_pool.req_to_token, spec.check_bytes)
+        self.times = CallTimes()
+        for name in TIMED_CALLS:
+            setattr(self.tree_cache, name, self.times.timed(name, getattr(self.tree_cache, name)))
+        self.policy = SchedulePolicy(spec.schedule_policy, self.tree_cache, False, False, False)
+        self.waiting: list[Any] = []
+        self.chunked_req: Any = None
+        self.finished: list[Any] = []
+        self._rid = 0
+        self._batch: Any = None
+        self.admissions: dict[str, tuple[int, int]] = {}  # rid -> (device-hit tokens, L2-loaded tokens)
+
+    def _tree_cache(self, kwargs: dict[str, Any]) -> Any:
+        if self.spec.backend == "radix":
+            from sglang.srt.mem_cache.radix_cache import RadixCache
+
+            return RadixCache(self.params)
+        import hicache_cp.integrations.sglang  # noqa: F401 - registers the backend, as SGLang's plug-in loader does
+        from sglang.srt.mem_cache.registry import TreeCacheBuildContext, get_radix_cache_factory
+
+        factory = get_radix_cache_factory(self.spec.backend)
+        if factory is None:
+            raise ValueError(f"radix-cache backend {self.spec.backend!r} is not registered")
+        ctx = TreeCacheBuildContext(
+            server_args=self.server_args, params=self.params, is_hybrid_swa=False, is_hybrid_ssm=False,
+            enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=self.worker,
+            model_config=self.model_config, tp_size=1, tp_rank=0, tp_group=None, is_dsa=True,
+        )  # fmt: skip
+        if kwargs:
+            from hicache_cp import Model
+            from hicache_cp.integrations.sglang.radix_cache import HiCacheCpRadixCache
+
+            cache = HiCacheCpRadixCache(self.params, draft_pools=tuple(self.drafts), **kwargs)
+            self.worker.register_hicache_layer_transfer_counter(cache.hooks[Model.TARGET])
+            return cache
+        return factory(ctx)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def submit(self, tokens: Sequence[int], rid: str | None = None) -> Any:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        self._rid += 1
+        params = SamplingParams(max_new_tokens=1)
+        params.normalize(None)  # what the tokenizer manager does: stop strings resolved (none here)
+        req = Req(rid or f"r{self._rid}", "", array("q", tokens), params)
+        self.waiting.append(req)
+        return req
+
+    def run_until_idle(self, max_steps: int = 10_000) -> None:
+        """Serve until no request waits: `event_loop_normal`'s order, or with `spec.overlap`
+        `event_loop_overlap`'s (batch N+1 is scheduled and its forward launched before the
+        results of batch N are processed)."""
+        pending: list[Any] = []
+        for _ in range(max_steps):
+            if not self.waiting and self.chunked_req is None and not pending:
+                return
+            if not self.spec.overlap:
+                self.step()
+                continue
+            reqs = self.prepare_batch()
+            if reqs:
+                self._forward(reqs)
+            if pending:
+                self._results(pending)
+                self.tree_cache.flush_pending_backups()
+            pending = reqs
+        raise RuntimeError(f"requests still waiting after {max_steps} steps")
+
+    def settle(self) -> None:
+        """Wait for every copy in flight, then the after-batch flush: what landed is decided,
+        so hits do not depend on copy timing (tests, benchmarks; a server calls
+        flush_pending_backups after every batch and never waits)."""
+        settle = getattr(getattr(self.tree_cache, "cache", None), "settle", None)
+        if settle is not None:
+            settle()
+            self.tree_cache.flush_pending_backups()
+
+    def step(self) -> list[Any]:
+        """One scheduler iteration: schedule, allocate, forward, process results."""
+        reqs = self.prepare_batch()
+        if reqs:
+            self.run_batch(reqs)
+        return reqs
+
+    def prepare_batch(self) -> list[Any]:
+        """Stash the chunked request, schedule (match, admission, load-back) and allocate."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        if self.chunked_req is not None and self.chunked_req.extend_end > self.chunked_req.prefix_len:
+            checkpoint_kv_cache(self.chunked_req, self.tree_cache)  # stash_chunked_request
+        reqs = self._schedule()
+        if not reqs:
+            return []
+        if self.chunked_req is not None:  # it runs a middle chunk in this batch (as the scheduler counts)
+            self.chunked_req.inflight_middle_chunks += 1
+        self._batch = ScheduleBatch.init_new(
+            reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.model_config, False,
+            SpeculativeAlgorithm.NONE, chunked_req=self.chunked_req,
+        )  # fmt: skip
+        self._batch.prepare_for_extend()
+        return reqs
+
+    def run_batch(self, reqs: list[Any]) -> None:
+        """The forward of the prepared batch, its results and the after-batch flush."""
+        self._forward(reqs)
+        self._results(reqs)
+        self.tree_cache.flush_pending_backups()
+
+    def _forward(self, reqs: list[Any]) -> None:
+        self.worker.set_hicache_consumer(self._batch.hicache_consumer_index)  # the TP worker, at forward start
+        self.forward.run(reqs)
+
+    def abort(self, req: Any) -> None:
+        """Abort a request as the scheduler does for a running one (release without caching)."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if req.kv.holds_kv:
+            release_kv_cache(req, self.tree_cache, checkpoint=False)
+        self.tree_cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+
+    def retract(self, req: Any) -> None:
+        """SGLang's retraction (`release_req`): the request goes back to the waiting queue."""
+        from sglang.srt.managers.schedule_batch import release_req
+
+        if req is self.chunked_req:
+            self.chunked_req = None
+        release_req(
+            req=req, remaing_req_count=0, req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator, tree_cache=self.tree_cache, hisparse_coordinator=None,
+        )  # fmt: skip
+        self.waiting.insert(0, req)
+
+    def _schedule(self) -> list[Any]:
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+        spec = self.spec
+        running = ScheduleBatch(reqs=[], batch_is_full=False)
+        self.policy.calc_priority(self.waiting, running)
+        adder = PrefillAdder(spec.page_size, self.tree_cache, self.allocator, running, 0.0,
+                             spec.max_prefill_tokens, spec.chunk_tokens)  # fmt: skip
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in list(self.waiting):
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
+            req.init_next_round_input(self.tree_cache)
+            if adder.add_one_req(req, has_chunked_req=self.chunked_req is not None,
+                                 truncation_align_size=None) != AddReqResult.CONTINUE:  # fmt: skip
+                break
+        for req in adder.can_run_list:  # first admission: where its prefix came from
+            self.admissions.setdefault(req.rid, (req.prefix_len - req.host_loaded_length, req.host_loaded_length))
+        admitted = set(map(id, adder.can_run_list))
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        return list(adder.can_run_list)
+
+    def _results(self, reqs: list[Any]) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        for req in reqs:
+            if req.inflight_middle_chunks > 0:  # this batch ran a middle chunk: stashed at the next step
+                req.inflight_middle_chunks -= 1
+                continue
+            aborted = req.to_finish is not None
+            if not aborted:
+                req.output_ids.append(1)
+            req.update_finish_state()
+            if req.finished():
+                release_kv_cache(req, self.tree_cache, checkpoint=not aborted)
+                self.finished.append(req)
+
+    def close(self) -> None:
+        close = getattr(self.tree_cache, "close", None)
+        if close is not None:
+            close()

@@ -1,0 +1,430 @@
+"""`HiCacheCpRadixCache`: SGLang's radix cache with hicache-cp as its host tier (L2).
+
+Runs in: each SGLang scheduler process (one per TP rank), on the scheduler
+thread; the layer hooks (`layer_hooks`) run inside the same process's forward.
+
+The device tier stays SGLang's: its `RadixCache` (this class's base) indexes
+the token-to-KV pool, and its allocator owns every device slot. hicache-cp
+holds the host copies only, in its own tree (engine-owned L1,
+`hicache_cp.cache.engine_l1`), over pinned host pages, with SGLang's pools
+viewed as its L1 (`pools`). One request, in the order SGLang 0.5.23's
+scheduler calls (the model is FlexKV's tree cache, `storage/flexkv/`):
+
+    match_prefix(req)            SGLang's device match, then hicache-cp's committed L2 path
+                                 (locked); whole pages of it past the device prefix become
+                                 `host_hit_length`; every round replaces the last offer
+    init_load_back(req)          admission: device slots for those pages from SGLang's
+                                 allocator, H2D of every layer of every part submitted
+                                 (`load_into`), staged for the next forward; the slots
+                                 belong to the request (`load_back_is_cache_owned` is False)
+                                 until its checkpoint inserts them like computed KV
+    prefix_device_indices(req)   the device path plus the loaded slots
+    maybe_hand_to_session(req)   after allocation, before the forward: write-through
+                                 reservations for the whole pages this forward completes
+                                 that L2 lacks (PENDING, invisible)
+    -- forward --                layer hooks: waits per layer, D2H per layer (`layer_hooks`)
+    checkpoint(req, up_to)       the forward's remaining layers submitted; the request's
+                                 load decided (poll): landed -> SGLang's insert; failed ->
+                                 nothing of the request enters either tree and it finishes
+                                 with an error (its forward read the failed pages); the
+                                 inserted path stays locked until its backups are decided
+    flush_pending_backups()      after each batch: poll (commit: visible to match_prefix;
+                                 abort: released), unlock decided paths, L2 free room
+    free_kv_row / on_release     slots go back to SGLang only once no copy into or out of
+                                 them is in flight
+    release_aborted_request      an aborted attempt drops its offer and its locks
+
+All-or-nothing, visibility on commit, free room and eviction are hicache-cp's
+rules (`HiCache`). A load that cannot start (no device room, a copy engine
+that refuses the submission) is no hit: `init_load_back` returns 0 and
+SGLang recomputes. A committed host copy lacking a part raises
+`ConsistencyError` from `match_prefix` (never a target-only hit).
+
+Ranks: each TP rank runs this scheduler on the same requests in the same
+order and keeps the L2 of what its pools hold; every decision (commit,
+abort, load outcome) is agreed with one MIN all-reduce per poll over the TP
+group SGLang hands the factory (`DistributedAgreement`), so all ranks apply
+the same decision at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from sglang.srt.mem_cache.base_prefix_cache import (
+    CacheRequestHandle,
+    EvictParams,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    MatchResult,
+    TreeLock,
+)
+from sglang.srt.mem_cache.radix_cache import RadixCache
+
+from hicache_cp import Agreement, BackupOp, HiCache, LoadOp, LoadState, Model
+from hicache_cp import MatchResult as HostMatch
+from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies, LayerHooks
+from hicache_cp.integrations.sglang.pools import SGLangKV
+from hicache_cp.integrations.sglang.settings import resolve
+from hicache_cp.io.base import CopyFailed
+from hicache_cp.pools import DevicePool
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Flow:
+    """What the plug-in keeps for one request attempt (SGLang's `CacheRequestHandle`)."""
+
+    match: HostMatch | None = None  # the L2 path offered, locked until the load is decided or dropped
+    device_len: int = 0  # SGLang's device prefix (tokens) when it was offered
+    host_tokens: int = 0  # tokens offered from L2 past the device prefix
+    load: LoadOp | None = None
+    loaded_slots: torch.Tensor | None = None  # request-owned slots the load writes, until checkpoint
+    kv: Any = None  # the request's ReqKvInfo (its row), to find the flow when SGLang frees slots
+    backups: list[BackupOp] = field(default_factory=list)
+    locks: list[tuple[TreeLock, list[BackupOp]]] = field(default_factory=list)
+
+
+@dataclass
+class PluginStats:
+    """Counters of the plug-in's decisions (tests, benchmarks, logs)."""
+
+    offered_tokens: int = 0  # host_hit_length handed to SGLang
+    loaded_tokens: int = 0  # tokens whose load landed
+    failed_loads: int = 0  # loads that aborted after admission (the request failed)
+    refused_loads: int = 0  # loads that could not start (SGLang recomputed)
+    reserved_pages: int = 0  # write-through reservations
+    duplicate_waits: int = 0  # backups whose source slots SGLang freed as duplicates (waited for)
+
+
+class HiCacheCpRadixCache(RadixCache):
+    """SGLang's `RadixCache` with hicache-cp as L2; see the module docstring."""
+
+    def __init__(
+        self,
+        params: CacheInitParams,
+        *,
+        draft_pools: tuple[Any, ...] = (),
+        agreement: Agreement | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self._flows: dict[CacheRequestHandle, _Flow] = {}
+        super().__init__(params)
+        target = params.token_to_kv_pool_allocator.get_kvcache()
+        self.kv = SGLangKV.from_pools(target, draft_pools)
+        self.resolved = resolve(self.kv, env)
+        self._agreement = agreement
+        self.cache = self._make_cache()
+        self.copies = ForwardCopies(self.cache)
+        self.stats = PluginStats()
+        self.hooks = {Model.TARGET: LayerHooks(self.copies, Model.TARGET)}
+        target.register_layer_transfer_counter(self.hooks[Model.TARGET])
+        first = 0
+        for pool in draft_pools:  # one counter per draft pool: its layers numbered across them
+            hooks = LayerHooks(self.copies, Model.DRAFT, first, pool.layer_num)
+            pool.register_layer_transfer_counter(hooks)
+            self.hooks.setdefault(Model.DRAFT, hooks)
+            first += pool.layer_num
+        logger.info(
+            "hicache-cp: L2 of %s under SGLang: %d device pages of %d tokens, L2 %d pages (%.1f MiB, %s), io %s",
+            self.cache.layout.describe(), self.kv.num_pages, self.page_size, self.cache.host_pool.physical_pages,
+            self.cache.host_pool.split.used_bytes / 2**20, "pinned" if self.cache.host_pool.pinned else "plain",
+            self.cache.engine.name,
+        )
+
+    def _make_cache(self) -> HiCache:
+        config = self.resolved.config
+        device_pool = DevicePool(config.layout(), self.kv.num_pages, buffers=self.kv.buffers())
+        return HiCache(config, device_pool=device_pool, agreement=self._agreement)
+
+    # ---- match and load ------------------------------------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:  # type: ignore[override]
+        base = super().match_prefix(params)
+        req = params.req
+        if req is None or self.disable:
+            return base
+        handle = req.cache_request_handle
+        flow = self._flows.get(handle)
+        if flow is not None and flow.load is not None:
+            return base  # admitted already: the load is the request's prefix
+        self._drop_offer(handle)
+        if not _eligible(req):
+            return base
+        key = params.key.page_aligned(self.page_size)
+        tokens = np.frombuffer(key.raw_token_ids(), dtype=np.int64)[: len(key)]
+        m = self.cache.match_prefix(tokens)
+        device_pages = base.device_prefix_len // self.page_size
+        if m.host_len <= device_pages:
+            self.cache.release(m.last_node)
+            return base
+        flow = self._flows.setdefault(handle, _Flow())
+        flow.match, flow.device_len = m, base.device_prefix_len
+        flow.host_tokens = (m.host_len - device_pages) * self.page_size
+        self.stats.offered_tokens += flow.host_tokens
+        return base._replace(
+            host_hit_length=flow.host_tokens, full_kv_hit_length=base.device_prefix_len + flow.host_tokens
+        )
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any]:  # type: ignore[override]
+        req, node = params.req, params.best_match_node
+        flow = self._flows.get(req.cache_request_handle) if req is not None else None
+        if flow is None or flow.match is None or flow.load is not None or params.host_hit_length <= 0:
+            return 0, node
+        if params.host_hit_length != flow.host_tokens:
+            raise ValueError(
+                f"hicache-cp: request {req.rid} asks to load {params.host_hit_length} tokens, "
+                f"match_prefix offered {flow.host_tokens}"
+            )
+        slots = self._alloc_slots(flow.host_tokens)
+        if slots is None:
+            self._refuse(req, flow, "no device slots")
+            return 0, node
+        pages = slots[:: self.page_size].numpy() // self.page_size
+        try:
+            load = self.cache.load_into(flow.match, pages, flow.device_len // self.page_size)
+        except CopyFailed as exc:
+            self.token_to_kv_pool_allocator.free(slots)
+            self._refuse(req, flow, str(exc))
+            return 0, node
+        flow.load, flow.loaded_slots, flow.kv = load, slots, req.kv
+        self.copies.stage_load(load)
+        return flow.host_tokens, node
+
+    def load_back_is_cache_owned(self) -> bool:
+        return False  # the loaded slots are the request's until its checkpoint inserts them
+
+    def prefix_device_indices(self, req: Req) -> torch.Tensor:
+        path = self.path_device_indices(req.last_node)
+        flow = self._flows.get(req.cache_request_handle)
+        if flow is not None and flow.loaded_slots is not None and len(path) < req.prefix_len:
+            path = torch.cat([path[: flow.device_len], flow.loaded_slots.to(path.device, torch.int64)])
+        assert len(path) >= req.prefix_len, (req.rid, len(path), req.prefix_len)
+        return path[: req.prefix_len]
+
+    # ---- backups -------------------------------------------------------------------------
+
+    def maybe_hand_to_session(self, req: Req) -> None:
+        """After SGLang allocated the request's slots, before the forward: reserve L2 for
+        the whole pages this forward completes (write-through, PENDING until committed)."""
+        if self.disable or not _eligible(req):
+            return
+        whole = (req.extend_end // self.page_size) * self.page_size
+        if whole <= req.prefix_len - req.prefix_len % self.page_size:
+            return
+        flow = self._flows.setdefault(req.cache_request_handle, _Flow())
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :whole : self.page_size]
+        device_pages = row.cpu().numpy() // self.page_size
+        tokens = np.frombuffer(req.full_untruncated_fill_ids[:whole], dtype=np.int64)
+        after = [flow.load] if flow.load is not None and flow.load.state is not LoadState.DONE else []
+        ops = self.cache.reserve_host_copy(tokens, device_pages, after=after)
+        if ops:
+            flow.kv = req.kv
+            flow.backups.extend(ops)
+            self.stats.reserved_pages += sum(len(op.device_pages) for op in ops)
+            self.copies.stage_backups(ops)
+
+    def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:  # type: ignore[override]
+        self.copies.finish()
+        flow = self._flows.get(req.cache_request_handle)
+        if flow is not None and flow.load is not None and flow.match is not None and not self._load_ok(req, flow):
+            return
+        super().checkpoint(req, up_to=up_to)
+        if flow is None:
+            return
+        self._wait_for_freed_sources(req, flow)
+        pending = [op for op in flow.backups if op.active]
+        if pending and req.last_node is not self.root_node:
+            flow.locks.append((self.lock(req.last_node), pending))
+        flow.backups = pending
+
+    def flush_pending_backups(self) -> None:
+        """After every batch: commit or abort what landed, unlock decided paths, free room."""
+        self.copies.finish()
+        self.cache.poll()
+        for flow in list(self._flows.values()):
+            flow.backups = [op for op in flow.backups if op.active]
+            keep = []
+            for lock, ops in flow.locks:
+                if any(op.active for op in ops):
+                    keep.append((lock, ops))
+                else:
+                    self.unlock(lock)
+            flow.locks = keep
+        self._forget_idle()
+        self.cache.ensure_free()
+
+    # ---- freeing -------------------------------------------------------------------------
+
+    def free_kv_row(self, kv: Any, ranges: list[tuple[int, int]]) -> None:
+        """SGLang gives row positions `ranges` back to its allocator: a copy still writing or
+        reading those slots is waited for first (only on abort paths do any remain)."""
+        for flow in self._flows.values():
+            if flow.kv is kv:
+                _wait_copies([op for op in (flow.load, *flow.backups) if op is not None and self._touches(op, ranges)])
+        super().free_kv_row(kv, ranges)
+
+    def _touches(self, op: LoadOp | BackupOp, ranges: list[tuple[int, int]]) -> bool:
+        lo = op.first_position * self.page_size
+        hi = lo + len(op.device_pages) * self.page_size
+        return any(start < hi and lo < end for start, end in ranges)
+
+    def on_release(self, req: Req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        flow = self._flows.get(req.cache_request_handle)
+        if flow is None:
+            return
+        flow.kv = None
+        self._drop_offer(req.cache_request_handle)
+        if not checkpointed and flow.load is not None and flow.match is not None:
+            # Released before its checkpoint (an abort): its copies returned in free_kv_row;
+            # decide the load on every rank, then its L2 source pages may be evicted.
+            _wait_copies([flow.load])
+            self.cache.poll()
+            self.cache.release(flow.match.last_node)
+            flow.match = None
+        if not checkpointed:
+            self._abort_unwritten(flow)
+
+    def release_aborted_request(self, handle: CacheRequestHandle) -> None:
+        flow = self._flows.get(handle)
+        if flow is None:
+            return
+        if flow.load is None:
+            self._drop_offer(handle)
+        self._abort_unwritten(flow)
+
+    def evict(self, params: EvictParams) -> Any:  # type: ignore[override]
+        self.copies.finish()
+        return super().evict(params)
+
+    def reset(self) -> None:  # type: ignore[override]
+        """SGLang's flush_cache: the device tree and every L2 copy are dropped."""
+        super().reset()
+        if not hasattr(self, "cache"):
+            return  # RadixCache.__init__ resets before the plug-in exists
+        for handle in list(self._flows):
+            self._drop_offer(handle)
+        self._flows.clear()
+        self.cache.drain()
+        self.cache.close()
+        self.cache = self._make_cache()
+        self.copies.cache = self.cache
+
+    def close(self) -> None:
+        self.cache.drain()
+        self.cache.close()
+
+    release_host_resources = close
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _alloc_slots(self, n: int) -> torch.Tensor | None:
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < n:
+            super().evict(EvictParams(num_tokens=n - allocator.available_size()))
+        return allocator.alloc(n)
+
+    def _load_ok(self, req: Req, flow: _Flow) -> bool:
+        """Decide the request's load (its forward waited for it); False: the request fails."""
+        load = flow.load
+        assert load is not None
+        _wait_copies([load])
+        self.cache.poll()
+        if load.active:
+            raise AssertionError(f"hicache-cp: load {load.id} of {req.rid} undecided after its copies returned")
+        self.cache.release(flow.match.last_node)
+        flow.match = None
+        if load.state is LoadState.DONE:
+            self.stats.loaded_tokens += flow.host_tokens
+            flow.loaded_slots = None
+            return True
+        self.stats.failed_loads += 1
+        message = (
+            f"hicache-cp: the host-to-device load of {flow.host_tokens} tokens at token {flow.device_len} failed "
+            f"after the forward read them ({load.error}); the request is failed, nothing of it is cached"
+        )
+        logger.warning("%s (request %s)", message, req.rid)
+        req.skip_radix_cache_insert = True
+        if req.finished():  # its output is not streamed yet (stream_output follows the results)
+            req.finished_reason = FINISH_ABORT(message)
+        else:
+            req.to_finish = FINISH_ABORT(message)
+        for op in flow.backups:
+            if op.active:
+                self.cache.abort_backup(op)
+        return False
+
+    def _abort_unwritten(self, flow: _Flow) -> None:
+        """A request released before its forward wrote every layer: the backups that still
+        miss layers can never complete (their slots go back to SGLang) and are aborted.
+        Backups whose every layer was submitted copy valid KV and commit as usual."""
+        unwritten = [op for op in flow.backups if op.active and op.missing_layers()]
+        self.copies.forget(unwritten)
+        for op in unwritten:
+            self.cache.abort_backup(op)
+
+    def _refuse(self, req: Req, flow: _Flow, why: str) -> None:
+        self.stats.refused_loads += 1
+        logger.warning("hicache-cp: load for %s not started (%s); SGLang recomputes it", req.rid, why)
+        self._drop_offer(req.cache_request_handle)
+
+    def _drop_offer(self, handle: CacheRequestHandle) -> None:
+        flow = self._flows.get(handle)
+        if flow is not None and flow.match is not None and flow.load is None:
+            self.cache.release(flow.match.last_node)
+            flow.match = None
+            flow.host_tokens = 0
+
+    def _wait_for_freed_sources(self, req: Req, flow: _Flow) -> None:
+        """SGLang's insert frees a request's slots whose prefix another request inserted
+        first: a backup still reading them is waited for before they can be reused."""
+        if not flow.backups:
+            return
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        for op in flow.backups:
+            if not op.active:
+                continue
+            now = row[op.first_position * self.page_size :: self.page_size][: len(op.device_pages)]
+            if not np.array_equal(now.cpu().numpy() // self.page_size, op.device_pages):
+                self.stats.duplicate_waits += 1
+                _wait_copies([op])
+
+    def _forget_idle(self) -> None:
+        for handle, flow in list(self._flows.items()):
+            idle = flow.kv is None and flow.match is None and not flow.locks and not flow.backups
+            if idle and (flow.load is None or not flow.load.active):
+                del self._flows[handle]
+
+
+def _eligible(req: Req) -> bool:
+    """Tokens alone identify the request's KV (no LoRA, cache salt, embeddings or images)."""
+    return (
+        req.extra_key is None
+        and getattr(req, "cache_salt", None) is None
+        and getattr(req, "input_embeds", None) is None
+        and getattr(req, "multimodal_inputs", None) is None
+        and getattr(req, "positional_embed_overrides", None) is None
+    )
+
+
+def _wait_copies(ops: list[LoadOp | BackupOp | None]) -> None:
+    """Block until the ops' copies in flight returned (their outcome is decided by poll)."""
+    for op in ops:
+        if op is None:
+            continue
+        for t in op.inflight:
+            try:
+                t.wait()
+            except Exception as exc:  # recorded: the op aborts at the next poll
+                op.error = op.error or exc

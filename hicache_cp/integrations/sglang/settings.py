@@ -1,0 +1,55 @@
+"""The plug-in's configuration: hicache-cp's own `Config`, shaped by SGLang's pools.
+
+SGLang's `--radix-cache-backend` takes a name and nothing else, so the
+settings come from hicache-cp's usual sources, in its usual precedence:
+
+    defaults  <  TOML file named by HICACHE_CP_CONFIG  <  HICACHE_<FIELD> variables
+
+What SGLang decides is not configurable here and is taken from its pools:
+`page_size` (SGLang's `--page-size`), `model_layout` (every part's bytes per
+token and layer ids) and `l1_pages` (SGLang owns L1). `write_policy` must be
+`write_through` (backups run per layer inside the forward) and `cp_size` 1
+(SGLang's TP ranks each keep the L2 of what they hold). A value for any of
+these from a source is an error naming the field and its source, as is
+any invalid value (`ConfigError`, raised at server start).
+
+Main keys: `host_budget_bytes` (per TP rank, all parts together, or "auto"),
+`l2_free_room`, `eviction_policy`, `io_backend`, `pin_host`, `debug_checks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from hicache_cp.config import Config, ResolvedConfig
+from hicache_cp.errors import ConfigError
+from hicache_cp.integrations.sglang.pools import SGLangKV
+
+CONFIG_ENV = "HICACHE_CP_CONFIG"
+
+#: Fields SGLang decides; a source that sets them is refused.
+ENGINE_FIELDS = ("page_size", "model", "model_layout", "l1_pages", "cp_size")
+
+
+def resolve(kv: SGLangKV, env: Mapping[str, str] | None = None) -> ResolvedConfig:
+    """The cache's configuration for SGLang's pools `kv` (see the module docstring)."""
+    env = dict(os.environ if env is None else env)
+    path = env.pop(CONFIG_ENV, None) or None
+    base = Config.resolve(path, env)
+    fixed = [f"{name} (from {base.sources[name]})" for name in ENGINE_FIELDS if base.sources[name] not in ("default", "preset")]
+    if fixed:
+        raise ConfigError(
+            f"hicache-cp under SGLang: {', '.join(fixed)} come from SGLang's pools and flags (--page-size, the model), "
+            "not from hicache-cp's config"
+        )
+    if base.config.write_policy.value != "write_through":
+        raise ConfigError(
+            f"hicache-cp under SGLang: write_policy must be write_through (from {base.sources['write_policy']}: "
+            f"{base.config.write_policy.value}); backups run per layer inside SGLang's forward"
+        )
+    config = dataclasses.replace(base.config, page_size=kv.page_size, model_layout=kv.model_layout(), l1_pages=2)
+    sources = dict(base.sources)
+    sources.update(dict.fromkeys(("page_size", "model_layout", "l1_pages"), "sglang"))
+    return ResolvedConfig(config, sources)

@@ -1,0 +1,207 @@
+"""One op's DMA descriptors, planned once and reused layer after layer (pure numpy).
+
+A backup or a load copies the same pages for every layer of every part it
+covers. Both pools are layer-first: page p of compact slot s of a part lies
+at `base(s) + p * page_bytes`, on the device and in the host arena alike. So
+the runs of an op (pages consecutive on both sides) are found once, and one
+layer's descriptors are the op's run offsets plus that layer's two base
+addresses. `DescriptorTable` does that arithmetic for every layer up front:
+for each layer of a model it holds the final `(dst, src, size)` uint64
+arrays of all the parts that own the layer, side by side, so the layer hook
+hands three array views to one `cuMemcpyBatchAsync`: no numpy work and no
+allocation per layer, one driver call for both parts.
+
+Registration chunks: the host arena registers its memory in chunks and a DMA
+must not cross one (`runs.split_at_chunks`). Whether a run crosses depends on
+the layer's offset in the arena, so the table checks every (layer, run) once
+and cuts the few that cross; those layers keep their own ragged arrays.
+
+Size: the table holds `layers x runs x parts` descriptors (24 bytes each). Past
+`MAX_TABLE_DESCRIPTORS` (scattered pages: one run per page) it is not built
+and each layer is computed when it is asked for (`layer_descriptors`); then
+the driver's own cost, about a microsecond per descriptor, dominates anyway.
+
+Everything here runs on CPU and is tested there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from hicache_cp.io.runs import coalesce_in_order, split_at_chunks
+from hicache_cp.layout import Part
+
+#: Descriptors a table may hold (24 B each: 6 MiB); larger ops are planned per layer.
+MAX_TABLE_DESCRIPTORS = 1 << 18
+
+_U64 = np.uint64
+
+
+@dataclass(frozen=True, slots=True)
+class PartGeometry:
+    """Where one part's layers lie: what a descriptor needs besides the runs."""
+
+    part: Part
+    page_bytes: int
+    slots: dict[int, int]  # logical layer -> compact slot
+    device_layers: tuple[int, ...]  # device address of page 0 of each slot
+    host_base: int  # address of the arena (device = host address, UVA)
+    host_layer_bytes: int  # arena bytes of one slot
+    chunk: int  # the arena's registration chunk
+
+    def host_offset(self, slot: int) -> int:
+        """Arena byte offset of page 0 of a slot."""
+        return slot * self.host_layer_bytes
+
+
+class LayerDescriptors(NamedTuple):
+    """The DMAs of one layer of some parts: C-contiguous uint64 arrays of equal
+    length, and their addresses (what the driver call takes: computed once,
+    since `ndarray.ctypes` costs a microsecond a call)."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    sizes: np.ndarray
+    count: int
+    dst_ptr: int
+    src_ptr: int
+    sizes_ptr: int
+
+    @classmethod
+    def of(cls, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray) -> LayerDescriptors:
+        assert len(dst) == len(src) == len(sizes), (len(dst), len(src), len(sizes))
+        return cls(dst, src, sizes, len(sizes), dst.ctypes.data, src.ctypes.data, sizes.ctypes.data)
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """An op's runs of pages consecutive on both sides (int64 arrays, one row per run)."""
+
+    device_starts: np.ndarray
+    host_starts: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, device_pages: np.ndarray, host_pages: np.ndarray) -> Runs:
+        """O(n): runs in the given order (`runs.coalesce_in_order`)."""
+        return cls(*coalesce_in_order(device_pages, host_pages))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def layer_descriptors(d2h: bool, geoms: Sequence[PartGeometry], runs: Runs, layer: int) -> LayerDescriptors:
+    """The DMAs of `layer` of every part in `geoms`, cut at registration chunks.
+
+    O(runs x parts) numpy work; allocates the result. Raises KeyError for a
+    part that lacks `layer` (callers pass only the parts that own it).
+    """
+    devs, hosts, sizes = [], [], []
+    for g in geoms:
+        slot = g.slots[layer]
+        size = runs.lengths * g.page_bytes
+        off, dev, size = split_at_chunks(
+            g.host_offset(slot) + runs.host_starts * g.page_bytes,
+            g.device_layers[slot] + runs.device_starts * g.page_bytes,
+            size,
+            g.chunk,
+        )
+        devs.append(dev)
+        hosts.append(off + g.host_base)
+        sizes.append(size)
+    dev_a, host_a = _cat(devs), _cat(hosts)
+    dst, src = (host_a, dev_a) if d2h else (dev_a, host_a)
+    return LayerDescriptors.of(dst, src, _cat(sizes))
+
+
+class TableShape:
+    """What every op's table shares, from the layout alone (built once per engine):
+    the groups of layers owned by the same parts, and where each (layer, parts)
+    lives in them. `layers` lists the (logical layer, parts) pairs: per model,
+    the parts of that model that own the layer, in layout order (target and
+    draft layer ids overlap, so one layer id may come with two part sets)."""
+
+    def __init__(self, geoms: Sequence[PartGeometry], layers: Sequence[tuple[int, tuple[Part, ...]]]) -> None:
+        self.geoms = {g.part: g for g in geoms}
+        grouped: dict[tuple[Part, ...], list[int]] = {}
+        for layer, parts in layers:
+            if parts:
+                grouped.setdefault(parts, []).append(layer)
+        #: Per group: its parts, its layers, and per part the slots' device bases and arena offsets.
+        self.groups: list[tuple[tuple[Part, ...], list[int], list[tuple[PartGeometry, np.ndarray, np.ndarray]]]] = []
+        self.index: dict[int, list[tuple[tuple[Part, ...], int, int]]] = {}
+        for g_idx, (parts, group) in enumerate(grouped.items()):
+            columns = []
+            for part in parts:
+                geom = self.geoms[part]
+                slots = np.array([geom.slots[layer] for layer in group], dtype=np.int64)
+                columns.append((geom, np.asarray(geom.device_layers, dtype=np.int64)[slots][:, None],
+                                (slots * geom.host_layer_bytes)[:, None]))
+            self.groups.append((parts, group, columns))
+            for row, layer in enumerate(group):
+                self.index.setdefault(layer, []).append((parts, g_idx, row))
+        self.descriptors_per_run = sum(len(group) * len(parts) for parts, group, _ in self.groups)
+
+
+class DescriptorTable:
+    """Every layer's DMAs of one op, for the part sets of its `TableShape`.
+
+    Built once per op: per group of layers, two 2-D uint64 arrays (layers x
+    runs of all its parts) from a few vectorised operations, O(layers x runs
+    x parts). `get(parts, layer)` then costs a dict lookup and two row views;
+    another set of parts is computed afresh (`layer_descriptors`), and so are
+    the rare layers where a run crosses a registration chunk.
+    """
+
+    def __init__(
+        self, d2h: bool, shape: TableShape, runs: Runs, max_descriptors: int = MAX_TABLE_DESCRIPTORS
+    ) -> None:
+        self.d2h = d2h
+        self.runs = runs
+        self._shape = shape
+        self._index = shape.index
+        self.tabulated = len(runs) * shape.descriptors_per_run <= max_descriptors
+        #: Per group: (dst 2-D, src 2-D, sizes row, crossing rows, row bytes, dst/src/sizes addresses).
+        self._groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, int, int]] = []
+        if self.tabulated and len(runs):
+            for parts, layers, columns in shape.groups:
+                self._groups.append(self._build_group(columns, len(layers)))
+
+    def get(self, parts: tuple[Part, ...], layer: int) -> LayerDescriptors:
+        """The DMAs of `layer` of `parts`: table rows, or computed now when not tabulated."""
+        if self._groups:
+            for built, g, row in self._index.get(layer, ()):
+                if built == parts:
+                    dst2d, src2d, sizes, crossing, row_bytes, dst0, src0, sizes_ptr = self._groups[g]
+                    if crossing[row]:
+                        break
+                    off = row * row_bytes
+                    return LayerDescriptors(dst2d[row], src2d[row], sizes, len(sizes), dst0 + off, src0 + off, sizes_ptr)
+        return layer_descriptors(self.d2h, [self._shape.geoms[p] for p in parts], self.runs, layer)
+
+    def _build_group(self, columns: list[tuple[PartGeometry, np.ndarray, np.ndarray]], rows: int) -> tuple[Any, ...]:
+        runs = self.runs
+        devs, hosts, sizes = [], [], []
+        crossing = np.zeros(rows, dtype=bool)
+        for geom, dev_base, host_off in columns:
+            size = runs.lengths * geom.page_bytes
+            off = host_off + runs.host_starts * geom.page_bytes
+            crossing |= (off // geom.chunk != (off + size - 1) // geom.chunk).any(axis=1)
+            devs.append(dev_base + runs.device_starts * geom.page_bytes)
+            hosts.append(off + geom.host_base)
+            sizes.append(size)
+        dev2d = np.ascontiguousarray(devs[0] if len(devs) == 1 else np.hstack(devs), dtype=_U64)
+        host2d = np.ascontiguousarray(hosts[0] if len(hosts) == 1 else np.hstack(hosts), dtype=_U64)
+        row_sizes = _cat(sizes)
+        dst2d, src2d = (host2d, dev2d) if self.d2h else (dev2d, host2d)
+        row_bytes = dst2d.shape[1] * dst2d.itemsize  # C-contiguous rows: row i starts at base + i * row_bytes
+        return dst2d, src2d, row_sizes, crossing, row_bytes, dst2d.ctypes.data, src2d.ctypes.data, row_sizes.ctypes.data
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    out = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return np.ascontiguousarray(out, dtype=_U64)

@@ -1,0 +1,120 @@
+"""The DMA issue worker (`hicache_cp.io.issue`) against a recording driver double (CPU).
+
+The real worker thread runs; only the driver is a test double that records
+every call. Checked: each job's calls come in protocol order (the copy stream
+waits on the job's `order` event, then every descriptor exactly once in
+chunks of at most CHUNK, then `done` is recorded), jobs keep their order, a
+failing driver call fails that job only (its `issued` is set, the next job
+still runs), `order` goes back to the pool after the wait and `done` when the
+ticket is dropped (at once if issued, else after issue), and `drain`/`close`
+wait for every job.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from hicache_cp.io.issue import CHUNK, IssueWorker, Job
+from hicache_cp.io.plans import LayerDescriptors
+
+
+class RecordingDriver:
+    def __init__(self, fail_at: int | None = None, gate: threading.Event | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.fail_at = fail_at  # fail the batch call whose first descriptor has this dst
+        self.gate = gate
+        self.lock = threading.Lock()
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        if self.gate is not None:
+            self.gate.wait()
+        with self.lock:
+            self.calls.append(("wait", stream, event))
+
+    def memcpy_batch_ptrs(self, dsts: int, srcs: int, sizes: int, count: int, attrs: int, idx: int, stream: int) -> None:
+        d = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * count).from_address(dsts))
+        s = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * count).from_address(srcs))
+        n = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * count).from_address(sizes))
+        if self.fail_at is not None and int(d[0]) == self.fail_at:
+            raise RuntimeError("injected batch failure")
+        with self.lock:
+            self.calls.append(("batch", stream, count, d.tolist(), s.tolist(), n.tolist(), attrs, idx))
+
+    def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
+        with self.lock:
+            self.calls.append(("batch", stream, 1, [dst], [src], [size], None, None))
+
+    def event_record(self, event: int, stream: int) -> None:
+        with self.lock:
+            self.calls.append(("record", stream, event))
+
+
+def _desc(n: int, base: int) -> LayerDescriptors:
+    dst = np.arange(base, base + n, dtype=np.uint64)
+    src = np.arange(base + 10**6, base + 10**6 + n, dtype=np.uint64)
+    sizes = np.full(n, 4096, dtype=np.uint64)
+    return LayerDescriptors.of(dst, src, sizes)
+
+
+def test_jobs_issue_in_protocol_order_and_cover_every_descriptor() -> None:
+    drv = RecordingDriver()
+    released: list[int] = []
+    worker = IssueWorker(drv, attrs=111, attr_idx=222)
+    sizes = [1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
+    jobs = [Job(7, 100 + i, 200 + i, _desc(n, 1000 * (i + 1)), released.append) for i, n in enumerate(sizes)]
+    for j in jobs:
+        worker.put(j)
+    worker.drain()
+    assert worker.pending == 0 and all(j.issued.is_set() and j.error is None for j in jobs)
+    calls = list(drv.calls)
+    for i, n in enumerate(sizes):
+        start = calls.index(("wait", 7, 100 + i))
+        end = calls.index(("record", 7, 200 + i))
+        batches = calls[start + 1 : end]
+        assert all(c[0] == "batch" and c[1] == 7 and c[2] <= CHUNK for c in batches)
+        dsts = [d for c in batches for d in c[3]]
+        srcs = [s for c in batches for s in c[4]]
+        assert dsts == list(range(1000 * (i + 1), 1000 * (i + 1) + n))  # every descriptor once, in order
+        assert srcs == [d + 10**6 for d in dsts]
+        assert all(c[6] in (111, None) for c in batches)
+        if i:
+            assert start > calls.index(("record", 7, 200 + i - 1)), "jobs keep their order"
+    assert sorted(released) == [100, 101, 102, 103]  # every order event back; done events still held
+    for j in jobs:
+        j.drop()  # issued: done goes back at once
+    assert sorted(released) == [100, 101, 102, 103, 200, 201, 202, 203]
+    worker.close()
+
+
+def test_a_failing_job_fails_alone() -> None:
+    drv = RecordingDriver(fail_at=5000)
+    released: list[int] = []
+    worker = IssueWorker(drv, attrs=1, attr_idx=2)
+    bad, good = Job(3, 10, 20, _desc(CHUNK + 2, 5000), released.append), Job(3, 11, 21, _desc(4, 9000), released.append)
+    worker.put(bad)
+    worker.put(good)
+    worker.drain()
+    assert bad.issued.is_set() and isinstance(bad.error, RuntimeError)
+    assert good.issued.is_set() and good.error is None
+    assert ("record", 3, 21) in drv.calls and ("record", 3, 20) not in drv.calls
+    assert 10 in released and 11 in released
+    worker.close()
+
+
+def test_a_ticket_dropped_before_issue_gives_done_back_after_it() -> None:
+    gate = threading.Event()
+    drv = RecordingDriver(gate=gate)
+    released: list[int] = []
+    worker = IssueWorker(drv, attrs=1, attr_idx=2)
+    job = Job(5, 30, 40, _desc(2, 100), released.append)
+    worker.put(job)
+    assert worker.pending == 1
+    job.drop()  # the worker is held at the wait: not issued yet
+    assert 40 not in released and not job.issued.is_set()
+    gate.set()
+    worker.close()  # issues what is queued, then stops
+    assert job.issued.is_set() and ("record", 5, 40) in drv.calls
+    assert sorted(released) == [30, 40]
+    assert worker.pending == 0

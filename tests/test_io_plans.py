@@ -1,0 +1,250 @@
+"""Planned copies: one op's pages planned once, submitted layer by layer (issue 28).
+
+CPU: a `DescriptorTable` gives, for every layer and part set, exactly the
+descriptors `layer_descriptors` computes for that layer alone (so the table's
+offset arithmetic and its chunk cuts are right), every page's bytes once and
+no range across a registration chunk; past its size cap it is not built and
+still answers the same. The engine contract of `plan` + `submit_layer` on the
+cpu backend: exact bytes for every part, one ticket per part, None for an
+empty plan, and bad page lists refused at planning.
+
+GPU (marked `gpu`): every CUDA backend's planned path moves exact bytes for
+all parts of a layer at once (both directions, bytes outside untouched), the
+parts' tickets complete together, the forward waits on a planned load, and a
+driver failure turns every part's ticket FAILED.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_cp.io.base import CopyFailed, Direction, TicketState, make_engine
+from hicache_cp.io.plans import DescriptorTable, PartGeometry, Runs, TableShape, layer_descriptors
+from hicache_cp.layout import KVLayout, Model, Part
+from hicache_cp.pools import DevicePool, HostPool
+
+HAS_CUDA = torch.cuda.is_available()
+CUDA_BACKENDS = ("direct", "hybrid", "kernel", "staging")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def layout_with_skip(bpt: int = 40) -> KVLayout:
+    # State on layers 1 and 3 only: layers 0 and 2 have one part, 1 and 3 two.
+    return KVLayout.build(page_size=4, num_layers=4, kv_bytes_per_token=bpt, state_bytes_per_token=12, state_layers=(1, 3))
+
+
+def table_layers(layout: KVLayout) -> list[tuple[int, tuple[Part, ...]]]:
+    return [
+        (layer, tuple(p.part for p in layout.parts_of(m) if p.has_layer(layer)))
+        for m in (Model.TARGET, Model.DRAFT)
+        for layer in range(layout.num_layers(m))
+    ]
+
+
+def geometries(layout: KVLayout, host_pages: int, chunk: int) -> list[PartGeometry]:
+    out, host_base = [], 1 << 44
+    for i, p in enumerate(layout.parts):
+        dev_layers = tuple((1 << 40) + (i << 32) + s * (1 << 24) for s in range(p.num_slots))
+        out.append(PartGeometry(p.part, p.page_bytes, {layer: p.slot(layer) for layer in p.layer_ids}, dev_layers,
+                                host_base + (i << 36), host_pages * p.page_bytes, chunk))
+    return out
+
+
+def expand(desc) -> set[tuple[int, int]]:
+    """Every (dst byte, src byte) pair a layer's descriptors move, at 4-byte steps."""
+    return {(int(d) + k, int(s) + k) for d, s, n in zip(desc.dst, desc.src, desc.sizes) for k in range(0, int(n), 4)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pairs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=30,
+                   unique_by=(lambda x: x[0], lambda x: x[1])),
+    chunk=st.sampled_from([160, 1000, 4096, 1 << 30]),
+    d2h=st.booleans(),
+    cap=st.sampled_from([0, 10**6]),
+)
+def test_table_rows_equal_the_per_layer_descriptors(pairs, chunk: int, d2h: bool, cap: int) -> None:
+    layout = layout_with_skip()
+    dev = np.array([d for d, _ in pairs], np.int64)
+    host = np.array([h for _, h in pairs], np.int64)
+    geoms = geometries(layout, 48, chunk)
+    runs = Runs.of(dev, host)
+    table = DescriptorTable(d2h, TableShape(geoms, table_layers(layout)), runs, max_descriptors=cap)
+    assert table.tabulated is (cap > 0)
+    by_part = {g.part: g for g in geoms}
+    for layer, parts in table_layers(layout):
+        got = table.get(parts, layer)
+        want = layer_descriptors(d2h, [by_part[p] for p in parts], runs, layer)
+        assert expand(got) == expand(want), (layer, parts)
+        assert got.dst.dtype == got.src.dtype == got.sizes.dtype == np.uint64
+        assert got.dst.flags.c_contiguous and got.src.flags.c_contiguous and got.sizes.flags.c_contiguous
+        assert got.dst.ctypes.data == got.dst_ptr and got.src.ctypes.data == got.src_ptr
+        assert got.sizes.ctypes.data == got.sizes_ptr and got.count == len(got.sizes)
+        # Every page of every part exactly once; no host range across a chunk.
+        assert int(got.sizes.sum()) == sum(len(pairs) * by_part[p].page_bytes for p in parts)
+        host_addr = got.dst if d2h else got.src
+        for p in parts:
+            g = by_part[p]
+            lo = g.host_base
+            mine = (host_addr >= lo) & (host_addr < lo + (1 << 36))
+            off = host_addr[mine].astype(np.int64) - lo
+            n = got.sizes[mine].astype(np.int64)
+            assert ((off // chunk) == ((off + n - 1) // chunk)).all()
+            slot = g.slots[layer]
+            want_pairs = {
+                (g.device_layers[slot] + d * g.page_bytes + k, lo + g.host_offset(slot) + h * g.page_bytes + k)
+                for d, h in pairs for k in range(0, g.page_bytes, 4)
+            }
+            dev_addr = got.src if d2h else got.dst
+            moved = {
+                (int(a) + k, int(b) + k)
+                for a, b, s in zip(dev_addr[mine], host_addr[mine], got.sizes[mine]) for k in range(0, int(s), 4)
+            }
+            assert moved == want_pairs, (layer, p)
+
+
+def test_table_asked_for_other_parts_computes_that_layer() -> None:
+    layout = layout_with_skip()
+    geoms = geometries(layout, 48, 1 << 30)
+    runs = Runs.of(np.array([3, 4, 9]), np.array([7, 8, 2]))
+    table = DescriptorTable(True, TableShape(geoms, table_layers(layout)), runs)
+    only_kv = table.get((Part.TARGET_KV,), 1)  # the table holds layer 1 with both target parts
+    both = table.get((Part.TARGET_KV, Part.TARGET_STATE), 1)
+    assert only_kv.count == 2 and both.count == 4
+    assert expand(only_kv) < expand(both)
+
+
+@pytest.fixture
+def cpu_pools():
+    layout = layout_with_skip()
+    dev = DevicePool(layout, 30)
+    with HostPool(layout, 40 * layout.bytes_per_page, pin=False) as host:
+        yield layout, dev, host
+
+
+def test_cpu_planned_layer_copies_every_part(cpu_pools) -> None:
+    layout, dev, host = cpu_pools
+    rng = np.random.default_rng(5)
+    engine = make_engine("cpu", dev, host)
+    try:
+        d_pages = rng.choice(np.arange(1, 30), 9, replace=False)
+        h_pages = rng.choice(np.arange(1, 40), 9, replace=False)
+        parts = (Part.TARGET_KV, Part.TARGET_STATE)
+        for p in parts:
+            dev.layer_view(p, layout.part(p).slot(1))[:] = rng.integers(0, 256, dev.layer_view(p, 0).shape, dtype=np.uint8)
+        plan = engine.plan(Direction.D2H, d_pages, h_pages)
+        tickets = engine.submit_layer(plan, parts, 1)
+        assert len(tickets) == 2 and [t.part for t in tickets] == list(parts)
+        for t, p in zip(tickets, parts):
+            t.wait()
+            assert t.nbytes == 9 * layout.part(p).page_bytes
+            slot = layout.part(p).slot(1)
+            np.testing.assert_array_equal(host.layer_view(p, slot)[h_pages], dev.layer_view(p, slot)[d_pages])
+        empty = engine.plan(Direction.H2D, np.empty(0, np.int64), np.empty(0, np.int64))
+        assert engine.submit_layer(empty, parts, 1) == [None, None]
+        with pytest.raises(ValueError, match="never truncated"):
+            engine.plan(Direction.D2H, d_pages, h_pages[:-1])
+        with pytest.raises(TypeError):
+            engine.plan(Direction.D2H, list(d_pages), h_pages)  # type: ignore[arg-type]
+    finally:
+        engine.close()
+
+
+# -- CUDA ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_pools():
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    layout = layout_with_skip(260)  # 1040 B kv pages, 48 B state pages
+    dev = DevicePool(layout, 1200, device="cuda")
+    host = HostPool(layout, 1500 * layout.bytes_per_page, pin=True)
+    host.wait_ready()
+    yield layout, dev, host
+    host.close()
+
+
+def _pattern(rng: np.random.Generator, n: int, runs: bool, dev_pages: int, host_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    if runs:  # a few runs consecutive on both sides, as the allocators hand out
+        d0, h0 = int(rng.integers(1, dev_pages - n)), int(rng.integers(1, host_pages - n))
+        half = n // 2
+        dev = np.concatenate([np.arange(d0, d0 + half), np.arange(d0 + half + 3, d0 + n + 3)])[:n]
+        host = np.concatenate([np.arange(h0, h0 + half), np.arange(h0 + half + 5, h0 + n + 5)])[:n]
+        keep = (dev < dev_pages) & (host < host_pages)
+        return dev[keep].astype(np.int64), host[keep].astype(np.int64)
+    dev = rng.choice(np.arange(1, dev_pages), n, replace=False).astype(np.int64)
+    host = rng.choice(np.arange(1, host_pages), n, replace=False).astype(np.int64)
+    return dev, host
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+@pytest.mark.parametrize("runs", [False, True], ids=["scattered", "runs"])
+@pytest.mark.parametrize("n", [1, 64, 1000])
+def test_cuda_planned_layer_exact_bytes(cuda_pools, name: str, runs: bool, n: int) -> None:
+    layout, dev, host = cuda_pools
+    rng = np.random.default_rng(n + runs)
+    engine = make_engine(name, dev, host)
+    parts = (Part.TARGET_KV, Part.TARGET_STATE)
+    try:
+        d_pages, h_pages = _pattern(rng, n, runs, dev.physical_pages, host.physical_pages)
+        for layer in (1, 3):  # both own two parts; the table's rows for two slots each
+            slots = {p: layout.part(p).slot(layer) for p in parts}
+            for p in parts:
+                buf = dev.buffer(p)[slots[p]]
+                buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8, device="cuda"))
+                host.torch_view(p)[slots[p]].fill_(0xAB)
+            src = {p: dev.buffer(p)[slots[p]].cpu() for p in parts}
+            tickets = engine.submit_layer(engine.plan(Direction.D2H, d_pages, h_pages), parts, layer)
+            tickets[-1].wait()
+            assert all(t.query() is TicketState.DONE for t in tickets)
+            for p in parts:
+                hv = host.torch_view(p)[slots[p]]
+                assert torch.equal(hv[h_pages], src[p][d_pages]), (name, p, layer)
+                untouched = np.setdiff1d(np.arange(host.physical_pages), h_pages)
+                assert bool((hv[untouched] == 0xAB).all())
+            # Load back into other bytes: the forward waits on the planned load's tickets.
+            for p in parts:
+                dev.buffer(p)[slots[p]].fill_(0xCD)
+                hv = host.torch_view(p)[slots[p]]
+                hv.copy_(torch.randint(0, 256, hv.shape, dtype=torch.uint8))
+            want = {p: host.torch_view(p)[slots[p]].clone() for p in parts}
+            loads = engine.submit_layer(engine.plan(Direction.H2D, d_pages, h_pages), parts, layer)
+            for t in loads:
+                t.make_compute_wait()
+            for p in parts:
+                after = dev.buffer(p)[slots[p]].cpu()
+                assert torch.equal(after[d_pages], want[p][h_pages]), (name, p, layer)
+                untouched = np.setdiff1d(np.arange(dev.physical_pages), d_pages)
+                assert bool((after[untouched] == 0xCD).all())
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+def test_cuda_planned_failure_fails_every_part(cuda_pools, monkeypatch) -> None:
+    layout, dev, host = cuda_pools
+    engine = make_engine("direct", dev, host)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected DMA failure")
+
+    try:
+        plan = engine.plan(Direction.D2H, np.array([1, 2, 5]), np.array([3, 4, 9]))
+        monkeypatch.setattr(engine._issuer, "issue_table_row", boom)
+        tickets = engine.submit_layer(plan, (Part.TARGET_KV, Part.TARGET_STATE), 1)
+        assert [t.query() for t in tickets] == [TicketState.FAILED, TicketState.FAILED]
+        with pytest.raises(CopyFailed, match="injected"):
+            tickets[1].wait()
+        with pytest.raises(ValueError, match="outside the pool"):
+            engine.plan(Direction.H2D, np.array([dev.physical_pages]), np.array([1]))
+    finally:
+        engine.close()
