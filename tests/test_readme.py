@@ -117,3 +117,43 @@ def test_readme_l3_fields_from_every_source(source: str, tmp_path) -> None:  # t
     report = resolved.report()["l3"]
     assert report["value"]["pages_per_object"] == 8
     assert report["sources"]["pages_per_object"] != "default" and report["sources"]["master"] == "default"
+
+
+def _mooncake() -> bool:
+    try:
+        from hicache_cp.harness.l3_master import master_binary
+
+        master_binary()
+        import mooncake.store  # noqa: F401
+    except (ImportError, FileNotFoundError):
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _mooncake(), reason="mooncake (store and master) not installed")
+@pytest.mark.parametrize("how", ["flag", "toml"])
+def test_report_config_l3_is_what_ran(how: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """"the replay's JSON records each effective value with its source": with L3
+    on (by --l3 or by the README's `[l3] enabled = true`), `config.l3` is the
+    tier that ran, not the defaults."""
+    import argparse
+
+    from hicache_cp.harness.replay import command
+
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    if how == "flag":
+        args = p.parse_args(["--limit", "20", "--device", "cpu", "--l3", "mooncake", "--l3-pages-per-object", "2"])
+    else:
+        toml = tmp_path / "c.toml"
+        toml.write_text("[l3]\nenabled = true\npages_per_object = 2\n")
+        args = p.parse_args(["--limit", "20", "--device", "cpu", "--config", str(toml)])
+    report = command.replay(args)
+    l3 = report["config"]["l3"]
+    assert report["l3"] == "mooncake"
+    assert l3["value"]["backend"] == "mooncake" and l3["value"]["pages_per_object"] == 2
+    assert l3["value"]["master"] != "127.0.0.1:50051"  # the master started for the run, not the default
+    want = "cli:--l3-pages-per-object" if how == "flag" else f"toml:{tmp_path / 'c.toml'}"
+    assert l3["sources"]["pages_per_object"] == want
+    assert l3["sources"]["master"].startswith("derived:")
