@@ -133,6 +133,8 @@ class Config:
     debug_checks: bool = False
     pin_host: bool | None = None  # None: pin when CUDA is available
     l3: L3Config = field(default_factory=L3Config)  # the L3 tier ([l3] table); off by default
+    pd_timeout_s: float = 300.0  # PD: seconds a transfer room may stay unfinished (DOMAIN.md rule 9)
+    pd_per_layer: bool = False  # PD: send each layer from the forward's layer hooks, not after insert
 
     def __post_init__(self) -> None:
         self.l3 = L3Config.from_value(self.l3)
@@ -154,6 +156,12 @@ class Config:
             raise ConfigError(f"l2_exclusive: expected true or false, got {self.l2_exclusive!r}")
         if self.l2_exclusive and self.write_policy is not WritePolicy.WRITE_BACK:
             raise ConfigError(f"l2_exclusive needs write_policy = write_back, got {self.write_policy.value}")
+        if not isinstance(self.pd_per_layer, bool):
+            raise ConfigError(f"pd_per_layer: expected true or false, got {self.pd_per_layer!r}")
+        if isinstance(self.pd_timeout_s, int) and not isinstance(self.pd_timeout_s, bool):
+            self.pd_timeout_s = float(self.pd_timeout_s)
+        if not isinstance(self.pd_timeout_s, float) or not 0.0 < self.pd_timeout_s <= 86400.0:
+            raise ConfigError(f"pd_timeout_s: expected seconds in (0, 86400], got {self.pd_timeout_s!r}")
         if self.pin_host is not None and not isinstance(self.pin_host, bool):
             raise ConfigError(f"pin_host: expected true, false or auto, got {self.pin_host!r}")
         _positive("page_size", self.page_size)
@@ -421,6 +429,8 @@ def _coerce(name: str, type_: Any, value: Any) -> Any:
             return _bool(name, value)
         if t == "int":
             return int(value)
+        if t == "float":
+            return float(value)
     except ValueError:
         raise ConfigError(f"{name}: expected {t}, got {value!r}") from None
     return value

@@ -12,7 +12,6 @@ import contextlib
 import os
 import threading
 import time
-from multiprocessing.connection import Client
 
 import numpy as np
 import pytest
@@ -38,7 +37,7 @@ needs_mooncake = pytest.mark.skipif(not HAVE_MOONCAKE, reason=MOONCAKE_REASON if
 
 PAGES = 64  # physical pages per pool
 DECODE_PAGES = 256
-AUTHKEY = os.urandom(16)
+AUTHKEY = os.urandom(32)
 
 
 def tiny_layout(draft_state: bool = True, state_layers: tuple[int, ...] = (0, 2)) -> KVLayout:
@@ -110,9 +109,9 @@ def adapter():
 
 
 def stats(address) -> dict:
-    with Client(address, authkey=AUTHKEY) as c:
-        c.send({"op": "stats", "seq": 1})
-        return c.recv()
+    from hicache_cp.harness.decode_peer import control_request
+
+    return control_request(address, AUTHKEY, {"op": "stats"})
 
 
 class Prefill:
@@ -291,13 +290,20 @@ def test_chunked_per_layer_lands_at_absolute_positions(decode_peer, adapter) -> 
             for p in layout.parts:  # per layer, as layers finish
                 for layer in p.layer_ids:
                     s.send_layer(500, p.part, layer, chunk, chunk_first_position=first)
-            if first == 5:  # a chunk-local 0 for chunk 1 is refused (it once overwrote chunk 0)
-                local = PageHomes(chunk.positions - first, chunk.tier, chunk.pages, chunk.prefix_hashes)
-                with pytest.raises(ValueError):
-                    s.send_layer(500, Part.TARGET_KV, 0, local, chunk_first_position=0)
         res = s.finish(500)
         assert res.ok, res.failure  # decode verified all 12 positions at their absolute places
         assert res.pages_per_part["target_kv"] == 12
+        # A chunk-local 0 for chunk 1 (it once overwrote chunk 0) is refused and fails the room.
+        s.open_room(501, 501, 12)
+        first = PageHomes(homes.positions[:5], homes.tier[:5], homes.pages[:5], homes.prefix_hashes[:5])
+        s.send_layer(501, Part.TARGET_KV, 0, first, chunk_first_position=0)
+        local = PageHomes(np.arange(4), homes.tier[5:9], homes.pages[5:9], homes.prefix_hashes[5:9])
+        with pytest.raises(ValueError, match="already sent"):  # chunk 0 owns positions 0-3
+            s.send_layer(501, Part.TARGET_KV, 0, local, chunk_first_position=0)
+        assert s.rooms.get(501).state is RoomState.FAILED
+        with pytest.raises(RoomFailed):
+            s.send_layer(501, Part.TARGET_KV, 1, first, chunk_first_position=0)
+        assert not s.finish(501).ok
 
 
 @needs_mooncake
@@ -387,3 +393,25 @@ def test_corrupt_page_is_reported_by_position_layer_part(decode_peer, adapter) -
         res = s.finish(900)
         assert res.state is RoomState.FAILED and res.mismatch_count == 1
         assert res.mismatches == ["request 42 page 5 target_state layer 2 rank 0"]
+
+
+@needs_mooncake
+@pytest.mark.mooncake
+def test_a_rank_that_owns_no_position_finishes_without_sending(decode_peer, adapter) -> None:
+    """CP 2, a 1-page room: rank 1 owns nothing and never calls send; its finish
+    still says "done" (with no positions) and the room verifies on both ranks."""
+    rng = np.random.default_rng(31)
+    pre = Prefill(tiny_layout(), 2)
+    senders = pre.senders(decode_peer, adapter)
+    try:
+        homes = pre.request(1, rng)
+        for s in senders:
+            s.open_room(950, 950, 1)
+        senders[0].send(950, homes)
+        results = finish_all(senders, 950)
+        assert [r.ok for r in results] == [True, True], [r.failure for r in results]
+        assert results[1].nbytes == 0 and results[0].pages_per_part["target_kv"] == 1
+    finally:
+        for s in senders:
+            s.close()
+        pre.close()

@@ -15,19 +15,29 @@ mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake TransferEngin
 pytestmark = pytest.mark.mooncake
 
 
-@pytest.mark.parametrize("cp_size", [1, 2])
-def test_replay_with_pd_verifies_every_request(cp_size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("cp_size,per_layer", [(1, False), (1, True), (2, False), (2, True)])
+def test_replay_with_pd_verifies_every_request(cp_size: int, per_layer: bool, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """After insert and per layer (from the forward's hooks), one rank and two:
+    every room verified by the decode peer, the partial last pages included,
+    the forward-end-to-decode time measured for every room."""
     monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
     out = tmp_path / "pd.json"
-    assert main(["replay", "--pd", "--limit", "40", "--cp-size", str(cp_size), "--json", str(out)]) == 0
+    argv = ["replay", "--pd", "--limit", "40", "--cp-size", str(cp_size), "--json", str(out), "--pd-timeout-s", "90"]
+    assert main(argv + (["--pd-per-layer"] if per_layer else [])) == 0
     report = json.loads(out.read_text())
     assert report["integrity_mismatches"] == 0
     assert report["pd"]["decode_verified_rooms"] == 40
-    assert report["pd"]["decode_open_rooms_at_exit"] == []
+    assert report["pd"]["decode_open_rooms_at_exit"] == [] and report["pd"]["decode_draining_rooms_at_exit"] == []
+    assert report["config"]["pd_timeout_s"] == {"value": 90.0, "source": "cli"}
+    assert report["config"]["pd_per_layer"]["value"] is per_layer
     ranks = report["per_rank"]
     assert len(ranks) == cp_size
+    assert all(r["pd_timeout_s"] == 90.0 and r["pd_per_layer"] is per_layer for r in ranks)  # what the sender ran
     assert sum(r["pd_rooms"] for r in ranks) == 40 * cp_size
     assert all(r["pd_failed_rooms"] == 0 and r["pd_mismatches"] == 0 for r in ranks)
+    assert all(r["pd_ready_rooms"] == 40 and r["pd_ready_s_p50"] >= 0 for r in ranks)
+    assert sum(r["pd_tail_pages"] for r in ranks) == 40  # the embedded prompts all end in a partial page
     # L2-resident pages were sent straight from host memory; descriptors never
     # exceed pages x layers (coalescing can only merge).
     assert sum(r["pd_pages_from_l2"] for r in ranks) > 0
@@ -54,9 +64,14 @@ def test_replay_with_pd_takes_requests_shorter_than_a_block(tmp_path: Path) -> N
     assert main(["replay", "--pd", "--trace", str(trace), "--tokens-per-block", "64", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     (rank,) = report["per_rank"]
-    assert rank["pd_requests_without_pages"] == 2  # 0 and 5 tokens: not one whole page
-    assert rank["pd_rooms"] == 3 and rank["pd_failed_rooms"] == 0
-    assert report["pd"]["decode_verified_rooms"] == 3
+    # The decode peer asks for the whole prompt: only the empty request has nothing to send. Each
+    # of the other four ends in a partial page (its partial trace block scales to a few tokens, not
+    # a multiple of the 16-token page; 5 tokens is a partial page alone), sent as the room's last
+    # position and verified there.
+    assert rank["pd_requests_without_pages"] == 1
+    assert rank["pd_rooms"] == 4 and rank["pd_failed_rooms"] == 0
+    assert rank["pd_tail_pages"] == 4
+    assert report["pd"]["decode_verified_rooms"] == 4
 
 
 def test_replay_with_pd_exits_1_when_a_room_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,3 +103,39 @@ def test_replay_with_pd_exits_1_when_a_room_fails(tmp_path: Path, monkeypatch: p
     assert flipped and report["per_rank"][0]["pd_failed_rooms"] == 1
     assert report["integrity_mismatches"] == 0  # the cache's own bytes were never wrong
     assert any("PD rooms failed" in f for f in report["integrity_failures"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_replay_with_pd_on_cuda(per_layer: bool, tmp_path: Path) -> None:
+    """L1 in GPU memory: per-layer sends wait on each layer's CUDA event (off the
+    forward's thread), after-insert sends sync the forward's end; every byte verified."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "pd.json"
+    argv = ["replay", "--pd", "--device", "cuda", "--limit", "60", "--json", str(out)]
+    assert main(argv + (["--pd-per-layer"] if per_layer else [])) == 0
+    report = json.loads(out.read_text())
+    (rank,) = report["per_rank"]
+    assert report["pd"]["decode_verified_rooms"] == 60 and rank["pd_failed_rooms"] == 0
+    assert rank["pd_mismatches"] == 0 and rank["pd_ready_rooms"] == 60
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_replay_with_pd_on_the_hf_engine(per_layer: bool, tmp_path: Path) -> None:
+    """The real model's KV (transformers, tiny preset), batched and chunked: per layer
+    the scheduler's forward hooks (target layers, then the MTP draft layer) submit each
+    layer; the decode peer checks every unit against the digests prefill recorded."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "pd.json"
+    argv = ["replay", "--engine", "hf", "--hf-preset", "tiny", "--pd", "--limit", "6", "--json", str(out)]
+    assert main(argv + (["--pd-per-layer"] if per_layer else [])) == 0
+    report = json.loads(out.read_text())
+    (rank,) = report["per_rank"]
+    assert report["pd"]["decode_verified_rooms"] == 6
+    assert rank["pd_rooms"] == 6 and rank["pd_failed_rooms"] == 0 and rank["pd_mismatches"] == 0
+    assert rank["pd_per_layer"] is per_layer
+    assert rank["pd_ready_rooms"] == 6  # the forward's end is known from its hooks, either way

@@ -6,39 +6,55 @@ or ``hicache-cp decode-peer``), or a thread of a test/bench process
 
 It owns destination buffers for the whole logical layout (per part
 [slots, pages, page_bytes] in host arenas registered with its own
-`TransferEngineAdapter`) and serves a control channel
-(`multiprocessing.connection` on 127.0.0.1 with an authkey). Every request
-is a dict with ``op`` and ``seq``; every reply echoes ``seq`` and has ``ok``:
+`TransferEngineAdapter`) and serves a control channel on 127.0.0.1
+(`hicache_cp.pd.control`: JSON messages only, nothing is unpickled, after
+the authkey challenge with a key of at least 32 bytes). Every request is a
+dict with ``op`` and ``seq``; every reply echoes ``seq`` and has ``ok``:
 
     hello {rank, cp_size, descriptors: [prefill descriptor dicts]}
-        -> {session, descriptor}; or ok=False with the differences (both sides'
-           values); the rejection is also kept in `rejected` (see ``stats``).
-    open {room, request, num_pages, cp_size, timeout_s}
+        -> {session, descriptor, whole_prompt}; or ok=False with the differences
+           (both sides' values); the rejection is also kept in `rejected`.
+    open {room, request, rank, num_pages, cp_size, timeout_s[, prompt_tokens]}
         -> {dst_pages}: decode pages for positions 0..num_pages-1, contiguous
            when possible, poisoned (POISON) so stale bytes cannot pass.
            Every rank of the CP group opens the room; all get the same pages.
-    done {room, rank, positions, hashes}
-        -> blocks until all cp_size ranks said done (or the room's deadline),
-           then verifies every position of every part and layer against
-           `integrity.content` and replies {mismatches, mismatch_count,
-           missing}. The room's pages are freed.
-    abort {room, reason} -> frees the room's pages; waiting ``done`` calls fail.
-        Rooms past their deadline are aborted the same way by a reaper thread
-        (a prefill rank that died never sends done or abort).
-    stats {} -> {free_pages, rooms, rejected, verified_rooms}
+           With `prompt_tokens` the page count must be exactly what this side
+           needs: whole pages, plus the partial last page when it asks for
+           the whole prompt (`whole_prompt`); otherwise the open is refused
+           with both counts.
+    done {room, rank, positions, hashes[, digests]}
+        -> blocks until all cp_size ranks said done (or the room failed or
+           passed its deadline), then verifies every position of every part
+           and layer against `integrity.content` (or the digests) and replies
+           {mismatches, mismatch_count, missing}.
+    abort {room, reason}: this prefill rank will write no more into the room.
+    cancel {room, reason}: abort the room from the decode side (a decode
+        server cancelling a request); the same path as the deadline.
+    stats {} -> {free_pages, rooms, draining, rejected, verified_rooms,
+        unknown_aborts, decode_aborts}
     shutdown {} -> stops serving.
+
+Abort from either side, drain before reclaim: a room fails at once (a
+waiting ``done`` returns failed), the decode side pushes an event
+``{"event": "abort", room, reason}`` to every rank that may still write,
+and its pages are freed only when every rank is quiet (said done or abort)
+or ``drain_s`` after the abort (a rank that died). An abort of a room this
+side never had is logged at WARNING and counted (`unknown_aborts`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import numpy as np
@@ -46,6 +62,7 @@ import numpy as np
 from hicache_cp.harness import checks, integrity
 from hicache_cp.harness.errors import InputError, require
 from hicache_cp.layout import KVLayout, Part
+from hicache_cp.pd.control import ControlClient, check_authkey, listen, recv_msg, send_msg
 from hicache_cp.pd.engine import TransferEngineAdapter, quiet_mooncake_logs
 from hicache_cp.pd.registration import RegistrationDescriptor, differences
 from hicache_cp.pools import LanePageAllocator
@@ -57,10 +74,31 @@ __all__ = ["POISON", "DecodePeer", "add_arguments", "run", "run_decode_peer", "s
 
 #: Byte written over a room's destination pages before it opens.
 POISON = 0xA5
-#: Seconds between scans for rooms past their deadline.
-REAP_INTERVAL_S = 1.0
+#: Seconds between scans for rooms past their deadline or their drain.
+REAP_INTERVAL_S = 0.2
 #: Mismatches listed in a reply (the count is always exact).
 MAX_REPORTED = 64
+#: Seconds an aborted room's pages stay held for ranks that never said they stopped
+#: (above Mooncake's own TCP transfer timeout, about 30 s).
+DEFAULT_DRAIN_S = 60.0
+#: Closed room ids remembered, so a late abort of one is not "unknown".
+CLOSED_MEMORY = 4096
+
+
+class _Channel:
+    """One control connection; sends from several threads (replies and pushed events)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        try:
+            with self.lock:
+                send_msg(self.conn, msg)
+            return True
+        except (OSError, EOFError, ValueError):
+            return False
 
 
 @dataclass(eq=False)
@@ -77,15 +115,22 @@ class _DecodeRoom:
     digests: dict[int, list[Any]] = field(default_factory=dict)
     result: dict[str, Any] | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
+    channels: dict[int, _Channel] = field(default_factory=dict)  # rank -> its control channel
+    quiet: set[int] = field(default_factory=set)  # ranks that will write no more (done or abort)
+    free_at: float | None = None  # after an abort: free even without every rank quiet
 
 
 class DecodePeer:
     """Destination buffers + engine + control server for one decode endpoint."""
 
     def __init__(self, layout: KVLayout, pages: int, *, authkey: bytes, host: str = "127.0.0.1",
-                 port: int = 0, adapter: TransferEngineAdapter | None = None) -> None:
+                 port: int = 0, adapter: TransferEngineAdapter | None = None, whole_prompt: bool = False,
+                 drain_s: float = DEFAULT_DRAIN_S) -> None:
+        check_authkey(authkey)
         self.layout = layout
         self.pages = pages
+        self.whole_prompt = whole_prompt
+        self.drain_s = drain_s
         self.allocator = LanePageAllocator(pages, 1, name="decode")
         self._own_adapter = adapter is None
         self.adapter = adapter if adapter is not None else TransferEngineAdapter(hostname=host)
@@ -99,14 +144,22 @@ class DecodePeer:
         self.descriptor = RegistrationDescriptor.from_buffers(
             "decode", layout, {part: a.ptr for part, a in self.arenas.items()}, pages)
         self._authkey = authkey
-        self.listener = Listener((host, port), authkey=authkey)
+        self.listener = listen(host, port, authkey)
         self.address: tuple[str, int] = self.listener.address  # type: ignore[assignment]
         self.rooms: dict[int, _DecodeRoom] = {}
+        self._closed_ids: deque[int] = deque(maxlen=CLOSED_MEMORY)
         self.rejected: list[str] = []
         self.verified_rooms = 0
+        self.unknown_aborts = 0
+        self.decode_aborts = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        d = self.descriptor
+        logger.info("decode peer %s: %d pages; kv buffers %d (draft kv at %d, %d), state buffers %d (draft state "
+                    "at %d, %d); layers %s; whole prompt %s", self.session_id, pages, d.kv_count, d.draft_kv_start,
+                    d.draft_kv_count, d.state_count, d.draft_state_start, d.draft_state_count,
+                    {p.part: p.layer_ids for p in d.parts}, whole_prompt)
 
     @property
     def session_id(self) -> str:
@@ -136,51 +189,62 @@ class DecodePeer:
             t.start()
 
     def _serve_conn(self, conn: Connection) -> None:
+        channel = _Channel(conn)
         with conn:
             while not self._stop.is_set():
                 try:
-                    msg = conn.recv()
+                    msg = recv_msg(conn)
                 except (EOFError, OSError):
                     return
+                except ValueError as exc:  # not JSON: refuse it, drop the connection
+                    logger.warning("decode peer: %s; closing the connection", exc)
+                    return
                 try:
-                    reply = self._handle(msg)
+                    reply = self._handle(msg, channel)
                 except Exception as exc:  # the one boundary: report to the caller, keep serving
                     logger.warning("decode peer: %s failed", msg.get("op"), exc_info=True)
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 reply["seq"] = msg.get("seq")
-                try:
-                    conn.send(reply)
-                except (OSError, EOFError):
+                if not channel.send(reply):
                     return
                 if msg.get("op") == "shutdown":
                     return
 
-    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _handle(self, msg: dict[str, Any], channel: _Channel) -> dict[str, Any]:
         op = msg.get("op")
         if op == "hello":
             return self._hello(msg)
         if op == "open":
-            return self._open(msg)
+            return self._open(msg, channel)
         if op == "done":
             return self._done(msg)
         if op == "abort":
-            return self._abort(int(msg["room"]), str(msg.get("reason", "aborted by prefill")))
+            return self._abort(int(msg["room"]), f"aborted by prefill: {msg.get('reason')}", msg.get("rank"))
+        if op == "cancel":
+            self.decode_aborts += 1
+            return self._abort(int(msg["room"]), f"cancelled by decode: {msg.get('reason')}", None)
         if op == "stats":
             with self._lock:
-                return {"ok": True, "free_pages": self.allocator.free_pages, "rooms": sorted(self.rooms),
-                        "rejected": list(self.rejected), "verified_rooms": self.verified_rooms}
+                draining = [r for r in self.rooms.values() if r.result is not None]
+                return {"ok": True, "free_pages": self.allocator.free_pages,
+                        "rooms": sorted(r.room_id for r in self.rooms.values() if r.result is None),
+                        "draining": sorted(r.room_id for r in draining),
+                        "draining_pages": sum(r.num_pages for r in draining),
+                        "rejected": list(self.rejected), "verified_rooms": self.verified_rooms,
+                        "unknown_aborts": self.unknown_aborts, "decode_aborts": self.decode_aborts}
         if op == "shutdown":
             self._stop.set()
             threading.Thread(target=self._wake_accept, daemon=True).start()
             return {"ok": True}
-        raise ValueError(f"unknown op {op!r} (ops: hello, open, done, abort, stats, shutdown)")
+        raise ValueError(f"unknown op {op!r} (ops: hello, open, done, abort, cancel, stats, shutdown)")
 
     def _hello(self, msg: dict[str, Any]) -> dict[str, Any]:
         diffs = []
         for d in msg["descriptors"]:
             prefill = RegistrationDescriptor.from_dict(d)
             diffs += [(f"{prefill.tier} {what}", a, b) for what, a, b in differences(prefill, self.descriptor)]
-        reply: dict[str, Any] = {"session": self.session_id, "descriptor": self.descriptor.to_dict()}
+        reply: dict[str, Any] = {"session": self.session_id, "descriptor": self.descriptor.to_dict(),
+                                 "whole_prompt": self.whole_prompt}
         if diffs:
             text = "; ".join(f"{w}: prefill={a!r} decode={b!r}" for w, a, b in diffs)
             logger.warning("decode peer: registration mismatch from prefill rank %s: %s", msg.get("rank"), text)
@@ -191,8 +255,18 @@ class DecodePeer:
             reply["ok"] = True
         return reply
 
-    def _open(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def pages_for(self, prompt_tokens: int) -> int:
+        """Pages this side needs for a prompt: whole pages, plus the partial one if it asks for the whole prompt."""
+        ps = self.layout.page_size
+        return -(-prompt_tokens // ps) if self.whole_prompt else prompt_tokens // ps
+
+    def _open(self, msg: dict[str, Any], channel: _Channel) -> dict[str, Any]:
         room_id, n, cp = int(msg["room"]), int(msg["num_pages"]), int(msg["cp_size"])
+        rank = int(msg.get("rank", 0))
+        if msg.get("prompt_tokens") is not None and self.pages_for(int(msg["prompt_tokens"])) != n:
+            raise ValueError(f"room {room_id}: a prompt of {msg['prompt_tokens']} tokens needs exactly "
+                             f"{self.pages_for(int(msg['prompt_tokens']))} pages here (whole prompt "
+                             f"{self.whole_prompt}), prefill offered {n}")
         with self._lock:
             room = self.rooms.get(room_id)
             if room is not None:
@@ -200,14 +274,19 @@ class DecodePeer:
                     raise ValueError(
                         f"room {room_id} opened with num_pages={room.num_pages} cp_size={room.cp_size} "
                         f"request={room.request_id}, now num_pages={n} cp_size={cp} request={msg['request']}")
+                if room.result is not None:
+                    return {"ok": False, "error": f"room {room_id} already failed: {room.result.get('error')}"}
+                room.channels[rank] = channel
                 return {"ok": True, "dst_pages": room.dst_pages.tolist()}
             pages = self.allocator.alloc(n)
             if pages is None:
                 return {"ok": False, "error": f"decode peer out of pages: need {n}, free {self.allocator.free_pages}"}
             for part, view in self.views.items():
                 view[:, pages, :] = POISON
-            self.rooms[room_id] = _DecodeRoom(room_id, int(msg["request"]), n, cp, pages,
-                                              time.monotonic() + float(msg["timeout_s"]))
+            room = _DecodeRoom(room_id, int(msg["request"]), n, cp, pages,
+                               time.monotonic() + float(msg["timeout_s"]))
+            room.channels[rank] = channel
+            self.rooms[room_id] = room
         logger.debug("decode peer: room %d open, %d pages", room_id, n)
         return {"ok": True, "dst_pages": pages.tolist()}
 
@@ -220,53 +299,86 @@ class DecodePeer:
         with room.cond:
             if rank in room.dones:
                 raise ValueError(f"room {room_id}: rank {rank} said done twice")
+            room.quiet.add(rank)
             room.dones[rank] = (np.asarray(msg["positions"], dtype=np.int64),
                                 np.asarray(msg["hashes"], dtype=np.uint64))
             if msg.get("digests") is not None:
                 room.digests[rank] = list(msg["digests"])
             if len(room.dones) == room.cp_size and room.result is None:
                 room.result = self._verify(room)
-                self._close_room(room)
                 room.cond.notify_all()
             while room.result is None:
                 left = room.deadline - time.monotonic()
                 if left <= 0:
                     room.result = {"ok": False, "error": f"decode: only ranks {sorted(room.dones)} of "
                                    f"{room.cp_size} said done before the deadline"}
-                    self._close_room(room)
+                    room.free_at = time.monotonic() + self.drain_s
                     room.cond.notify_all()
                     break
                 room.cond.wait(left)
-            return dict(room.result)
+            result = dict(room.result)
+        self._maybe_free(room)
+        return result
 
     def _reap_loop(self) -> None:
-        """Free rooms past their deadline (a prefill rank that died never says done or abort)."""
+        """Abort rooms past their deadline (a prefill rank that died never says
+        done or abort) and free aborted rooms whose drain ended."""
         while not self._stop.wait(REAP_INTERVAL_S):
             now = time.monotonic()
             with self._lock:
-                expired = [r for r in self.rooms.values() if r.deadline < now]
-            for room in expired:
-                self._abort(room.room_id, "deadline passed on the decode side")
+                rooms = list(self.rooms.values())
+            for room in rooms:
+                if room.result is None and room.deadline < now:
+                    self._abort(room.room_id, "deadline passed on the decode side", None)
+                else:
+                    self._maybe_free(room)
 
-    def _abort(self, room_id: int, reason: str) -> dict[str, Any]:
+    def _abort(self, room_id: int, reason: str, rank: Any) -> dict[str, Any]:
+        """Fail the room now; tell every rank that may still write; free once they are quiet."""
         with self._lock:
             room = self.rooms.get(room_id)
+            closed = room is None and room_id in self._closed_ids
         if room is None:
-            return {"ok": True}
+            if closed:
+                logger.debug("decode peer: abort of closed room %d (%s)", room_id, reason)
+            else:
+                self.unknown_aborts += 1
+                logger.warning("decode peer: abort of unknown room %d (%s); %d so far", room_id, reason,
+                               self.unknown_aborts)
+            return {"ok": True, "known": False}
+        notify: list[tuple[int, _Channel]] = []
         with room.cond:
+            if rank is not None:
+                room.quiet.add(int(rank))
             if room.result is None:
                 room.result = {"ok": False, "error": f"aborted: {reason}"}
-                self._close_room(room)
+                room.free_at = time.monotonic() + self.drain_s
                 room.cond.notify_all()
-        logger.warning("decode peer: room %d aborted: %s", room_id, reason)
-        return {"ok": True}
+                notify = [(r, c) for r, c in room.channels.items() if r not in room.quiet]
+                logger.warning("decode peer: room %d aborted: %s", room_id, reason)
+        for r, channel in notify:
+            if not channel.send({"event": "abort", "room": room_id, "reason": reason}):
+                logger.warning("decode peer: room %d: rank %d unreachable; its pages wait for the drain", room_id, r)
+        self._maybe_free(room)
+        return {"ok": True, "known": True}
 
-    def _close_room(self, room: _DecodeRoom) -> None:
+    def _maybe_free(self, room: _DecodeRoom) -> None:
+        """Free a concluded room's pages once no rank can write into them."""
+        with room.cond:
+            if room.result is None:
+                return
+            if len(room.quiet) < room.cp_size and (room.free_at is None or time.monotonic() < room.free_at):
+                return
         with self._lock:
             if self.rooms.pop(room.room_id, None) is not None:
                 self.allocator.free(room.dst_pages)
+                self._closed_ids.append(room.room_id)
+                if len(room.quiet) < room.cp_size:
+                    logger.warning("decode peer: room %d freed after the %g s drain; ranks %s never said they "
+                                   "stopped", room.room_id, self.drain_s,
+                                   sorted(set(range(room.cp_size)) - room.quiet))
 
-    # -- verification --------------------------------------------------------
+# -- verification --------------------------------------------------------
     def _verify(self, room: _DecodeRoom) -> dict[str, Any]:
         """Compare every position of every part and layer with integrity.content."""
         hashes = np.zeros(room.num_pages, dtype=np.uint64)
@@ -353,10 +465,29 @@ class DecodePeer:
 
 
 # -- process entry points ------------------------------------------------------
-def run_decode_peer(layout: KVLayout, pages: int, authkey: bytes, ready: Connection | None = None) -> None:
-    """Process entry: serve until `shutdown` or termination; sends (address, session) on `ready`."""
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies, however it dies (SIGKILL included)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent's stop() still bounds our life
+        pass
+
+
+def run_decode_peer(layout: KVLayout, pages: int, authkey: bytes, ready: Connection | None = None,
+                    whole_prompt: bool = False, drain_s: float = DEFAULT_DRAIN_S) -> None:
+    """Process entry: serve until `shutdown` or termination; sends (address, session) on `ready`.
+
+    Ctrl-C reaches the whole process group: the peer ignores SIGINT and lets
+    its parent stop it (`shutdown`, then terminate), so the parent never
+    waits on a peer that is half torn down; it dies with its parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     quiet_mooncake_logs()
-    peer = DecodePeer(layout, pages, authkey=authkey)
+    peer = DecodePeer(layout, pages, authkey=authkey, whole_prompt=whole_prompt, drain_s=drain_s)
     if ready is not None:
         ready.send({"address": peer.address, "session": peer.session_id})
         ready.close()
@@ -366,13 +497,15 @@ def run_decode_peer(layout: KVLayout, pages: int, authkey: bytes, ready: Connect
         peer.close()
 
 
-def spawn_decode_peer(layout: KVLayout, pages: int, authkey: bytes,
-                      timeout_s: float = 60.0) -> tuple[mp.process.BaseProcess, tuple[str, int]]:
+def spawn_decode_peer(layout: KVLayout, pages: int, authkey: bytes, timeout_s: float = 60.0, *,
+                      whole_prompt: bool = False,
+                      drain_s: float = DEFAULT_DRAIN_S) -> tuple[mp.process.BaseProcess, tuple[str, int]]:
     """Start a decode peer in a spawned process; returns (process, control address)."""
+    check_authkey(authkey)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_decode_peer, args=(layout, pages, authkey, child), daemon=True,
-                       name="hicache-cp-decode-peer")
+    proc = ctx.Process(target=run_decode_peer, args=(layout, pages, authkey, child, whole_prompt, drain_s),
+                       daemon=True, name="hicache-cp-decode-peer")
     proc.start()
     child.close()
     if not parent.poll(timeout_s):
@@ -382,10 +515,18 @@ def spawn_decode_peer(layout: KVLayout, pages: int, authkey: bytes,
     return proc, tuple(info["address"])  # type: ignore[return-value]
 
 
-def shutdown_decode_peer(address: tuple[str, int], authkey: bytes) -> None:
-    with Client(address, authkey=authkey) as c:
-        c.send({"op": "shutdown", "seq": 0})
-        c.recv()
+def control_request(address: tuple[str, int], authkey: bytes, msg: dict[str, Any],
+                    timeout_s: float = 10.0) -> dict[str, Any]:
+    """One request on a fresh control connection (stats, cancel, shutdown)."""
+    ctl = ControlClient(address, authkey)
+    try:
+        return ctl.request(msg, timeout_s)
+    finally:
+        ctl.close()
+
+
+def shutdown_decode_peer(address: tuple[str, int], authkey: bytes, timeout_s: float = 10.0) -> None:
+    control_request(address, authkey, {"op": "shutdown"}, timeout_s)
 
 
 # -- CLI ---------------------------------------------------------------------------
@@ -426,7 +567,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", type=int, default=4096, help="destination pages per part")
     parser.add_argument("--port", type=int, default=0, help="control port on 127.0.0.1 (0: any)")
     parser.add_argument("--authkey-env", default="HICACHE_CP_PD_AUTHKEY",
-                        help="environment variable holding the control channel's authkey")
+                        help="environment variable holding the control channel's authkey (at least 32 bytes; "
+                             "python -c 'import secrets; print(secrets.token_hex(32))')")
+    parser.add_argument("--whole-prompt", action="store_true",
+                        help="ask prefill for the partial last page of each prompt too")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -436,8 +580,14 @@ def run(args: argparse.Namespace) -> int:
     require("mooncake.engine", "pd", "decode-peer")
     key = os.environ.get(args.authkey_env)
     if not key:
-        raise InputError(f"set {args.authkey_env} to the control channel's authkey")
-    peer = DecodePeer(layout_from_args(args), args.pages, authkey=key.encode(), port=args.port)
+        raise InputError(f"set {args.authkey_env} to the control channel's authkey "
+                         f"(python -c 'import secrets; print(secrets.token_hex(32))')")
+    try:
+        authkey = check_authkey(key.encode())
+    except ValueError as exc:
+        raise InputError(f"{args.authkey_env}: {exc}") from None
+    peer = DecodePeer(layout_from_args(args), args.pages, authkey=authkey, port=args.port,
+                      whole_prompt=args.whole_prompt)
     print(f"decode-peer control {peer.address[0]}:{peer.address[1]} engine {peer.session_id}", flush=True)
     try:
         peer.serve_forever()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -87,6 +88,7 @@ class _EngineBatch:
     nbytes: int
     status: int | None = None  # None while unwaited; 0 ok; -1 failed
     future: Future[int] | None = None  # the one engine wait for this batch id
+    done_at: float | None = None  # perf_counter when the engine wait returned
 
 
 @dataclass
@@ -108,6 +110,12 @@ class Batch:
     @property
     def done(self) -> bool:
         return all(p.status is not None for p in self.parts)
+
+    @property
+    def done_at(self) -> float | None:
+        """When the last engine batch ended (perf_counter), None until all did."""
+        times = [p.done_at for p in self.parts]
+        return None if any(t is None for t in times) else max(times, default=None)  # type: ignore[type-var]
 
 
 class TransferEngineAdapter:
@@ -142,6 +150,8 @@ class TransferEngineAdapter:
         self._lock = threading.Lock()
         self._in_flight: dict[str, deque[_EngineBatch]] = {}
         self._waiter = ThreadPoolExecutor(max_workers=16, thread_name_prefix="mc-wait")
+        self._watch_q: queue.Queue[Batch | None] = queue.Queue()
+        self._watcher: threading.Thread | None = None
         self._closed = False
 
     # -- memory ------------------------------------------------------------
@@ -223,6 +233,44 @@ class TransferEngineAdapter:
         """Synchronous write: submit + wait."""
         self.wait(self.submit_write(peer, srcs, dsts, lens), timeout)
 
+    def watch(self, batch: Batch) -> None:
+        """Have `batch` waited for in the background now, so `Batch.done` and
+        `Batch.done_at` turn true when it lands without anyone blocking.
+
+        One watcher thread waits the watched batches in submission order (one
+        engine wait at a time: Mooncake's status call spins a core while it
+        waits, and a thread per batch starved the transfer threads on small
+        machines)."""
+        if self._closed:
+            return
+        with self._lock:
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_loop, name="mc-watch", daemon=True)
+                self._watcher.start()
+        self._watch_q.put(batch)
+
+    def _watch_loop(self) -> None:
+        while True:
+            batch = self._watch_q.get()
+            if batch is None or self._closed:
+                return
+            for eb in batch.parts:
+                try:
+                    self._wait_one(batch.peer, eb, None)
+                except RuntimeError:  # the waiter pool shut down: the adapter is closing
+                    return
+
+    def drain(self, batch: Batch, timeout: float) -> bool:
+        """Wait up to `timeout` s for `batch` to end, landed or failed; never
+        raises for a failed batch. True when every engine batch of it ended."""
+        try:
+            self.wait(batch, timeout)
+        except TransferTimeout:
+            return False
+        except TransferError:
+            pass
+        return batch.done
+
     def abandon(self, batch: Batch) -> None:
         """Stop waiting for `batch`; a reaper thread drains its engine batches."""
         batch.abandoned = True
@@ -256,6 +304,7 @@ class TransferEngineAdapter:
         if self._closed:
             return
         self._closed = True
+        self._watch_q.put(None)
         self._waiter.shutdown(wait=False, cancel_futures=True)
         errors = []
         for ptr in list(self._registered):
@@ -302,6 +351,7 @@ class TransferEngineAdapter:
     def _engine_wait(self, peer: str, eb: _EngineBatch) -> int:
         status = int(self.engine.get_batch_transfer_status([eb.batch_id]))
         with self._lock:
+            eb.done_at = time.perf_counter()
             eb.status = status
             q = self._in_flight.get(peer)
             if q is not None and eb in q:

@@ -11,15 +11,21 @@ SUCCESS and FAILED are final. A FAILED room refuses every later chunk
 (`Room.require_open` raises :class:`RoomFailed`): the pages it would write
 may already be reused (DOMAIN.md rule 9).
 
-Liveness: every room has a deadline (``timeout_s``, 300 s by default).
-`RoomTable.poll()` aborts rooms past it: state FAILED, reason
-``"timeout after X s"``, in-flight batches handed to the engine adapter's
-reaper (`abandon`), and the caller's pages released through the room's
-`release` callback. A room that is concluded with no destination and is not
-complete becomes FAILED with a WARNING.
+Liveness: every room has a deadline (``timeout_s``, 300 s by default,
+`Config.pd_timeout_s`). `RoomTable.poll()` aborts rooms past it: state
+FAILED, reason ``"timeout after X s"``. A room that is concluded with no
+destination and is not complete becomes FAILED with a WARNING.
 
-`release(room)` is called exactly once per room, when it reaches a final
-state (SUCCESS or FAILED); after it the source pages are the caller's again.
+Drain before reclaim: an abort first stops new chunks (FAILED at once), then
+waits up to ``drain_s`` for the batches already submitted; a batch still in
+flight after that goes to the engine adapter's reaper (`abandon`) and the
+room stays *draining*: its pages are not released while a write that reads
+them (or lands in the decode pages) may still be in flight. `RoomTable.poll()`
+releases a draining room once its last batch ended (`drained()` lists them).
+
+`release(room)` is called exactly once per room, when it is final (SUCCESS
+or FAILED) and no batch of it is in flight; after it the source pages are
+the caller's again.
 """
 
 from __future__ import annotations
@@ -37,10 +43,18 @@ from hicache_cp.layout import Part
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Room", "RoomFailed", "RoomState", "RoomTable"]
+__all__ = ["DEFAULT_DRAIN_S", "DEFAULT_TIMEOUT_S", "Room", "RoomFailed", "RoomState", "RoomTable"]
 
 #: Seconds a room may stay unfinished before it is aborted (DOMAIN.md rule 9).
 DEFAULT_TIMEOUT_S = 300.0
+#: Seconds an abort waits inline for the room's submitted batches before it
+#: leaves them to the reaper (the pages stay quarantined until they end).
+DEFAULT_DRAIN_S = 10.0
+
+
+def _batch_done(batch: object) -> bool:
+    """An engine batch has ended (landed or failed); objects without `done` count as ended."""
+    return bool(getattr(batch, "done", True))
 
 
 class RoomState(Enum):
@@ -98,7 +112,14 @@ class Room:
     in_flight: list[object] = field(default_factory=list)  # engine Batch handles
     first_submit: float | None = None
     transfer_done: float | None = None
+    forward_end: float | None = None  # perf_counter when the forward's last layer was complete
     released: bool = False
+    draining: bool = False  # final, but a batch may still be in flight: pages not released yet
+    tail_tokens: int = 0  # tokens of the last (partial) page, 0 when every page is whole
+    deferred_failure: str | None = None  # a submission failed off the caller's thread
+    #: part -> (positions, tiers, source pages, decode pages) per send; only while the
+    #: partition dump (logger hicache_cp.pd.partition at DEBUG) is on
+    partition: dict[Part, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)  # from the decode peer's verification
     mismatch_count: int = 0
 
@@ -127,10 +148,24 @@ class Room:
         else:
             logger.debug("PD room %d: %s -> %s", self.room_id, self.state.name, new.name)
         self.state = new
-        if new.final and not self.released:
-            self.released = True
-            if self.release is not None:
-                self.release(self)
+        if new.final:
+            self.try_release()
+
+    def try_release(self) -> bool:
+        """Release the pages once final and nothing is in flight (True when released, now or before)."""
+        if self.released:
+            return True
+        if not self.state.final:
+            return False
+        self.in_flight = [b for b in self.in_flight if not _batch_done(b)]
+        if self.in_flight:
+            self.draining = True
+            return False
+        self.draining = False
+        self.released = True
+        if self.release is not None:
+            self.release(self)
+        return True
 
     def fail(self, reason: str) -> None:
         """FAILED unless already final (a second failure keeps the first reason)."""
@@ -138,7 +173,11 @@ class Room:
             self.transition(RoomState.FAILED, reason)
 
     def require_open(self) -> None:
-        """Raise RoomFailed (or IllegalTransition) unless chunks may still be sent."""
+        """Raise RoomFailed (or IllegalTransition) unless chunks may still be sent.
+
+        A room past its deadline is refused here at once (the caller aborts it)."""
+        if self.expired():
+            raise RoomFailed(self.room_id, self.request_id, f"timeout after {self.timeout_s:g} s")
         if self.state is RoomState.FAILED:
             raise RoomFailed(self.room_id, self.request_id, self.failure or "failed")
         if self.state is not RoomState.TRANSFERRING:
@@ -154,7 +193,8 @@ class Room:
 
     def check_invariants(self) -> None:
         assert (self.state is RoomState.FAILED) == (self.failure is not None), (self.state, self.failure)
-        assert self.released == self.state.final, (self.released, self.state)
+        assert self.released == (self.state.final and not self.draining), (self.released, self.draining, self.state)
+        assert not self.draining or self.state.final, (self.draining, self.state)
         if self.dst_pages is not None:
             assert len(self.dst_pages) == self.num_pages, (len(self.dst_pages), self.num_pages)
         for key, m in self.sent.items():
@@ -165,16 +205,23 @@ class Room:
 class RoomTable:
     """Rooms by id on one prefill rank, with deadline polling.
 
-    `abandon` is the engine adapter's `abandon`, used for in-flight batches
-    of rooms that are aborted.
+    `abandon` is the engine adapter's `abandon` (a reaper drains the batch);
+    `drain(batch, timeout) -> bool` waits up to `timeout` for a batch to end
+    (True when it did). Both are used for the batches of aborted rooms.
     """
 
     def __init__(self, abandon: Callable[[object], None] | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+                 timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                 drain: Callable[[object, float], bool] | None = None,
+                 drain_s: float = DEFAULT_DRAIN_S) -> None:
+        if not timeout_s > 0 or timeout_s == float("inf"):
+            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
+        if not drain_s >= 0:
+            raise ValueError(f"drain_s must be >= 0, got {drain_s}")
         self.timeout_s = timeout_s
+        self.drain_s = drain_s
         self._abandon = abandon
+        self._drain = drain
         self.rooms: dict[int, Room] = {}
 
     def open(self, room_id: int, request_id: int, num_pages: int, *,
@@ -194,15 +241,28 @@ class RoomTable:
         except KeyError:
             raise ValueError(f"unknown PD room {room_id}") from None
 
-    def abort(self, room: Room, reason: str) -> None:
-        """FAILED with `reason`; abandon in-flight batches; release the pages."""
-        if room.state.final:
-            return
-        for batch in room.in_flight:
-            if self._abandon is not None:
+    def abort(self, room: Room, reason: str) -> bool:
+        """FAILED with `reason` (no later chunk), then drain: wait up to
+        `drain_s` for the submitted batches, abandon what is left to the
+        reaper, and release the pages only when nothing is in flight.
+
+        Returns True when the room is released (drained), False while it is
+        draining (`drained` releases it later)."""
+        if room.released:
+            return True
+        room.fail(reason)  # refuses chunks at once; release waits for the drain
+        deadline = time.monotonic() + self.drain_s
+        for batch in list(room.in_flight):
+            if _batch_done(batch):
+                continue
+            ended = self._drain is not None and self._drain(batch, max(0.0, deadline - time.monotonic()))
+            if not ended and self._abandon is not None:
                 self._abandon(batch)
-        room.in_flight.clear()
-        room.fail(reason)
+        if room.try_release():
+            return True
+        logger.warning("PD room %d (request %d): %d batches still in flight after %g s; its pages stay held "
+                       "until they end", room.room_id, room.request_id, len(room.in_flight), self.drain_s)
+        return False
 
     def poll(self, now: float | None = None) -> list[Room]:
         """Abort every room past its deadline; returns the rooms aborted now."""
@@ -212,11 +272,16 @@ class RoomTable:
             self.abort(room, f"timeout after {room.timeout_s:g} s")
         return aborted
 
+    def drained(self) -> list[Room]:
+        """Release draining rooms whose last batch has ended; returns them."""
+        return [r for r in self.rooms.values() if r.draining and r.try_release()]
+
     def forget(self, room_id: int) -> None:
         """Drop a final room's record (after the caller read its result)."""
         room = self.get(room_id)
-        if not room.state.final:
-            raise ValueError(f"room {room_id} is {room.state.name}; only final rooms can be forgotten")
+        if not room.released:
+            raise ValueError(f"room {room_id} is {room.state.name}{' (draining)' if room.draining else ''}; "
+                             f"only released rooms can be forgotten")
         del self.rooms[room_id]
 
     def check_invariants(self) -> None:

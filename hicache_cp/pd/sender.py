@@ -8,136 +8,75 @@ loaded back to L1 first).
 API (what the reference server calls, per request)::
 
     sender = PdSender(layout, device_pool, host_pool, decode_address=(host, port),
-                      authkey=key, rank=r, cp_size=cp)           # registers L1 + L2
+                      authkey=key, rank=r, cp_size=cp, agreement=a)  # registers L1 + L2
     sender.open_room(room_id, request_id, num_pages, release=cb)  # decode allocates pages
     sender.send(room_id, PageHomes(...), chunk_first_position=k)  # all parts, all layers
-    #   or, as layers finish: sender.send_layer(room_id, part, layer, homes, ...)
-    result = sender.finish(room_id)   # one wait; decode verifies; RoomResult
-    sender.poll()                     # abort rooms past their deadline (300 s default)
+    #   or, from the forward's layer hooks (target and draft hooks separately):
+    #   sender.send_layer(room_id, part, layer, homes, after=event)  # submitted off-thread
+    result = sender.finish(room_id)   # one wait; decode verifies; CP ranks agree; RoomResult
+    sender.poll()                     # decode aborts, rooms past their deadline, drained rooms
     sender.close()
 
-`PageHomes` lists, per request-absolute page position, the tier (0 = L1,
-1 = L2), the logical page id in that tier's pool and the page's prefix hash
-(for verification). With cp_size > 1 every rank may be given the whole
-request: rank r sends only positions with position % cp_size == r (those
-pages live on its lane by construction), translating logical to physical
-with `cp_mapping.to_physical`.
+Positions are request-absolute (`plan.PageHomes`); with cp_size > 1 every
+rank may be given the whole request and sends only the positions it owns.
 
 Contracts (DOMAIN.md rules 8-10):
 
-* Position i goes to the decode room's ``dst_pages[i]``. Positions are
-  request-absolute; with ``chunk_first_position`` (the chunk's cumulative
-  page offset) a chunk must start at or after the end of this rank's
-  previous chunk, or repeat the latest chunk's start (more layers of it); a
-  chunk-local 0 raises, and so does a (part, layer, position) sent twice.
-* Source and destination counts must match exactly: mismatched array
-  lengths, positions outside the room or pages outside the pool raise
-  ValueError; nothing is truncated.
-* Descriptors are runs per (part, layer) where both source and destination
-  pages are consecutive (and the tier is the same).
-* `finish` checks all-or-nothing (every part and layer sent for the same
-  positions), waits every batch once, then tells the decode peer "done" with
-  the prefix hashes and returns its verdict. Transfer failures come back as
-  a FAILED `RoomResult`; chunks for a FAILED room raise `RoomFailed`.
+* Exact counts: a room takes exactly its pages. A send that breaks the
+  contract (positions outside the room, a chunk-local 0, pages not owned,
+  a position sent twice) raises and *fails the room*: nothing is truncated.
+* `finish` checks all-or-nothing: every part and layer was sent for every
+  position of the room this rank owns; otherwise the room fails here and the
+  decode peer is told "abort", never "done".
+* With an `agreement` (CP), `finish` ends in one MIN collective on every
+  rank and every path: a failure on one rank fails the room on all of them.
+  A rank that fails before "done" tells the decode peer "abort" first, so
+  the other ranks' "done" returns instead of waiting for it.
+* Abort from either side: the decode peer pushes an "abort" event, handled at
+  the next send, poll or finish; a room past its deadline refuses the next
+  chunk at once.
+* Drain before reclaim: an aborted room's pages are released (and the
+  decode peer told "abort", which frees its pages) only when none of its
+  batches can still land (`room.RoomTable.abort`).
+* The destination gone before "done" is answered: the room concludes FAILED,
+  with a WARNING (rule 9).
 * Metrics count the bytes and descriptors actually submitted.
+
+Logging: the registration summary (buffer counts per part, the draft
+state's start index, logical layer ids) at INFO on connect. The logger
+``hicache_cp.pd.partition`` at DEBUG dumps each room's transfer partition
+(per part: positions, source tier and page, decode page) at finish; it has
+no other effect.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from hicache_cp.cp import mapping as cp_mapping
+from hicache_cp.cp.agreement import Agreement
 from hicache_cp.errors import ConsistencyError
-from hicache_cp.layout import KVLayout, Part, PartLayout
+from hicache_cp.layout import KVLayout, Part
+from hicache_cp.pd.control import ControlClient
 from hicache_cp.pd.engine import TransferEngineAdapter, TransferError, TransferTimeout
+from hicache_cp.pd.feeder import LayerFeeder
+from hicache_cp.pd.plan import L1, L2, PageHomes, TransferPlan, plan_transfer, tier_name
 from hicache_cp.pd.registration import RegistrationDescriptor, RegistrationMismatch, check_compatible
-from hicache_cp.pd.room import DEFAULT_TIMEOUT_S, Room, RoomFailed, RoomState, RoomTable
+from hicache_cp.pd.result import RoomResult, dump_partition, partition_log, room_result
+from hicache_cp.pd.room import DEFAULT_DRAIN_S, DEFAULT_TIMEOUT_S, Room, RoomFailed, RoomState, RoomTable
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["L1", "L2", "PageHomes", "PdSender", "RoomResult", "TransferPlan"]
 
-L1 = 0
-L2 = 1
-
-
-@dataclass
-class PageHomes:
-    """Where each page of a request (or chunk) lives. All arrays have one entry per position."""
-
-    positions: np.ndarray  # int64, request-absolute page positions
-    tier: np.ndarray  # 0 = L1, 1 = L2
-    pages: np.ndarray  # int64, logical page id in that tier's pool
-    prefix_hashes: np.ndarray  # uint64, for the decode peer's verification
-
-    def __post_init__(self) -> None:
-        self.positions = np.asarray(self.positions, dtype=np.int64)
-        self.tier = np.asarray(self.tier, dtype=np.int8)
-        self.pages = np.asarray(self.pages, dtype=np.int64)
-        self.prefix_hashes = np.asarray(self.prefix_hashes, dtype=np.uint64)
-        n = {len(self.positions), len(self.tier), len(self.pages), len(self.prefix_hashes)}
-        if len(n) != 1:
-            raise ValueError(f"PageHomes: {len(self.positions)} positions, {len(self.tier)} tiers, "
-                             f"{len(self.pages)} pages, {len(self.prefix_hashes)} hashes; counts must match")
-        if len(self.tier) and not np.isin(self.tier, (L1, L2)).all():
-            raise ValueError(f"PageHomes: tiers must be 0 (L1) or 1 (L2), got {np.unique(self.tier).tolist()}")
-        if len(np.unique(self.positions)) != len(self.positions):
-            raise ValueError("PageHomes: duplicate positions")
-
-
-@dataclass
-class TransferPlan:
-    """The descriptors one send submits (coalesced runs), and its per-part counts."""
-
-    srcs: list[int]
-    dsts: list[int]
-    lens: list[int]
-    positions: np.ndarray  # owned positions, sorted
-    hashes: np.ndarray
-    keys: list[tuple[Part, int]]  # (part, layer) covered
-    bytes_per_part: dict[Part, int] = field(default_factory=dict)
-    descriptors_per_part: dict[Part, int] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.lens)
-
-
-@dataclass
-class RoomResult:
-    room_id: int
-    request_id: int
-    state: RoomState
-    failure: str | None
-    bytes_per_part: dict[str, int]
-    descriptors_per_part: dict[str, int]
-    pages_per_part: dict[str, int]
-    transfer_s: float
-    gbps: float  # bytes / transfer_s / 1e9 (first submit to last batch done)
-    mismatches: list[str] = field(default_factory=list)
-    mismatch_count: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.state is RoomState.SUCCESS
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.bytes_per_part.values())
-
-    @property
-    def descriptors(self) -> int:
-        return sum(self.descriptors_per_part.values())
-
 
 class PdSender:
-    """One prefill rank's sender. Not thread-safe: one caller thread per sender."""
+    """One prefill rank's sender. One caller thread per sender (its feeder
+    thread only submits planned batches)."""
 
     def __init__(
         self,
@@ -152,14 +91,19 @@ class PdSender:
         adapter: TransferEngineAdapter | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         connect_timeout_s: float = 10.0,
+        drain_s: float = DEFAULT_DRAIN_S,
+        agreement: Agreement | None = None,
     ) -> None:
         if not 0 <= rank < cp_size:
             raise ValueError(f"rank {rank} outside cp_size {cp_size}")
         if device_pool is None and host_pool is None:
             raise ValueError("PdSender needs a device pool, a host pool or both")
+        if agreement is not None and agreement.world_size != cp_size:
+            raise ValueError(f"agreement spans {agreement.world_size} ranks, sender cp_size {cp_size}")
         self.layout = layout
         self.rank = rank
         self.cp_size = cp_size
+        self.agreement = agreement
         self.decode_address = tuple(decode_address)
         self._authkey = authkey
         self.connect_timeout_s = connect_timeout_s
@@ -172,27 +116,31 @@ class PdSender:
             if pool is None:
                 continue
             if getattr(pool, "cp_size", cp_size) != cp_size:
-                raise ValueError(f"{'L1' if tier == L1 else 'L2'} pool has cp_size {pool.cp_size}, sender {cp_size}")
-            desc = make(pool)
-            self.sources[tier] = desc
+                raise ValueError(f"{tier_name(tier)} pool has cp_size {pool.cp_size}, sender {cp_size}")
+            self.sources[tier] = make(pool)
             self._pool_pages[tier] = pool.physical_pages
         self._registered: list[int] = []
         for desc in self.sources.values():
             for base, nbytes in desc.regions():
                 self.adapter.register(base, nbytes)
                 self._registered.append(base)
-        self.rooms = RoomTable(self.adapter.abandon, timeout_s)
-        self._conn: Connection | None = None
-        self._seq = 0
+        self.rooms = RoomTable(self.adapter.abandon, timeout_s, drain=self.adapter.drain, drain_s=drain_s)
+        self._ctl: ControlClient | None = None
+        self._lock = threading.Lock()  # room state vs the feeder's submissions
+        self._feeder: LayerFeeder | None = None
+        self._marks: dict[int, threading.Thread] = {}  # forward-end watchers by room
+        self._unannounced: set[int] = set()  # aborted rooms whose drain ended after the abort call
+        self.decode_aborts = 0  # rooms the decode side aborted
         self.peer: str | None = None
         self.dest: RegistrationDescriptor | None = None
+        self.whole_prompt = False  # the decode side asks for the partial last page too
 
     # -- control channel -------------------------------------------------------
     def connect(self) -> None:
         """Handshake: exchange registration descriptors; RegistrationMismatch on any disagreement."""
-        if self._conn is not None:
+        if self._ctl is not None:
             return
-        self._conn = Client(self.decode_address, authkey=self._authkey)
+        self._ctl = ControlClient(self.decode_address, self._authkey)
         try:
             reply = self._request({"op": "hello", "rank": self.rank, "cp_size": self.cp_size,
                                    "descriptors": [d.to_dict() for d in self.sources.values()]},
@@ -211,45 +159,72 @@ class PdSender:
             raise
         self.dest = dest
         self.peer = reply["session"]
+        self.whole_prompt = bool(reply.get("whole_prompt", False))
+        self._log_registration()
+
+    def _log_registration(self) -> None:
+        """The registration summary, once per connection (INFO)."""
+        for desc in [*self.sources.values(), self.dest]:
+            assert desc is not None
+            parts = "; ".join(f"{p.part} {p.slots} buffers layers {p.layer_ids} {p.page_bytes} B/page"
+                              for p in desc.parts)
+            logger.info("PD registration rank %d %s: kv buffers %d (draft kv at %d, %d), state buffers %d "
+                        "(draft state at %d, %d); %s", self.rank, desc.tier, desc.kv_count, desc.draft_kv_start,
+                        desc.draft_kv_count, desc.state_count, desc.draft_state_start, desc.draft_state_count, parts)
+        logger.info("PD rank %d -> decode %s (control %s:%d), whole prompt %s", self.rank, self.peer,
+                    *self.decode_address, self.whole_prompt)
 
     def _request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send one request and wait `timeout` s for its reply (stale replies are skipped)."""
-        if self._conn is None:
+        if self._ctl is None:
             raise ConnectionError("no control connection to the decode peer")
-        self._seq += 1
-        msg["seq"] = self._seq
-        self._conn.send(msg)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._conn.poll(left):
-                raise TimeoutError(f"decode peer did not answer {msg['op']} within {timeout:g} s")
-            reply = self._conn.recv()
-            if reply.get("seq") == self._seq:
-                return reply
-            logger.debug("dropping stale control reply %s", reply.get("seq"))
+        return self._ctl.request(msg, timeout)
 
     def _drop_conn(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except OSError:
-                pass
-        self._conn = None
+        if self._ctl is not None:
+            self._ctl.close()
+        self._ctl = None
+
+    def _handle_events(self) -> None:
+        """Decode-initiated aborts: fail the room, drain, then acknowledge."""
+        if self._ctl is None:
+            return
+        try:
+            events = self._ctl.poll_events()
+        except (OSError, EOFError, ValueError) as exc:
+            logger.warning("PD rank %d: control channel lost while polling: %s", self.rank, exc)
+            self._drop_conn()
+            return
+        for ev in events:
+            if ev.get("event") != "abort":
+                logger.warning("PD rank %d: unknown control event %r", self.rank, ev.get("event"))
+                continue
+            room_id = int(ev["room"])
+            room = self.rooms.rooms.get(room_id)
+            self.decode_aborts += 1
+            if room is None or room.released and room.state is RoomState.SUCCESS:
+                self._tell_abort(room_id, "unknown or finished room")
+                continue
+            self._abort(room, f"decode aborted: {ev.get('reason')}")
 
     # -- rooms -----------------------------------------------------------------
     def open_room(self, room_id: int, request_id: int, num_pages: int, *,
-                  release: Callable[[Room], None] | None = None, timeout_s: float | None = None) -> Room:
+                  release: Callable[[Room], None] | None = None, timeout_s: float | None = None,
+                  prompt_tokens: int | None = None) -> Room:
         """Open a room for a request of `num_pages` pages; the decode peer allocates them.
 
-        On a registration mismatch or a refused open the room is FAILED (its
-        release called) and the error is raised."""
+        `prompt_tokens` lets the decode side check that `num_pages` is exactly
+        what it needs (whole pages, plus the partial last one when it asks
+        for the whole prompt). On a registration mismatch or a refused open
+        the room is FAILED (its release called) and the error is raised."""
         room = self.rooms.open(room_id, request_id, num_pages, release=release, timeout_s=timeout_s)
+        reply: dict[str, Any] = {}
         try:
             self.connect()
-            reply = self._request({"op": "open", "room": room_id, "request": request_id, "num_pages": num_pages,
-                                   "cp_size": self.cp_size, "timeout_s": room.timeout_s},
-                                  max(0.0, room.deadline - time.monotonic()))
+            msg: dict[str, Any] = {"op": "open", "room": room_id, "request": request_id, "rank": self.rank,
+                                   "num_pages": num_pages, "cp_size": self.cp_size, "timeout_s": room.timeout_s}
+            if prompt_tokens is not None:
+                msg["prompt_tokens"] = int(prompt_tokens)
+            reply = self._request(msg, max(0.0, room.deadline - time.monotonic()))
             if not reply["ok"]:
                 raise TransferError("open room", peer=self.peer, detail=str(reply.get("error")))
             dst = np.asarray(reply["dst_pages"], dtype=np.int64)
@@ -262,117 +237,111 @@ class PdSender:
             raise
         except Exception as exc:
             room.fail(str(exc))
+            if reply.get("ok"):  # the decode side allocated the room: give its pages back
+                self._tell_abort(room_id, room.failure)
             raise
         room.dst_pages = dst
         room.peer = self.peer
         room.hashes = np.zeros(num_pages, dtype=np.uint64)
+        if prompt_tokens is not None:
+            room.tail_tokens = int(prompt_tokens) % self.layout.page_size if self.whole_prompt else 0
         room.transition(RoomState.TRANSFERRING)
+        return room
+
+    def _open_room_for_chunks(self, room_id: int) -> Room:
+        """The room, if chunks may be sent; a room past its deadline is aborted here, at once
+        (our own deadline is checked before the decode side's events: its deadline is later)."""
+        room = self.rooms.get(room_id)
+        if not room.expired():
+            self._handle_events()
+        try:
+            room.require_open()
+        except RoomFailed as exc:
+            if not room.state.final:
+                self._abort(room, exc.reason)
+            raise
         return room
 
     def plan(self, room_id: int, homes: PageHomes, parts: Iterable[tuple[Part, int]] | None = None, *,
              chunk_first_position: int | None = None) -> TransferPlan:
         """Coalesced descriptors for `homes` over (part, layer) pairs (default: all). Changes nothing.
 
-        Cost: O(n log n) numpy over the n positions, plus one list of runs per (part, layer)."""
-        room = self.rooms.get(room_id)
-        room.require_open()
-        assert room.dst_pages is not None and self.dest is not None
-        keys = [(p.part, layer) for p in self.layout.parts for layer in p.layer_ids] if parts is None else list(parts)
-        own = homes.positions % self.cp_size == self.rank
-        order = np.argsort(homes.positions[own], kind="stable")
-        pos = homes.positions[own][order]
-        tier = homes.tier[own][order]
-        pages = homes.pages[own][order]
-        hashes = homes.prefix_hashes[own][order]
-        n = len(pos)
-        if n and (pos[0] < 0 or pos[-1] >= room.num_pages):
-            raise ValueError(f"room {room_id}: positions [{pos[0]}, {pos[-1]}] outside the request's "
-                             f"{room.num_pages} pages")
-        if chunk_first_position is not None and n:
-            if pos[0] < chunk_first_position:
-                raise ValueError(f"room {room_id}: position {pos[0]} precedes the chunk start "
-                                 f"{chunk_first_position}; positions are request-absolute")
-        if chunk_first_position is not None and chunk_first_position < room.next_position \
-                and chunk_first_position != room.chunk_start:
-            raise ValueError(f"room {room_id}: chunk starts at page {chunk_first_position} but this rank already "
-                             f"sent up to page {room.next_position - 1}; pass the cumulative page offset")
-        if n:
-            owners = cp_mapping.owner(pages, self.cp_size)
-            if (owners != self.rank).any():
-                bad = np.flatnonzero(owners != self.rank)
-                raise ConsistencyError("page not owned by the rank of its position's lane", rank=self.rank,
-                                       pages=pages[bad], details={"positions": pos[bad], "room": room_id})
-        phys = cp_mapping.to_physical(pages, self.cp_size)
-        for t in (L1, L2):
-            sel = tier == t
-            if not sel.any():
-                continue
-            if t not in self.sources:
-                raise ValueError(f"room {room_id}: {int(sel.sum())} pages in {'L1' if t == L1 else 'L2'}, "
-                                 f"which this sender was not given")
-            bad = sel & ((phys < 1) | (phys >= self._pool_pages[t]))
-            if bad.any():
-                raise ValueError(f"room {room_id}: physical pages {phys[bad][:8].tolist()} outside the "
-                                 f"{'L1' if t == L1 else 'L2'} pool [1, {self._pool_pages[t]})")
-        for key in keys:
-            sent = room.sent.get(key)
-            if sent is not None and n and sent[pos].any():
-                again = pos[sent[pos]]
-                raise ValueError(f"room {room_id}: {key[0].value} layer {key[1]} positions {again[:8].tolist()} "
-                                 f"already sent (overlapping chunk?)")
-        dst = room.dst_pages[pos]
-        # Runs: break where the tier changes or source or destination pages are not consecutive.
-        brk = np.ones(n, dtype=bool)
-        if n > 1:
-            brk[1:] = (tier[1:] != tier[:-1]) | (phys[1:] != phys[:-1] + 1) | (dst[1:] != dst[:-1] + 1)
-        starts = np.flatnonzero(brk)
-        lengths = np.diff(np.append(starts, n))
-        run_tier, run_src, run_dst = tier[starts], phys[starts], dst[starts]
-        srcs: list[int] = []
-        dsts: list[int] = []
-        lens: list[int] = []
-        plan = TransferPlan(srcs, dsts, lens, pos, hashes, keys)
-        for part, layer in keys:
-            pl: PartLayout = self.layout.part(part)
-            slot = pl.slot(layer)
-            d = self.dest.part(part)
-            base = np.zeros(len(starts), dtype=np.int64)
-            for t, desc in self.sources.items():
-                base[run_tier == t] = desc.part(part).bases[slot]
-            srcs += (base + run_src * pl.page_bytes).tolist()
-            dsts += (d.bases[slot] + run_dst * d.page_stride).tolist()
-            lens += (lengths * pl.page_bytes).tolist()
-            plan.bytes_per_part[part] = plan.bytes_per_part.get(part, 0) + n * pl.page_bytes
-            plan.descriptors_per_part[part] = plan.descriptors_per_part.get(part, 0) + len(starts)
-        assert len(srcs) == len(dsts) == len(lens), (len(srcs), len(dsts), len(lens))
-        return plan
+        Raises on a broken contract (see `plan.plan_transfer`); the room is left as it was."""
+        room = self._open_room_for_chunks(room_id)
+        assert self.dest is not None
+        return plan_transfer(self.layout, self.sources, self._pool_pages, self.dest, room, homes, parts,
+                             rank=self.rank, cp_size=self.cp_size, chunk_first_position=chunk_first_position)
 
     def send(self, room_id: int, homes: PageHomes, *, chunk_first_position: int | None = None) -> TransferPlan:
-        """Submit every part and layer of `homes` (this rank's positions). Does not wait."""
-        self._start_clock(room_id)
-        return self._submit(room_id, self.plan(room_id, homes, chunk_first_position=chunk_first_position),
-                            chunk_first_position)
+        """Submit every part and layer of `homes` (this rank's positions). Does not wait.
+
+        A broken contract fails the room and raises."""
+        return self._send(room_id, homes, None, chunk_first_position, None, False)
 
     def send_layer(self, room_id: int, part: Part, layer: int, homes: PageHomes, *,
-                   chunk_first_position: int | None = None) -> TransferPlan:
-        """Submit one layer of one part (call as layers finish). Does not wait."""
-        self._start_clock(room_id)
-        plan = self.plan(room_id, homes, [(part, layer)], chunk_first_position=chunk_first_position)
-        return self._submit(room_id, plan, chunk_first_position)
+                   chunk_first_position: int | None = None, after: Any = None,
+                   background: bool = False) -> TransferPlan:
+        """Submit one layer of one part (call from the layer's hook). Does not wait.
+
+        `after` (a CUDA event recorded at the hook) or `background` submit
+        from the feeder thread once the layer is complete, so the forward
+        neither syncs nor waits for the engine's in-flight cap."""
+        return self._send(room_id, homes, [(part, layer)], chunk_first_position, after, background)
+
+    def send_layers(self, room_id: int, keys: list[tuple[Part, int]], homes: PageHomes, *,
+                    chunk_first_position: int | None = None, after: Any = None,
+                    background: bool = False) -> TransferPlan:
+        """`send_layer` for several (part, layer) pairs in one submission (one hook's parts)."""
+        return self._send(room_id, homes, list(keys), chunk_first_position, after, background)
 
     def submit_plan(self, room_id: int, plan: TransferPlan) -> TransferPlan:
         """Submit a plan from `plan()` (benchmarks reuse one plan)."""
-        return self._submit(room_id, plan, None)
-
-    def _start_clock(self, room_id: int) -> None:
-        """Transfer time runs from the first send call (planning included) to the last batch done."""
-        room = self.rooms.get(room_id)
-        if room.first_submit is None and room.state is RoomState.TRANSFERRING:
-            room.first_submit = time.perf_counter()
-
-    def _submit(self, room_id: int, plan: TransferPlan, chunk_first_position: int | None) -> TransferPlan:
         room = self.rooms.get(room_id)
         room.require_open()
+        self._record(room, plan, None)
+        self._submit_now(room, plan)
+        return plan
+
+    def mark_forward_end(self, room_id: int, after: Any = None) -> None:
+        """Record when the forward's last layer is complete (for `RoomResult.ready_s`):
+        now, or when `after` (a CUDA event) completes, seen from a short-lived
+        thread (not the feeder, whose queue may be behind)."""
+        room = self.rooms.get(room_id)
+
+        def mark() -> None:
+            if after is not None:
+                after.synchronize()
+            room.forward_end = time.perf_counter()
+
+        if after is None:
+            mark()
+            return
+        t = threading.Thread(target=mark, name=f"pd-forward-end-{room_id}", daemon=True)
+        t.start()
+        self._marks[room_id] = t
+
+    def _send(self, room_id: int, homes: PageHomes, parts: list[tuple[Part, int]] | None,
+              chunk_first_position: int | None, after: Any, background: bool) -> TransferPlan:
+        room = self._open_room_for_chunks(room_id)
+        if room.first_submit is None:
+            room.first_submit = time.perf_counter()  # planning counts as transfer time
+        try:
+            plan = self.plan(room_id, homes, parts, chunk_first_position=chunk_first_position)
+            self._check_hashes(room, plan)
+        except (ValueError, ConsistencyError) as exc:  # never truncate, never send into a broken room
+            self._abort(room, f"transfer contract: {exc}")
+            raise
+        self._record(room, plan, chunk_first_position)
+        if after is not None or background:
+            self._feeder_of().put(after, lambda: self._submit_now(room, plan))
+        else:
+            self._submit_now(room, plan)
+            if room.deferred_failure:
+                self._abort(room, room.deferred_failure)
+                raise RoomFailed(room.room_id, room.request_id, room.failure or "failed")
+        return plan
+
+    def _check_hashes(self, room: Room, plan: TransferPlan) -> None:
         assert room.hashes is not None
         pos = plan.positions
         known = np.zeros(len(pos), dtype=bool)
@@ -381,16 +350,12 @@ class PdSender:
         if known.any() and (room.hashes[pos[known]] != plan.hashes[known]).any():
             bad = pos[known][room.hashes[pos[known]] != plan.hashes[known]]
             raise ConsistencyError("prefix hash differs between sends of the same position", rank=self.rank,
-                                   details={"room": room_id, "positions": bad})
-        if room.first_submit is None:
-            room.first_submit = time.perf_counter()
-        if plan.lens:
-            try:
-                room.in_flight.append(self.adapter.submit_write(room.peer, plan.srcs, plan.dsts, plan.lens))
-            except TransferError as exc:
-                self.rooms.abort(room, str(exc))
-                self._tell_abort(room)
-                raise RoomFailed(room.room_id, room.request_id, str(exc)) from exc
+                                   details={"room": room.room_id, "positions": bad})
+
+    def _record(self, room: Room, plan: TransferPlan, chunk_first_position: int | None) -> None:
+        """The room's bookkeeping of a plan, on the caller's thread."""
+        assert room.hashes is not None
+        pos = plan.positions
         room.hashes[pos] = plan.hashes
         for key in plan.keys:
             m = room.sent.setdefault(key, np.zeros(room.num_pages, dtype=bool))
@@ -403,109 +368,161 @@ class PdSender:
             room.next_position = max(room.next_position, int(pos[-1]) + 1)
         if chunk_first_position is not None:
             room.chunk_start = chunk_first_position
-        return plan
+        if partition_log.isEnabledFor(logging.DEBUG):
+            for part in {k[0] for k in plan.keys}:
+                room.partition.setdefault(part, []).append((pos, plan.tiers, plan.pages, plan.dst_pages))
 
+    def _submit_now(self, room: Room, plan: TransferPlan) -> None:
+        """Submit under the lock, so an abort never misses a batch (either thread)."""
+        if not plan.lens:
+            return
+        with self._lock:
+            if room.state is not RoomState.TRANSFERRING:
+                return  # aborted meanwhile: nothing more goes out
+            try:
+                batch = self.adapter.submit_write(room.peer, plan.srcs, plan.dsts, plan.lens)
+            except TransferError as exc:
+                room.deferred_failure = str(exc)
+                return
+            self.adapter.watch(batch)
+            room.in_flight.append(batch)
+
+    def _feeder_of(self) -> LayerFeeder:
+        if self._feeder is None:
+            self._feeder = LayerFeeder(f"pd-feeder-{self.rank}")
+        return self._feeder
+
+    # -- finishing -------------------------------------------------------------
     def finish(self, room_id: int, *, extra: dict[str, Any] | None = None) -> RoomResult:
-        """Wait for every batch, tell the decode peer "done", return its verdict.
+        """Wait for every batch, tell the decode peer "done", agree, return the verdict.
 
         `extra` joins the "done" message (what the peer verifies with, e.g.
         expected digests of the positions this rank sent, in their order).
-        Never raises for transfer or peer failures: those give a FAILED result
-        (the room's release has been called either way)."""
+        Never raises for transfer or peer failures: those give a FAILED result.
+        With an agreement, every rank must call it for every room it opened."""
+        self._handle_events()
         room = self.rooms.get(room_id)
         if room.state is RoomState.TRANSFERRING:
-            self._finish(room, extra or {})
+            reason = self._complete(room)
+            if reason is not None:
+                self._abort(room, reason)  # before the collective: the other ranks' "done" must return
+            else:
+                self._done(room, extra or {})
         elif room.state is RoomState.BOOTSTRAPPING:
             room.conclude_without_destination()
-        return self._result(room)
+        if self.agreement is not None:
+            agreed = self.agreement.min_int(1 if room.state is RoomState.TRANSFERRING else 0)
+            if not agreed and room.state is RoomState.TRANSFERRING:
+                room.fail("another CP rank failed this room (MIN agreement)")
+        if room.state is RoomState.TRANSFERRING:
+            room.transition(RoomState.SUCCESS)
+        dump_partition(self.layout, room, self.rank)
+        return room_result(room)
 
-    def _finish(self, room: Room, extra: dict[str, Any]) -> None:
-        positions = room.positions
-        want = [(p.part, layer) for p in self.layout.parts for layer in p.layer_ids]
-        for key in want:
-            got = room.sent.get(key)
-            n_got = 0 if got is None else int(got[positions].sum())
-            if n_got != len(positions):
-                self.rooms.abort(room, f"all-or-nothing: {key[0].value} layer {key[1]} sent {n_got} of the "
-                                       f"{len(positions)} positions rank {self.rank} sent")
-                self._tell_abort(room)
-                return
+    def _complete(self, room: Room) -> str | None:
+        """Flush the feeder, check all-or-nothing, wait every batch once; a failure reason or None."""
+        if self._feeder is not None and not self._feeder.flush(max(0.0, room.deadline - time.monotonic())):
+            return f"timeout after {room.timeout_s:g} s (per-layer submissions still queued)"
+        if self._feeder is not None:
+            for exc in self._feeder.take_errors():
+                room.deferred_failure = room.deferred_failure or f"per-layer submission failed: {exc}"
+        if room.deferred_failure:
+            return room.deferred_failure
+        owned = np.arange(room.num_pages)
+        owned = owned[owned % self.cp_size == self.rank]
+        for p in self.layout.parts:
+            for layer in p.layer_ids:
+                got = room.sent.get((p.part, layer))
+                n_got = 0 if got is None else int(got[owned].sum())
+                if n_got != len(owned):
+                    return (f"all-or-nothing: {p.part.value} layer {layer} sent {n_got} of the {len(owned)} "
+                            f"positions of the room's {room.num_pages} pages that rank {self.rank} owns")
         try:
             for batch in list(room.in_flight):
                 self.adapter.wait(batch, timeout=max(0.0, room.deadline - time.monotonic()))
-                room.in_flight.remove(batch)
         except TransferTimeout:
-            self.rooms.abort(room, f"timeout after {room.timeout_s:g} s")
-            self._tell_abort(room)
-            return
+            return f"timeout after {room.timeout_s:g} s"
         except TransferError as exc:
-            self.rooms.abort(room, str(exc))
-            self._tell_abort(room)
-            return
+            return str(exc)
+        mark = self._marks.pop(room.room_id, None)
+        if mark is not None:
+            mark.join(max(0.0, room.deadline - time.monotonic()))
         room.transfer_done = time.perf_counter()
+        done_at = [t for t in (getattr(b, "done_at", None) for b in room.in_flight) if t is not None]
+        if done_at:
+            room.transfer_done = max(done_at)
+        room.in_flight.clear()
+        return None
+
+    def _done(self, room: Room, extra: dict[str, Any]) -> None:
+        """Tell the decode peer "done"; the room stays TRANSFERRING when it verified."""
         assert room.hashes is not None
+        first = (self.layout.parts[0].part, self.layout.parts[0].layer_ids[0])  # all-or-nothing held: any key
+        positions = np.flatnonzero(room.sent.get(first, np.zeros(room.num_pages, dtype=bool)))
         try:
             reply = self._request({"op": "done", "room": room.room_id, "rank": self.rank,
                                    "positions": positions.tolist(), "hashes": room.hashes[positions].tolist(),
                                    **extra},
                                   max(0.0, room.deadline - time.monotonic()))
         except TimeoutError:
-            self.rooms.abort(room, f"timeout after {room.timeout_s:g} s")
-            self._tell_abort(room)
+            self._abort(room, f"timeout after {room.timeout_s:g} s")
             return
-        except (OSError, EOFError) as exc:
-            self._drop_conn()
-            room.conclude_without_destination(f"decode peer connection lost ({type(exc).__name__}: {exc})")
+        except (OSError, EOFError, ValueError) as exc:
+            self._drop_conn()  # the destination is gone: FAILED, loudly (rule 9)
+            room.conclude_without_destination(f"decode peer connection lost on done ({type(exc).__name__}: {exc})")
             return
         room.mismatches = list(reply.get("mismatches") or [])
         room.mismatch_count = int(reply.get("mismatch_count") or 0)
-        if reply["ok"]:
-            room.transition(RoomState.SUCCESS)
-        else:
+        if not reply["ok"]:
             room.fail(f"decode peer: {reply.get('error')}; first mismatches {room.mismatches[:4]}")
 
-    def _tell_abort(self, room: Room) -> None:
-        """Best effort: the decode peer frees the room's pages."""
-        if self._conn is None:
+    # -- aborts ----------------------------------------------------------------
+    def _abort(self, room: Room, reason: str) -> None:
+        """Fail the room (no later chunk, from either thread), drain, then tell decode."""
+        with self._lock:
+            room.fail(reason)
+        if self.rooms.abort(room, reason):
+            self._tell_abort(room.room_id, room.failure)
+        else:
+            self._unannounced.add(room.room_id)  # told once its batches end (`poll`)
+
+    def _tell_abort(self, room_id: int, reason: str | None) -> None:
+        """Best effort: the decode peer frees the room's pages (nothing of ours can land any more)."""
+        if self._ctl is None:
             return
         try:
-            self._request({"op": "abort", "room": room.room_id, "reason": room.failure}, 2.0)
-        except (OSError, EOFError, TimeoutError):
+            self._request({"op": "abort", "room": room_id, "rank": self.rank, "reason": reason}, 2.0)
+        except (OSError, EOFError, TimeoutError, ValueError):
             self._drop_conn()
-
-    def _result(self, room: Room) -> RoomResult:
-        t = 0.0
-        if room.first_submit is not None and room.transfer_done is not None:
-            t = room.transfer_done - room.first_submit
-        nbytes = sum(room.bytes_sent.values())
-        pages = {}
-        for (part, _), m in room.sent.items():
-            pages[part.value] = max(pages.get(part.value, 0), int(m.sum()))
-        return RoomResult(
-            room.room_id, room.request_id, room.state, room.failure,
-            {p.value: b for p, b in room.bytes_sent.items()},
-            {p.value: c for p, c in room.descriptors_sent.items()}, pages, t,
-            nbytes / t / 1e9 if t > 0 else 0.0,
-            list(room.mismatches), room.mismatch_count)
 
     def abort(self, room_id: int, reason: str) -> None:
         room = self.rooms.get(room_id)
         if not room.state.final:
-            self.rooms.abort(room, reason)
-            self._tell_abort(room)
+            self._abort(room, reason)
 
     def poll(self) -> list[Room]:
-        """Abort rooms past their deadline (tells the decode peer); returns them."""
-        aborted = self.rooms.poll()
-        for room in aborted:
-            self._tell_abort(room)
-        return aborted
+        """Handle decode aborts, abort rooms past their deadline, release drained
+        rooms (telling the decode peer); returns the rooms aborted or released now."""
+        now = time.monotonic()
+        expired = [r for r in self.rooms.rooms.values() if r.expired(now)]
+        for room in expired:  # our own deadline first: the decode side's is a little later
+            self._abort(room, f"timeout after {room.timeout_s:g} s")
+        self._handle_events()
+        drained = self.rooms.drained()
+        for room in drained:
+            if room.room_id in self._unannounced:
+                self._unannounced.discard(room.room_id)
+                self._tell_abort(room.room_id, room.failure)
+        return expired + [r for r in drained if r not in expired]
 
     def close(self) -> None:
         """Fail open rooms, drop the control channel, unregister this sender's buffers."""
         for room in list(self.rooms.rooms.values()):
             if not room.state.final:
                 self.abort(room.room_id, "sender closed")
+        if self._feeder is not None:
+            self._feeder.close()
+            self._feeder = None
         self._drop_conn()
         if self._own_adapter:
             self.adapter.close()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from hicache_cp.harness.errors import ExitCode, require
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.layout import KVLayout
+from hicache_cp.pd.control import new_authkey
 from hicache_cp.pd.engine import TransferError, quiet_mooncake_logs
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
+    parser.add_argument("--overlap", action="store_true",
+                        help="measure forward's end -> decode holds all KV, per-layer vs after-insert "
+                             "(hicache_cp.harness.bench.pd_overlap)")
+    parser.add_argument("--layer-ms", type=float, default=2.0, help="--overlap: stand-in forward time per layer")
+    parser.add_argument("--device", default="cpu", help="--overlap: L1 device (cpu or cuda[:N])")
 
 
 MAX_PAGES = 1 << 20
@@ -66,6 +71,8 @@ def check_args(args: argparse.Namespace) -> KVLayout:
     checks.in_range("--repeats", args.repeats, 1, MAX_REPEATS)
     checks.in_range("--l2-fraction", args.l2_fraction, 0.0, 1.0)
     checks.output_file("--json", args.json)
+    checks.in_range("--layer-ms", args.layer_ms, 0.0, 1000.0)
+    args.device = checks.device("--device", args.device)
     quiet_mooncake_logs(getattr(args, "verbose", 0))  # before Mooncake loads
     require("mooncake.engine", "pd", "bench-pd")
     layout = layout_from_args(args)
@@ -76,13 +83,17 @@ def check_args(args: argparse.Namespace) -> KVLayout:
 
 def run(args: argparse.Namespace) -> int:
     layout = check_args(args)
+    if args.overlap:
+        from hicache_cp.harness.bench import pd_overlap
+
+        return pd_overlap.run(args, layout)
     from hicache_cp.pd.sender import PageHomes, PdSender
     from hicache_cp.pools import DevicePool, HostPool
 
     n = args.pages
     pool_pages = 2 * n + 1
     rng = np.random.default_rng(args.seed)
-    authkey = os.urandom(16)
+    authkey = new_authkey()
     peer = DecodePeer(layout, n + 1, authkey=authkey)
     peer.start()
     l1 = DevicePool(layout, pool_pages)

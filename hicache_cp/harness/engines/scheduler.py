@@ -207,10 +207,11 @@ class Seq:
 class _BatchHooks:
     """The forward's layer hooks for one batch: waits before, backups after."""
 
-    def __init__(self, cache: HiCache, loads: list[LoadOp], backups: list[BackupOp | None]) -> None:
+    def __init__(self, cache: HiCache, loads: list[LoadOp], backups: list[BackupOp | None], pd: Any = None) -> None:
         self.cache = cache
         self.loads = loads
         self.backups = backups
+        self.pd = pd  # the PD sink: sends per layer (`pd_per_layer`) from these same hooks, or times the forward
 
     def before_layer(self, model: Model, layer: int) -> None:
         for op in self.loads:
@@ -218,6 +219,8 @@ class _BatchHooks:
 
     def after_layer(self, model: Model, layer: int) -> None:
         self.cache.on_layer_end(model, layer, self.backups)
+        if self.pd is not None:
+            self.pd.on_layer_end(model, layer)
 
 
 @dataclass
@@ -428,8 +431,11 @@ class Scheduler:
         backups = [seq.backup for seq in enders if seq.backup is not None]
         for seq in enders:
             seq.hooked = seq.backup is not None
+        pd = self.sink if hasattr(self.sink, "begin_request") else None  # the PD sink (sends per layer or times)
+        for seq in enders if pd is not None else ():  # rooms open before the forward whose hooks send
+            pd.begin_request(seq.req.index, seq.m, seq.new, seq.hashes)
         t_start = self.clock.now()
-        result = self.forward.run([(p, PagedKV(self.buffers, p)) for p in plans], _BatchHooks(cache, loads, backups))
+        result = self.forward.run([(p, PagedKV(self.buffers, p)) for p in plans], _BatchHooks(cache, loads, backups, pd))
         logits = result.logits.cpu()  # reading the first tokens: the end-of-forward sync
         t_token = self.clock.sync() - t0
         self._tally_batch(plans, t_start, t_token + t0)
@@ -440,7 +446,10 @@ class Scheduler:
             seq.record.computed_tokens += q
             if seq.record.first_forward < 0:
                 seq.record.first_forward = self.stats.forwards - 1
-            if seq.load is not None and seq.load.state is LoadState.ABORTED and seq.redo_load is None:
+            redo = seq.load is not None and seq.load.state is LoadState.ABORTED and seq.redo_load is None
+            if pd is not None and chunk.final and (redo or seq.m.prefix_failed):
+                pd.abandon(seq.req.index, "its load aborted; recomputed")  # what the hooks sent is void
+            if redo:
                 self._redo(seq)
             elif seq.m.prefix_failed:
                 self._restart(seq)
@@ -529,6 +538,7 @@ class Scheduler:
         if seq.redo_load is not None:
             cache.recomputed(seq.redo_load)
         node = cache.insert(seq.m, seq.new, backup=seq.backup)
+        own = dict(seq.digests)  # the pages this request computed (the tree may keep another copy)
         self._keep_digests(seq, node)
         if seq.timer is not None:
             seq.record.load_s = seq.timer.elapsed_s()
@@ -537,7 +547,11 @@ class Scheduler:
         seq.record.reused_pages = seq.reuse_pages
         self.logits[seq.req.index] = logits
         if self.sink is not None:  # the PD sender: the decode peer checks every unit against the digests
-            self.sink.send_request(seq.req.index, node, seq.hashes, cache, digests=self.book.expected(seq.hashes))
+            digests = self.book.expected(seq.hashes)
+            if getattr(self.sink, "per_layer", False):  # the hooks sent this request's own copies
+                for p, d in own.items():
+                    digests[p] = np.asarray(d)[None]
+            self.sink.send_request(seq.req.index, node, seq.hashes, cache, digests=digests)
         cache.release(node)
         seq.state = SeqState.DONE
 

@@ -44,10 +44,24 @@ MAX_REPORTED_MISMATCHES = 100
 
 
 class RequestSink(Protocol):
-    """Receives each request's finished KV (the PD adapter implements it)."""
+    """Receives each request's finished KV (the PD adapter implements it).
+
+    A sink may also have `begin_request(request, match, new_pages, hashes, tail)`
+    (before the forward), `on_layer_end(model, layer)` (beside the cache's layer
+    hook) and `whole_prompt` (it wants the partial last page, `TailPage`): the
+    PD sink uses them to send per layer."""
 
     def send_request(self, request: int, node: Node, hashes: np.ndarray, cache: HiCache) -> None:
         """Called after insert, while `node` (the request's last page) is still locked."""
+
+
+@dataclass(frozen=True)
+class TailPage:
+    """The partial last page of a prompt, computed into a scratch L1 page (never cached)."""
+
+    page: int  # logical L1 page, freed after the request
+    prefix_hash: int  # the seed its bytes were computed from
+    tokens: int  # valid tokens in it (1 .. page_size - 1)
 
 
 @dataclass
@@ -113,7 +127,11 @@ class ReferenceServer:
             self.rejected += 1
             logger.warning("request %d rejected: L1 cannot hold its %d new pages", request, len(hashes) - start)
             return RequestResult(request, len(tokens), m.device_len, m.host_len, 0, served=False)
+        pd = self.sink if hasattr(self.sink, "begin_request") else None
+        tail = self._tail_page(tokens, hashes) if pd is not None and pd.whole_prompt else None
         backup = cache.reserve_backup(new, start)
+        if pd is not None:
+            pd.begin_request(request, m, new, hashes, tail)
         loaded = load.device_pages if load is not None else np.empty(0, np.int64)
         page_table = np.concatenate([m.device_pages, loaded, new])
         for model in (Model.TARGET, Model.DRAFT):
@@ -128,6 +146,8 @@ class ReferenceServer:
                 if load is not None:
                     load.wait_layer(layer, model)
                 cache.on_layer_end(model, layer, [backup])
+                if pd is not None:
+                    pd.on_layer_end(model, layer)  # the PD send of this layer, from the same hook
         node = cache.insert(m, new, backup=backup)
         cache.poll()
         reused = start
@@ -140,12 +160,34 @@ class ReferenceServer:
         if self.verify and reused:
             self.integrity.expected_units += self._owned_count(page_table[:reused]) * self._units_per_page
             self._verify(request, page_table[:reused], hashes[:reused])
-        if self.sink is not None:
+        if pd is not None:
+            pd.send_request(request, node, hashes, cache, tail=tail)
+        elif self.sink is not None:
             self.sink.send_request(request, node, hashes, cache)
+        if tail is not None:
+            cache.free_device(np.array([tail.page], dtype=np.int64))
         cache.release(node)
         cache.settle()
         cache.ensure_free()
         return RequestResult(request, len(tokens), m.device_len, m.host_len, len(new))
+
+    def _tail_page(self, tokens: np.ndarray, hashes: np.ndarray) -> TailPage | None:
+        """The partial last page (tokens after the last whole page) computed into a
+        scratch L1 page at position len(hashes); None when the prompt has none or L1
+        has no page for it (the decode side then refuses the room: counts must match)."""
+        ps = self.layout.page_size
+        rest = tokens[len(hashes) * ps:]
+        if not len(rest):
+            return None
+        page = self.cache.alloc_device(1, len(hashes))
+        if page is None:
+            logger.warning("no L1 page for the partial last page at position %d", len(hashes))
+            return None
+        parent = int(hashes[-1]) if len(hashes) else 0
+        seed = prefix_hashes(rest, len(rest), parent)  # one page of len(rest) tokens, chained to the prefix
+        for part in self.layout.parts:
+            self._compute(part, page, seed, len(hashes))
+        return TailPage(int(page[0]), int(seed[0]), len(rest))
 
     def _finish_load(self, load: LoadOp) -> bool:
         """Poll until the load is agreed DONE (True) or ABORTED (False).

@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="set any config field (repeatable); beats --config and HICACHE_* (see hicache_cp.config)")
     p.add_argument("--pd", action="store_true", help="ship every request's KV to a decode peer process")
+    p.add_argument("--pd-timeout-s", type=float, help="PD: seconds a transfer room may stay unfinished (default 300)")
+    p.add_argument("--pd-per-layer", action="store_true", default=None,
+                   help="PD: send each layer from the forward's layer hooks instead of after insert")
     p.add_argument("--bounds", action="store_true", help="also compute the infinite-capacity and Belady bounds")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-for-byte integrity check")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")

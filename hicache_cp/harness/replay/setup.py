@@ -82,6 +82,8 @@ def check_args(args: argparse.Namespace) -> None:
         quiet_mooncake_logs(getattr(args, "verbose", 0))  # before Mooncake loads; the ranks inherit it
     if args.pd:
         require("mooncake.engine", "pd", "--pd")
+    elif getattr(args, "pd_timeout_s", None) is not None or getattr(args, "pd_per_layer", None):
+        raise InputError("--pd-timeout-s and --pd-per-layer need --pd")
     checks.ip_literal("--metrics-addr", args.metrics_addr)
     if args.metrics_port is not None:
         checks.in_range("--metrics-port", args.metrics_port, 1, 65535 - MAX_CP_SIZE)
@@ -119,6 +121,8 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "write_policy": args.write_policy,
         "io_backend": args.io_backend,
         "cp_size": args.cp_size,
+        "pd_timeout_s": getattr(args, "pd_timeout_s", None),
+        "pd_per_layer": getattr(args, "pd_per_layer", None),
     }
     # Flags that size a field another way: with --set for that field as well, which wins is unclear. Refused.
     sized = {"l1_pages": ("--l1-pages", args.l1_pages), "host_budget_bytes": ("--l2-gib/--l2-fraction",

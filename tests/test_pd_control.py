@@ -1,0 +1,118 @@
+"""The PD control channel and configuration (no transfers).
+
+Asserts: the control channel never unpickles (a pickle from a client that
+passed the authkey challenge is refused, its side effect never runs); short
+authkeys are refused on both sides and by `decode-peer` (exit 2); the peer
+listens on 127.0.0.1; `pd_timeout_s` and `pd_per_layer` follow defaults < TOML
+< env < --set < flag and bad values are refused with the field's name.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import pytest
+
+from hicache_cp.config import Config
+from hicache_cp.errors import ConfigError
+from hicache_cp.pd.control import MIN_AUTHKEY_BYTES, ControlClient, check_authkey, new_authkey
+
+mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake TransferEngine not importable (libibverbs1?)")
+
+
+class _Touch:
+    """Unpickling this creates a file: the proof that a pickle was loaded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (Path.touch, (Path(self.path),))
+
+
+def _layout():
+    from hicache_cp.layout import KVLayout
+
+    return KVLayout.build(page_size=4, num_layers=2, kv_bytes_per_token=16, state_bytes_per_token=0, draft_layers=0)
+
+
+def test_control_channel_never_unpickles(tmp_path: Path) -> None:
+    from hicache_cp.harness.decode_peer import DecodePeer, control_request
+
+    key = new_authkey()
+    peer = DecodePeer(_layout(), 4, authkey=key)
+    peer.start()
+    marker = tmp_path / "unpickled"
+    try:
+        assert peer.address[0] == "127.0.0.1"
+        with Client(peer.address, authkey=key) as c:  # passes the challenge, then sends a pickle
+            c.send(_Touch(str(marker)))
+            with pytest.raises((EOFError, OSError)):  # refused: the connection is dropped
+                c.recv_bytes()
+        time.sleep(0.1)
+        assert not marker.exists()
+        assert control_request(peer.address, key, {"op": "stats"})["ok"]  # still serving, in JSON
+        payload = pickle.dumps(_Touch(str(marker)))
+        with Client(peer.address, authkey=key) as c:  # raw bytes that happen to be a pickle
+            c.send_bytes(payload)
+            with pytest.raises((EOFError, OSError)):
+                c.recv_bytes()
+        assert not marker.exists()
+    finally:
+        peer.close()
+
+
+def test_short_authkeys_are_refused_everywhere() -> None:
+    from hicache_cp.harness.decode_peer import DecodePeer
+
+    assert len(new_authkey()) == MIN_AUTHKEY_BYTES == 32 and new_authkey() != new_authkey()
+    for bad in (b"k", os.urandom(31), "x" * 40):
+        with pytest.raises(ValueError, match="at least 32 bytes"):
+            check_authkey(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        DecodePeer(_layout(), 4, authkey=b"secret")
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        ControlClient(("127.0.0.1", 1), b"secret")  # refused before any connection is tried
+
+
+@pytest.mark.parametrize("key", ["", "short-key"])
+def test_decode_peer_command_refuses_a_short_key(key: str, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache_cp.harness.cli import main
+
+    monkeypatch.setenv("HICACHE_CP_PD_AUTHKEY", key)
+    assert main(["decode-peer", "--pages", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "HICACHE_CP_PD_AUTHKEY" in err and ("at least 32 bytes" in err or "set " in err)
+
+
+def test_pd_fields_follow_the_sources(tmp_path: Path) -> None:
+    assert (Config().pd_timeout_s, Config().pd_per_layer) == (300.0, False)
+    toml = tmp_path / "c.toml"
+    toml.write_text("pd_timeout_s = 120\npd_per_layer = true\n")
+    r = Config.resolve(toml, env={})
+    assert (r.config.pd_timeout_s, r.config.pd_per_layer) == (120.0, True)
+    assert r.sources["pd_timeout_s"] == r.sources["pd_per_layer"] == f"toml:{toml}"
+    r = Config.resolve(toml, env={"HICACHE_PD_TIMEOUT_S": "30.5", "HICACHE_PD_PER_LAYER": "0"})
+    assert (r.config.pd_timeout_s, r.config.pd_per_layer) == (30.5, False)
+    assert r.sources["pd_timeout_s"] == "env:HICACHE_PD_TIMEOUT_S"
+    r = Config.resolve(toml, env={"HICACHE_PD_TIMEOUT_S": "30.5"}, overrides={"pd_timeout_s": "7"})
+    assert r.config.pd_timeout_s == 7.0 and r.sources["pd_timeout_s"] == "cli"
+    for bad in ("nan", "inf", "0", "-1", "abc", True):
+        with pytest.raises(ConfigError, match="pd_timeout_s"):
+            Config.resolve(None, env={}, overrides={"pd_timeout_s": bad})
+    with pytest.raises(ConfigError, match="pd_per_layer"):
+        Config.resolve(None, env={"HICACHE_PD_PER_LAYER": "maybe"})
+
+
+def test_replay_pd_flags_need_pd(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache_cp.harness.cli import main
+
+    assert main(["replay", "--limit", "2", "--pd-timeout-s", "5"]) == 2
+    assert "need --pd" in capsys.readouterr().err
+    assert main(["replay", "--pd", "--limit", "2", "--pd-timeout-s", "nan"]) == 2
+    assert "pd_timeout_s" in capsys.readouterr().err

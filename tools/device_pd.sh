@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Per-layer PD on one H200 (issue 26): the time from the forward's end to the decode
+# peer holding all of a request's KV, per-layer against after-insert sending, in one
+# call of about 2-4 minutes.
+#
+#   overlap  $DEST/pd-overlap-h200-<layer_ms>ms.json   bench-pd --overlap: a DeepSeek-V3.2-like
+#            layout (61 target layers with NSA state on every layer + 1 MTP draft layer,
+#            656 + 132 B a token a layer, page 64), 128 pages (8k tokens), half of them L2-only;
+#            L1 in GPU memory; a stand-in forward of LAYER_MS per layer (bf16 matmuls on the
+#            compute stream, calibrated); per_layer submits each layer from its hook once the
+#            layer's CUDA event completes, after_insert sends everything after the forward's
+#            sync. Every byte of every run verified by the decode peer.
+#   replay   $DEST/pd-replay-h200-{after-insert,per-layer}.json   replay --pd --device cuda on
+#            the embedded workload (the synthetic engine's KV generated on the GPU), per-layer
+#            off and on: 0 mismatches, every room verified, pd_ready_s_p50/p90 per room.
+#   serve    $DEST/pd-serve-h200-{after-insert,per-layer}.json   the real-width DeepSeek-V3.2
+#            server of tools/device_serve.sh (hf engine, 4 layers + MTP, 8-19k-token prompts,
+#            batched and chunked) with --pd, per-layer off and on: pd_ready_s_* is the real
+#            forward's end to the decode peer holding all KV; every unit checked against digests.
+#
+# Wheels in .whl/ (git-ignored), as for tools/device_serve.sh: Mooncake's CUDA-13 build
+# (mooncake_transfer_engine_cuda13-0.3.14, cp312) and, for `serve`, transformers-5.20.2.
+# From the repository root on nvidia-h200, carry [".whl"]:
+#   HICACHE_COMMIT=<hash> bash tools/device_pd.sh                # STEPS="overlap replay serve"
+# The same on CPU loopback (no wheels; the venv's non-CUDA Mooncake; forward = a wait):
+#   STEPS="overlap replay" WHEELS=0 DEVICE=cpu PYTHON=.venv/bin/python OUT=/tmp/pd bash tools/device_pd.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+WHEEL_GLOB=${WHEEL_GLOB:-.whl/*.whl}
+if [ "${WHEELS:-1}" = 1 ]; then
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEEL_GLOB || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
+DEST=${OUT:-bench/results}
+STEPS=${STEPS:-overlap replay serve}
+DEVICE=${DEVICE:-cuda}
+SUFFIX=${SUFFIX:-$([ "$DEVICE" = cpu ] && echo cpu || echo h200)}
+PAGES=${PAGES:-128}
+LAYER_MS=${LAYER_MS:-5 28}   # 28 ms: a real-width V3.2 layer at 4k tokens on the H200 (DOMAIN.md section 6)
+REPEATS=${REPEATS:-5}
+LIMIT=${LIMIT:-300}
+PD_LIMIT=${PD_LIMIT:-25}
+PRESET=${PRESET:-dsv32-width}
+TPB=${TPB:-512}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+mkdir -p "$DEST"
+step() { echo; echo "=== $* ($(date +%T))"; }
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+rc=0
+
+step versions
+$PYTHON -c "import torch, mooncake.engine; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'mooncake', mooncake.engine.__file__)" || exit 1
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv
+
+if want overlap; then
+  for ms in $LAYER_MS; do
+    step "overlap: $PAGES pages, 62 layers x $ms ms on $DEVICE"
+    timeout 300 $PYTHON -m hicache_cp.harness.cli bench-pd --overlap --device "$DEVICE" --pages "$PAGES" \
+      --num-layers 61 --state-layers all --layer-ms "$ms" --repeats "$REPEATS" \
+      --json "$DEST/pd-overlap-$SUFFIX-${ms}ms.json" 2>&1 | grep -v "^E[0-9]\{4\} \|^WARNING: Logging" | tail -6 || rc=1
+  done
+fi
+
+if want replay; then
+  for mode in after-insert per-layer; do
+    step "replay --pd on the embedded workload, $mode, --device $DEVICE"
+    flag=$([ "$mode" = per-layer ] && echo --pd-per-layer || true)
+    timeout 300 $PYTHON -m hicache_cp.harness.cli replay --pd $flag --device "$DEVICE" --limit "$LIMIT" \
+      --json "$DEST/pd-replay-$SUFFIX-$mode.json" 2>&1 | grep -E "pd_|integrity|hit_rate|error" | head -30 || rc=1
+  done
+fi
+
+if want serve; then
+  TRACE=.devdata/serve-6k.jsonl
+  mkdir -p .devdata
+  $PYTHON - "$TRACE" <<'EOF2' || exit 1
+import sys
+from hicache_cp.harness.trace import write_trace
+from hicache_cp.harness.workload import default_workload
+long = [r for r in default_workload(seed=0) if r.full_blocks >= 16]  # >= 8192 tokens at 512 a block
+write_trace(sys.argv[1], long)
+EOF2
+  for mode in after-insert per-layer; do
+    step "serve: $PRESET on $DEVICE with --pd, $mode"
+    flag=$([ "$mode" = per-layer ] && echo --pd-per-layer || true)
+    timeout 240 $PYTHON -m hicache_cp.harness.cli replay --engine hf --hf-preset "$PRESET" --device "$DEVICE" \
+      --trace "$TRACE" --tokens-per-block "$TPB" --l2-fraction 0.5 --l1-pages 400 --arrivals trace \
+      --limit "$PD_LIMIT" --pd $flag --json "$DEST/pd-serve-$SUFFIX-$mode.json" 2>&1 \
+      | grep -v "hf replay:" | grep -E "pd_|integrity|ttft|error" | head -30 || rc=1
+  done
+fi
+
+step summary
+$PYTHON - "$DEST" "$SUFFIX" <<'EOF'
+import json, pathlib, sys
+dest, suffix = pathlib.Path(sys.argv[1]), sys.argv[2]
+for path in sorted(dest.glob(f"pd-overlap-{suffix}-*ms.json")):
+    r = json.loads(path.read_text())
+    print(path.name, {k: r[k] for k in ("ready_s_median", "forward_s_median", "ratio_per_layer_over_after_insert",
+                                        "bytes", "layer_ms", "device", "commit")})
+for path in [dest / f"pd-{kind}-{suffix}-{mode}.json" for kind in ("replay", "serve")
+             for mode in ("after-insert", "per-layer")]:
+    if path.is_file():
+        r = json.loads(path.read_text())
+        x = r["per_rank"][0]
+        print(path.name, {"integrity_failures": r.get("integrity_failures"), "verified": r["pd"]["decode_verified_rooms"],
+                          **{k: x.get(k) for k in ("pd_rooms", "pd_failed_rooms", "pd_mismatches", "pd_tail_pages",
+                                                   "pd_ready_s_p50", "pd_ready_s_p90", "pd_per_layer")}})
+EOF
+exit $rc
