@@ -353,6 +353,8 @@ NON_FIELD_ENV = frozenset({
     "HICACHE_CP_RANK_TIMEOUT_S",  # harness.launch: deadline of a multi-process run
     "HICACHE_CP_PD_AUTHKEY",  # harness.decode_peer: the control channel's secret
     "HICACHE_COMMIT",  # harness.provenance: the commit recorded in results
+    "HICACHE_CP_CONFIG",  # integrations.sglang: the TOML file the plug-in reads
+    "HICACHE_PEERS",  # scripts/setup.sh: install vLLM and SGLang or not
 })  # fmt: skip
 
 

@@ -289,3 +289,12 @@ def test_trace_lines_split_on_newline_only(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text(line + "\n" + line + "\n", encoding="utf-8")
     assert [tuple(r.hash_ids) for r in load_trace(path)] == [(1, 2), (1, 2)]
+
+
+def test_non_field_hicache_variables_are_accepted() -> None:
+    """The project's own non-field variables are not mistaken for misspelt fields."""
+    from hicache_cp.config import NON_FIELD_ENV, Config
+
+    env = dict.fromkeys(NON_FIELD_ENV, "1") | {"HICACHE_L1_PAGES": "100"}
+    assert Config.resolve(env=env).config.l1_pages == 100
+    assert {"HICACHE_CP_CONFIG", "HICACHE_PEERS", "HICACHE_COMMIT"} <= NON_FIELD_ENV
