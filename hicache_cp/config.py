@@ -140,6 +140,9 @@ class Config:
         self.l3 = L3Config.from_value(self.l3)
         if isinstance(self.write_policy, str):
             self.write_policy = _enum(WritePolicy, "write_policy", self.write_policy)
+        if not isinstance(self.write_policy, WritePolicy):
+            raise ConfigError(f"write_policy: expected one of {', '.join(m.value for m in WritePolicy)}, "
+                              f"got {self.write_policy!r}")  # fmt: skip
         if self.model_layout is None:
             if self.model not in PRESETS:
                 raise ConfigError(f"model: unknown preset {self.model!r}; presets: {', '.join(PRESETS)}")
@@ -244,15 +247,31 @@ class Config:
                 raise ConfigError(f"config file {path}: {exc}") from None
             except OSError as exc:
                 raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+            _check_toml_types(loaded, f"toml:{path}")
+            l3_table = loaded.pop("l3", None)
             values.update(loaded)
             sources.update(dict.fromkeys(loaded, f"toml:{path}"))
-        from_env = _from_env(os.environ if env is None else env)
-        values.update(from_env)
-        sources.update({k: f"env:HICACHE_{k.upper()}" for k in from_env})
+            if l3_table is not None:
+                _merge_l3(values, sources, L3Config.table(l3_table), f"toml:{path}")
+        env_values, env_l3 = _from_env(os.environ if env is None else env)
+        values.update(env_values)
+        sources.update({k: f"env:HICACHE_{k.upper()}" for k in env_values})
+        for k, v in env_l3.items():
+            _merge_l3(values, sources, {k: v}, f"env:HICACHE_L3_{k.upper()}")
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
-        values.update(given)
-        sources.update(dict.fromkeys(given, overrides_source))
-        config = cls.from_dict(values)
+        for k, v in given.items():
+            if k.startswith("l3."):  # --set l3.FIELD=VALUE
+                _merge_l3(values, sources, {k[3:]: L3Config.coerce(k[3:], v) if isinstance(v, str) else v},
+                          overrides_source)  # fmt: skip
+            elif k == "l3" and isinstance(v, dict):
+                _merge_l3(values, sources, L3Config.table(v), overrides_source)
+            else:
+                values[k] = v
+                sources[k] = overrides_source
+        try:
+            config = cls.from_dict(values)
+        except ConfigError as exc:
+            raise ConfigError(_with_source(str(exc), sources)) from None
         for f in dataclasses.fields(cls):
             sources.setdefault(f.name, "preset" if f.name == "model_layout" else "default")
         return ResolvedConfig(config, sources)
@@ -270,8 +289,10 @@ class Config:
         layout_over = values.pop("model_layout", None)
         if isinstance(layout_over, dict):
             values["model_layout"] = _layout_with(PRESETS[model], layout_over)
-        elif layout_over is not None:
+        elif isinstance(layout_over, ModelLayout):
             values["model_layout"] = layout_over
+        elif layout_over is not None:
+            raise ConfigError(f"model_layout: expected a table of layout fields, got {layout_over!r}")
         for name, value in list(values.items()):
             values[name] = _coerce(name, known[name].type, value)
         return cls(**values)
@@ -292,7 +313,9 @@ class ResolvedConfig:
     def report(self) -> dict[str, dict[str, Any]]:
         """{field: {"value": ..., "source": ...}}, JSON-ready, for result files."""
         values = self.config.to_dict()
-        return {name: {"value": _jsonable(values[name]), "source": self.sources[name]} for name in values}
+        out = {name: {"value": _jsonable(values[name]), "source": self.sources[name]} for name in values}
+        out["l3"]["sources"] = {name: self.sources.get(f"l3.{name}", "default") for name in values["l3"]}
+        return out
 
 
 def _jsonable(value: Any) -> Any:
@@ -314,22 +337,82 @@ def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
     lists = {"state_layers", "draft_state_layers"}
     for name in lists:
         if over.get(name) is not None:
-            over[name] = tuple(int(x) for x in over[name])
+            layers = over[name]
+            if not isinstance(layers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+                raise ConfigError(f"model_layout.{name}: expected a list of layer ids, got {layers!r}")
+            over[name] = tuple(layers)
     for name in names - {"name"} - lists:
         if name in over and (not isinstance(over[name], int) or isinstance(over[name], bool)):
             raise ConfigError(f"model_layout.{name}: expected an integer, got {over[name]!r}")
     return dataclasses.replace(base, **over)
 
 
-def _from_env(env: Any) -> dict[str, Any]:
+#: `HICACHE_*` variables that are not config fields (read where they are used).
+#: Any other `HICACHE_*` variable is refused: a misspelt one would be ignored.
+NON_FIELD_ENV = frozenset({
+    "HICACHE_CP_RANK_TIMEOUT_S",  # harness.launch: deadline of a multi-process run
+    "HICACHE_CP_PD_AUTHKEY",  # harness.decode_peer: the control channel's secret
+    "HICACHE_COMMIT",  # harness.provenance: the commit recorded in results
+    "HICACHE_CP_CONFIG",  # integrations.sglang: the TOML file the plug-in reads
+    "HICACHE_PEERS",  # scripts/setup.sh: install vLLM and SGLang or not
+})  # fmt: skip
+
+
+def _from_env(env: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(top-level fields, [l3] fields) from `HICACHE_<FIELD>` and `HICACHE_L3_<FIELD>`;
+    an unknown `HICACHE_*` variable raises ConfigError naming the closest field."""
+    import difflib
+
+    fields = {f"HICACHE_{f.name.upper()}": f.name for f in dataclasses.fields(Config) if f.name not in ("model_layout", "l3")}
+    l3_fields = {f"HICACHE_L3_{name.upper()}": name for name in L3Config.field_names()}
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(Config):
-        if f.name in ("model_layout", "l3"):
-            continue
-        raw = env.get(f"HICACHE_{f.name.upper()}")
-        if raw is not None:
-            out[f.name] = raw
-    return out
+    l3: dict[str, Any] = {}
+    for key in sorted(k for k in env if k.startswith("HICACHE_")):
+        raw = env[key]
+        if key in fields:
+            out[fields[key]] = raw
+        elif key in l3_fields:
+            l3[l3_fields[key]] = L3Config.coerce(l3_fields[key], raw, source=f"env:{key}")
+        elif key not in NON_FIELD_ENV:
+            close = difflib.get_close_matches(key, [*fields, *l3_fields, *NON_FIELD_ENV], n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"environment variable {key} is not a hicache-cp setting{hint}")
+    return out, l3
+
+
+def _check_toml_types(loaded: dict[str, Any], source: str) -> None:
+    """TOML has types: a string where a number or a boolean belongs is an error
+    (only the environment and the command line spell values as strings)."""
+    strings_ok = {"model", "eviction_policy", "io_backend", "write_policy", "host_budget_bytes", "l3", "model_layout"}
+    for name, value in loaded.items():
+        if isinstance(value, str) and name not in strings_ok:
+            raise ConfigError(f"{name}: expected a {'boolean' if name in _BOOL_FIELDS else 'number'}, "
+                              f"got the string {value!r} (from {source})")  # fmt: skip
+    if loaded.get("host_budget_bytes", "auto") != "auto" and isinstance(loaded["host_budget_bytes"], str):
+        raise ConfigError(f"host_budget_bytes: expected a number of bytes or \"auto\", "
+                          f"got {loaded['host_budget_bytes']!r} (from {source})")  # fmt: skip
+
+
+_BOOL_FIELDS = frozenset({"l2_exclusive", "debug_checks", "pin_host"})
+
+
+def _merge_l3(values: dict[str, Any], sources: dict[str, str], fields: dict[str, Any], source: str) -> None:
+    """Layer `fields` of the [l3] table over what earlier sources gave, field by field."""
+    table = dict(values.get("l3") or {})
+    table.update(fields)
+    values["l3"] = table
+    sources["l3"] = source
+    for name in fields:
+        sources[f"l3.{name}"] = source
+
+
+def _with_source(message: str, sources: dict[str, str]) -> str:
+    """`message` ("field: ...", "l3.field: ...") with the source of that field appended."""
+    head = message.split(":", 1)[0].strip()
+    source = sources.get(head) or sources.get(head.split(".", 1)[0])
+    if source is None or "(from " in message:
+        return message
+    return f"{message} (from {source})"
 
 
 def _coerce(name: str, type_: Any, value: Any) -> Any:

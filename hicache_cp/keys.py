@@ -18,6 +18,7 @@ chain continues exactly from any of its hashes (`parent`).
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 
@@ -80,14 +81,27 @@ def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.nda
         return acc * p_pow
 
 
-_POWERS: list[np.ndarray] = [np.empty(0, np.uint64), np.empty(0, np.uint64)]
+# (P**1 .. P**n, P**-1 .. P**-n) for the largest n asked so far: one tuple
+# replaced whole under a lock, never two lists filled one after the other (a
+# reader on another thread could pair a grown P**i with an old, shorter P**-i).
+_POWERS: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.uint64), np.empty(0, np.uint64))
+_POWERS_LOCK = threading.Lock()
 
 
 def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(P**1 .. P**n, P**-1 .. P**-n) mod 2**64, cached and grown by doubling."""
-    if len(_POWERS[0]) < n:
-        size = max(n, 2 * len(_POWERS[0]), 1024)
-        with np.errstate(over="ignore"):
-            _POWERS[0] = np.cumprod(np.full(size, _P, dtype=np.uint64), dtype=np.uint64)
-            _POWERS[1] = np.cumprod(np.full(size, _P_INV, dtype=np.uint64), dtype=np.uint64)
-    return _POWERS[0][:n], _POWERS[1][:n]
+    """(P**1 .. P**n, P**-1 .. P**-n) mod 2**64, cached and grown by doubling.
+    Thread-safe: the cache is an immutable pair swapped in one assignment."""
+    global _POWERS
+    powers = _POWERS  # one read: both arrays of the same build
+    if len(powers[0]) < n:
+        with _POWERS_LOCK:
+            powers = _POWERS
+            if len(powers[0]) < n:
+                size = max(n, 2 * len(powers[0]), 1024)
+                with np.errstate(over="ignore"):
+                    fwd = np.cumprod(np.full(size, _P, dtype=np.uint64), dtype=np.uint64)
+                    inv = np.cumprod(np.full(size, _P_INV, dtype=np.uint64), dtype=np.uint64)
+                fwd.flags.writeable = False
+                inv.flags.writeable = False
+                powers = _POWERS = (fwd, inv)
+    return powers[0][:n], powers[1][:n]

@@ -9,6 +9,7 @@ directory holds only the inputs the case wrote itself.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +94,61 @@ CASES: list[tuple[str, list[str], Setup | None, list[str], str]] = [
      "is not a directory"),
     ("plot-is-a-directory", ["replay", "--plot"], _dir("plots"), [], "is a directory"),
     ("metrics-port-out-of-range", ["replay", "--metrics-port", "70000"], None, [], "--metrics-port must be in"),
+    # issue 29: every value checked at one boundary, naming the field and its source
+    ("toml-model-layout-string", ["replay", "--config"], _file("c.toml", 'model_layout = "x"\n'), [],
+     "model_layout: expected a table"),
+    ("toml-model-layout-int", ["replay", "--config"], _file("c.toml", "model_layout = 5\n"), [],
+     "model_layout: expected a table"),
+    ("toml-state-layers-string", ["replay", "--config"], _file("c.toml", '[model_layout]\nstate_layers = "ab"\n'), [],
+     "model_layout.state_layers: expected a list"),
+    ("toml-state-layers-int", ["replay", "--config"], _file("c.toml", "[model_layout]\nstate_layers = 5\n"), [],
+     "model_layout.state_layers: expected a list"),
+    ("toml-write-policy-int", ["replay", "--config"], _file("c.toml", "write_policy = 5\n"), [],
+     "write_policy: expected one of"),
+    ("toml-l2-exclusive-string", ["replay", "--config"], _file("c.toml", 'l2_exclusive = "yes"\n'), [],
+     "l2_exclusive: expected a boolean, got the string 'yes' (from toml:"),
+    ("toml-l3-master-int", ["replay", "--config"], _file("c.toml", "[l3]\nmaster = 5\n"), [],
+     "l3.master: expected a string"),
+    ("toml-l3-namespace-int", ["replay", "--config"], _file("c.toml", "[l3]\nnamespace = 5\n"), [],
+     "l3.namespace: expected a string"),
+    ("toml-l3-hostname-int", ["replay", "--config"], _file("c.toml", "[l3]\nlocal_hostname = 5\n"), [],
+     "l3.local_hostname: expected a string"),
+    ("toml-l3-timeout-nan", ["replay", "--config"], _file("c.toml", "[l3]\nprefetch_timeout_s = nan\n"), [],
+     "l3.prefetch_timeout_s: must be a finite number"),
+    ("toml-l3-enabled-contradiction", ["replay", "--config"],
+     _file("c.toml", '[l3]\nenabled = false\nbackend = "mooncake"\n'), [], "contradicts l3.backend"),
+    ("toml-cp-size-beyond-machine", ["replay", "--config"], _file("c.toml", "cp_size = 200\n"), [],
+     "cp_size 200 (from toml:"),
+    ("set-cp-size-beyond-machine", ["replay", "--set", "cp_size=200"], None, [], "cp_size 200 (from cli)"),
+    ("set-l3-unknown-field", ["replay", "--set", "l3.pages_per_objet=2"], None, [], "l3: unknown field"),
+    ("set-l3-bad-value", ["replay", "--set", "l3.pages_per_object=x"], None, [], "l3.pages_per_object: expected int"),
+    ("set-and-l1-pages", ["replay", "--l1-pages", "500", "--set", "l1_pages=3000"], None, [], "both size l1_pages"),
+    ("set-and-l2-gib", ["replay", "--l2-gib", "1", "--set", "host_budget_bytes=100000000"], None, [],
+     "both size host_budget_bytes"),
+    ("instances-beyond-machine", ["replay", "--instances", "200"], None, [], "--instances 200 (from cli) exceeds"),
+    ("instances-100000", ["replay", "--instances", "100000"], None, [], "exceeds what this machine runs"),
+    ("json-on-proc", ["replay", "--json", "/proc/x.json"], None, [], "kernel file system (proc)"),
+    ("json-on-sys", ["replay", "--json", "/sys/x.json"], None, [], "kernel file system (sysfs)"),
+    ("plot-on-proc", ["replay", "--plot", "/proc/x.png"], None, [], "kernel file system (proc)"),
+    ("json-dev-null", ["replay", "--json", "/dev/null"], None, [], "is not a regular file"),
+    ("json-fifo", ["replay", "--json"], lambda d: [_fifo(d)], [], "is not a regular file"),
+    ("json-symlink", ["replay", "--json"], lambda d: [_symlink(d)], [], "is a symbolic link"),
+    ("metrics-addr-hostname", ["replay", "--metrics-port", "9100", "--metrics-addr", "localhost"], None, [],
+     "expected an IP address"),
+    ("metrics-addr-without-port", ["replay", "--metrics-addr", "::1"], None, [], "needs --metrics-port"),
+    ("metrics-port-in-use", ["replay", "--metrics-port"], lambda d: [str(_busy_port())], [], "is not free"),
+    ("trace-deep-nesting", ["replay", "--trace"], _file("deep.jsonl", "[" * 200_000 + "\n"), [], "nested 200000 deep"),
+    ("l3-master-unreachable", ["replay", "--limit", "3", "--l3", "mooncake", "--l3-master", "127.0.0.1:1"], None, [],
+     "no Mooncake master accepts connections at 127.0.0.1:1 within 5 s"),
+    ("bench-l3-master-unreachable", ["bench-l3", "--l3-master", "127.0.0.1:1"], None, [],
+     "no Mooncake master accepts connections"),
+    ("bench-l3-page-size-zero", ["bench-l3", "--page-size", "0"], None, [], "--page-size must be in [1"),
+    *[(f"io-backend-{b}-without-cuda", ["replay", "--device", "cpu", "--io-backend", b], None, [], "copies with CUDA")
+      for b in ("hybrid", "kernel", "direct", "staging")],
+    ("pin-host-without-cuda", ["replay", "--device", "cpu", "--set", "pin_host=true"], None, [], "needs CUDA"),
+    ("plot-with-cp", ["replay", "--cp-size", "2", "--plot"], lambda d: [str(d / "p.png")], [], "--plot draws one"),
+    ("plot-with-instances", ["replay", "--instances", "2", "--plot"], lambda d: [str(d / "p.png")], [],
+     "--plot draws one"),
     ("bench-pd-zero-pages", ["bench-pd", "--pages", "0"], None, [], "--pages must be in [1"),
     ("bench-pd-zero-repeats", ["bench-pd", "--repeats", "0"], None, [], "--repeats must be in [1"),
     ("bench-pd-l2-fraction", ["bench-pd", "--l2-fraction", "2"], None, [], "--l2-fraction must be in [0, 1]"),
@@ -101,6 +157,30 @@ CASES: list[tuple[str, list[str], Setup | None, list[str], str]] = [
     ("decode-peer-zero-pages", ["decode-peer", "--pages", "0"], None, [], "--pages must be in [1"),
     ("decode-peer-bad-port", ["decode-peer", "--port", "99999"], None, [], "--port must be in [0, 65535]"),
 ]
+
+
+_BUSY: list[socket.socket] = []
+
+
+def _busy_port() -> int:
+    """A port something listens on (kept open for the session)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    _BUSY.append(s)
+    return int(s.getsockname()[1])
+
+
+def _fifo(d: Path) -> str:
+    path = d / "report.fifo"
+    os.mkfifo(path)
+    return str(path)
+
+
+def _symlink(d: Path) -> str:
+    path = d / "link.json"
+    path.symlink_to(d / "elsewhere.json")
+    return str(path)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -172,3 +252,49 @@ def test_internal_errors_exit_3_not_2(monkeypatch, capsys) -> None:  # type: ign
     assert "internal error: ValueError" in err and "Traceback" not in err
     assert main(["replay", "-v"]) == 3
     assert "Traceback" in capsys.readouterr().err
+
+
+ENV_CASES = [
+    ("unknown-variable", {"HICACHE_L1_PAGS": "5"}, "HICACHE_L1_PAGS is not a hicache-cp setting; did you mean HICACHE_L1_PAGES?"),
+    ("unknown-l3-variable", {"HICACHE_L3_PAGES_PER_OBJ": "5"}, "did you mean HICACHE_L3_PAGES_PER_OBJECT?"),
+    ("l3-variable-bad-value", {"HICACHE_L3_PAGES_PER_OBJECT": "abc"}, "(from env:HICACHE_L3_PAGES_PER_OBJECT)"),
+    ("rank-timeout-not-a-number", {"HICACHE_CP_RANK_TIMEOUT_S": "abc"}, "HICACHE_CP_RANK_TIMEOUT_S='abc'"),
+    ("rank-timeout-negative", {"HICACHE_CP_RANK_TIMEOUT_S": "-1"}, "HICACHE_CP_RANK_TIMEOUT_S='-1'"),
+    ("rank-timeout-inf", {"HICACHE_CP_RANK_TIMEOUT_S": "inf"}, "expected a finite number of seconds"),
+    ("cp-size-beyond-machine", {"HICACHE_CP_SIZE": "200"}, "cp_size 200 (from env:HICACHE_CP_SIZE)"),
+    ("l2-exclusive-word", {"HICACHE_L2_EXCLUSIVE": "maybe"}, "l2_exclusive"),
+]
+
+
+@pytest.mark.parametrize("case", ENV_CASES, ids=[c[0] for c in ENV_CASES])
+def test_bad_environment_exits_2_naming_the_variable(case, tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    _, env, fragment = case
+    monkeypatch.chdir(tmp_path)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["replay", "--json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_trace_lines_split_on_newline_only(tmp_path: Path) -> None:
+    """Raw U+2028 and U+0085 are valid inside a JSON string: not line ends."""
+    import json
+
+    from hicache_cp.harness.trace import load_trace
+
+    line = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2],
+                       "note": "a\u2028b\u0085c\u000bd"}, ensure_ascii=False)  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    path.write_text(line + "\n" + line + "\n", encoding="utf-8")
+    assert [tuple(r.hash_ids) for r in load_trace(path)] == [(1, 2), (1, 2)]
+
+
+def test_non_field_hicache_variables_are_accepted() -> None:
+    """The project's own non-field variables are not mistaken for misspelt fields."""
+    from hicache_cp.config import NON_FIELD_ENV, Config
+
+    env = dict.fromkeys(NON_FIELD_ENV, "1") | {"HICACHE_L1_PAGES": "100"}
+    assert Config.resolve(env=env).config.l1_pages == 100
+    assert {"HICACHE_CP_CONFIG", "HICACHE_PEERS", "HICACHE_COMMIT"} <= NON_FIELD_ENV

@@ -32,7 +32,7 @@ FIELDS: dict[str, tuple[str, str, str, tuple[Any, Any, Any]]] = {
     "io_backend": ('"cpu"', "auto", "cpu", ("cpu", "auto", "cpu")),
     "cp_size": ("2", "3", "1", (2, 3, 1)),
     "debug_checks": ("true", "false", "true", (True, False, True)),
-    "pin_host": ("false", "true", "false", (False, True, False)),
+    "pin_host": ("false", "auto", "false", (False, None, False)),  # true needs CUDA: refused on a CPU replay
 }
 
 

@@ -107,6 +107,10 @@ class Prefixes:
                 node.device_pages = mine.copy()
                 node.stale_load = None
                 s.tree.refresh_family(node)
+            elif node.stale_load is not None:
+                # stale but held: the holder recomputes into these very L1 pages, so
+                # they stay; freeing them under it would be a use-after-free
+                surplus.append(mine)
             elif node.on_device:  # inserted meanwhile by another request: keep the tree's
                 surplus.append(mine)
             else:  # evicted from L1 and recomputed by this request

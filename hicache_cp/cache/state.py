@@ -29,6 +29,10 @@ from hicache_cp.radix import HostState, Node, RadixTree
 class L3Hooks(Protocol):
     """What the other components call on the L3 tier (`hicache_cp.cache.tier3.Tier3`)."""
 
+    @property
+    def busy(self) -> bool:
+        """Prefetches or write-backs still active (replicated: the same on every rank)."""
+
     def poll_ops(self) -> Sequence[Any]:
         """Its ops that vote in this poll, after the backups and loads."""
 

@@ -96,6 +96,11 @@ class Tier3:
         self._end_hash: dict[int, tuple[int, bytes]] = {}
         self._l3_loads: list[tuple[LoadOp, int]] = []  # loads carrying L3-hit pages (for accounting)
 
+    @property
+    def busy(self) -> bool:
+        """Prefetches or write-backs still active (their counters are not final yet)."""
+        return bool(self.prefetches or self.writes)
+
     # ---- prefetch ----------------------------------------------------------------------------
 
     def prefetch(self, m: MatchResult, wait: bool) -> PrefetchOp | None:

@@ -112,13 +112,34 @@ def init_process_group(
     if backend == "nccl":
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # multicast off (module docstring)
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        backend=backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent runs the store
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        store = _store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size, timeout)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
     return _group(rank, world_size, local_rank, backend)
+
+
+def _store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> object:
+    """The group's TCPStore. Rank 0 serves it on a socket bound to `host` only:
+    torch's own server binds every interface (IPv4 and IPv6 wildcards)
+    whatever MASTER_ADDR says, so it gets a socket bound here instead."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(max(128, world_size))
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _group(rank: int, world_size: int, local_rank: int, backend: str) -> CpGroup:

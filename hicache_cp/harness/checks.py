@@ -6,8 +6,10 @@ form; nothing here creates or writes a file.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
+import socket
 from pathlib import Path
 
 from hicache_cp.harness.errors import InputError
@@ -48,13 +50,44 @@ def input_file(flag: str, path: Path | None) -> None:
         raise InputError(f"{flag} {path}: not readable")
 
 
+#: Kernel file systems: a "file" there is an interface, never a place for a report.
+_PSEUDO_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs",
+    "pstore", "bpf", "fusectl", "mqueue", "efivarfs", "binfmt_misc", "autofs", "rpc_pipefs", "nsfs",
+})  # fmt: skip
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the file system `path` (an existing directory) is on, from /proc/self/mounts."""
+    best, kind = "", ""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    target = str(path.resolve())
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
 def output_file(flag: str, path: Path | None) -> None:
-    """A path the command can write at the end: not a directory, and its
-    nearest existing ancestor is a writable directory. Creates nothing."""
+    """A path the command can write at the end: a regular file or none yet (never
+    a symlink, device node, FIFO or socket, which the atomic rename would
+    replace), not on a kernel file system, and its nearest existing ancestor
+    is a writable directory. Creates nothing."""
     if path is None:
         return
+    if path.is_symlink():
+        raise InputError(f"{flag} {path}: is a symbolic link; give the real path of a regular file")
     if path.is_dir():
         raise InputError(f"{flag} {path}: is a directory, expected a file path")
+    if path.exists() and not path.is_file():
+        raise InputError(f"{flag} {path}: is not a regular file (a device, FIFO or socket); refusing to replace it")
     if path.exists() and not os.access(path, os.W_OK):
         raise InputError(f"{flag} {path}: not writable")
     parent = path.absolute().parent
@@ -64,6 +97,30 @@ def output_file(flag: str, path: Path | None) -> None:
         raise InputError(f"{flag} {path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: cannot create files in {parent}")
+    kind = _filesystem(parent)
+    if kind in _PSEUDO_FILESYSTEMS:
+        raise InputError(f"{flag} {path}: {parent} is on a kernel file system ({kind}), not a place for files")
+
+
+def ip_literal(flag: str, address: str | None) -> None:
+    """An IPv4 or IPv6 address written out: a host name would mean a DNS look-up."""
+    if address is None:
+        return
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        raise InputError(f"{flag} {address!r}: expected an IP address such as 127.0.0.1 (host names are not looked up)") from None
+
+
+def ports_free(flag: str, address: str, ports: range) -> None:
+    """Every port of `ports` can be bound on `address` now (a port in use is found before the work, not after)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    for port in ports:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((address, port))
+            except OSError as exc:
+                raise InputError(f"{flag}: {address}:{port} is not free ({exc.strerror})") from None
 
 
 def device(flag: str, name: str) -> str:

@@ -17,12 +17,14 @@ so optional dependencies (CUDA, Mooncake) are needed only by their command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
 import traceback
 from typing import Any, NoReturn
 
+from hicache_cp.harness import lifetime
 from hicache_cp.harness.errors import ExitCode, IntegrityFailure, bad_input_types
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -70,8 +72,20 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; the one place that turns exceptions into exit codes."""
+    """Run one command; the one place that turns exceptions (and SIGINT/SIGTERM:
+    130/143, children stopped, see `lifetime`) into exit codes."""
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        with lifetime.stop_on_signals():
+            return _main(argv)
+    except (lifetime.Interrupted, KeyboardInterrupt) as exc:
+        code = exc.exit_code if isinstance(exc, lifetime.Interrupted) else 130
+        with contextlib.suppress(OSError):
+            print(f"hicache-cp: {exc or 'interrupted'}", file=sys.stderr)
+        return code
+
+
+def _main(argv: list[str]) -> int:
     try:
         parser = build_parser(argv)
     except bad_input_types() as exc:  # a command's option table needs a missing extra
@@ -92,9 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     except IntegrityFailure as exc:
         print(f"{prog}: integrity failure: {exc}", file=sys.stderr)
         return ExitCode.INTEGRITY
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
     except Exception as exc:  # noqa: BLE001 - the CLI boundary: a bug, reported with its code
         if args.verbose:
             traceback.print_exc()

@@ -34,6 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hicache_cp.harness import lifetime
 from hicache_cp.l3.config import L3Config
 from hicache_cp.l3.store import MooncakeStore
 
@@ -113,8 +114,10 @@ class MooncakeMaster:
         env = dict(os.environ)
         env.setdefault("MC_LOG_LEVEL", "ERROR")
         try:
-            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)  # fmt: skip
+            # Its own session (a Ctrl-C at the terminal is the parent's to handle),
+            # SIGKILLed by the kernel if the parent dies without stopping it.
+            self.proc = subprocess.Popen(lifetime.pdeathsig_command(self.command()), stdout=out,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]
@@ -198,7 +201,8 @@ def holder_process(address: str, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> 
     )
     env = dict(os.environ)
     env.setdefault("MC_LOG_LEVEL", "ERROR")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(lifetime.pdeathsig_command([sys.executable, "-c", code]), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)  # fmt: skip
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -233,11 +237,13 @@ def l3_service(address: str | None, holder_bytes: int = 0) -> Iterator[str]:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO)
-    with MooncakeMaster() as master, StorageHolder(master.address):
-        print(f"Mooncake master on {master.address} (Ctrl-C to stop)", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
+    try:
+        with lifetime.stop_on_signals(), MooncakeMaster() as master, StorageHolder(master.address):
+            print(f"Mooncake master on {master.address} (Ctrl-C to stop)", flush=True)
             while master.running:
                 time.sleep(1)
+    except lifetime.Interrupted as exc:
+        return exc.exit_code
     return 0
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -30,6 +31,7 @@ from typing import Any
 from hicache_cp.cp import groups as cp
 from hicache_cp.cp.agreement import DistributedAgreement
 from hicache_cp.errors import HiCacheError
+from hicache_cp.harness import lifetime
 
 logger = logging.getLogger(__name__)
 
@@ -86,20 +88,23 @@ def spawn_ranks(
     level = logging.getLogger().getEffectiveLevel()
     procs = [
         ctx.Process(
-            target=_rank_main,
-            args=(fn, r, world_size, port, backend, tuple(fn_args), results_q, level),
+            target=lifetime.child_main,
+            args=(os.getpid(), _rank_main, fn, r, world_size, port, backend, tuple(fn_args), results_q, level),
             name=f"hicache-cp-rank{r}",
             daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     try:
-        return _collect(procs, results_q, timeout_s)
-    finally:
-        _reap(procs)
+        lifetime.start_processes(procs)
+        results = _collect(procs, results_q, timeout_s)
+    except BaseException:  # a failed rank, or the parent interrupted: stop the rest now
+        lifetime.stop_processes(procs)
         results_q.close()
+        raise
+    _reap(procs)
+    results_q.close()
+    return results
 
 
 def _rank_main(

@@ -15,7 +15,12 @@ from typing import Any
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path beside `path`; renamed over it when the block succeeds,
-    removed when it raises. The parent directory is created if missing."""
+    removed when it raises. The parent directory is created if missing.
+
+    Refuses (ValueError) to replace anything but a regular file: a symlink, a
+    device node (/dev/null), a FIFO or a socket at `path` stays as it is."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise ValueError(f"{path}: not a regular file (symlink, device, FIFO or socket); refusing to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

@@ -46,6 +46,7 @@ import numpy as np
 
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
+from hicache_cp.harness import lifetime
 from hicache_cp.harness.decode_peer import control_request, spawn_decode_peer
 from hicache_cp.harness.engines.synthetic import TailPage
 from hicache_cp.harness.trace import TraceRequest
@@ -342,6 +343,11 @@ class DecodePeerProcess:
             "decode_draining_rooms_at_exit": stats.get("draining"),
             "decode_unknown_aborts": stats.get("unknown_aborts"),
         }
+
+    def terminate(self) -> None:
+        """Stop the peer by signal after a failure or an interrupt: no control
+        calls, never waits on it past `lifetime.STOP_GRACE_S` (then SIGKILL)."""
+        lifetime.stop_processes([self.process])
 
     @staticmethod
     def _quietly(fn: Any) -> None:

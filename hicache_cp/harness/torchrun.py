@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from hicache_cp.cp import groups
+from hicache_cp.harness import lifetime
 from hicache_cp.harness.replay import command, setup
 from hicache_cp.harness.replay.multirank import combine_reports
 from hicache_cp.harness.replay.rank import replay_rank
@@ -22,14 +24,25 @@ def main(argv: list[str] | None = None) -> int:
 
     Takes the `hicache-cp replay` options; --cp-size is the torchrun world size.
     """
-    import torch.distributed as dist
-
     parser = argparse.ArgumentParser(prog="python -m hicache_cp.harness.torchrun", description=main.__doc__)
     command.add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.pd:
         raise SystemExit("python -m hicache_cp.harness.torchrun: --pd is not supported under torchrun; use hicache-cp replay --pd")
+    # torchrun's agent is the parent: die with it, and unwind on its SIGTERM (130/143).
+    lifetime.die_with_parent(os.getppid())
+    try:
+        with lifetime.stop_on_signals():
+            return _run(args)
+    except lifetime.Interrupted as exc:
+        print(f"python -m hicache_cp.harness.torchrun: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     group = groups.init_process_group()
     args.cp_size = group.world_size
     try:

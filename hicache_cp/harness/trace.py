@@ -137,6 +137,33 @@ def _parse_line(obj: object, index: int) -> TraceRequest:
     )
 
 
+MAX_NESTING = 32
+"""Deepest JSON nesting a trace line may have (a request is 2 deep); deeper
+would only exhaust the parser's recursion."""
+
+
+def _max_depth(line: str) -> int:
+    """Deepest bracket nesting of a JSON text, brackets inside strings ignored (O(len))."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in line:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
     """Read and validate a Mooncake-format trace.
 
@@ -161,9 +188,15 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[T
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"{p}: cannot read trace: {e}") from e
     requests: list[TraceRequest] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # JSON Lines ends a line at "\n" only: str.splitlines() would also split
+    # inside strings at U+2028, U+0085 and other separators that JSON allows raw.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
+        # the count is C-speed; the exact scan runs only on lines with many brackets
+        depth = _max_depth(line) if line.count("[") + line.count("{") > MAX_NESTING else 0
+        if depth > MAX_NESTING:
+            raise TraceError(f"{p}:{lineno}: JSON nested {depth} deep; a trace line needs at most {MAX_NESTING}")
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:

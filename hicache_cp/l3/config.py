@@ -16,6 +16,7 @@ TOML::
     prefetch_timeout_s = 2.0          # deadline of one prefetch
     lookup_timeout_s = 0.5            # deadline of one existence lookup
     retry_interval_s = 1.0            # store down: probe again after this long
+    connect_timeout_s = 5.0           # start-up: the master must accept a connection within this
 
 Everything binds to loopback by default; the store's transfer engine uses the
 P2P handshake (no HTTP metadata server).
@@ -24,6 +25,7 @@ P2P handshake (no HTTP metadata server).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,7 @@ class L3Config:
     lookup_timeout_s: float = 0.5
     retry_interval_s: float = 1.0
     close_timeout_s: float = 15.0
+    connect_timeout_s: float = 5.0  # the master must accept a connection within this at start-up
     #: After a store call failed in a way that may leave a transfer running
     #: (TRANSFER_FAIL, unknown codes), its L2 pages stay held this long.
     #: None: 0 over tcp (its transfers end with the call), 300 s over rdma.
@@ -65,6 +68,9 @@ class L3Config:
     local_buffer_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
+        for name in ("backend", "master", "local_hostname", "protocol", "device_name", "namespace", "kv_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"l3.{name}: expected a string, got {getattr(self, name)!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"l3.backend: unknown backend {self.backend!r}; supported: {', '.join(BACKENDS)}")
         host, sep, port = self.master.rpartition(":")
@@ -87,12 +93,13 @@ class L3Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"l3.{name}: must be an integer >= {low}, got {value!r}")
-        for name in ("prefetch_timeout_s", "lookup_timeout_s", "retry_interval_s", "close_timeout_s"):
+        for name in ("prefetch_timeout_s", "lookup_timeout_s", "retry_interval_s", "close_timeout_s", "connect_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"l3.{name}: must be a number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"l3.{name}: must be a finite number of seconds > 0, got {value!r}")
         if self.unsafe_hold_s is not None and (
-            isinstance(self.unsafe_hold_s, bool) or not isinstance(self.unsafe_hold_s, (int, float)) or self.unsafe_hold_s < 0
+            isinstance(self.unsafe_hold_s, bool) or not isinstance(self.unsafe_hold_s, (int, float))
+            or not 0 <= self.unsafe_hold_s < math.inf
         ):
             raise ConfigError(f"l3.unsafe_hold_s: must be a number of seconds >= 0, got {self.unsafe_hold_s!r}")
         for name in ("group_parts", "prefetch_wait"):
@@ -116,10 +123,52 @@ class L3Config:
             return cls()
         if isinstance(value, cls):
             return value
+        return cls(**cls.table(value))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def table(cls, value: Any) -> dict[str, Any]:
+        """A checked [l3] table: known fields only; `enabled = true` means
+        `backend = "mooncake"` (the only backend), `enabled = false` "none"."""
         if not isinstance(value, dict):
             raise ConfigError(f"l3: expected a table of L3 settings, got {value!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        value = dict(value)
+        if "enabled" in value:
+            enabled = value.pop("enabled")
+            if not isinstance(enabled, bool):
+                raise ConfigError(f"l3.enabled: expected true/false, got {enabled!r}")
+            backend = "mooncake" if enabled else "none"
+            if value.setdefault("backend", backend) != backend:
+                raise ConfigError(f"l3.enabled = {str(enabled).lower()} contradicts l3.backend = {value['backend']!r}")
+        known = set(cls.field_names())
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ConfigError(f"l3: unknown field(s) {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**value)
+            raise ConfigError(f"l3: unknown field(s) {unknown}; known: enabled, {', '.join(sorted(known))}")
+        return value
+
+    @classmethod
+    def coerce(cls, name: str, raw: str, source: str = "") -> Any:
+        """The value of field `name` spelt as a string (environment, --set), typed."""
+        where = f" (from {source})" if source else ""
+        if name == "enabled":
+            name = "backend"
+            raw = {"1": "mooncake", "true": "mooncake", "0": "none", "false": "none"}.get(raw.strip().lower(), raw)
+        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        if name not in types:
+            raise ConfigError(f"l3: unknown field {name!r}{where}; known: {', '.join(sorted(types))}")
+        t, v = types[name], raw.strip()
+        try:
+            if t == "bool":
+                if v.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    return v.lower() in ("1", "true", "yes", "on")
+                raise ValueError(v)
+            if t == "int":
+                return int(v)
+            if t.startswith("float"):
+                return None if v.lower() in ("", "none", "auto") and "None" in t else float(v)
+        except ValueError:
+            raise ConfigError(f"l3.{name}: expected {t}, got {raw!r}{where}") from None
+        return raw

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import socket
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -148,6 +150,26 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
+def reachable(master: str, timeout_s: float, name: str = "l3") -> None:
+    """Raise L3Error within `timeout_s` unless something accepts TCP connections at
+    `master` (HOST:PORT). Mooncake's own setup retries an absent master for
+    about 100 s; this probe fails first, in one line."""
+    host, _, port = master.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    error: OSError | None = None
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.05, min(1.0, timeout_s))):
+                return
+        except OSError as exc:
+            error = exc
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    raise L3Error("setup", f"no Mooncake master accepts connections at {master} within {timeout_s:g} s "
+                           f"({error.strerror or error})", details={"master": master, "client": name})  # fmt: skip
+
+
 class MooncakeStore:
     """`KVStore` over one `MooncakeDistributedStore` client (TCP or RDMA).
 
@@ -169,6 +191,7 @@ class MooncakeStore:
         except ImportError as exc:
             raise L3Error("setup", "mooncake.store is not importable (install mooncake-transfer-engine)",
                           details={"error": str(exc)}) from exc  # fmt: skip
+        reachable(config.master, config.connect_timeout_s, name)
         client = MooncakeDistributedStore()
         rc = client.setup(
             config.local_hostname,

@@ -25,6 +25,8 @@ numbers with the commit, the machine and the command.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+import contextlib
 import os
 import statistics
 import sys
@@ -36,7 +38,9 @@ import numpy as np
 from hicache_cp.config import PRESETS
 from hicache_cp.harness import checks, integrity
 from hicache_cp.harness.errors import InputError, IntegrityFailure, require
+from hicache_cp.errors import HiCacheError
 from hicache_cp.harness.l3_master import MooncakeMaster, holder_process
+from hicache_cp.l3.store import reachable
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.l3.client import L3Client, Region, call_spans
@@ -55,12 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pages-per-object", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
+    p.add_argument("--l3-master", metavar="IP:PORT", default=None,
+                   help="a running Mooncake master to measure against (default: start one on 127.0.0.1)")
 
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     from hicache_cp.pools import HostPool
 
+    checks.in_range("--page-size", args.page_size, 1, 1 << 16)
     layout = PRESETS[args.model].layout(args.page_size)
     n, g = args.pages, args.pages_per_object
     if n < 1 or g < 1 or n % g:
@@ -76,8 +83,15 @@ def run(args: argparse.Namespace) -> int:
         for slot, layer in enumerate(p.layer_ids):
             pool.layer_view(p.part, slot)[src] = integrity.content(hashes, p.part, layer, p.page_bytes)
     segment = 4 * n * layout.bytes_per_page * (args.repeats + WARMUP) + (64 << 20)
-    with MooncakeMaster() as master, holder_process(master.address, segment):
-        cfg = L3Config(backend="mooncake", master=master.address, pages_per_object=g, local_buffer_bytes=0,
+    if args.l3_master is not None:
+        try:
+            L3Config(master=args.l3_master)  # the HOST:PORT form
+            reachable(args.l3_master, L3Config().connect_timeout_s, "bench-l3")
+        except HiCacheError as exc:
+            raise InputError(f"--l3-master: {exc}") from None
+    master_cm = contextlib.nullcontext(args.l3_master) if args.l3_master else _started_master()
+    with master_cm as address, holder_process(address, segment):
+        cfg = L3Config(backend="mooncake", master=address, pages_per_object=g, local_buffer_bytes=0,
                        lookup_timeout_s=60.0, prefetch_timeout_s=60.0)  # fmt: skip
         store = MooncakeStore.open(cfg, name="bench-l3")
         regions = [Region(p.part, pool.arenas[p.part].ptr, pool.arenas[p.part].nbytes) for p in layout.parts]
@@ -88,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
             pool.close()
     _report(args, result)
     return 0
+
+
+@contextlib.contextmanager
+def _started_master() -> Iterator[str]:
+    with MooncakeMaster() as master:
+        yield master.address
 
 
 def _measure(args, layout, pool, store, cfg, regions, src, dst, hashes) -> dict:  # type: ignore[no-untyped-def]

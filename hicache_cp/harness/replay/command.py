@@ -92,8 +92,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     requests = load_requests(args)
     resolved, sizing = build_config(args, requests)
     config = resolved.config
-    if uses_instances(args):
-        report = run_instances(args, config, requests)
+    if uses_instances(args, config):
+        report = run_instances(args, config, requests, resolved.sources)
     elif config.cp_size > 1 or args.pd:
         report = run_ranks(args, config, requests)
     else:
@@ -105,6 +105,20 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         l2_logical_pages=sizing.l2_logical_pages,
         config=resolved.report(),
     )
+    if "l3_config" in report:  # what ran: the master and sizes derived for the run, not the defaults
+        ran = report.pop("l3_config")
+        report["config"]["l3"]["value"] = ran
+        flags = {"master": ("--l3-master", args.l3_master), "pages_per_object": ("--l3-pages-per-object",
+                 args.l3_pages_per_object), "segment_bytes": ("--l3-segment-mib", args.l3_segment_mib),
+                 "write_queue_pages": ("--l3-write-queue", args.l3_write_queue)}  # fmt: skip
+        given = resolved.config.to_dict()["l3"]
+        sources = report["config"]["l3"]["sources"]
+        for k, v in ran.items():
+            flag, value = flags.get(k, ("", None))
+            if value is not None:
+                sources[k] = f"cli:{flag}"
+            elif v != given.get(k):
+                sources[k] = "derived:replay (a master started here, sizes from the trace and L2)"
     if args.bounds:
         report["bounds"] = compute_bounds(requests, sizing, tokens_per_block(args, config) // config.page_size)
     return report

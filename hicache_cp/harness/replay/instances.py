@@ -33,10 +33,13 @@ from contextlib import nullcontext
 from typing import Any
 
 from hicache_cp.config import Config
+from hicache_cp.l3.config import L3Config
+from hicache_cp.l3.store import L3Error, reachable
+from hicache_cp.harness import lifetime
 from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.l3_master import l3_service
 from hicache_cp.harness.replay.rank import replay_rank
-from hicache_cp.harness.replay.setup import tokens_per_block
+from hicache_cp.harness.replay.setup import check_processes, run_timeout_s, tokens_per_block
 from hicache_cp.harness.trace import TraceRequest, unique_blocks
 
 logger = logging.getLogger(__name__)
@@ -54,10 +57,13 @@ _SUM_KEYS = (
     "integrity_checked_units", "integrity_expected_units", "integrity_mismatches", "rejected_requests",
     "host_bytes", "cross_instance_hit_tokens",
 )  # fmt: skip
-RUN_TIMEOUT_S = 3600.0
 MIN_SEGMENT_BYTES = 64 << 20
 #: How long a finished instance keeps its store segment (its objects) for the others.
 FINISH_BARRIER_S = 600.0
+
+
+class InstanceFailed(RuntimeError):
+    """An instance process raised; the message is one line, its traceback is logged at INFO."""
 
 
 def add_l3_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,14 +84,17 @@ def add_l3_arguments(p: argparse.ArgumentParser) -> None:
     # fmt: skip
 
 
-def uses_instances(args: argparse.Namespace) -> bool:
-    """Whether this replay goes through `run_instances` (an L3 tier or several instances)."""
-    return getattr(args, "l3", None) is not None or getattr(args, "instances", 1) > 1
+def uses_instances(args: argparse.Namespace, config: Config | None = None) -> bool:
+    """Whether this replay goes through `run_instances` (an L3 tier, from the
+    flags or the config's [l3], or several instances)."""
+    return (getattr(args, "l3", None) is not None or getattr(args, "instances", 1) > 1
+            or (config is not None and config.l3.enabled))  # fmt: skip
 
 
 def check_l3_args(args: argparse.Namespace) -> None:
     if args.instances < 1:
         raise InputError(f"--instances must be >= 1, got {args.instances}")
+    check_processes("--instances", args.instances, "cli")
     if args.l3 is None and (args.l3_master or args.l3_pages_per_object or args.l3_segment_mib or args.l3_write_queue):
         raise InputError("--l3-master, --l3-pages-per-object, --l3-segment-mib and --l3-write-queue need --l3 mooncake")
     if (args.instances > 1 or args.l3 is not None) and ((args.cp_size or 1) > 1 or args.pd):
@@ -114,9 +123,21 @@ def spread(requests: list[TraceRequest], n: int, how: str) -> list[list[TraceReq
     return shares
 
 
-def run_instances(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> dict[str, Any]:
-    """Run the replay on `args.instances` instances; return the combined report."""
+def run_instances(
+    args: argparse.Namespace, config: Config, requests: list[TraceRequest], sources: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run the replay on `args.instances` instances; return the combined report.
+
+    L3 is on with `--l3 mooncake` or the config's `[l3]` (backend mooncake).
+    Each [l3] field the config set (TOML, env, --set: `sources`) is kept; the
+    flags beat it, and what is left unset is derived here (the master: one
+    started on 127.0.0.1; the segment; the write-back queue). The report's
+    `l3_config` is the [l3] that ran."""
     check_l3_args(args)
+    sources = sources or {}
+    given = {name for name in L3Config.field_names() if sources.get(f"l3.{name}", "default") != "default"}
+    use_l3 = args.l3 is not None or config.l3.enabled
+    master = args.l3_master or (config.l3.master if "master" in given else None)
     if config.cp_size > 1:
         raise InputError(f"--instances and --l3 replay cp_size 1 instances; the config has cp_size {config.cp_size}")
     n = args.instances
@@ -126,18 +147,28 @@ def run_instances(args: argparse.Namespace, config: Config, requests: list[Trace
     # Every instance lends the store room for the whole footprint (its puts land in its own segment).
     segment = (args.l3_segment_mib << 20) if args.l3_segment_mib else max(MIN_SEGMENT_BYTES, 2 * footprint)
     t0 = time.perf_counter()
-    service = l3_service(args.l3_master) if args.l3 else nullcontext(None)
+    if use_l3 and master is not None:  # a master named by the user: reachable now, or a one-line error
+        try:
+            reachable(master, config.l3.connect_timeout_s, "replay")
+        except L3Error as exc:
+            raise InputError(f"--l3-master/l3.master: {exc}") from None
+    if args.l3_segment_mib is None and "segment_bytes" in given:
+        segment = config.l3.segment_bytes
+    service = l3_service(master) if use_l3 else nullcontext(None)
     with service as address:
         if address is not None:
-            queue_pages = args.l3_write_queue or config.host_budget_bytes // config.layout().bytes_per_page - 1
+            queue_pages = args.l3_write_queue or (
+                config.l3.write_queue_pages if "write_queue_pages" in given
+                else config.host_budget_bytes // config.layout().bytes_per_page - 1)  # fmt: skip
             config = with_l3(config, address, args.l3_pages_per_object, segment, queue_pages)
         if n == 1:
             reports = [run_instance(0, args, config, shares[0])]
         else:
             reports = _spawn(args, config, shares)
     out = combine(reports, wall_s=time.perf_counter() - t0)
-    out.update(instances=n, spread=args.spread, l3=args.l3 or "none",
-               l3_master=args.l3_master or ("started on 127.0.0.1" if args.l3 else None))  # fmt: skip
+    out.update(instances=n, spread=args.spread, l3="mooncake" if use_l3 else "none",
+               l3_master=master or ("started on 127.0.0.1" if use_l3 else None),
+               l3_config=config.to_dict()["l3"])  # fmt: skip
     return out
 
 
@@ -220,9 +251,9 @@ def _instance_main(index: int, args: argparse.Namespace, config: Config, request
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     try:
         results.put(("ok", index, run_instance(index, args, config, requests, barrier)))
-    except BaseException:
+    except BaseException as exc:
         barrier.abort()  # the others stop waiting for this one
-        results.put(("error", index, traceback.format_exc()))
+        results.put(("error", index, (f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
 
 
 def _spawn(args: argparse.Namespace, config: Config, shares: list[list[TraceRequest]]) -> list[dict[str, Any]]:
@@ -231,15 +262,15 @@ def _spawn(args: argparse.Namespace, config: Config, shares: list[list[TraceRequ
     barrier = ctx.Barrier(len(shares))
     level = logging.getLogger().getEffectiveLevel()
     procs = [
-        ctx.Process(target=_instance_main, args=(i, args, config, share, results, barrier, level),
+        ctx.Process(target=lifetime.child_main,
+                    args=(os.getpid(), _instance_main, i, args, config, share, results, barrier, level),
                     name=f"hicache-cp-instance{i}", daemon=True)  # fmt: skip
         for i, share in enumerate(shares)
     ]
-    for p in procs:
-        p.start()
     reports: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + float(os.environ.get("HICACHE_CP_RANK_TIMEOUT_S", RUN_TIMEOUT_S))
+    deadline = time.monotonic() + run_timeout_s()
     try:
+        lifetime.start_processes(procs)
         while len(reports) < len(procs):
             try:
                 kind, index, payload = results.get(timeout=0.5)
@@ -253,15 +284,18 @@ def _spawn(args: argparse.Namespace, config: Config, shares: list[list[TraceRequ
                     raise TimeoutError(f"instances {[i for i in range(len(procs)) if i not in reports]} did not finish")
                 continue
             if kind == "error":
-                raise RuntimeError(f"instance {index} failed:\n{payload}")
+                summary, trace = payload
+                logger.info("instance %d failed:\n%s", index, trace)  # the whole traceback with -v
+                raise InstanceFailed(f"instance {index} failed: {summary} (run with -v for its traceback)")
             reports[index] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    except BaseException:  # an instance failed, or the parent was interrupted: stop the rest now
+        lifetime.stop_processes(procs)
         results.close()
+        raise
+    for p in procs:
+        p.join(timeout=10)
+    lifetime.stop_processes(procs)  # any still alive after reporting
+    results.close()
     return [reports[i] for i in range(len(procs))]
 
 

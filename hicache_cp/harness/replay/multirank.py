@@ -13,7 +13,6 @@ rank's pages; the ranks' `pd_*` counters go to their per-rank entries and
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,8 +22,9 @@ from hicache_cp.config import Config
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.harness.engines import make_engine
 from hicache_cp.harness.engines.synthetic import RequestSink
-from hicache_cp.harness.launch import DEFAULT_RUN_TIMEOUT_S, RankContext, spawn_ranks
+from hicache_cp.harness.launch import RankContext, spawn_ranks
 from hicache_cp.harness.replay.rank import replay_rank
+from hicache_cp.harness.replay.setup import run_timeout_s
 from hicache_cp.harness.trace import TraceRequest
 
 # Counters each rank measures for its own pages: summed over ranks.
@@ -67,7 +67,7 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
 
         peer = pd_replay.start_decode_peer(args, config, requests)
         rank_info = peer.rank_info
-    timeout = float(os.environ.get("HICACHE_CP_RANK_TIMEOUT_S", DEFAULT_RUN_TIMEOUT_S))
+    timeout = run_timeout_s()
     t0 = time.perf_counter()
     try:
         if config.cp_size == 1:  # one rank (with the decode peer): in this process
@@ -76,8 +76,11 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
             backend = "gloo" if args.device == "cpu" else None
             reports = spawn_ranks(_replay_rank, config.cp_size, (args, config, requests, rank_info), timeout_s=timeout,
                                   backend=backend)  # fmt: skip
-    finally:
-        pd_report = peer.stop() if peer is not None else None
+    except BaseException:  # failed or interrupted: stop the peer, never wait on it
+        if peer is not None:
+            peer.terminate()
+        raise
+    pd_report = peer.stop() if peer is not None else None
     combined = combine_reports(reports, wall_s=time.perf_counter() - t0)
     if pd_report is not None:
         combined["pd"] = pd_report

@@ -40,7 +40,10 @@ EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to ma
 TRACE_L2_FRACTION = 0.1
 L2_TO_L1 = 8  # default L1 = L2 / 8
 MAX_CP_SIZE = 64
-MAX_PAGES = 1 << 40  # no flag may ask for more pages than this, whatever the machine
+MAX_PAGES = 1 << 40
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+PROCESS_BYTES = 512 << 20  # one rank or instance process: Python, torch, its pools' bookkeeping
+PROCESSES_PER_CORE = 4  # no flag may ask for more pages than this, whatever the machine
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,18 @@ def check_args(args: argparse.Namespace) -> None:
         require("mooncake.engine", "pd", "--pd")
     elif getattr(args, "pd_timeout_s", None) is not None or getattr(args, "pd_per_layer", None):
         raise InputError("--pd-timeout-s and --pd-per-layer need --pd")
+    checks.ip_literal("--metrics-addr", args.metrics_addr)
     if args.metrics_port is not None:
         checks.in_range("--metrics-port", args.metrics_port, 1, 65535 - MAX_CP_SIZE)
         require("prometheus_client", "metrics", "--metrics-port")
+        ranks = max(args.cp_size or 1, getattr(args, "instances", 1) or 1)
+        checks.ports_free("--metrics-port", args.metrics_addr, range(args.metrics_port, args.metrics_port + ranks))
+    elif args.metrics_addr != DEFAULT_METRICS_ADDR:
+        raise InputError(f"--metrics-addr {args.metrics_addr} needs --metrics-port")
     for item in args.set or ():
         if "=" not in item or not item.partition("=")[0].strip():
             raise InputError(f"--set {item!r}: expected FIELD=VALUE")
+    run_timeout_s()
 
 
 def load_requests(args: argparse.Namespace) -> list[TraceRequest]:
@@ -115,6 +124,12 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "pd_timeout_s": getattr(args, "pd_timeout_s", None),
         "pd_per_layer": getattr(args, "pd_per_layer", None),
     }
+    # Flags that size a field another way: with --set for that field as well, which wins is unclear. Refused.
+    sized = {"l1_pages": ("--l1-pages", args.l1_pages), "host_budget_bytes": ("--l2-gib/--l2-fraction",
+             args.l2_gib if args.l2_gib is not None else args.l2_fraction)}  # fmt: skip
+    for name, (flag, value) in sized.items():
+        if value is not None and name in out:
+            raise InputError(f"--set {name}={out[name]} and {flag} {value} both size {name}: give one")
     for name, value in named.items():
         if value is None:
             continue
@@ -124,9 +139,48 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def max_processes() -> int:
+    """Most rank or instance processes this machine runs at once: each is a
+    Python with torch (about PROCESS_BYTES) and wants a core of its own at
+    least every PROCESSES_PER_CORE; never above MAX_CP_SIZE."""
+    import os
+
+    from hostmem.sizing import host_memory
+
+    by_memory = host_memory(reserve_bytes=0).available_bytes // PROCESS_BYTES
+    return int(max(1, min(MAX_CP_SIZE, PROCESSES_PER_CORE * (os.cpu_count() or 1), by_memory)))
+
+
+def check_processes(what: str, n: int, source: str) -> None:
+    limit = max_processes()
+    if n > limit:
+        raise InputError(f"{what} {n} (from {source}) exceeds what this machine runs at once: at most {limit} "
+                         f"({PROCESSES_PER_CORE} per core, {PROCESS_BYTES >> 20} MiB each, at most {MAX_CP_SIZE})")  # fmt: skip
+
+
+def run_timeout_s() -> float:
+    """`HICACHE_CP_RANK_TIMEOUT_S`: the deadline of a multi-process run (default one hour), checked."""
+    import os
+
+    from hicache_cp.harness.launch import DEFAULT_RUN_TIMEOUT_S
+
+    raw = os.environ.get("HICACHE_CP_RANK_TIMEOUT_S")
+    if raw is None:
+        return DEFAULT_RUN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise InputError(f"HICACHE_CP_RANK_TIMEOUT_S={raw!r}: expected a finite number of seconds > 0")
+    return value
+
+
 def build_config(args: argparse.Namespace, requests: list[TraceRequest]) -> tuple[ResolvedConfig, Sizing]:
     """The effective configuration of the run (with sources) and its sizing."""
     base = Config.resolve(args.config, overrides={**cli_overrides(args), **config_overrides(args)})
+    check_processes("cp_size", base.config.cp_size, base.sources["cp_size"])
+    _check_machine(base, args)
     tpb = tokens_per_block(args, base.config)
     if tpb % base.config.page_size:
         raise InputError(f"--tokens-per-block {tpb} is not a multiple of the page size ({base.config.page_size})")
@@ -169,6 +223,28 @@ def size(args: argparse.Namespace, resolved: ResolvedConfig, requests: list[Trac
     if l1 < longest + cp:
         raise InputError(f"L1 of {l1} logical pages ({l1_source}) cannot hold the longest request ({longest} pages)")
     return Sizing(footprint, l1, l2, math.ceil(l1 / cp) + 1, budget, l1_source, l2_source)
+
+
+#: io backends that copy with CUDA (the others run anywhere).
+CUDA_BACKENDS = ("hybrid", "kernel", "direct", "staging")
+
+
+def _check_machine(resolved: ResolvedConfig, args: argparse.Namespace) -> None:
+    """Settings this machine or this run cannot honour: refused before any work."""
+    config, sources = resolved.config, resolved.sources
+    cuda = str(args.device).startswith("cuda")
+    if config.io_backend in CUDA_BACKENDS and not cuda:
+        raise InputError(f"io_backend = {config.io_backend} (from {sources['io_backend']}) copies with CUDA, "
+                         f"but the L1 device is {args.device}; use io_backend cpu or auto")  # fmt: skip
+    if config.pin_host is True and not cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError(f"pin_host = true (from {sources['pin_host']}) needs CUDA to pin host memory; "
+                             "this machine has none (use false or auto)")  # fmt: skip
+    if args.plot is not None and (config.cp_size > 1 or getattr(args, "instances", 1) > 1):
+        raise InputError(f"--plot draws one process's run; cp_size {config.cp_size}, "
+                         f"--instances {getattr(args, 'instances', 1)} have several (drop --plot or run one)")  # fmt: skip
 
 
 def _check_memory(config: Config, device: str) -> None:

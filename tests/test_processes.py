@@ -1,0 +1,185 @@
+"""Nothing outlives a run, however its parent ends (issue 29, class 1).
+
+Each case starts a real `hicache-cp replay` that has children (CP ranks, the
+decode peer, L3 instances and their `mooncake_master`), waits until they are
+all up and working, then ends the parent the three ways an operator does:
+
+- SIGINT to the whole process group (Ctrl-C at a terminal): exit 130;
+- SIGTERM to the parent alone (`kill`, a supervisor): exit 143;
+- SIGKILL to the parent alone (OOM killer, `kill -9`): the kernel ends the
+  children (PR_SET_PDEATHSIG).
+
+and asserts, within 10 s: the exit code, no KeyboardInterrupt traceback, no
+process of the run alive, and no POSIX semaphore of the run left in
+/dev/shm (multiprocessing's `sem.mp-*`; one that no live process maps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHM = Path("/dev/shm")
+DEADLINE_S = 10.0
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /dev/shm are Linux")
+
+
+def _mooncake() -> bool:
+    try:
+        from hicache_cp.harness.l3_master import master_binary
+
+        master_binary()
+        import mooncake.store  # noqa: F401
+    except (ImportError, FileNotFoundError):
+        return False
+    return True
+
+
+# name -> (replay flags, children to wait for: substrings of their command lines or names)
+CASES = {
+    "cp2": (["--cp-size", "2"], 2),
+    "pd": (["--pd"], 1),
+    "instances2_l3": (["--instances", "2", "--l3", "mooncake"], 3),  # 2 instances + mooncake_master
+}
+
+
+def _trace(path: Path, n: int = 20000) -> Path:
+    """A long trace (the run must still be going when the signal comes)."""
+    with path.open("w") as f:
+        for i in range(n):
+            ids = [i % 97, 1000 + i % 13, 2000 + i]
+            f.write(json.dumps({"timestamp": i, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids}) + "\n")
+    return path
+
+
+def _sems() -> set[str]:
+    return {p.name for p in SHM.glob("sem.mp-*")} if SHM.is_dir() else set()
+
+
+def _mapped_sems() -> set[str]:
+    """sem.mp-* names some live process maps (so not left over: still in use)."""
+    out: set[str] = set()
+    for proc in psutil.process_iter():
+        try:
+            maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        except (OSError, psutil.Error):
+            continue
+        out.update(line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/dev/shm/sem.mp-" in line)
+    return out
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _workers(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The run's real children: not multiprocessing's resource tracker, nor the
+    short-lived exec wrapper before it becomes mooncake_master."""
+    out = []
+    for p in procs:
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "resource_tracker" not in cmd:
+            out.append(p)
+    return out
+
+
+def _alive(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path: Path) -> None:
+    flags, expected_children = CASES[case]
+    if "--l3" in flags and not _mooncake():
+        pytest.skip("mooncake (store and master) not installed")
+    trace = _trace(tmp_path / "long.jsonl")
+    out_json = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MC_LOG_LEVEL": "ERROR"}  # fmt: skip
+    before = _sems()
+    cmd = [sys.executable, "-m", "hicache_cp", "replay", "--trace", str(trace), "--no-verify", "--json", str(out_json),
+           *flags]  # fmt: skip
+    err_path = tmp_path / "stderr.txt"  # a file, not a pipe: a child left behind would hold a pipe open
+    with err_path.open("wb") as err:
+        parent = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                  start_new_session=True)  # fmt: skip
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            for p in _workers(_descendants(parent.pid)):
+                seen.setdefault(p.pid, p)
+            if len(_workers(_descendants(parent.pid))) >= expected_children:
+                break
+            assert parent.poll() is None, f"the run ended before its children were up: {err_path.read_text()[-2000:]}"
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"{case}: children not up within 180 s: {_alive(list(seen.values()))}")
+        while "req/s" not in err_path.read_text(errors="replace"):  # the replay's progress bar: work started
+            assert time.monotonic() < deadline, f"{case}: no progress within 180 s: {err_path.read_text()[-2000:]}"
+            assert parent.poll() is None, err_path.read_text()[-2000:]
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the work, every child past its start-up
+        for p in _descendants(parent.pid):
+            seen.setdefault(p.pid, p)
+        assert parent.poll() is None, "the run finished before the signal: make the trace longer"
+        t0 = time.monotonic()
+        if sig == signal.SIGINT:
+            os.killpg(parent.pid, sig)  # Ctrl-C: the terminal signals the whole foreground group
+        else:
+            os.kill(parent.pid, sig)
+        rc = parent.wait(timeout=DEADLINE_S)
+        stderr = err_path.read_text(errors="replace")
+        if sig == signal.SIGKILL:
+            assert rc == -signal.SIGKILL
+        else:
+            assert rc == 128 + sig, f"exit {rc}, stderr:\n{stderr[-2000:]}"
+            assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+        left: list[str] = []
+        while time.monotonic() - t0 < DEADLINE_S:
+            left = _alive(list(seen.values()))
+            if not left:
+                break
+            time.sleep(0.1)
+        assert left == [], f"{case} after {sig.name}: still running after {DEADLINE_S} s: {left}"
+        assert not out_json.exists(), "an interrupted run wrote its report"
+        assert not list(tmp_path.glob(".out.json.*")), "an interrupted run left a temporary file"
+        stray: set[str] = set()
+        while time.monotonic() - t0 < DEADLINE_S + 5:  # the resource tracker unlinks after the last child exits
+            stray = (_sems() - before) - _mapped_sems()
+            if not stray:
+                break
+            time.sleep(0.2)
+        assert stray == set(), f"{case} after {sig.name}: /dev/shm entries left: {sorted(stray)}"
+    finally:
+        for p in [parent, *seen.values()]:
+            try:
+                p.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        parent.wait(timeout=10)
