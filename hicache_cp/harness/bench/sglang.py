@@ -4,7 +4,8 @@ Each backend runs in `harness.sglang.server` (SGLang 0.5.23's pools, request
 objects and scheduling functions, the stand-in forward checking every prefix
 byte) with the same device capacity, page size and request sequence (a
 Mooncake-format trace or the embedded workload, one request at a time in
-arrival order, each block of the trace `tokens_per_block` tokens):
+arrival order, each block of the trace `tokens_per_block` tokens, chunked prefill of
+4,096 tokens; the device tier holds at least 1.25 of the longest prompt):
 
     radix        SGLang's RadixCache: device tier only (what runs without a host tier)
     hicache-cp   --radix-cache-backend hicache-cp: SGLang's RadixCache plus hicache-cp's L2
@@ -44,7 +45,7 @@ def run_backend(backend: str, requests: Sequence[TraceRequest], *, tokens_per_bl
                 l2_bytes: int, check_bytes: bool, workdir: Path) -> dict[str, Any]:  # fmt: skip
     """Serve `requests` through one backend; its counters, bytes and host times."""
     env = {"HICACHE_HOST_BUDGET_BYTES": str(l2_bytes), "HICACHE_IO_BACKEND": "cpu", "HICACHE_PIN_HOST": "false"}
-    spec = ServerSpec(backend=backend, device_pages=device_pages, check_bytes=check_bytes,
+    spec = ServerSpec(backend=backend, device_pages=device_pages, check_bytes=check_bytes, chunk_tokens=4096,
                       context_len=max(64 * 1024, max(r.input_length for r in requests) * 2))  # fmt: skip
     server = SGLangPrefillServer(spec, workdir, tree_cache_kwargs={"env": env} if backend == "hicache-cp" else None)
     prompt_tokens = 0
@@ -119,9 +120,13 @@ def try_sglang_hicache(workdir: Path, page_size: int, device_pages: int) -> dict
 def side_by_side(requests: Sequence[TraceRequest], *, tokens_per_block: int = 64, device_pages: int = 256,
                  l2_pages: int = 2048, check_bytes: bool = True) -> dict[str, Any]:  # fmt: skip
     """Every backend on the same sequence; see the module docstring."""
+    spec = ServerSpec()
+    longest = max(len(request_tokens(r, tokens_per_block)) for r in requests)
+    # The device tier must hold the longest prompt (SGLang admits nothing larger): it is raised
+    # to 1.25 of that when smaller, and the result records what ran.
+    device_pages = max(device_pages, -(-longest * 5 // 4 // spec.page_size) + 2)
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
         work = Path(tmp)
-        spec = ServerSpec()
         token_bytes = _token_bytes(spec)
         l2_bytes = (l2_pages + 1) * token_bytes * spec.page_size
         rows = [run_backend(b, requests, tokens_per_block=tokens_per_block, device_pages=device_pages,
@@ -129,6 +134,7 @@ def side_by_side(requests: Sequence[TraceRequest], *, tokens_per_block: int = 64
                 for b in ("radix", "hicache-cp")]  # fmt: skip
         rows.append(try_sglang_hicache(work, spec.page_size, device_pages))
     return {"page_size": spec.page_size, "tokens_per_block": tokens_per_block, "device_pages": device_pages,
+            "longest_prompt_tokens": longest,
             "l2_pages": l2_pages, "bytes_per_token": token_bytes, "backends": rows}  # fmt: skip
 
 
