@@ -304,10 +304,6 @@ class HiCacheCpRadixCache(RadixCache):
             self._drop_offer(handle)
         self._abort_unwritten(flow)
 
-    def evict(self, params: EvictParams) -> Any:  # type: ignore[override]
-        self.copies.finish()
-        return super().evict(params)
-
     def reset(self) -> None:  # type: ignore[override]
         """SGLang's flush_cache: the device tree and every L2 copy are dropped."""
         super().reset()
@@ -332,7 +328,7 @@ class HiCacheCpRadixCache(RadixCache):
     def _alloc_slots(self, n: int) -> torch.Tensor | None:
         allocator = self.token_to_kv_pool_allocator
         if allocator.available_size() < n:
-            super().evict(EvictParams(num_tokens=n - allocator.available_size()))
+            self.evict(EvictParams(num_tokens=n - allocator.available_size()))
         return allocator.alloc(n)
 
     def _load_ok(self, req: Req, flow: _Flow) -> bool:
