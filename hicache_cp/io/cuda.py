@@ -56,6 +56,7 @@ both at construction.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -339,28 +340,37 @@ class CudaCopyEngine(CopyEngine):
         """Enqueue the copy on the calling thread; the engine's context is current."""
         if self._keep:
             self._prune()
-        i = 0 if direction is _D2H else 1
-        stream = self._handle[i]
-        sync = self._sync
-        event = sync.event()
         keep: list[Any] = []
-        try:
-            order = self._order[i]
-            self._drv.event_record(order, sync.current_stream())
-            self._drv.stream_wait_event(stream, order)
-            self._enqueue(i == 0, info, slot, device_pages, host_pages, stream, keep)
-            self._drv.event_record(event, stream)
-        except Exception as exc:  # noqa: BLE001 - the submit boundary: CUDA errors become FAILED tickets
-            sync.give_back(event)
+        d2h = direction is _D2H
+        event, exc = self._ordered(direction, lambda stream: self._enqueue(d2h, info, slot, device_pages, host_pages, stream, keep))
+        if exc is not None:
             logger.warning(
                 "%s %s layer %d (%d pages): submission failed: %s",
                 direction.value, info.part.value, layer, len(device_pages), exc, exc_info=True,
             )
             return CudaTicket(direction, info.part, layer, len(device_pages) * info.page_bytes, None, error=exc)
-        ticket = CudaTicket(direction, info.part, layer, len(device_pages) * info.page_bytes, sync, event)
+        ticket = CudaTicket(direction, info.part, layer, len(device_pages) * info.page_bytes, self._sync, event)
         if keep:
             self._keep.append((ticket, keep))
         return ticket
+
+    def _ordered(self, direction: Direction, enqueue: Callable[[int], None]) -> tuple[Any, Exception | None]:
+        """One copy behind the compute stream's work so far: record the order event on the
+        current stream, make the copy stream wait on it, `enqueue(stream)`, record the
+        completion event. Returns (event, None), or (None, the error): the submit boundary,
+        where CUDA errors become FAILED tickets. The engine's context must be current."""
+        i = 0 if direction is _D2H else 1
+        stream, sync = self._handle[i], self._sync
+        event = sync.event()
+        try:
+            self._drv.event_record(self._order[i], sync.current_stream())
+            self._drv.stream_wait_event(stream, self._order[i])
+            enqueue(stream)
+            self._drv.event_record(event, stream)
+        except Exception as exc:  # noqa: BLE001 - the caller turns it into FAILED tickets
+            sync.give_back(event)
+            return None, exc
+        return event, None
 
     def _enqueue(
         self,
@@ -421,19 +431,9 @@ class CudaCopyEngine(CopyEngine):
         try:
             if self._keep:
                 self._prune()
-            i = 0 if direction is _D2H else 1
-            stream = self._handle[i]
-            sync = self._sync
-            event = sync.event()
             keep: list[Any] = []
-            try:
-                order = self._order[i]
-                self._drv.event_record(order, sync.current_stream())
-                self._drv.stream_wait_event(stream, order)
-                self._enqueue_layer(plan, parts, infos, layer, stream, keep)
-                self._drv.event_record(event, stream)
-            except Exception as exc:  # noqa: BLE001 - the submit boundary: CUDA errors become FAILED tickets
-                sync.give_back(event)
+            event, exc = self._ordered(direction, lambda stream: self._enqueue_layer(plan, parts, infos, layer, stream, keep))
+            if exc is not None:
                 logger.warning(
                     "%s %s layer %d (%d pages): submission failed: %s",
                     direction.value, [p.value for p in parts], layer, n, exc, exc_info=True,
@@ -441,7 +441,7 @@ class CudaCopyEngine(CopyEngine):
                 return [CudaTicket(direction, info.part, layer, n * info.page_bytes, None, error=exc) for info in infos]
         finally:
             self._sync.leave(previous)
-        primary = CudaTicket(direction, parts[0], layer, n * infos[0].page_bytes, sync, event)
+        primary = CudaTicket(direction, parts[0], layer, n * infos[0].page_bytes, self._sync, event)
         if keep:
             self._keep.append((primary, keep))
         if len(parts) == 1:
