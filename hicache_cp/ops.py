@@ -300,13 +300,17 @@ class LoadOp(_CopyOp):
         and the op aborts on every rank at the next `poll()`.
         """
         for part, owned in self._shape.parts_of[model]:
-            if layer not in owned:
-                continue
-            for t in self.by_layer.get((part, layer), ()):
-                try:
-                    t.make_compute_wait()
-                except Exception as exc:  # recorded; the agreed poll aborts the op
-                    self.error = self.error or exc
+            if layer in owned:
+                self.wait_part(part, layer)
+
+    def wait_part(self, part: Part, layer: int) -> None:
+        """`wait_layer` for one part (a part read before its layer's attention, such as
+        the NSA indexer's keys); nothing when the op copies no such layer."""
+        for t in self.by_layer.get((part, layer), ()):
+            try:
+                t.make_compute_wait()
+            except Exception as exc:  # recorded; the agreed poll aborts the op
+                self.error = self.error or exc
 
     def local_vote(self) -> Vote:
         self.reap()

@@ -131,11 +131,7 @@ class ForwardCopies:
         if not self.layout.has_part(part) or not self.layout.part(part).has_layer(layer) or self._current is None:
             return
         for op in self._current.loads:
-            for t in op.by_layer.get((part, layer), ()):
-                try:
-                    t.make_compute_wait()
-                except Exception as exc:  # recorded: the load aborts at the next poll
-                    op.error = op.error or exc
+            op.wait_part(part, layer)
 
 
 class LayerHooks:

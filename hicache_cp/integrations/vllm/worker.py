@@ -103,11 +103,7 @@ class WorkerSide:
         if not self.layout.has_part(part) or not self.layout.part(part).has_layer(layer):
             return
         for _, op in self._loads:
-            for t in op.by_layer.get((part, layer), ()):
-                try:
-                    t.make_compute_wait()
-                except Exception as exc:  # recorded: the job reports failed
-                    op.error = op.error or exc
+            op.wait_part(part, layer)
 
     # ---- saves --------------------------------------------------------------------------
 
