@@ -469,3 +469,21 @@ def test_overlap_scheduling_order_keeps_every_byte(make_server) -> None:
     r = serve(s, a)
     assert r.host_hit_length == 5 * PAGE
     clean(s)
+
+
+def test_two_requests_computing_one_prefix_in_one_batch(make_server) -> None:
+    """Both compute the same 5 pages in one forward. The first reserves them in L2; the second's
+    reservation finds them pending and takes none. At the checkpoints SGLang's insert keeps the
+    first's slots and frees the second's as duplicates: no backup reads those (no wait), one
+    copy stays in the device tree, one in L2, and a later L2 hit verifies."""
+    s = make_server()
+    a = prompt(40, 5)
+    r1, r2 = s.submit(a), s.submit(a)
+    s.run_until_idle()
+    s.settle()
+    assert r1.finished_reason is not None and r2.finished_reason is not None
+    assert s.tree_cache.stats.reserved_pages == 5 and s.tree_cache.stats.duplicate_waits == 0
+    assert s.tree_cache.evictable_size() == 5 * PAGE
+    evict_device(s)
+    assert serve(s, a).host_hit_length == 5 * PAGE
+    clean(s)

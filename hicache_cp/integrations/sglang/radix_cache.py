@@ -93,6 +93,7 @@ class _Flow:
     kv: Any = None  # the request's ReqKvInfo (its row), to find the flow when SGLang frees slots
     backups: list[BackupOp] = field(default_factory=list)
     locks: list[tuple[TreeLock, list[BackupOp]]] = field(default_factory=list)
+    freed: list[tuple[int, int]] = field(default_factory=list)  # row positions SGLang's insert freed
 
 
 @dataclass
@@ -190,7 +191,7 @@ class HiCacheCpRadixCache(RadixCache):
         if slots is None:
             self._refuse(req, flow, "no device slots")
             return 0, node
-        pages = slots[:: self.page_size].numpy() // self.page_size
+        pages = slots[:: self.page_size].cpu().numpy() // self.page_size  # one small copy per admitted load
         try:
             load = self.cache.load_into(flow.match, pages, flow.device_len // self.page_size)
         except CopyFailed as exc:
@@ -382,17 +383,22 @@ class HiCacheCpRadixCache(RadixCache):
             flow.match = None
             flow.host_tokens = 0
 
+    def _insert_cache(self, req: Req, token_ids: Any, **kwargs: Any) -> tuple[Any, torch.Tensor, int]:
+        """SGLang's insert; it frees the row positions [cache_protected_len, matched) whose
+        prefix another request inserted first. Recorded (host values only) for `checkpoint`."""
+        protected = req.kv.cache_protected_len
+        out = super()._insert_cache(req, token_ids, **kwargs)
+        flow = self._flows.get(req.cache_request_handle)
+        if flow is not None and out[2] > protected:
+            flow.freed.append((protected, out[2]))
+        return out
+
     def _wait_for_freed_sources(self, req: Req, flow: _Flow) -> None:
-        """SGLang's insert frees a request's slots whose prefix another request inserted
-        first: a backup still reading them is waited for before they can be reused."""
-        if not flow.backups:
-            return
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+        """A backup still reading slots SGLang's insert just freed as duplicates is waited
+        for before they can be allocated again (the next allocation comes after this call)."""
+        freed, flow.freed = flow.freed, []
         for op in flow.backups:
-            if not op.active:
-                continue
-            now = row[op.first_position * self.page_size :: self.page_size][: len(op.device_pages)]
-            if not np.array_equal(now.cpu().numpy() // self.page_size, op.device_pages):
+            if freed and op.active and self._touches(op, freed):
                 self.stats.duplicate_waits += 1
                 _wait_copies([op])
 
