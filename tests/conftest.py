@@ -419,3 +419,15 @@ def poll_both(c0: HiCache, c1: HiCache) -> None:
         t.join(timeout=60)
     if err:
         raise err[0]
+
+
+def mooncake_store_available() -> bool:
+    """Mooncake Store's client and its master binary are installed (tests that start a master)."""
+    try:
+        from hicache_cp.harness.l3_master import master_binary
+
+        master_binary()
+        import mooncake.store  # noqa: F401
+    except (ImportError, FileNotFoundError):
+        return False
+    return True

@@ -27,6 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import mooncake_store_available
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -100,19 +102,10 @@ def test_cp_run_listens_on_loopback_only(tmp_path: Path) -> None:
     assert wide == [], f"listening beyond loopback: {wide}"
 
 
-def _mooncake_available() -> bool:
-    try:
-        from hicache_cp.harness.l3_master import master_binary
-
-        master_binary()
-        import mooncake.store  # noqa: F401
-    except (ImportError, FileNotFoundError):
-        return False
-    return True
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _mooncake_available(), reason="mooncake (store and master) not installed")
+@pytest.mark.skipif(not mooncake_store_available(), reason="mooncake (store and master) not installed")
 def test_mooncake_master_listens_on_loopback_and_client_wildcards_are_the_documented_ones() -> None:
     from hicache_cp.harness.l3_master import MooncakeMaster, StorageHolder
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import mooncake_store_available
+
 ROOT = Path(__file__).resolve().parent.parent
 SHM = Path("/dev/shm")
 DEADLINE_S = 10.0
@@ -34,15 +36,6 @@ DEADLINE_S = 10.0
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /dev/shm are Linux")
 
 
-def _mooncake() -> bool:
-    try:
-        from hicache_cp.harness.l3_master import master_binary
-
-        master_binary()
-        import mooncake.store  # noqa: F401
-    except (ImportError, FileNotFoundError):
-        return False
-    return True
 
 
 # name -> (replay flags, children to wait for: substrings of their command lines or names)
@@ -115,7 +108,7 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path: Path) -> None:
     flags, expected_children = CASES[case]
-    if "--l3" in flags and not _mooncake():
+    if "--l3" in flags and not mooncake_store_available():
         pytest.skip("mooncake (store and master) not installed")
     trace = _trace(tmp_path / "long.jsonl")
     out_json = tmp_path / "out.json"

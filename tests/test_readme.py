@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
+
+from conftest import mooncake_store_available
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -119,19 +121,10 @@ def test_readme_l3_fields_from_every_source(source: str, tmp_path) -> None:  # t
     assert report["sources"]["pages_per_object"] != "default" and report["sources"]["master"] == "default"
 
 
-def _mooncake() -> bool:
-    try:
-        from hicache_cp.harness.l3_master import master_binary
-
-        master_binary()
-        import mooncake.store  # noqa: F401
-    except (ImportError, FileNotFoundError):
-        return False
-    return True
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _mooncake(), reason="mooncake (store and master) not installed")
+@pytest.mark.skipif(not mooncake_store_available(), reason="mooncake (store and master) not installed")
 @pytest.mark.parametrize("how", ["flag", "toml"])
 def test_report_config_l3_is_what_ran(how: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """"the replay's JSON records each effective value with its source": with L3
