@@ -266,14 +266,7 @@ class SGLangPrefillServer:
             enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=self.worker,
             model_config=self.model_config, tp_size=1, tp_rank=0, tp_group=None, is_dsa=True,
         )  # fmt: skip
-        if kwargs:
-            from hicache_cp import Model
-            from hicache_cp.integrations.sglang.radix_cache import HiCacheCpRadixCache
-
-            cache = HiCacheCpRadixCache(self.params, draft_pools=tuple(self.drafts), **kwargs)
-            self.worker.register_hicache_layer_transfer_counter(cache.hooks[Model.TARGET])
-            return cache
-        return factory(ctx)
+        return factory(ctx, **kwargs)  # kwargs (env, agreement): what SGLang's call leaves to the process
 
     # ---- requests -----------------------------------------------------------------------
 

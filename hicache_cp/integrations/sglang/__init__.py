@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "hicache-cp"
 
 
-def build_tree_cache(ctx: TreeCacheBuildContext) -> Any:
-    """SGLang's radix-cache factory for `--radix-cache-backend hicache-cp`."""
+def build_tree_cache(ctx: TreeCacheBuildContext, *, env: dict[str, str] | None = None, agreement: Any = None) -> Any:
+    """SGLang's radix-cache factory for `--radix-cache-backend hicache-cp` (SGLang passes
+    `ctx` only; `env` stands in for the process environment and `agreement` for the TP
+    group's, in harnesses and tests)."""
     from hicache_cp import Model
     from hicache_cp.integrations.sglang.radix_cache import HiCacheCpRadixCache
 
@@ -39,7 +41,8 @@ def build_tree_cache(ctx: TreeCacheBuildContext) -> Any:
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm:
         raise ValueError("--radix-cache-backend hicache-cp supports full-attention (MLA/DSA) models only")
     cache = HiCacheCpRadixCache(
-        ctx.params, draft_pools=tuple(ctx.params.mtp_draft_device_pools), agreement=_tp_agreement(ctx)
+        ctx.params, draft_pools=tuple(ctx.params.mtp_draft_device_pools), agreement=agreement or _tp_agreement(ctx),
+        env=env,
     )
     worker = ctx.tp_worker
     if worker is not None and hasattr(worker, "register_hicache_layer_transfer_counter"):
