@@ -9,7 +9,7 @@
 #   tests     pytest -m gpu: arena and pinning, copy engines, the CUDA state machine, 2-GPU CP replays
 #   replay    the full shared trace on one GPU, DeepSeek-V3.2 layout, L2 = 10% (target < 60 s)
 #   replay2   the same on two GPUs, CP 2 over NCCL (NVLink multicast off)
-#   io        bench-io; overhead: bench-overhead (tools/gpu_io_check.sh)
+#   io        bench-io; overhead: bench-overhead (tools/device_io.sh)
 #   pinning   tools/device_pinning.sh (64 GiB and the largest pool the machine allows)
 #   serve     tools/device_serve.sh (real-width DeepSeek-V3.2, needs the wheels in .whl/)
 # The replays read the trace from .devdata/ (carried, never committed). Every
@@ -17,48 +17,38 @@
 # the machine and the command, and one log per step starting with the same.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-DEST=${OUT:-bench/results}
+DEFAULT_STEPS="tests replay"
+source tools/device_env.sh
+export NCCL_NVLS_ENABLE=0
 TRACE=${TRACE:-.devdata/synthetic_trace.jsonl}
-STEPS=${STEPS:-tests replay}
 LIMIT=${LIMIT:+--limit $LIMIT}
-COMMIT=${HICACHE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-export HICACHE_COMMIT=$COMMIT
-mkdir -p "$DEST"
-rc=0
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-step() { echo; echo "=== $* ($(date +%T))"; }
-keep() { [ "$rc" -eq 0 ] && rc=$1; return 0; }
-header() {  # the provenance line every log starts with
-  echo "# commit $COMMIT; machine $(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs), $(nproc) cpus; command: $*"
-}
 
 nvidia-smi --query-gpu=index,name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
 
 if want tests; then
   step "GPU tests"
-  cmd="python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests"
+  cmd="$PY -m pytest -m gpu -q -p no:cacheprovider -rs tests"
   { header "$cmd"; timeout "${TESTS_TIMEOUT:-300}" $cmd 2>&1 | tail -40; } | tee "$DEST/gpu-tests.log"
   keep "${PIPESTATUS[0]}"
 fi
 
 if want replay; then
   step "replay cp1 on one GPU, DeepSeek-V3.2 layout"
-  timeout "${REPLAY_TIMEOUT:-170}" python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
+  timeout "${REPLAY_TIMEOUT:-170}" $PY -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
     --l2-fraction 0.1 --device cuda --json "$DEST/replay-h200-cp1.json" 2>&1 | grep -v "replay:.*req" | tail -30
   keep "${PIPESTATUS[0]}"
 fi
 
 if want replay2; then
   step "replay cp2 on two GPUs (NCCL), DeepSeek-V3.2 layout"
-  timeout "${REPLAY_TIMEOUT:-170}" python3 -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
+  timeout "${REPLAY_TIMEOUT:-170}" $PY -m hicache_cp replay --trace "$TRACE" --config tools/deepseek-v3.2.toml $LIMIT \
     --l2-fraction 0.1 --device cuda --cp-size 2 --json "$DEST/cp2-h200x2.json" 2>&1 | grep -v "replay:.*req" | tail -30
   keep "${PIPESTATUS[0]}"
 fi
 
 if want io || want overhead; then
   step "copy engines"
-  STEPS="$(want io && echo io) $(want overhead && echo overhead)" OUT="$DEST" bash tools/gpu_io_check.sh
+  STEPS="$(want io && echo io) $(want overhead && echo overhead)" OUT="$DEST" bash tools/device_io.sh
   keep $?
 fi
 

@@ -26,15 +26,10 @@
 #   STEPS="overlap replay" WHEELS=0 DEVICE=cpu PYTHON=.venv/bin/python OUT=/tmp/pd bash tools/device_pd.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-WHEEL_GLOB=${WHEEL_GLOB:-.whl/*.whl}
-if [ "${WHEELS:-1}" = 1 ]; then
-  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEEL_GLOB || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
-DEST=${OUT:-bench/results}
-STEPS=${STEPS:-overlap replay serve}
+DEFAULT_STEPS="overlap replay serve"
+source tools/device_env.sh
+wheels "${WHEEL_GLOB:-.whl/*.whl}" || exit 1
+export MC_LOG_LEVEL=ERROR
 DEVICE=${DEVICE:-cuda}
 SUFFIX=${SUFFIX:-$([ "$DEVICE" = cpu ] && echo cpu || echo h200)}
 PAGES=${PAGES:-128}
@@ -45,19 +40,15 @@ PD_LIMIT=${PD_LIMIT:-25}
 PRESET=${PRESET:-dsv32-width}
 TPB=${TPB:-512}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-mkdir -p "$DEST"
-step() { echo; echo "=== $* ($(date +%T))"; }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-rc=0
 
 step versions
-$PYTHON -c "import torch, mooncake.engine; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'mooncake', mooncake.engine.__file__)" || exit 1
+$PY -c "import torch, mooncake.engine; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'mooncake', mooncake.engine.__file__)" || exit 1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv
 
 if want overlap; then
   for ms in $LAYER_MS; do
     step "overlap: $PAGES pages, 62 layers x $ms ms on $DEVICE"
-    timeout 300 $PYTHON -m hicache_cp.harness.cli bench-pd --overlap --device "$DEVICE" --pages "$PAGES" \
+    timeout 300 $PY -m hicache_cp.harness.cli bench-pd --overlap --device "$DEVICE" --pages "$PAGES" \
       --num-layers 61 --state-layers all --layer-ms "$ms" --repeats "$REPEATS" \
       --json "$DEST/pd-overlap-$SUFFIX-${ms}ms.json" 2>&1 | grep -v "^E[0-9]\{4\} \|^WARNING: Logging" | tail -6 || rc=1
   done
@@ -67,7 +58,7 @@ if want replay; then
   for mode in after-insert per-layer; do
     step "replay --pd on the embedded workload, $mode, --device $DEVICE"
     flag=$([ "$mode" = per-layer ] && echo --pd-per-layer || true)
-    timeout 300 $PYTHON -m hicache_cp.harness.cli replay --pd $flag --device "$DEVICE" --limit "$LIMIT" \
+    timeout 300 $PY -m hicache_cp.harness.cli replay --pd $flag --device "$DEVICE" --limit "$LIMIT" \
       --json "$DEST/pd-replay-$SUFFIX-$mode.json" 2>&1 | grep -E "pd_|integrity|hit_rate|error" | head -30 || rc=1
   done
 fi
@@ -75,7 +66,7 @@ fi
 if want serve; then
   TRACE=.devdata/serve-6k.jsonl
   mkdir -p .devdata
-  $PYTHON - "$TRACE" <<'EOF2' || exit 1
+  $PY - "$TRACE" <<'EOF2' || exit 1
 import sys
 from hicache_cp.harness.trace import write_trace
 from hicache_cp.harness.workload import default_workload
@@ -85,7 +76,7 @@ EOF2
   for mode in after-insert per-layer; do
     step "serve: $PRESET on $DEVICE with --pd, $mode"
     flag=$([ "$mode" = per-layer ] && echo --pd-per-layer || true)
-    timeout 240 $PYTHON -m hicache_cp.harness.cli replay --engine hf --hf-preset "$PRESET" --device "$DEVICE" \
+    timeout 240 $PY -m hicache_cp.harness.cli replay --engine hf --hf-preset "$PRESET" --device "$DEVICE" \
       --trace "$TRACE" --tokens-per-block "$TPB" --l2-fraction 0.5 --l1-pages 400 --arrivals trace \
       --limit "$PD_LIMIT" --pd $flag --json "$DEST/pd-serve-$SUFFIX-$mode.json" 2>&1 \
       | grep -v "hf replay:" | grep -E "pd_|integrity|ttft|error" | head -30 || rc=1
@@ -93,7 +84,7 @@ EOF2
 fi
 
 step summary
-$PYTHON - "$DEST" "$SUFFIX" <<'EOF'
+$PY - "$DEST" "$SUFFIX" <<'EOF'
 import json, pathlib, sys
 dest, suffix = pathlib.Path(sys.argv[1]), sys.argv[2]
 for path in sorted(dest.glob(f"pd-overlap-{suffix}-*ms.json")):

@@ -20,10 +20,7 @@
 # default arenas and cudaHostAlloc ~45 s. The sweep is at 64 GiB only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-DEST=${OUT:-bench/results}
-mkdir -p "$DEST"
+source tools/device_env.sh
 {
   echo "=== machine ($(date +%T))"
   uname -r; nproc

@@ -14,17 +14,13 @@
 # STEPS="import tests llm" by default. Exit status: the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEST=${OUT:-bench/results}
 SITE=${SITE:-/tmp/vllm-site}
-STEPS=${STEPS:-import tests llm}
-COMMIT=${HICACHE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-export HICACHE_COMMIT=$COMMIT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
-mkdir -p "$DEST"
+DEFAULT_STEPS="import tests llm"
+source tools/device_env.sh
+export HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 LOG=$DEST/vllm-h200.log
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-step() { echo; echo "=== $* ($(date +%T))"; }
 {
-echo "# commit $COMMIT; machine $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs), $(nproc) cpus; command: STEPS=\"$STEPS\" bash tools/device_vllm.sh"
+header "STEPS=\"$STEPS\" bash tools/device_vllm.sh"
 step setup
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .vllm/whl/*.whl || exit 3
 tar -xzf .vllm/vllm-src.tar.gz -C "$SITE" || exit 3

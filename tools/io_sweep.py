@@ -1,6 +1,6 @@
 """Copy-kernel experiments on the GPU (issue 13): what limits the kernel's H2D rate.
 
-Run on the device machine from the repository root (tools/device_io_sweep.sh
+Run on the device machine from the repository root (tools/device_io.sh STEPS=sweep
 does, with the provenance line and the log):
 
     python3 tools/io_sweep.py --json $OUT/io-sweep.json [--budget-s 200]
