@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from hicache_cp.io.issue import CHUNK, IssueWorker, Job
 from hicache_cp.io.plans import LayerDescriptors
@@ -58,11 +59,12 @@ def _desc(n: int, base: int) -> LayerDescriptors:
     return LayerDescriptors.of(dst, src, sizes)
 
 
-def test_jobs_issue_in_protocol_order_and_cover_every_descriptor() -> None:
+@pytest.mark.parametrize("chunk", [CHUNK, 7, 1024])
+def test_jobs_issue_in_protocol_order_and_cover_every_descriptor(chunk: int) -> None:
     drv = RecordingDriver()
     released: list[int] = []
-    worker = IssueWorker(drv, attrs=111, attr_idx=222)
-    sizes = [1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
+    worker = IssueWorker(drv, attrs=111, attr_idx=222, chunk=chunk)
+    sizes = [1, chunk, chunk + 1, 3 * chunk + 5]
     jobs = [Job(7, 100 + i, 200 + i, _desc(n, 1000 * (i + 1)), released.append) for i, n in enumerate(sizes)]
     for j in jobs:
         worker.put(j)
@@ -73,7 +75,8 @@ def test_jobs_issue_in_protocol_order_and_cover_every_descriptor() -> None:
         start = calls.index(("wait", 7, 100 + i))
         end = calls.index(("record", 7, 200 + i))
         batches = calls[start + 1 : end]
-        assert all(c[0] == "batch" and c[1] == 7 and c[2] <= CHUNK for c in batches)
+        assert all(c[0] == "batch" and c[1] == 7 and c[2] <= chunk for c in batches)
+        assert len(batches) == -(-n // chunk)  # as few driver calls as the chunk allows
         dsts = [d for c in batches for d in c[3]]
         srcs = [s for c in batches for s in c[4]]
         assert dsts == list(range(1000 * (i + 1), 1000 * (i + 1) + n))  # every descriptor once, in order
@@ -86,6 +89,11 @@ def test_jobs_issue_in_protocol_order_and_cover_every_descriptor() -> None:
         j.drop()  # issued: done goes back at once
     assert sorted(released) == [100, 101, 102, 103, 200, 201, 202, 203]
     worker.close()
+
+
+def test_a_chunk_below_one_descriptor_is_refused() -> None:
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=0)
 
 
 def test_a_failing_job_fails_alone() -> None:

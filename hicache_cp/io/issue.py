@@ -84,8 +84,13 @@ class IssueWorker:
     attribute arrays.
     """
 
-    def __init__(self, drv: Any, attrs: int, attr_idx: int, context: Any = None, name: str = "hicache-dma") -> None:
+    def __init__(
+        self, drv: Any, attrs: int, attr_idx: int, context: Any = None, name: str = "hicache-dma", chunk: int = CHUNK
+    ) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1 descriptor, got {chunk}")
         self.drv = drv
+        self.chunk = chunk
         self._attrs, self._attr_idx = attrs, attr_idx
         self._context = context  # made current on the worker thread (None: leave it)
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -148,8 +153,9 @@ class IssueWorker:
         if n == 1:
             drv.memcpy_async(int(desc.dst[0]), int(desc.src[0]), int(desc.sizes[0]), stream)
         else:
-            for lo in range(0, n, CHUNK):
-                k = min(CHUNK, n - lo)
+            chunk = self.chunk
+            for lo in range(0, n, chunk):
+                k = min(chunk, n - lo)
                 off = lo * _U64_BYTES
                 if k == 1:
                     drv.memcpy_async(int(desc.dst[lo]), int(desc.src[lo]), int(desc.sizes[lo]), stream)
