@@ -10,9 +10,9 @@ driver spends about a microsecond per descriptor on the caller's thread
 allocators make, milliseconds for thousands of scattered pages. The
 `kernel` backend's `dma_runs` option uses this path exactly when it is cheap.
 
-(A worker thread issuing the batches was tried: the caller's median fell,
-but its p99 rose to the whole batch call, since the driver serialises calls
-on the context while it writes the descriptors; bench-io of 3c73aed+io-wip1.)
+A layer of more than `WORKER_ABOVE` descriptors is issued by a worker
+thread (`io.issue`, which says what its driver-call size trades), so the
+caller pays for two event calls, not for the descriptors.
 
 `staging` gathers scattered device pages into a bounded device buffer with
 torch and moves each run of consecutive host pages with one DMA.

@@ -1,13 +1,24 @@
 """DMA descriptors issued off the caller's thread: the scheduler pays for few of them.
 
 The copy engines move scattered pages at the link's speed, but the driver
-spends about a microsecond of host time per descriptor inside
-`cuMemcpyBatchAsync` (H200: 0.9 ms for a layer of 1024 scattered pages). On
-the scheduler thread that time delays the forward's next launches. An
-`IssueWorker` takes such a layer's descriptors and issues them on its own
-thread, in order, in chunks of `CHUNK` descriptors per driver call: the
-driver serialises calls on a context while it writes descriptors, so a chunk
-bounds how long any other call of the process can wait behind the worker.
+spends about half a microsecond of host time per descriptor inside
+`cuMemcpyBatchAsync` (H200: 0.44-0.54 us, tools/dma_probe.py), and about a
+microsecond issued inline from the scheduler thread between launches (a layer
+of 1024 scattered pages: 0.8-1.0 ms). On the scheduler thread that time
+delays the forward's next launches. An `IssueWorker` takes such a layer's
+descriptors and issues them on its own thread, in order, in driver calls of
+at most `chunk` descriptors (default `CHUNK`).
+
+The chunk is a trade measured on the H200 (bench-io variants direct,
+direct-chunk256, direct-chunk1024 in bench/results/io-h200-chunks-f64da82.json,
+1024 scattered 41,984 B pages): the copy engines pay per call too, so calls of
+64 reached 0.93 of the link and left 0.079 / 0.155 of a layer-by-layer load /
+backup exposed beside compute, calls of 1024 reached 0.98-0.99 and 0.052 /
+0.111, the same as issuing everything before the GPU starts. The driver
+serialises a context's calls (two threads issue no faster than one), so a
+longer call is a longer wait for the scheduler thread's next driver call when
+it lands inside one: its submit p99 at 1024 pages rose from 116 to 402 us,
+its median stayed 13-15 us.
 
 Protocol of one job (the caller's side in `hicache_cp.io.dma`):
 
@@ -35,8 +46,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: Descriptors per driver call on the worker (about a microsecond each).
-CHUNK = 64
+#: Descriptors per driver call on the worker (about half a microsecond each; see above).
+CHUNK = 1024
 _U64_BYTES = 8
 
 
