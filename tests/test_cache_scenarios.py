@@ -573,3 +573,22 @@ def test_committed_node_missing_a_part_raises(make_cache) -> None:
     cache.config.debug_checks = True
     with pytest.raises(AssertionError, match="committed without every part"):
         cache.check_invariants()
+
+
+def test_evict_device_empties_l1_and_keeps_every_committed_host_copy(make_cache) -> None:
+    """`HiCache.evict_device` (the TTFT probe's way to make a prefix L2-only): unlocked L1
+    pages go, committed host copies stay, a locked path stays in L1, nothing leaks."""
+    cache = make_cache(l1_pages=32, host_pages=32)
+    run_request(cache, tokens_of(1, 2, 3), write=fill_pattern)
+    land(cache)
+    held = run_request(cache, tokens_of(7, 8), write=fill_pattern, stop_after="poll")
+    land(cache)  # committed, still locked by its request
+    cache.evict_device()
+    m = cache.match_prefix(tokens_of(1, 2, 3))
+    assert (m.device_len, m.host_len) == (0, 3), "the released prefix is L2-only now"
+    cache.release(m.last_node)
+    m = cache.match_prefix(tokens_of(7, 8))
+    assert m.device_len == 2, "a path a request holds is not evicted"
+    cache.release(m.last_node)
+    held.release()
+    cache.check_invariants()

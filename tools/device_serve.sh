@@ -11,7 +11,9 @@
 #
 #   serve  $DEST/serve-h200.json     both oracles, TTFT p50/p90/p99, >= 90%-hit requests:
 #                                    TTFT over recompute and load time over the PCIe bound,
-#                                    and the same trace with L2 off (--compare-no-l2)
+#                                    the same trace with L2 off (--compare-no-l2), and PROBE
+#                                    (default 8) L2-hit/L1-hit TTFT pairs and layer times
+#                                    with and without copies in flight (--ttft-probe)
 #   pd     $DEST/serve-pd-h200.json  --pd: every request's KV to a decode peer process
 #                                    (Mooncake on GPU memory), every unit verified there
 #                                    against the digests prefill recorded
@@ -25,16 +27,10 @@
 #   WHEELS=0 PRESET=tiny DEVICE=cpu TPB=64 PYTHON=.venv/bin/python OUT=/tmp/serve bash tools/device_serve.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-WHEEL_GLOB=${WHEEL_GLOB:-.whl/*.whl}
-if [ "${WHEELS:-1}" = 1 ]; then
-  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHEEL_GLOB || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 MC_LOG_LEVEL=ERROR
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-DEST=${OUT:-bench/results}
-STEPS=${STEPS:-serve pd}
+DEFAULT_STEPS="serve pd"
+source tools/device_env.sh
+wheels "${WHEEL_GLOB:-.whl/*.whl}" || exit 1
+export MC_LOG_LEVEL=ERROR PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 LIMIT=${LIMIT:-50}
 PD_LIMIT=${PD_LIMIT:-25}
 TIME_SCALE=${TIME_SCALE:-1.0}
@@ -44,15 +40,13 @@ DEVICE=${DEVICE:-cuda}
 TPB=${TPB:-512}
 L1_PAGES=${L1_PAGES:-400}
 SCHEDULE=${SCHEDULE:-short-first}
-mkdir -p "$DEST" .devdata
-step() { echo; echo "=== $* ($(date +%T))"; }
-want() { [[ " $STEPS " == *" $1 "* ]]; }
+mkdir -p .devdata
 
 step versions
-$PYTHON -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" || exit 1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv
 
-$PYTHON - "$TRACE" <<'EOF' || exit 1
+$PY - "$TRACE" <<'EOF' || exit 1
 import sys
 from hicache_cp.harness.trace import write_trace
 from hicache_cp.harness.workload import default_workload
@@ -67,25 +61,26 @@ COMMON=(--engine hf --hf-preset "$PRESET" --device "$DEVICE" --trace "$TRACE" --
 
 if want serve; then
   step "serve: dsv32-width with L2, then L2 off; byte and output oracles"
-  timeout 330 $PYTHON -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$LIMIT" --check-outputs 8 \
-    --recompute-samples 8 --compare-no-l2 --json "$DEST/serve-h200.json" 2>&1 | grep -v "hf replay:" | tail -45
+  timeout 330 $PY -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$LIMIT" --check-outputs 8 \
+    --recompute-samples 8 --compare-no-l2 --ttft-probe "${PROBE:-8}" --json "$DEST/serve-h200.json" 2>&1 | grep -v "hf replay:" | tail -45
 fi
 
 if want pd; then
   step "pd: the same server shipping every request's KV to a decode peer (Mooncake, GPU memory)"
-  timeout 200 $PYTHON -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$PD_LIMIT" --pd \
+  timeout 200 $PY -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$PD_LIMIT" --pd \
     --json "$DEST/serve-pd-h200.json" 2>&1 | grep -v "hf replay:" | tail -30
 fi
 
 step summary
-$PYTHON - "$DEST" <<'EOF2'
+$PY - "$DEST" <<'EOF2'
 import json, pathlib, sys
 keys = ("requests", "served_requests", "hit_rate", "l2_hit_tokens", "max_batch_requests", "ttft_p50_s", "ttft_p90_s",
         "ttft_p99_s", "prefill_tokens_per_s", "prefill_compute_saved", "hit90_requests", "ttft_hit_over_recompute",
         "ttft_hit_over_recompute_p90", "hit90_loads", "load_over_pcie_bound", "load_over_pcie_bound_p90", "copy_peak_gbps",
         "integrity_checked_units", "integrity_expected_units", "integrity_mismatches", "outputs_checked",
         "outputs_max_abs_err", "outputs_mismatches", "outputs_same_argmax", "pd_rooms", "pd_failed_rooms",
-        "pd_mismatches", "pd_gbps", "integrity_failures")
+        "pd_mismatches", "pd_gbps", "integrity_failures", "ttft_l2_over_l1_hit", "ttft_l2_over_l1_hit_p90",
+        "ttft_probe_valid_pairs", "layer_forward_ms")
 for name in ("serve-h200.json", "serve-pd-h200.json"):
     path = pathlib.Path(sys.argv[1]) / name
     if path.is_file():

@@ -424,6 +424,15 @@ class HiCache:
         self._evictor.ensure_free()
         self._state.debug_check()
 
+    def evict_device(self) -> None:
+        """Evict every unlocked L1 page now, as L1 pressure would (the policy's order;
+        committed host copies stay): probes and benchmarks use it to make a cached
+        prefix L2-only. Under `write_back`, victims without a host copy are backed
+        up first and it waits for those backups (`settle`: every CP rank calls it at
+        the same step)."""
+        self._evictor.make_room("l1", self.device_pool.allocator.capacity, 0)
+        self._state.debug_check()
+
     # ---- introspection -----------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:

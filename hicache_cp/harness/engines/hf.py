@@ -58,6 +58,7 @@ from hicache_cp.config import Config, WritePolicy
 from hicache_cp.cp.agreement import Agreement
 import hicache_cp.harness.engines.hf_model as hf_model
 import hicache_cp.harness.engines.hf_options as hf_options
+import hicache_cp.harness.engines.hf_probe as hf_probe
 from hicache_cp.harness.engines.base import EngineRun, RunOptions, progress_bar
 from hicache_cp.harness.engines.hf_cp import PrefixExchange, make_view
 from hicache_cp.harness.engines.hf_faults import FaultInjector, HfFault, check_faults
@@ -148,6 +149,8 @@ class HfEngine:
             if hasattr(bar, "close"):
                 bar.close()
             extra = self._report(model, cache, work, result, samples, exchange)
+            if self.args.ttft_probe:
+                extra.update(self._probe(model, cache, work))
             if injector is not None:
                 extra["faults_injected"] = injector.injected
             other = self._compare_no_l2(cache.config, work, opts.verify) if self.args.compare_no_l2 else None
@@ -170,27 +173,48 @@ class HfEngine:
             self._model = hf_model.build(self.preset.name, device, seed=self.args.hf_seed)
         return self._model
 
-    def _options(self, *, use_l2: bool, verify: bool) -> SchedulerOptions:
+    def _options(self, *, use_l2: bool, verify: bool, arrivals: Arrivals | None = None) -> SchedulerOptions:
         return SchedulerOptions(
             chunk_tokens=self.chunk_tokens, max_batch_tokens=self.max_batch_tokens,
-            arrivals=Arrivals(self.args.arrivals), time_scale=self.args.time_scale, use_l2=use_l2, verify=verify,
-            order=Order(self.args.schedule),
+            arrivals=arrivals or Arrivals(self.args.arrivals), time_scale=self.args.time_scale, use_l2=use_l2,
+            verify=verify, order=Order(self.args.schedule),
         )  # fmt: skip
 
     def _serve(
         self, cache: HiCache, work: list[tuple[TraceRequest, np.ndarray]], *, sink: Any, verify: bool, use_l2: bool,
         on_request: Callable[[int], None], exchange: PrefixExchange | None = None, samples: OracleSamples | None = None,
-        injector: FaultInjector | None = None,
+        injector: FaultInjector | None = None, arrivals: Arrivals | None = None,
     ) -> ServeResult:  # fmt: skip
         model = self.model(str(cache.device_pool.device))
         buffers = self._buffers[id(cache)]
         scheduler = Scheduler(
-            cache, PagedForward(model), buffers, self._options(use_l2=use_l2, verify=verify),
+            cache, PagedForward(model), buffers, self._options(use_l2=use_l2, verify=verify, arrivals=arrivals),
             sink=sink, on_request=on_request, view=make_view(model, buffers, cache.rank, cache.cp_size, exchange),
             on_finish=samples.offer if samples is not None else None,
             before_load=injector.before_load if injector is not None else None,
         )  # fmt: skip
         return scheduler.serve(work)
+
+    def _probe(self, model: hf_model.HfModel, cache: HiCache, work: list[tuple[TraceRequest, np.ndarray]]) -> dict[str, Any]:
+        """`--ttft-probe N` (`hf_probe`) on the longest prompts that fit half of L1 (so that
+        a prefix computed once stays in L1 whole until it is evicted on purpose)."""
+        room = cache.device_pool.allocator.capacity * cache.layout.page_size // 2
+        fitting = sorted((ids for _, ids in work if len(ids) <= room), key=len, reverse=True)
+        prompts = fitting[: self.args.ttft_probe]
+        if not prompts:  # the replay's results stand; the probe's absence is said, loudly
+            logger.warning("--ttft-probe: no prompt of the trace fits half of L1 (%d tokens); no probe", room)
+            return {"ttft_probe_error": f"no prompt of the trace fits half of L1 ({room} tokens)"}
+
+        def serve_one(req: TraceRequest, ids: np.ndarray) -> RequestRecord:
+            result = self._serve(cache, [(req, ids)], sink=None, verify=False, use_l2=True, on_request=lambda i: None,
+                                 arrivals=Arrivals.ASAP)  # fmt: skip
+            return result.records[-1]
+
+        first = max(r.index for r, _ in work) + 1
+        out = hf_probe.ttft_pairs(serve_one, cache, prompts, vocab_size=model.vocab_size, seed=self.args.hf_seed + 2,
+                                  first_index=first)  # fmt: skip
+        out["layer_forward_ms"] = hf_probe.layer_times(model, cache, prompts[0], self.chunk_tokens)
+        return out
 
     def _compare_no_l2(self, config: Config, work: list[tuple[TraceRequest, np.ndarray]], verify: bool) -> dict[str, Any]:
         """The same trace on a fresh cache that never backs up (L2 holds nothing)."""

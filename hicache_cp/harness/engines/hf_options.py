@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-samples", type=int, default=8, metavar="N",
                    help="time a recompute (no cache) of up to N requests with >= 90%% hits, for ttft_hit_over_recompute")
     g.add_argument("--compare-no-l2", action="store_true", help="also run the same trace with L2 off and report both")
+    g.add_argument("--ttft-probe", type=int, default=0, metavar="N",
+                   help="after the replay, N pairs of the same prompt hitting in L1 and in L2 (ttft_l2_over_l1_hit), "
+                        "and the forward's time per layer with and without copies in flight (see hf_probe)")
     # fmt: skip
 
 
@@ -47,6 +50,8 @@ def check_cp_size(args: argparse.Namespace, cp_size: int | None) -> None:
         return
     if getattr(args, "compare_no_l2", False):
         raise InputError(f"--compare-no-l2 runs on one rank; drop it or --cp-size {cp_size}")
+    if getattr(args, "ttft_probe", 0):
+        raise InputError(f"--ttft-probe runs on one rank; drop it or --cp-size {cp_size}")
     if getattr(args, "pd", False):
         raise InputError(f"--pd with --engine hf runs on one rank for now (CP + PD is its own issue); got --cp-size {cp_size}")
 
@@ -60,7 +65,7 @@ def check(args: argparse.Namespace, page_size: int) -> None:
         value = getattr(args, name)
         if value is not None and value < page_size:
             raise InputError(f"--{name.replace('_', '-')} must be at least one page ({page_size} tokens), got {value}")
-    for name in ("check_outputs", "recompute_samples", "spec_steps"):
+    for name in ("check_outputs", "recompute_samples", "spec_steps", "ttft_probe"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.time_scale < 0:
