@@ -209,3 +209,22 @@ def test_every_l3_field_from_every_source(name: str, source: str, tmp_path) -> N
 
 def default_differs(name: str, value: Any) -> bool:
     return dataclasses.asdict(L3Config())[name] != value
+
+
+# ---- the default object size ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size,pages", [(16, 32), (64, 8), (128, 4), (512, 1), (1024, 1), (96, 6)])
+def test_default_objects_hold_at_least_512_tokens(page_size: int, pages: int) -> None:
+    """Unset, `pages_per_object` is the fewest pages holding 512 tokens (the
+    master's item operations per request stay ~8x below one page per object
+    at page 64), and the config records the number that runs."""
+    from hicache_cp.config import PRESETS
+    from hicache_cp.l3.keys import KeyScheme
+
+    assert L3Config().pages_per_object is None
+    config = Config(page_size=page_size, l3={"backend": "mooncake"})
+    assert config.l3.pages_per_object == pages and pages * page_size >= 512
+    assert Config.resolve(overrides={"page_size": str(page_size)}).report()["l3"]["value"]["pages_per_object"] == pages
+    assert KeyScheme(PRESETS["tiny"].layout(page_size), "tiny", L3Config(), 1, 0).group == pages
+    assert Config(page_size=page_size, l3={"pages_per_object": 1}).l3.pages_per_object == 1  # an explicit one wins

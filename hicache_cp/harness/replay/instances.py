@@ -72,7 +72,7 @@ def add_l3_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3-master", metavar="HOST:PORT",
                    help="the Mooncake master to use (default: start one on 127.0.0.1 for the run)")
     p.add_argument("--l3-pages-per-object", type=int, default=None,
-                   help="pages grouped into one L3 object (default 1; fewer keys for the master)")
+                   help="pages grouped into one L3 object (default: one 512-token trace block; fewer keys for the master)")
     p.add_argument("--l3-segment-mib", type=int, default=None,
                    help="memory each instance lends the store (default: twice the trace's footprint)")
     p.add_argument("--l3-write-queue", type=int, default=None, metavar="PAGES",
@@ -160,7 +160,10 @@ def run_instances(
             queue_pages = args.l3_write_queue or (
                 config.l3.write_queue_pages if "write_queue_pages" in given
                 else config.host_budget_bytes // config.layout().bytes_per_page - 1)  # fmt: skip
-            config = with_l3(config, address, args.l3_pages_per_object, segment, queue_pages)
+            # One replayed page block stands for a 512-token trace block: objects of one block
+            # (the library's default is 512 tokens of the real page size, MIN_OBJECT_TOKENS).
+            group = args.l3_pages_per_object or (None if "pages_per_object" in given else pages_per_block)
+            config = with_l3(config, address, group, segment, queue_pages)
         if n == 1:
             reports = [run_instance(0, args, config, shares[0])]
         else:
