@@ -72,7 +72,7 @@ def add_l3_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3-master", metavar="HOST:PORT",
                    help="the Mooncake master to use (default: start one on 127.0.0.1 for the run)")
     p.add_argument("--l3-pages-per-object", type=int, default=None,
-                   help="pages grouped into one L3 object (default: one 512-token trace block; fewer keys for the master)")
+                   help="pages grouped into one L3 object (default: one 512-token trace block; fewer master keys)")
     p.add_argument("--l3-segment-mib", type=int, default=None,
                    help="memory each instance lends the store (default: twice the trace's footprint)")
     p.add_argument("--l3-write-queue", type=int, default=None, metavar="PAGES",
@@ -213,7 +213,7 @@ class CrossInstance:
     def on_l3_put(self, keys: list[str], stored: list[str]) -> None:
         self.mine.update(stored)
         for k in keys:
-            left = self.putting.pop(k) - 1
+            left = self.putting.pop(k, 1) - 1  # (a put started before the observer was attached: 1)
             if left:
                 self.putting[k] = left
         pages, self.waiting = self.waiting, []
