@@ -195,6 +195,8 @@ class Config:
                     f"model_layout: {p.part.value} page of {p.page_bytes} bytes is not a multiple of 8 "
                     f"(bytes_per_token {p.bytes_per_token} x page_size {self.page_size})"
                 )
+        if self.l3.pages_per_object is None:  # what runs is recorded: the pages of MIN_OBJECT_TOKENS
+            self.l3 = dataclasses.replace(self.l3, pages_per_object=self.l3.object_pages(self.page_size))
         if isinstance(self.host_budget_bytes, int) and self.host_budget_bytes < 2 * layout.bytes_per_page:
             raise ConfigError(
                 f"host_budget_bytes: {self.host_budget_bytes} is below two logical pages "

@@ -57,6 +57,8 @@ class CacheMetrics:
     backups_committed: int = 0
     backups_aborted: int = 0
     backups_skipped: int = 0  # L2 could not make room
+    backup_pages_wanted: int = 0  # pages backups asked L2 for (computed pages, under write-through)
+    backup_pages_skipped: int = 0  # of those, pages L2 had no room for: they never get an L2 copy (nor an L3 one)
     backups_all_layer: int = 0  # the non-overlapped fallback path
     loads_started: int = 0
     loads_done: int = 0

@@ -68,7 +68,7 @@ def test_cp_ranks_own_disjoint_objects_and_whole_groups_only() -> None:
 
 def test_parts_split_into_objects_of_their_own() -> None:
     layout = TINY.layout(16)
-    s = KeyScheme(layout, "tiny", L3Config(group_parts=False), 1, 0)
+    s = KeyScheme(layout, "tiny", L3Config(group_parts=False, pages_per_object=1), 1, 0)
     objs = s.objects(chain_hashes(_tokens(1, 2), 16), range(0, 2))
     assert len(objs) == 2 * len(layout.parts)
     assert sum(o.nbytes for o in objs) == 2 * layout.bytes_per_page

@@ -47,7 +47,7 @@ def _tokens(ids: list[int]) -> np.ndarray:
 
 def _l3(**kw: Any) -> dict[str, Any]:
     values: dict[str, Any] = dict(backend="mooncake", prefetch_timeout_s=5.0, lookup_timeout_s=5.0,
-                                  retry_interval_s=0.001, close_timeout_s=5.0)  # fmt: skip
+                                  retry_interval_s=0.001, close_timeout_s=5.0, pages_per_object=1)  # fmt: skip
     values.update(kw)
     return values
 

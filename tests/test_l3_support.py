@@ -78,7 +78,10 @@ def l3env() -> Iterator[L3Env]:
 
 
 def l3_cache(store: KVStore, settings: dict[str, Any], **cfg: Any) -> HiCache:
-    """A tiny cache whose L3 tier runs on `store` with these [l3] settings."""
+    """A tiny cache whose L3 tier runs on `store` with these [l3] settings
+    (one page per object unless they say otherwise: the scenarios count pages)."""
+    if settings.get("pages_per_object") is None:
+        settings = {**settings, "pages_per_object": 1}
     return HiCache(tiny_config(l3=settings, **cfg), l3_store=store)
 
 

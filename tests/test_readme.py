@@ -125,8 +125,8 @@ def test_readme_l3_fields_from_every_source(source: str, tmp_path) -> None:  # t
 
 @pytest.mark.slow
 @pytest.mark.skipif(not mooncake_store_available(), reason="mooncake (store and master) not installed")
-@pytest.mark.parametrize("how", ["flag", "toml"])
-def test_report_config_l3_is_what_ran(how: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("how", ["flag", "toml", "set", "env"])
+def test_report_config_l3_is_what_ran(how: str, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """"the replay's JSON records each effective value with its source": with L3
     on (by --l3 or by the README's `[l3] enabled = true`), `config.l3` is the
     tier that ran, not the defaults."""
@@ -138,6 +138,11 @@ def test_report_config_l3_is_what_ran(how: str, tmp_path) -> None:  # type: igno
     command.add_arguments(p)
     if how == "flag":
         args = p.parse_args(["--limit", "20", "--device", "cpu", "--l3", "mooncake", "--l3-pages-per-object", "2"])
+    elif how == "set":
+        args = p.parse_args(["--limit", "20", "--device", "cpu", "--l3", "mooncake", "--set", "l3.pages_per_object=2"])
+    elif how == "env":
+        monkeypatch.setenv("HICACHE_L3_PAGES_PER_OBJECT", "2")
+        args = p.parse_args(["--limit", "20", "--device", "cpu", "--l3", "mooncake"])
     else:
         toml = tmp_path / "c.toml"
         toml.write_text("[l3]\nenabled = true\npages_per_object = 2\n")
@@ -147,6 +152,7 @@ def test_report_config_l3_is_what_ran(how: str, tmp_path) -> None:  # type: igno
     assert report["l3"] == "mooncake"
     assert l3["value"]["backend"] == "mooncake" and l3["value"]["pages_per_object"] == 2
     assert l3["value"]["master"] != "127.0.0.1:50051"  # the master started for the run, not the default
-    want = "cli:--l3-pages-per-object" if how == "flag" else f"toml:{tmp_path / 'c.toml'}"
+    want = {"flag": "cli:--l3-pages-per-object", "toml": f"toml:{tmp_path / 'c.toml'}", "set": "cli",
+            "env": "env:HICACHE_L3_PAGES_PER_OBJECT"}[how]
     assert l3["sources"]["pages_per_object"] == want
     assert l3["sources"]["master"].startswith("derived:")

@@ -47,6 +47,8 @@ class Evictor:
         self.backup_victim: Callable[[Node], bool] = lambda node: False
         #: write_back: wait for the copies in flight and decide them (the lifecycle's settle).
         self.settle_backups: Callable[[], None] = lambda: None
+        #: decide what completed, non-blocking (the lifecycle's poll: agreed).
+        self.poll: Callable[[], None] = lambda: None
         #: l2_exclusive: nodes loaded into L1 whose L2 copies go once they are unlocked (load order).
         self.loaded: list[Node] = []
         state.policy.bind(
@@ -72,10 +74,22 @@ class Evictor:
         self.s.loose_device_pages -= len(pages)
 
     def reserve_host(self, n: int, first_position: int) -> np.ndarray | None:
-        """L2 pages for a backup, or None (counted as a skipped backup)."""
+        """L2 pages for a backup, or None (counted as a skipped backup).
+
+        With an L3 tier, evicted pages still held by write-backs whose puts have
+        not started are taken from them first (one agreed poll): a backup of
+        new pages beats a put of old ones."""
         s = self.s
-        if not self.make_room("l2", n, first_position):
+        s.metrics.backup_pages_wanted += n
+        fits = self.make_room("l2", n, first_position)
+        if not fits and s.l3 is not None and s.l3.yield_queued_puts():
+            # Write-backs hold evicted pages until their puts end; a put that has not
+            # started gives them up rather than starve L2 of new copies.
+            self.poll()  # agreed: the yielded jobs retire and free those pages
+            fits = self.make_room("l2", n, first_position)
+        if not fits:
             s.metrics.backups_skipped += 1
+            s.metrics.backup_pages_skipped += n
             return None
         host = s.host_pool.allocator.alloc(n, first_position)
         assert host is not None

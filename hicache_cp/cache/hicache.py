@@ -116,6 +116,7 @@ class HiCache:
         self._engine_l1 = EngineL1(self._state, self._lifecycle)
         self._evictor.backup_victim = lambda node: self._lifecycle.start_backup(node) is not None
         self._evictor.settle_backups = self._lifecycle.settle
+        self._evictor.poll = self._lifecycle.poll
         self._tier3: Tier3 | None = None
         if config.l3.enabled or l3_store is not None:
             self._tier3 = self._make_tier3(l3_store)

@@ -48,6 +48,11 @@ class L3Hooks(Protocol):
     def on_evict_l2(self, pages: np.ndarray) -> np.ndarray:
         """L2 evicts these pages: return those that may be freed now."""
 
+    def yield_queued_puts(self) -> bool:
+        """A backup found no room in L2: give up the write-backs not yet started
+        that hold evicted pages. Whether any job holds one (replicated: then every
+        rank polls, and those jobs retire once no rank's put of them runs)."""
+
     def owned_host_pages(self) -> list[np.ndarray]:
         """L2 pages outside the tree that the tier holds."""
 

@@ -19,7 +19,10 @@ Two flows, each an explicit state machine (`hicache_cp.l3.ops`):
                       bounded in pages and skips what does not fit; keys already
                       in L3 are skipped by the worker). The job holds its L2 pages:
                       L2 eviction takes them out of the tree at once but frees
-                      them only when the job retires (`on_evict_l2`).
+                      them only when the job retires (`on_evict_l2`). A backup
+                      that finds no room in L2 takes evicted pages back from the
+                      jobs whose puts have not started (`yield_queued_puts`), so
+                      the queue never starves L2 of new copies.
 
 Both kinds of op vote in the cache's one agreement per poll (`Lifecycle.poll`
 lists them after the backups and loads), so every rank applies the same
@@ -67,8 +70,12 @@ _HASH_MEMO_LIMIT = 1 << 18
 class L3Observer(Protocol):
     """Optional hooks for a harness (cross-instance accounting). Called on the cache's thread."""
 
-    def on_l3_put(self, keys: list[str]) -> None:
-        """This rank stored these object keys."""
+    def on_l3_put_started(self, keys: list[str]) -> None:
+        """This rank submitted a put of these object keys (they may show up in the store before it retires)."""
+
+    def on_l3_put(self, keys: list[str], stored: list[str]) -> None:
+        """The put of `keys` (from `on_l3_put_started`) retired; this rank stored
+        `stored` of them (the others were present already, failed or yielded)."""
 
     def on_l3_hit(self, page_keys: list[tuple[str, ...]]) -> None:
         """A request got these pages from L3: per page, the keys of this rank's objects holding it."""
@@ -419,6 +426,8 @@ class Tier3:
         if objects and self.client.up:
             job.future = self.client.submit_put(objects, physical)
             self.metrics.l3_put_jobs += 1
+            if self.observer is not None:
+                self.observer.on_l3_put_started([o.key for o in objects])
         elif objects:
             self.metrics.l3_put_skipped_down += sum(len(o.positions) for o in objects)
         self.writes.append(job)
@@ -447,11 +456,16 @@ class Tier3:
             s.host_pool.allocator.free(done)
         if job.future is None:
             return
+        if job.yielded:
+            self.metrics.l3_put_yielded += sum(len(o.positions) for o in job.objects)
+            self._observe_put(job, [])
+            return
         if job.error is not None:
             self.client.failed(job.error)
             if job.quarantined:
                 self.metrics.l3_quarantined_ops += 1
             logger.warning("rank %d: write-back job %d failed: %s", s.rank, job.id, job.error)
+            self._observe_put(job, [])
             return
         out: PutOutcome = job.future.result()
         self.metrics.l3_put_keys += out.keys_put
@@ -462,8 +476,26 @@ class Tier3:
             self.client.failed(err)
             logger.warning("rank %d: write-back job %d: %d of its keys not stored, e.g. %s",
                            s.rank, job.id, len(out.errors), err)  # fmt: skip
-        if self.observer is not None and out.put_keys:
-            self.observer.on_l3_put(out.put_keys)
+        self._observe_put(job, out.put_keys)
+
+    def _observe_put(self, job: WriteJob, stored: list[str]) -> None:
+        if self.observer is not None:
+            self.observer.on_l3_put([o.key for o in job.objects], stored)
+
+    def yield_queued_puts(self) -> bool:
+        """See `L3Hooks.yield_queued_puts`. Cancels, on this rank, the puts of
+        jobs holding an evicted page that the put worker has not taken yet; a
+        job retires at the next agreed poll once no rank's put of it runs (a
+        rank whose put had started keeps every rank's pages until it ends).
+        O(jobs + held pages)."""
+        holding = False
+        for job in self.writes:
+            if not self.deferred[job.held].any():
+                continue
+            holding = True
+            if job.future is not None and not job.yielded and job.future.cancel():
+                job.yielded = True
+        return holding
 
     def on_evict_l2(self, pages: np.ndarray) -> np.ndarray:
         """L2 evicts `pages`: return those free now; held ones wait for their job."""

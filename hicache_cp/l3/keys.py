@@ -69,7 +69,7 @@ def layout_fingerprint(layout: KVLayout, model: str, config: L3Config, cp_size: 
         "parts": [[p.part.value, list(p.layer_ids), p.bytes_per_token] for p in layout.parts],
         "kv_dtype": config.kv_dtype,
         "cp_size": cp_size,
-        "pages_per_object": config.pages_per_object,
+        "pages_per_object": config.object_pages(layout.page_size),
         "group_parts": config.group_parts,
     }
     return hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=8).hexdigest()
@@ -114,7 +114,7 @@ class KeyScheme:
 
     def __init__(self, layout: KVLayout, model: str, config: L3Config, cp_size: int, rank: int) -> None:
         self.layout = layout
-        self.group = config.pages_per_object
+        self.group = config.object_pages(layout.page_size)
         self.cp_size = cp_size
         self.rank = rank
         self.fingerprint = layout_fingerprint(layout, model, config, cp_size)

@@ -31,6 +31,7 @@ class L3Metrics:
     l3_put_bytes: int = 0
     l3_put_skipped_present: int = 0  # keys already in L3
     l3_put_skipped_full: int = 0  # pages: the queue was full
+    l3_put_yielded: int = 0  # pages: their put was cancelled before it started, a backup took their L2 pages
     l3_put_skipped_down: int = 0  # pages: the store was down
     l3_put_failed_keys: int = 0
     l3_deferred_frees: int = 0  # evicted L2 pages whose free waited for a put

@@ -17,7 +17,8 @@ Prefetch (L3 -> reserved L2 pages, on match):
 
 Write-back (committed L2 pages -> L3):
 
-    QUEUED --the rank's put returned (or it had nothing to put), agreed--> RETIRED
+    QUEUED --the rank's put returned (or it had nothing to put, or it yielded:
+             cancelled before it started so a backup could have its pages), agreed--> RETIRED
 
     While QUEUED the job *holds* its L2 pages: an L2 eviction of a held page
     takes it out of the tree but frees it only when the job retires, so a put
@@ -179,6 +180,9 @@ class WriteJob:
     error: BaseException | None = None
     hold_s: float = 0.0
     quarantined_until: float | None = None
+    #: Cancelled before its put started, so that a backup could have its evicted
+    #: pages (`Tier3.yield_queued_puts`): no failure, the pages just never reach L3.
+    yielded: bool = False
 
     @property
     def active(self) -> bool:
@@ -195,7 +199,7 @@ class WriteJob:
 
     def local_vote(self) -> Vote:
         done, exc = _call_outcome(self.future)
-        if done and exc is not None and self.error is None:
+        if done and exc is not None and self.error is None and not self.yielded:
             self.error = exc
             self.quarantined_until = _quarantine_until(exc, self.hold_s)
         released = self.quarantined_until is None or time.monotonic() >= self.quarantined_until

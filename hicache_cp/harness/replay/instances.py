@@ -55,7 +55,7 @@ _SUM_KEYS = (
     "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "bytes_d2h", "bytes_h2d",
     "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2", "integrity_checked_pages",
     "integrity_checked_units", "integrity_expected_units", "integrity_mismatches", "rejected_requests",
-    "host_bytes", "cross_instance_hit_tokens",
+    "host_bytes", "cross_instance_hit_tokens", "backup_pages_wanted", "backup_pages_skipped",
 )  # fmt: skip
 MIN_SEGMENT_BYTES = 64 << 20
 #: How long a finished instance keeps its store segment (its objects) for the others.
@@ -72,7 +72,7 @@ def add_l3_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--l3-master", metavar="HOST:PORT",
                    help="the Mooncake master to use (default: start one on 127.0.0.1 for the run)")
     p.add_argument("--l3-pages-per-object", type=int, default=None,
-                   help="pages grouped into one L3 object (default 1; fewer keys for the master)")
+                   help="pages grouped into one L3 object (default: one 512-token trace block; fewer master keys)")
     p.add_argument("--l3-segment-mib", type=int, default=None,
                    help="memory each instance lends the store (default: twice the trace's footprint)")
     p.add_argument("--l3-write-queue", type=int, default=None, metavar="PAGES",
@@ -160,7 +160,10 @@ def run_instances(
             queue_pages = args.l3_write_queue or (
                 config.l3.write_queue_pages if "write_queue_pages" in given
                 else config.host_budget_bytes // config.layout().bytes_per_page - 1)  # fmt: skip
-            config = with_l3(config, address, args.l3_pages_per_object, segment, queue_pages)
+            # One replayed page block stands for a 512-token trace block: objects of one block
+            # (the library's default is 512 tokens of the real page size, MIN_OBJECT_TOKENS).
+            group = args.l3_pages_per_object or (None if "pages_per_object" in given else pages_per_block)
+            config = with_l3(config, address, group, segment, queue_pages)
         if n == 1:
             reports = [run_instance(0, args, config, shares[0])]
         else:
@@ -186,20 +189,42 @@ def with_l3(config: Config, master: str, pages_per_object: int | None, segment_b
 
 class CrossInstance:
     """Counts L3 hits on pages this instance did not put (an `L3Observer`), and
-    stands in for the replay's request sink to carry the count to the report."""
+    stands in for the replay's request sink to carry the count to the report.
+
+    A page counts when one of its objects was stored by another instance. An
+    object can be in the store before this instance's put of it retires (the
+    put worker stores a batch before it reports): a hit on a key this
+    instance is still putting waits for that put's outcome (stored here: a
+    self-hit; present already or failed: another instance's)."""
 
     def __init__(self, page_size: int, barrier: Any = None) -> None:
         self.page_size = page_size
         self.barrier = barrier
-        self.mine: set[str] = set()
+        self.mine: set[str] = set()  # keys this instance stored
+        self.putting: dict[str, int] = {}  # keys of this instance's puts not retired yet (count of jobs)
+        self.waiting: list[tuple[str, ...]] = []  # hit pages with a key still being put here
         self.cross_pages = 0
         self.totals = self
 
-    def on_l3_put(self, keys: list[str]) -> None:
-        self.mine.update(keys)
+    def on_l3_put_started(self, keys: list[str]) -> None:
+        for k in keys:
+            self.putting[k] = self.putting.get(k, 0) + 1
+
+    def on_l3_put(self, keys: list[str], stored: list[str]) -> None:
+        self.mine.update(stored)
+        for k in keys:
+            left = self.putting.pop(k, 1) - 1  # (a put started before the observer was attached: 1)
+            if left:
+                self.putting[k] = left
+        pages, self.waiting = self.waiting, []
+        self.on_l3_hit(pages)
 
     def on_l3_hit(self, page_keys: list[tuple[str, ...]]) -> None:
-        self.cross_pages += sum(1 for keys in page_keys if not all(k in self.mine for k in keys))
+        for keys in page_keys:
+            if any(k not in self.mine and k not in self.putting for k in keys):
+                self.cross_pages += 1
+            elif any(k in self.putting and k not in self.mine for k in keys):
+                self.waiting.append(keys)  # decided when this instance's put of it retires
 
     def send_request(self, request: int, node: object, hashes: object, cache: object) -> None:
         pass  # not a PD sink: the replay calls it after every request

@@ -26,7 +26,7 @@ REPORT_KEYS = (
     "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "hit_rate",
     "bytes_d2h", "bytes_h2d", "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2",
     "integrity_checked_pages", "integrity_checked_units", "integrity_expected_units", "integrity_mismatches",
-    "wall_s",
+    "wall_s", "backup_pages_wanted", "backup_pages_skipped",
 )  # fmt: skip
 
 
