@@ -7,6 +7,7 @@ torch's model code nor transformers.
 from __future__ import annotations
 
 import argparse
+import math
 
 from hicache_cp.harness.errors import InputError
 
@@ -63,8 +64,8 @@ def check(args: argparse.Namespace, page_size: int) -> None:
     for name in ("check_outputs", "recompute_samples", "spec_steps"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.time_scale < 0:
-        raise InputError(f"--time-scale must be >= 0, got {args.time_scale}")
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):  # nan/inf: no arrival ever comes
+        raise InputError(f"--time-scale must be a finite number > 0, got {args.time_scale}")
     from hicache_cp.harness.engines.hf_faults import HfFault  # checked before any work
 
     for text in getattr(args, "hf_fault", None) or ():
