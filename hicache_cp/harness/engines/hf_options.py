@@ -42,6 +42,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # fmt: skip
 
 
+def refuse_without_hf(args: argparse.Namespace) -> None:
+    """An hf option set away from its default without `--engine hf` would be
+    ignored without a word: refuse it, naming the flag. (A flag given at its
+    default changes nothing, so it cannot be told apart and needs no refusal.)"""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_arguments(probe)  # the defaults, from the one table above
+    for dest, default in vars(probe.parse_args([])).items():
+        if getattr(args, dest, default) != default:
+            flag = "--" + dest.replace("_", "-")
+            raise InputError(f"{flag} (from cli) is an option of the hf engine; it needs --engine hf")
+
+
 def check_cp_size(args: argparse.Namespace, cp_size: int | None) -> None:
     """What the hf engine cannot do under CP (one process per rank, `hf_cp`)."""
     if cp_size is None or cp_size == 1:
