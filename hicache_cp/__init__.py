@@ -11,13 +11,34 @@ benchmarks, CLI) drives the library and is never imported by it.
         ...
 """
 
-from hicache_cp.cache import HiCache, MatchResult
-from hicache_cp.config import Config, WritePolicy
-from hicache_cp.cp.agreement import Agreement, DistributedAgreement, LocalAgreement
-from hicache_cp.errors import ConfigError, ConsistencyError, HiCacheError, IllegalTransition
-from hicache_cp.layout import KVLayout, Model, Part
-from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
-from hicache_cp.pools import DevicePool, HostPool
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Imported on first use (PEP 562), so that `python -m hicache_cp` starts in
+# milliseconds and installs its signal handlers before torch is imported
+# (a Ctrl-C during that import otherwise ends in a KeyboardInterrupt traceback).
+_EXPORTS = {
+    "hicache_cp.cache": ("HiCache", "MatchResult"),
+    "hicache_cp.config": ("Config", "WritePolicy"),
+    "hicache_cp.cp.agreement": ("Agreement", "DistributedAgreement", "LocalAgreement"),
+    "hicache_cp.errors": ("ConfigError", "ConsistencyError", "HiCacheError", "IllegalTransition"),
+    "hicache_cp.layout": ("KVLayout", "Model", "Part"),
+    "hicache_cp.ops": ("BackupOp", "BackupState", "LoadOp", "LoadState"),
+    "hicache_cp.pools": ("DevicePool", "HostPool"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache_cp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
 
 __version__ = "0.1.0"
 

@@ -176,3 +176,18 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
             except (ProcessLookupError, psutil.NoSuchProcess):
                 pass
         parent.wait(timeout=10)
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 0.8])
+def test_early_sigint_exits_130_in_one_line(delay_s: float) -> None:
+    """Ctrl-C while the CLI is still importing (torch takes a second or more):
+    exit 130 with one line, no KeyboardInterrupt traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "hicache_cp", "replay", "--limit", "3"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=DEADLINE_S)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if "interrupted" in line], err

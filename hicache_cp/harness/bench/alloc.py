@@ -115,8 +115,10 @@ class BenchConfig:
     command: str = ""
 
     def __post_init__(self) -> None:
-        if not self.pool_gib > 0:
-            raise BenchInputError(f"--pool-gib must be positive, got {self.pool_gib}")
+        if not (self.pool_gib > 0 and math.isfinite(self.pool_gib)):
+            raise BenchInputError(f"--pool-gib must be a finite number > 0, got {self.pool_gib}")
+        if self.seed < 0:  # numpy's generators take non-negative seeds only
+            raise BenchInputError(f"--seed must be >= 0, got {self.seed}")
         if not self.page_bytes:
             raise BenchInputError("--page-bytes lists no page size")
         for flag, value in (
@@ -472,23 +474,28 @@ def _print_unit(unit: dict[str, Any]) -> None:
         print("ours_lane: " + ", ".join(lane))
 
 
+def _page_bytes(args: argparse.Namespace) -> tuple[int, ...]:
+    """--page-bytes as given (an empty list is refused by BenchConfig, not
+    taken as unset), or the model's defaults at a valid --page-tokens."""
+    if args.page_bytes is None:
+        if args.page_tokens <= 0:  # checked here, before the layout is built at that page size
+            raise BenchInputError(f"--page-tokens must be positive, got {args.page_tokens}")
+        return default_page_bytes(args.model, args.page_tokens)
+    try:
+        return tuple(int(x) for x in args.page_bytes.split(",") if x.strip())
+    except ValueError:
+        raise BenchInputError(f"--page-bytes {args.page_bytes!r}: expected comma-separated integers") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point behind ``hicache-cp bench-alloc``; returns the exit code.
 
     Bad input raises BenchInputError (an InputError): the CLI prints one line and exits 2.
     """
-    try:
-        page_bytes = (
-            tuple(int(x) for x in args.page_bytes.split(",") if x.strip())
-            if args.page_bytes
-            else default_page_bytes(args.model, args.page_tokens)
-        )
-    except ValueError:
-        raise BenchInputError(f"--page-bytes {args.page_bytes!r}: expected comma-separated integers") from None
     checks.output_file("--json", args.json)
     cfg = BenchConfig(  # validates every flag (BenchInputError: exit 2, through the CLI)
         pool_gib=args.pool_gib,
-        page_bytes=page_bytes,
+        page_bytes=_page_bytes(args),
         ops=args.ops,
         seed=args.seed,
         page_tokens=args.page_tokens,

@@ -61,6 +61,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_cp.harness import checks
+from hicache_cp.harness.errors import InputError
+from hicache_cp.harness.outputs import atomic_path
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hostmem import cuda
 from hostmem.arena import HostArena, TouchMode
@@ -195,16 +198,7 @@ def _validate(args: argparse.Namespace) -> _Args:
     if args.repeats < 1:
         raise BenchInputError(f"--repeats: must be >= 1, got {args.repeats}")
     variants = [parse_variant(v) for v in str(args.variants).split(",") if v.strip()]
-    if args.json is not None:
-        parent = args.json.parent if str(args.json.parent) else Path(".")
-        if args.json.is_dir():
-            raise BenchInputError(f"--json: {args.json} is a directory")
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise BenchInputError(f"--json: cannot create {parent}: {exc}") from None
-        if not os.access(parent, os.W_OK):
-            raise BenchInputError(f"--json: {parent} is not writable")
+    checks.output_file("--json", args.json)  # before any work, as every command checks it
     return _Args(
         sizes, chunk, int(args.copy_gib * GIB), args.repeats, variants, not args.no_warmup,
         int(args.reserve_gib * GIB), args.json,
@@ -255,7 +249,8 @@ class _Run:
         if self.errors:
             self.result["errors"] = dict(self.errors)
         if self.a.json is not None:
-            _write_atomically(self.a.json, json.dumps(self.result, indent=2) + "\n")
+            with atomic_path(self.a.json) as tmp:
+                tmp.write_text(json.dumps(self.result, indent=2) + "\n")
 
     def fits(self, nbytes: int) -> str | None:
         """None when ``nbytes`` fits in free host memory with the reserve, else why not."""
@@ -468,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; print a table; write JSON if asked. Returns the exit status."""
     try:
         a = _validate(args)
-    except BenchInputError as exc:
+    except (BenchInputError, InputError) as exc:
         print(f"bench-pinning: error: {exc}", file=sys.stderr)
         return 2
     use_cuda = cuda.cuda_available() and torch.cuda.is_available()
@@ -506,15 +501,6 @@ def _bracketed(path: Path) -> str | None:
 
 def _r(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(x, digits)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _progress(line: str) -> None:

@@ -77,8 +77,12 @@ def make_engine(args: argparse.Namespace) -> Engine:
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """Config fields the chosen engine fixes, for the replay's config resolution
-    (before sizing): the hf engine's model layout and page size; {} otherwise."""
+    (before sizing): the hf engine's model layout and page size; {} otherwise.
+    Without --engine hf, refuses the hf engine's options (they would do nothing)."""
     if (getattr(args, "engine", None) or "synthetic") != "hf":
+        import hicache_cp.harness.engines.hf_options as hf_options
+
+        hf_options.refuse_without_hf(args)
         return {}
     from hicache_cp.harness.engines.hf import config_overrides as hf_overrides
 

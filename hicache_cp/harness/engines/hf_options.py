@@ -7,6 +7,7 @@ torch's model code nor transformers.
 from __future__ import annotations
 
 import argparse
+import math
 
 from hicache_cp.harness.errors import InputError
 
@@ -44,6 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # fmt: skip
 
 
+def refuse_without_hf(args: argparse.Namespace) -> None:
+    """An hf option set away from its default without `--engine hf` would be
+    ignored without a word: refuse it, naming the flag. (A flag given at its
+    default changes nothing, so it cannot be told apart and needs no refusal.)"""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_arguments(probe)  # the defaults, from the one table above
+    for dest, default in vars(probe.parse_args([])).items():
+        if getattr(args, dest, default) != default:
+            flag = "--" + dest.replace("_", "-")
+            raise InputError(f"{flag} (from cli) is an option of the hf engine; it needs --engine hf")
+
+
 def check_cp_size(args: argparse.Namespace, cp_size: int | None) -> None:
     """What the hf engine cannot do under CP (one process per rank, `hf_cp`)."""
     if cp_size is None or cp_size == 1:
@@ -68,8 +81,8 @@ def check(args: argparse.Namespace, page_size: int) -> None:
     for name in ("check_outputs", "recompute_samples", "spec_steps", "ttft_probe"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.time_scale < 0:
-        raise InputError(f"--time-scale must be >= 0, got {args.time_scale}")
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):  # nan/inf: no arrival ever comes
+        raise InputError(f"--time-scale must be a finite number > 0, got {args.time_scale}")
     from hicache_cp.harness.engines.hf_faults import HfFault  # checked before any work
 
     for text in getattr(args, "hf_fault", None) or ():

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -113,13 +114,13 @@ class SchedulerOptions:
             raise ValueError(f"chunk_tokens and max_batch_tokens must be >= 1, got {self.chunk_tokens}, {self.max_batch_tokens}")
         if self.short_tokens < 0:
             raise ValueError(f"short_tokens must be >= 0, got {self.short_tokens}")
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):  # nan or inf: no arrival ever comes
+            raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale}")
 
     @property
     def short_limit(self) -> int:
         """Tokens left within which a sequence counts as short."""
         return self.short_tokens or max(1, self.chunk_tokens // 2)
-        if self.time_scale < 0:
-            raise ValueError(f"time_scale must be >= 0, got {self.time_scale}")
 
 
 @dataclass
