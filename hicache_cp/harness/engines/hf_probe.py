@@ -29,6 +29,7 @@ the forward; read after it), elsewhere with the wall clock.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -81,7 +82,7 @@ def ttft_pairs(
     """The TTFT pairs of the module docstring over `prompts`; report keys."""
     ps = cache.layout.page_size
     rng = np.random.default_rng(seed)
-    index = iter(range(first_index, first_index + 4 * len(prompts) + 1))
+    index = itertools.count(first_index)  # request ids after the trace's
     pairs: list[ProbePair] = []
 
     def serve(ids: np.ndarray) -> RequestRecord:
