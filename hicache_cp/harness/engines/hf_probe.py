@@ -189,20 +189,18 @@ def _ratio_p50(a: dict[str, Any], b: dict[str, Any]) -> float | None:
 
 def _make_l2_only(serve: Callable[[np.ndarray], RequestRecord], cache: Any, prefix: np.ndarray,
                   fresh: Callable[[], np.ndarray], pages: int, sample: int) -> None:
-    """Serve the prefix until all of it has a committed L2 copy, then empty L1. A prefix
-    the replay left partly in L1 without a host copy is backed up only where it is
-    computed again, so each round evicts L1 first; three rounds at most."""
-    for _ in range(3):
-        serve(fresh())
-        cache.drain()
-        cache.evict_device()
-        m = cache.match_prefix(prefix)
-        on_device, on_host = len(m.device_pages), m.host_len
-        cache.release(m.last_node)
-        if (on_device, on_host) == (0, pages):
-            return
-    raise RuntimeError(f"ttft probe {sample}: the prefix of {pages} pages did not become L2-only "
-                       f"(L1 {on_device}, L2 {on_host} pages after three rounds)")
+    """Serve the (fresh) prefix once, so that it is computed and backed up whole, let the
+    backups commit, then empty L1: the prefix is L2-only. RuntimeError when it is not
+    (L2 skipped a backup for want of room)."""
+    serve(fresh())
+    cache.drain()
+    cache.evict_device()
+    m = cache.match_prefix(prefix)
+    on_device, on_host = len(m.device_pages), m.host_len
+    cache.release(m.last_node)
+    if (on_device, on_host) != (0, pages):
+        raise RuntimeError(f"ttft probe {sample}: the prefix of {pages} pages did not become L2-only "
+                           f"(L1 {on_device}, L2 {on_host} pages)")
 
 
 class _LayerClock:
