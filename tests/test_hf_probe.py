@@ -34,6 +34,7 @@ def _page_bytes(report: dict) -> int:
 def test_each_pair_is_one_prompt_hitting_in_l1_then_in_l2(probed: dict) -> None:
     pairs = probed["ttft_l2_over_l1_hit_pairs"]
     assert len(pairs) == 3 * PAIRS_PER_PROMPT == probed["ttft_probe_pairs"] == probed["ttft_probe_valid_pairs"]
+    assert probed["ttft_probe_wall_s"] > 0 and "ttft_probe_error" not in probed
     page = probed["page_size"]
     for p in pairs:
         pages = p["prefix_tokens"] // page

@@ -31,6 +31,10 @@ besides the replay's usual keys:
     load_over_pcie_bound           the same requests' load time over their bytes / the
                                    measured copy peak (median over those that loaded)
     no_l2                          with --compare-no-l2: the same trace with L2 off
+    ttft_l2_over_l1_hit / _p90, ttft_l2_over_l1_hit_pairs, ttft_probe_pairs / _valid_pairs,
+    layer_forward_ms, ttft_probe_wall_s (or ttft_probe_error)
+                                   with --ttft-probe N: L2-hit over L1-hit TTFT of matched
+                                   pairs, and layer times with and without copies (`hf_probe`)
 
 The byte oracle (`integrity_*` keys) covers every reused page of every part
 and layer; its digests are recorded when pages are computed.
@@ -47,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -209,8 +214,11 @@ class HfEngine:
         if not prompts:  # the replay's results stand; the probe's absence is said, loudly
             logger.warning("--ttft-probe: no prompt of the trace fits half of L1 (%d tokens); no probe", room)
             return {"ttft_probe_error": f"no prompt of the trace fits half of L1 ({room} tokens)"}
+        t0 = time.perf_counter()
         try:
-            return self._run_probe(model, cfg, work, prompts)
+            out = self._run_probe(model, cfg, work, prompts)
+            out["ttft_probe_wall_s"] = round(time.perf_counter() - t0, 3)
+            return out
         except Exception as e:  # noqa: BLE001 - the one boundary of the probe: the replay's results stand
             logger.exception("--ttft-probe failed; the replay's results are reported without it")
             return {"ttft_probe_error": f"{type(e).__name__}: {e}"}

@@ -56,6 +56,7 @@ _SHOWN = {
     "footprint_pages", "l1_logical_pages", "l2_logical_pages", "commit", "machine", "command", "collectives",
     "integrity_failures", "mismatch_examples", "samples", "stats", "config", "per_rank", "pd", "bounds",
     "ttft_l2_over_l1_hit", "ttft_l2_over_l1_hit_p90", "ttft_probe_pairs", "ttft_probe_valid_pairs",
+    "ttft_probe_wall_s",
 }  # fmt: skip
 
 
@@ -140,7 +141,8 @@ def _probe_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
     if "ttft_probe_valid_pairs" in report:
         ratio, p90 = report.get("ttft_l2_over_l1_hit"), report.get("ttft_l2_over_l1_hit_p90")
         rows.append(("L2-hit / L1-hit TTFT", f"{_fmt(ratio)} median, p90 {_fmt(p90)}, over "
-                     f"{report['ttft_probe_valid_pairs']} of {report.get('ttft_probe_pairs')} pairs"))  # fmt: skip
+                     f"{report['ttft_probe_valid_pairs']} of {report.get('ttft_probe_pairs')} pairs "
+                     f"(probe {_fmt(report.get('ttft_probe_wall_s'))} s)"))  # fmt: skip
     lt = report.get("layer_forward_ms")
     if isinstance(lt, dict) and "alone" in lt:
         rows.append(("layer time", f"p50 {_fmt(lt['alone']['p50'])} ms alone, {_fmt(lt['with_copies']['p50'])} ms "
