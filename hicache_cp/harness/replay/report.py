@@ -56,7 +56,7 @@ _SHOWN = {
     "footprint_pages", "l1_logical_pages", "l2_logical_pages", "commit", "machine", "command", "collectives",
     "integrity_failures", "mismatch_examples", "samples", "stats", "config", "per_rank", "pd", "bounds",
     "ttft_l2_over_l1_hit", "ttft_l2_over_l1_hit_p90", "ttft_probe_pairs", "ttft_probe_valid_pairs",
-    "ttft_probe_wall_s",
+    "ttft_probe_wall_s", "ttft_probe_error",
 }  # fmt: skip
 
 
