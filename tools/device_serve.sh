@@ -80,7 +80,7 @@ keys = ("requests", "served_requests", "hit_rate", "l2_hit_tokens", "max_batch_r
         "integrity_checked_units", "integrity_expected_units", "integrity_mismatches", "outputs_checked",
         "outputs_max_abs_err", "outputs_mismatches", "outputs_same_argmax", "pd_rooms", "pd_failed_rooms",
         "pd_mismatches", "pd_gbps", "integrity_failures", "ttft_l2_over_l1_hit", "ttft_l2_over_l1_hit_p90",
-        "ttft_probe_valid_pairs", "layer_forward_ms")
+        "ttft_probe_pairs", "ttft_probe_valid_pairs", "ttft_probe_error", "ttft_probe_wall_s", "layer_forward_ms")
 for name in ("serve-h200.json", "serve-pd-h200.json"):
     path = pathlib.Path(sys.argv[1]) / name
     if path.is_file():

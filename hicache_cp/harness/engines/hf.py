@@ -31,6 +31,10 @@ besides the replay's usual keys:
     load_over_pcie_bound           the same requests' load time over their bytes / the
                                    measured copy peak (median over those that loaded)
     no_l2                          with --compare-no-l2: the same trace with L2 off
+    ttft_l2_over_l1_hit / _p90, ttft_l2_over_l1_hit_pairs, ttft_probe_pairs / _valid_pairs,
+    layer_forward_ms, ttft_probe_wall_s (or ttft_probe_error)
+                                   with --ttft-probe N: L2-hit over L1-hit TTFT of matched
+                                   pairs, and layer times with and without copies (`hf_probe`)
 
 The byte oracle (`integrity_*` keys) covers every reused page of every part
 and layer; its digests are recorded when pages are computed.
@@ -47,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -150,7 +155,7 @@ class HfEngine:
                 bar.close()
             extra = self._report(model, cache, work, result, samples, exchange)
             if self.args.ttft_probe:
-                extra.update(self._probe(model, cache, work))
+                extra.update(self._probe(model, cache.config, work))
             if injector is not None:
                 extra["faults_injected"] = injector.injected
             other = self._compare_no_l2(cache.config, work, opts.verify) if self.args.compare_no_l2 else None
@@ -183,37 +188,65 @@ class HfEngine:
     def _serve(
         self, cache: HiCache, work: list[tuple[TraceRequest, np.ndarray]], *, sink: Any, verify: bool, use_l2: bool,
         on_request: Callable[[int], None], exchange: PrefixExchange | None = None, samples: OracleSamples | None = None,
-        injector: FaultInjector | None = None, arrivals: Arrivals | None = None,
+        injector: FaultInjector | None = None, arrivals: Arrivals | None = None, forward: PagedForward | None = None,
     ) -> ServeResult:  # fmt: skip
         model = self.model(str(cache.device_pool.device))
         buffers = self._buffers[id(cache)]
         scheduler = Scheduler(
-            cache, PagedForward(model), buffers, self._options(use_l2=use_l2, verify=verify, arrivals=arrivals),
+            cache, forward or PagedForward(model), buffers, self._options(use_l2=use_l2, verify=verify, arrivals=arrivals),
             sink=sink, on_request=on_request, view=make_view(model, buffers, cache.rank, cache.cp_size, exchange),
             on_finish=samples.offer if samples is not None else None,
             before_load=injector.before_load if injector is not None else None,
         )  # fmt: skip
         return scheduler.serve(work)
 
-    def _probe(self, model: hf_model.HfModel, cache: HiCache, work: list[tuple[TraceRequest, np.ndarray]]) -> dict[str, Any]:
-        """`--ttft-probe N` (`hf_probe`) on the longest prompts that fit half of L1 (so that
-        a prefix computed once stays in L1 whole until it is evicted on purpose)."""
-        room = cache.device_pool.allocator.capacity * cache.layout.page_size // 2
+    def _probe(self, model: hf_model.HfModel, config: Config, work: list[tuple[TraceRequest, np.ndarray]]) -> dict[str, Any]:
+        """`--ttft-probe N` (`hf_probe`) on a cache of its own (the replay's config, write-through,
+        no L3: the replay's cache and counters are left as the replay made them), over the
+        longest prompts that fit half of L1 (so that a prefix computed once stays in L1
+        whole until it is evicted on purpose)."""
+        d = config.to_dict()
+        cfg = Config.from_dict({**d, "write_policy": WritePolicy.WRITE_THROUGH.value, "l2_exclusive": False,
+                                "l3": {**d["l3"], "backend": "none"}})  # fmt: skip
+        room = cfg.l1_pages * cfg.page_size // 2
         fitting = sorted((ids for _, ids in work if len(ids) <= room), key=len, reverse=True)
         prompts = fitting[: self.args.ttft_probe]
         if not prompts:  # the replay's results stand; the probe's absence is said, loudly
             logger.warning("--ttft-probe: no prompt of the trace fits half of L1 (%d tokens); no probe", room)
             return {"ttft_probe_error": f"no prompt of the trace fits half of L1 ({room} tokens)"}
+        t0 = time.perf_counter()
+        try:
+            out = self._run_probe(model, cfg, work, prompts)
+            out["ttft_probe_wall_s"] = round(time.perf_counter() - t0, 3)
+            return out
+        except Exception as e:  # noqa: BLE001 - the one boundary of the probe: the replay's results stand
+            logger.exception("--ttft-probe failed; the replay's results are reported without it")
+            return {"ttft_probe_error": f"{type(e).__name__}: {e}"}
 
-        def serve_one(req: TraceRequest, ids: np.ndarray) -> RequestRecord:
-            result = self._serve(cache, [(req, ids)], sink=None, verify=False, use_l2=True, on_request=lambda i: None,
-                                 arrivals=Arrivals.ASAP)  # fmt: skip
-            return result.records[-1]
+    def _run_probe(
+        self, model: hf_model.HfModel, cfg: Config, work: list[tuple[TraceRequest, np.ndarray]], prompts: list[np.ndarray]
+    ) -> dict[str, Any]:  # fmt: skip
+        forward = hf_probe.TimedForward(model)
+        with self.open_cache(cfg, rank=0, agreement=None, device=str(model.device)) as cache:
+            try:
 
-        first = max(r.index for r, _ in work) + 1
-        out = hf_probe.ttft_pairs(serve_one, cache, prompts, vocab_size=model.vocab_size, seed=self.args.hf_seed + 2,
-                                  first_index=first)  # fmt: skip
-        out["layer_forward_ms"] = hf_probe.layer_times(model, cache, prompts[0], self.chunk_tokens)
+                def serve_one(req: TraceRequest, ids: np.ndarray) -> hf_probe.Served:
+                    forward.take_ms()  # nothing of an earlier request
+                    result = self._serve(cache, [(req, ids)], sink=None, verify=False, use_l2=True,
+                                         on_request=lambda i: None, arrivals=Arrivals.ASAP, forward=forward)  # fmt: skip
+                    return hf_probe.Served(result.records[-1], forward.take_ms())
+
+                first = max(r.index for r, _ in work) + 1
+                out = hf_probe.ttft_pairs(serve_one, cache, prompts, vocab_size=model.vocab_size,
+                                          seed=self.args.hf_seed + 2, first_index=first)  # fmt: skip
+                ps = cache.layout.page_size
+                copy_pages = int(len(prompts[0]) * hf_probe.HIT_FRACTION) // ps  # what an L2 hit of it loads a layer
+                out["layer_forward_ms"] = hf_probe.layer_times(model, cache, prompts[0], self.chunk_tokens, copy_pages)
+                out["layer_forward_ms"]["hit_pairs"] = out.pop("layer_forward_ms_hit_pairs")
+                cache.drain()
+                cache.check_invariants()
+            finally:
+                self._buffers.pop(id(cache), None)
         return out
 
     def _compare_no_l2(self, config: Config, work: list[tuple[TraceRequest, np.ndarray]], verify: bool) -> dict[str, Any]:

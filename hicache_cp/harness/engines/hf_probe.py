@@ -1,30 +1,41 @@
 """`--ttft-probe N`: what an L2 hit costs over an L1 hit, and what copies cost a layer.
 
-After the replay, with the server otherwise idle, two measurements in the
-real model (issue 28, item 3):
+After the replay, on a cache of its own (the replay's counters stay the
+replay's: its hit rate, bytes and evictions are not the probe's) and with
+the server otherwise idle, two measurements in the real model (issue 28,
+item 3):
 
 TTFT pairs. For each of N long prompts of the trace, of its length: a prefix
 P of 93% of it (whole pages) of fresh tokens, so that no tier holds any of P
-beforehand (the replay leaves prefixes partly in L1 without a host copy). P is served once and its backups are committed;
-then P + a fresh suffix is served while P is in L1 (an L1 hit) and P + another
-fresh suffix of the same length while P is only in L2 (`HiCache.evict_device`
-first: an L2 hit, whose loads overlap the forward). P is first made L2-only:
-served (computing what no tier holds) until every page of it has a committed
-host copy, then L1 emptied. Both requests have the
-same prompt size and hit fraction, arrive at an idle server (no queueing) and
-are timed arrival -> first token by the scheduler. The order alternates from
-pair to pair (an L2 hit leaves P in L1 for the L1 hit that follows).
-`ttft_l2_over_l1_hit` is the median of (L2-hit TTFT / L1-hit TTFT); a pair
-whose requests did not hit as planned (a hit tier other than the one meant,
-or fewer hit pages than P) is refused with a WARNING and left out, and listed.
+beforehand. P is first made L2-only: served (computing it) until every page
+of it has a committed host copy, then L1 emptied (`HiCache.evict_device`).
+One unmeasured L2 hit of P + a fresh suffix follows: it warms this length's
+kernel shapes (on CUDA a shape's first forward pays cuBLAS and SDPA set-up,
+`hf_forward`) and leaves P in L1. Then `PAIRS_PER_PROMPT` pairs: P + a fresh
+suffix served while P is in L1 (an L1 hit), and P + another fresh suffix of
+the same length while P is only in L2 (`evict_device` first: an L2 hit,
+whose loads overlap the forward); an L2 hit leaves P in L1 for an L1 hit
+after it, so the order alternates from pair to pair and each prompt has one
+pair of each order. Both requests of a pair have the same prompt size and
+hit fraction, arrive at an idle server (nothing queued, no copy in flight:
+the cache is drained before each) and are timed arrival -> first token by
+the scheduler, without the byte oracle (its checks would sit inside the
+L2 hit's TTFT only). `ttft_l2_over_l1_hit` is the median of (L2-hit TTFT /
+L1-hit TTFT); a pair whose requests did not hit as planned (a hit tier
+other than the one meant, or fewer hit pages than P) is refused with a
+WARNING and left out, and listed.
 
-Layer times. The forward of one chunk of a probe prompt (no paging: a scratch
-store), layer by layer: its time per layer alone, and with copies of the
-same size in flight on the cache's copy engine: a load of every layer
-submitted before the forward and each layer's backup after the layer,
-between scratch pages of both pools (never pages the cache holds). On CUDA
-each layer is timed with events on the compute stream (no host sync inside
-the forward; read after it), elsewhere with the wall clock.
+Layer times (`layer_forward_ms`). The forward of one chunk of a probe
+prompt (no paging: a scratch store), layer by layer: its time per layer
+alone, and with copies in flight in both directions on the cache's copy
+engine, each layer as much as an L2 hit of the prompt loads (its prefix
+pages): before each layer that layer's load is submitted, after it its
+backup, between scratch pages of both pools (never pages the cache holds).
+Beside them, `hit_pairs`: the layer times of the pairs' own forwards, the
+L1 hits' against the L2 hits' (the same shapes; the L2 hits' loads in
+flight). On CUDA each layer is timed with events on the compute stream
+(no host sync inside the forward; read after it), elsewhere with the wall
+clock; a layer's time starts once its loads were waited for.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness.engines.hf_forward import LayerHooks, PagedForward, ScratchKV, SeqChunk, SeqPlan
+from hicache_cp.harness.engines.hf_forward import LayerHooks, NoHooks, PagedForward, ScratchKV, SeqChunk, SeqPlan
 from hicache_cp.harness.engines.scheduler import RequestRecord
 from hicache_cp.cp.mapping import to_physical
 from hicache_cp.harness.trace import TraceRequest
@@ -50,17 +61,29 @@ logger = logging.getLogger(__name__)
 
 #: The prefix's share of a probe prompt: the trace's long-prompt hit fraction.
 HIT_FRACTION = 0.93
+#: L1-hit / L2-hit pairs per probe prompt (orders alternating; one full compute of P serves them all).
+PAIRS_PER_PROMPT = 2
 #: Forwards per layer-time measurement (after one unmeasured).
 LAYER_REPEATS = 3
 
-ServeOne = Callable[[TraceRequest, np.ndarray], RequestRecord]
+
+@dataclass(frozen=True)
+class Served:
+    """One probe request: its record and the layer times of its forwards (ms, in order)."""
+
+    record: RequestRecord
+    layer_ms: list[float]
+
+
+ServeOne = Callable[[TraceRequest, np.ndarray], Served]
 
 
 @dataclass(frozen=True)
 class ProbePair:
     """One L1-hit / L2-hit pair of the same prompt size and hit fraction."""
 
-    sample: int
+    sample: int  # the probe prompt
+    repeat: int  # the pair's number among that prompt's
     prompt_tokens: int
     prefix_tokens: int
     order: str  # which hit was served first: "l1-first" or "l2-first"
@@ -68,7 +91,10 @@ class ProbePair:
     l2_ttft_s: float
     l1_hit_pages: tuple[int, int]  # (L1, L2) hit pages of the L1-hit request
     l2_hit_pages: tuple[int, int]  # the same of the L2-hit request
+    l1_prompt_tokens: int
+    l2_prompt_tokens: int
     l2_load_s: float | None
+    l2_load_bytes: int
     valid: bool
 
     @property
@@ -79,15 +105,16 @@ class ProbePair:
 def ttft_pairs(
     serve_one: ServeOne, cache: Any, prompts: list[np.ndarray], *, vocab_size: int, seed: int, first_index: int
 ) -> dict[str, Any]:
-    """The TTFT pairs of the module docstring over `prompts`; report keys."""
+    """The TTFT pairs of the module docstring over `prompts`; report keys
+    (`layer_forward_ms_hit_pairs`: the pairs' layer times)."""
     ps = cache.layout.page_size
     rng = np.random.default_rng(seed)
-    index = itertools.count(first_index)  # request ids after the trace's
+    index = itertools.count(first_index)
     pairs: list[ProbePair] = []
+    layers: dict[str, list[float]] = {"l1_hit": [], "l2_hit": []}
 
-    def serve(ids: np.ndarray) -> RequestRecord:
-        i = next(index)
-        return serve_one(TraceRequest(i, 0.0, len(ids), 1, ()), ids)
+    def serve(ids: np.ndarray) -> Served:
+        return serve_one(TraceRequest(next(index), 0.0, len(ids), 1, ()), ids)
 
     for k, ids in enumerate(prompts):
         prefix = int(len(ids) * HIT_FRACTION) // ps * ps
@@ -100,53 +127,80 @@ def ttft_pairs(
             return np.concatenate([p, rng.integers(0, vocab_size, tail, dtype=np.int64)])
 
         pages = prefix // ps
-        _make_l2_only(serve, cache, p, fresh, pages, k)
-        l2_first = k % 2 == 0
-        if l2_first:
-            l2 = serve(fresh())  # loads P back into L1
-            cache.drain()
-            l1 = serve(fresh())
-        else:
-            serve(fresh())  # loads P back into L1
-            cache.drain()
-            l1 = serve(fresh())
-            cache.evict_device()
-            l2 = serve(fresh())
+        _make_l2_only(lambda ids: serve(ids).record, cache, p, fresh, pages, k)
+        serve(fresh())  # warm-up: an L2 hit of this length's shapes; P is in L1 after it
         cache.drain()
-        valid = (l1.l1_hit_pages, l1.l2_hit_pages) == (pages, 0) and (l2.l1_hit_pages, l2.l2_hit_pages) == (0, pages)
-        pair = ProbePair(
-            k, len(ids), prefix, "l2-first" if l2_first else "l1-first", l1.ttft_s, l2.ttft_s,
-            (l1.l1_hit_pages, l1.l2_hit_pages), (l2.l1_hit_pages, l2.l2_hit_pages), l2.load_s, valid,
-        )  # fmt: skip
-        if not valid:
-            logger.warning("ttft probe %d: not the planned hits (prefix %d pages; L1-hit request %s, L2-hit request %s "
-                           "as (L1, L2) pages); left out", k, pages, pair.l1_hit_pages, pair.l2_hit_pages)  # fmt: skip
-        pairs.append(pair)
+        for j in range(PAIRS_PER_PROMPT):
+            l2_first = (k + j) % 2 == 0
+            if l2_first:
+                cache.evict_device()
+                l2 = serve(fresh())  # loads P back into L1
+                cache.drain()
+                l1 = serve(fresh())
+            else:
+                l1 = serve(fresh())
+                cache.drain()
+                cache.evict_device()
+                l2 = serve(fresh())
+            cache.drain()
+            pair = _pair(k, j, len(ids), prefix, l2_first, l1.record, l2.record, pages)
+            if pair.valid:
+                layers["l1_hit"] += l1.layer_ms
+                layers["l2_hit"] += l2.layer_ms
+            else:
+                logger.warning("ttft probe %d.%d: not the planned hits (prefix %d pages; L1-hit request %s, L2-hit "
+                               "request %s as (L1, L2) pages); left out", k, j, pages, pair.l1_hit_pages,
+                               pair.l2_hit_pages)  # fmt: skip
+            pairs.append(pair)
     ratios = [q.ratio for q in pairs if q.valid]
+    hit_layers: dict[str, Any] = {label: _spread(ms) for label, ms in layers.items()}
+    hit_layers["ratio_p50"] = _ratio_p50(hit_layers["l2_hit"], hit_layers["l1_hit"])
+    hit_layers["l2_load_bytes"] = sum(q.l2_load_bytes for q in pairs if q.valid)
     return {
         "ttft_l2_over_l1_hit": float(np.median(ratios)) if ratios else None,
         "ttft_l2_over_l1_hit_p90": float(np.percentile(ratios, 90)) if ratios else None,
+        "ttft_probe_pairs": len(pairs),
         "ttft_probe_valid_pairs": len(ratios),
         "ttft_l2_over_l1_hit_pairs": [{**asdict(q), "ratio": q.ratio} for q in pairs],
+        "layer_forward_ms_hit_pairs": hit_layers,
     }
+
+
+def _pair(k: int, j: int, prompt: int, prefix: int, l2_first: bool, l1: RequestRecord, l2: RequestRecord,
+          pages: int) -> ProbePair:  # fmt: skip
+    """The pair of (`l1`, `l2`); valid when each hit all of P in its own tier and nowhere else."""
+    l1_hits, l2_hits = (l1.l1_hit_pages, l1.l2_hit_pages), (l2.l1_hit_pages, l2.l2_hit_pages)
+    valid = l1_hits == (pages, 0) and l2_hits == (0, pages) and l1.prompt_tokens == l2.prompt_tokens == prompt
+    return ProbePair(
+        k, j, prompt, prefix, "l2-first" if l2_first else "l1-first", l1.ttft_s, l2.ttft_s, l1_hits, l2_hits,
+        l1.prompt_tokens, l2.prompt_tokens, l2.load_s, l2.load_bytes, valid,
+    )  # fmt: skip
+
+
+def _spread(ms: list[float]) -> dict[str, Any]:
+    if not ms:
+        return {"p50": None, "p90": None, "n": 0}
+    return {"p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)), "n": len(ms)}
+
+
+def _ratio_p50(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    return a["p50"] / b["p50"] if a["p50"] is not None and b["p50"] else None
 
 
 def _make_l2_only(serve: Callable[[np.ndarray], RequestRecord], cache: Any, prefix: np.ndarray,
                   fresh: Callable[[], np.ndarray], pages: int, sample: int) -> None:
-    """Serve the prefix until all of it has a committed L2 copy, then empty L1. A prefix
-    the replay left partly in L1 without a host copy is backed up only where it is
-    computed again, so each round evicts L1 first; three rounds at most."""
-    for _ in range(3):
-        serve(fresh())
-        cache.drain()
-        cache.evict_device()
-        m = cache.match_prefix(prefix)
-        on_device, on_host = len(m.device_pages), m.host_len
-        cache.release(m.last_node)
-        if (on_device, on_host) == (0, pages):
-            return
-    raise RuntimeError(f"ttft probe {sample}: the prefix of {pages} pages did not become L2-only "
-                       f"(L1 {on_device}, L2 {on_host} pages after three rounds)")
+    """Serve the (fresh) prefix once, so that it is computed and backed up whole, let the
+    backups commit, then empty L1: the prefix is L2-only. RuntimeError when it is not
+    (L2 skipped a backup for want of room)."""
+    serve(fresh())
+    cache.drain()
+    cache.evict_device()
+    m = cache.match_prefix(prefix)
+    on_device, on_host = len(m.device_pages), m.host_len
+    cache.release(m.last_node)
+    if (on_device, on_host) != (0, pages):
+        raise RuntimeError(f"ttft probe {sample}: the prefix of {pages} pages did not become L2-only "
+                           f"(L1 {on_device}, L2 {on_host} pages)")
 
 
 class _LayerClock:
@@ -165,16 +219,54 @@ class _LayerClock:
             self.marks.append(time.perf_counter())
 
     def layer_ms(self) -> list[float]:
-        """After the forward: ms of each (before, after) pair of marks."""
+        """After the forward: ms of each (start, end) pair of marks. Blocks on the last event."""
+        if not self.marks:
+            return []
         if self.cuda:
             self.marks[-1].synchronize()
             return [a.elapsed_time(b) for a, b in zip(self.marks[::2], self.marks[1::2])]
         return [(b - a) * 1e3 for a, b in zip(self.marks[::2], self.marks[1::2])]
 
 
+class _ClockedHooks:
+    """A forward's hooks with every layer timed between them: the start mark after
+    the inner `before_layer` (its load waits are queued first, so a layer's time
+    starts once its pages landed), the end mark before the inner `after_layer`."""
+
+    def __init__(self, inner: LayerHooks, clock: _LayerClock) -> None:
+        self.inner, self.clock = inner, clock
+
+    def before_layer(self, model: Model, layer: int) -> None:
+        self.inner.before_layer(model, layer)
+        self.clock.mark()
+
+    def after_layer(self, model: Model, layer: int) -> None:
+        self.clock.mark()
+        self.inner.after_layer(model, layer)
+
+
+class TimedForward(PagedForward):
+    """`PagedForward` whose every layer is timed (`_ClockedHooks`); `take_ms()` hands
+    over the layer times of the forwards since the last call (after their sync)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self._clocks: list[_LayerClock] = []
+
+    def run(self, batch: Any, hooks: LayerHooks | None = None) -> Any:
+        clock = _LayerClock(self.m.device.type == "cuda")
+        self._clocks.append(clock)
+        return super().run(batch, _ClockedHooks(hooks or NoHooks(), clock))
+
+    def take_ms(self) -> list[float]:
+        ms = [t for c in self._clocks for t in c.layer_ms()]
+        self._clocks.clear()
+        return ms
+
+
 class _Traffic:
-    """Copies beside the forward between scratch pages of both pools: loads of every
-    layer up front, each layer's backup after it (`CopyEngine` tickets, awaited at the end)."""
+    """Copies beside the forward between scratch pages of both pools: each layer's
+    load before it, its backup after it (`CopyEngine` tickets, awaited at the end)."""
 
     def __init__(self, cache: Any, pages: int) -> None:
         self.cache = cache
@@ -214,57 +306,51 @@ class _Traffic:
         self.cache.free_device(self.dev)
 
 
-class _TimedHooks:
-    """Marks every layer's start and end; with `traffic`, copies around them."""
+class _TrafficHooks:
+    """Each layer's load submitted before it, its backup after it."""
 
-    def __init__(self, clock: _LayerClock, traffic: _Traffic | None) -> None:
-        self.clock, self.traffic = clock, traffic
+    def __init__(self, traffic: _Traffic) -> None:
+        self.traffic = traffic
 
     def before_layer(self, model: Model, layer: int) -> None:
-        self.clock.mark()
+        self.traffic.submit(self.traffic.load, model, layer)
 
     def after_layer(self, model: Model, layer: int) -> None:
-        self.clock.mark()
-        if self.traffic is not None:
-            self.traffic.submit(self.traffic.backup, model, layer)
+        self.traffic.submit(self.traffic.backup, model, layer)
 
 
-def layer_times(model: Any, cache: Any, ids: np.ndarray, chunk_tokens: int) -> dict[str, Any]:
-    """The layer-time measurement of the module docstring over the first chunk of `ids`."""
+def layer_times(model: Any, cache: Any, ids: np.ndarray, chunk_tokens: int, copy_pages: int) -> dict[str, Any]:
+    """The layer-time measurement of the module docstring over the first chunk of
+    `ids`, with `copy_pages` pages a layer and direction in flight for `with_copies`."""
     ps = cache.layout.page_size
     n = min(len(ids), chunk_tokens) // ps * ps
     if n < ps:
         raise ValueError(f"a probe chunk needs a whole page ({ps} tokens), got {len(ids)}")
+    if copy_pages < 1:
+        raise ValueError(f"copies beside the forward need at least one page, got {copy_pages}")
     chunk = ids[:n]
-    forward = PagedForward(model)
-    cuda = model.device.type == "cuda"
+    forward = TimedForward(model)
     plan = SeqPlan.build(SeqChunk(chunk, 0, None, 0, 0, None), ps)
-    traffic = _Traffic(cache, n // ps)
+    cache.drain()
+    traffic = _Traffic(cache, copy_pages)
     times: dict[str, list[float]] = {"alone": [], "with_copies": []}
     copied = 0
     try:
         for rep in range(LAYER_REPEATS + 1):
             for label in ("alone", "with_copies") if rep % 2 else ("with_copies", "alone"):
-                clock = _LayerClock(cuda)
-                use = traffic if label == "with_copies" else None
-                if use is not None:
-                    before = traffic.bytes
-                    for m in Model:
-                        for layer in range(cache.layout.num_layers(m)):
-                            traffic.submit(traffic.load, m, layer)
-                hooks: LayerHooks = _TimedHooks(clock, use)
+                use = label == "with_copies"
+                before = traffic.bytes
+                hooks: LayerHooks = _TrafficHooks(traffic) if use else NoHooks()
                 forward.run([(plan, ScratchKV().bind(plan))], hooks)
-                ms = clock.layer_ms()
-                if use is not None:
-                    traffic.finish()
-                    if rep:
-                        copied += traffic.bytes - before
+                ms = forward.take_ms()
+                traffic.finish()  # nothing in flight when the next forward starts
                 if rep:  # the first round warms kernels and the allocator
                     times[label] += ms
+                    copied += traffic.bytes - before
     finally:
         traffic.close()
-    out: dict[str, Any] = {"tokens": n, "repeats": LAYER_REPEATS, "copied_bytes": copied}
+    out: dict[str, Any] = {"tokens": n, "repeats": LAYER_REPEATS, "copy_pages": copy_pages, "copied_bytes": copied}
     for label, ms in times.items():
-        out[label] = {"p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)), "n": len(ms)}
-    out["ratio_p50"] = out["with_copies"]["p50"] / out["alone"]["p50"]
+        out[label] = _spread(ms)
+    out["ratio_p50"] = _ratio_p50(out["with_copies"], out["alone"])
     return out

@@ -55,6 +55,8 @@ _SHOWN = {
     "model", "policy", "write_policy", "cp_size", "tokens_per_block", "page_size", "trace", "trace_tokens",
     "footprint_pages", "l1_logical_pages", "l2_logical_pages", "commit", "machine", "command", "collectives",
     "integrity_failures", "mismatch_examples", "samples", "stats", "config", "per_rank", "pd", "bounds",
+    "ttft_l2_over_l1_hit", "ttft_l2_over_l1_hit_p90", "ttft_probe_pairs", "ttft_probe_valid_pairs",
+    "ttft_probe_wall_s", "ttft_probe_error",
 }  # fmt: skip
 
 
@@ -107,6 +109,9 @@ def print_table(report: dict[str, Any]) -> None:
             ("L2 used", f"{report.get('l2_used_pages', 0):,} of {report.get('l2_capacity_pages', 0):,} pages"),
         ]),
     ]
+    probe = _probe_rows(report)
+    if probe:
+        sections.append(("ttft probe (--ttft-probe)", probe))
     for name in ("pd", "bounds"):
         if isinstance(report.get(name), dict):
             sections.append((name, [(k, _fmt(v)) for k, v in report[name].items() if not isinstance(v, (list, dict))]))
@@ -128,6 +133,27 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"  {k:<{width}}  {v}")
     for m in report.get("mismatch_examples", []):
         print(f"mismatch: {m}")
+
+
+def _probe_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The hf engine's probe: L2-hit over L1-hit TTFT, and layer times with and without copies."""
+    rows = []
+    if "ttft_probe_valid_pairs" in report:
+        ratio, p90 = report.get("ttft_l2_over_l1_hit"), report.get("ttft_l2_over_l1_hit_p90")
+        rows.append(("L2-hit / L1-hit TTFT", f"{_fmt(ratio)} median, p90 {_fmt(p90)}, over "
+                     f"{report['ttft_probe_valid_pairs']} of {report.get('ttft_probe_pairs')} pairs "
+                     f"(probe {_fmt(report.get('ttft_probe_wall_s'))} s)"))  # fmt: skip
+    lt = report.get("layer_forward_ms")
+    if isinstance(lt, dict) and "alone" in lt:
+        rows.append(("layer time", f"p50 {_fmt(lt['alone']['p50'])} ms alone, {_fmt(lt['with_copies']['p50'])} ms "
+                     f"with copies in flight ({_fmt(lt['ratio_p50'])}x; {lt['copied_bytes'] / GIB:.3f} GiB copied)"))
+        hp = lt.get("hit_pairs")
+        if isinstance(hp, dict):
+            rows.append(("layer time in hits", f"p50 {_fmt(hp['l1_hit']['p50'])} ms L1 hits, {_fmt(hp['l2_hit']['p50'])} "
+                         f"ms L2 hits ({_fmt(hp['ratio_p50'])}x; {hp['l2_load_bytes'] / GIB:.3f} GiB loaded)"))
+    if report.get("ttft_probe_error"):
+        rows.append(("error", str(report["ttft_probe_error"])))
+    return rows
 
 
 def _fmt(value: Any) -> str:
