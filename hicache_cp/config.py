@@ -231,14 +231,23 @@ class Config:
         env: dict[str, str] | None = None,
         overrides: dict[str, Any] | None = None,
         overrides_source: str = "cli",
+        *,
+        defaults: dict[str, Any] | None = None,
+        defaults_source: str = "default",
+        fixed: dict[str, Any] | None = None,
+        fixed_source: str = "fixed",
     ) -> ResolvedConfig:
         """`load`, and where each field's value came from.
 
-        Sources: "default", "preset" (the model's layout), "toml:<path>",
-        "env:HICACHE_<FIELD>", and `overrides_source` for `overrides`
-        (entries whose value is None are unset)."""
-        values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
+        Sources: "default", "preset" (the model's layout), `defaults_source`
+        for `defaults` (a command's own defaults, below the TOML),
+        "toml:<path>", "env:HICACHE_<FIELD>", `overrides_source` for
+        `overrides` (entries whose value is None are unset), and `fixed_source`
+        for `fixed`: fields the program that runs fixes (an engine's model); a
+        source above `defaults` that gives one of them another value is refused
+        (ConfigError), never silently overridden."""
+        values: dict[str, Any] = dict(defaults or {})
+        sources: dict[str, str] = dict.fromkeys(values, defaults_source)
         if path is not None:
             try:
                 with open(path, "rb") as f:
@@ -270,6 +279,11 @@ class Config:
             else:
                 values[k] = v
                 sources[k] = overrides_source
+        for k, v in (fixed or {}).items():
+            if sources.get(k, defaults_source) != defaults_source:
+                _check_fixed(k, values[k], v, sources[k], fixed_source)
+            values[k] = v
+            sources[k] = fixed_source
         try:
             config = cls.from_dict(values)
         except ConfigError as exc:
@@ -415,6 +429,16 @@ def _with_source(message: str, sources: dict[str, str]) -> str:
     if source is None or "(from " in message:
         return message
     return f"{message} (from {source})"
+
+
+def _check_fixed(name: str, given: Any, fixed: Any, source: str, fixed_source: str) -> None:
+    """`given` (from `source`) must mean `fixed`, the value `fixed_source` runs with."""
+    if name != "model_layout":  # a layout table is never the same as a whole fixed layout
+        given = _coerce(name, {f.name: f for f in dataclasses.fields(Config)}[name].type, given)
+    if given != fixed:
+        shown = getattr(fixed, "name", fixed)
+        raise ConfigError(f"{name} = {getattr(given, 'name', given)!r} (from {source}) contradicts {fixed_source}, "
+                          f"which runs with {name} = {shown!r}; drop it or give {shown!r}")
 
 
 def _coerce(name: str, type_: Any, value: Any) -> Any:

@@ -167,6 +167,10 @@ CASES: list[tuple[str, list[str], Setup | None, list[str], str]] = [
     ("hf-flag-without-engine-arrivals", ["replay", *['--arrivals', 'trace']], None, [], "--arrivals (from cli) is an option of the hf engine; it needs --engine hf"),
     ("hf-flag-without-engine-compare-no-l2", ["replay", *['--compare-no-l2']], None, [], "--compare-no-l2 (from cli) is an option of the hf engine; it needs --engine hf"),
     ("hf-flag-without-engine-time-scale", ["replay", *['--engine', 'synthetic', '--time-scale', '2']], None, [], "--time-scale (from cli) is an option of the hf engine; it needs --engine hf"),
+    ("hf-page-size-conflict", ["replay", "--engine", "hf", "--set", "page_size=32"], None, [],
+     "page_size = 32 (from cli) contradicts engine:hf:tiny, which runs with page_size = 8"),
+    ("hf-page-size-toml-conflict", ["replay", "--engine", "hf", "--config"], _file("c.toml", "page_size = 32\n"), [],
+     "contradicts engine:hf:tiny"),
     ("bench-pd-zero-pages", ["bench-pd", "--pages", "0"], None, [], "--pages must be in [1"),
     ("bench-pd-zero-repeats", ["bench-pd", "--repeats", "0"], None, [], "--repeats must be in [1"),
     ("bench-pd-l2-fraction", ["bench-pd", "--l2-fraction", "2"], None, [], "--l2-fraction must be in [0, 1]"),
@@ -316,3 +320,67 @@ def test_non_field_hicache_variables_are_accepted() -> None:
     env = dict.fromkeys(NON_FIELD_ENV, "1") | {"HICACHE_L1_PAGES": "100"}
     assert Config.resolve(env=env).config.l1_pages == 100
     assert {"HICACHE_CP_CONFIG", "HICACHE_PEERS", "HICACHE_COMMIT"} <= NON_FIELD_ENV
+
+
+def test_hf_engine_records_its_page_size_and_source(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The page size the hf engine runs with is in the report with the engine as its
+    source (a page size the config agrees with is accepted)."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r.json"
+    assert main(["replay", "--engine", "hf", "--set", "page_size=8", "--limit", "2", "--json", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["page_size"] == {"value": 8, "source": "engine:hf:tiny"}
+    assert config["model_layout"]["source"] == "engine:hf:tiny"
+
+
+@pytest.mark.parametrize("source", ["toml", "env", "flag", "default"])
+def test_bench_overhead_honours_every_source(source: str, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """bench-overhead's model and page size come through the one config boundary, recorded with their source."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HICACHE_PAGE_SIZE", raising=False)
+    monkeypatch.delenv("HICACHE_MODEL", raising=False)
+    argv = ["bench-overhead", "--limit", "5", "--json", str(tmp_path / "o.json")]
+    expected = {"model": ("tiny", "toml:"), "page_size": (32, "toml:")}
+    if source == "toml":
+        (tmp_path / "c.toml").write_text('model = "tiny"\npage_size = 32\n')
+        argv += ["--config", str(tmp_path / "c.toml")]
+    elif source == "env":
+        monkeypatch.setenv("HICACHE_MODEL", "tiny")
+        monkeypatch.setenv("HICACHE_PAGE_SIZE", "32")
+        expected = {"model": ("tiny", "env:HICACHE_MODEL"), "page_size": (32, "env:HICACHE_PAGE_SIZE")}
+    elif source == "flag":
+        argv += ["--model", "tiny", "--page-size", "32"]
+        expected = {"model": ("tiny", "cli"), "page_size": (32, "cli")}
+    else:
+        expected = {"model": ("deepseek-v3.2", "default:bench-overhead"), "page_size": (64, "default:bench-overhead")}
+    assert main(argv) == 0
+    r = json.loads((tmp_path / "o.json").read_text())
+    for name, (value, src) in expected.items():
+        assert r[name] == value and r["config"][name]["value"] == value, (name, r[name], r["config"][name])
+        assert r["config"][name]["source"].startswith(src), (name, r["config"][name])
+
+
+def test_an_interrupt_unwinding_the_cli_imports_nothing(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """An interrupt mid-import unwinds through the CLI's except clauses: their
+    expressions must not import (numpy half-loaded: "cannot load module more
+    than once per process", a traceback instead of exit 130)."""
+    import signal
+
+    from hicache_cp.harness import cli, errors, lifetime
+
+    def interrupted(argv):  # type: ignore[no-untyped-def]
+        raise lifetime.Interrupted(signal.SIGINT)
+
+    def bad_input_types():  # type: ignore[no-untyped-def]
+        if sys.exc_info()[0] is not None:
+            raise ImportError("cannot load module more than once per process")
+        return errors.bad_input_types()
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    monkeypatch.setattr(cli, "bad_input_types", bad_input_types)
+    assert main(["replay"]) == 130
+    assert capsys.readouterr().err.strip() == "hicache-cp: interrupted by SIGINT"

@@ -191,3 +191,48 @@ def test_early_sigint_exits_130_in_one_line(delay_s: float) -> None:
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     assert [line for line in err.splitlines() if "interrupted" in line], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_while_the_decode_peer_starts_stops_it(sig: signal.Signals, tmp_path: Path) -> None:
+    """The decode peer is signalled while it still starts (importing, registering
+    its buffers): the run exits 128 + signal and the peer is gone within 10 s."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake TransferEngine not importable")
+    trace = _trace(tmp_path / "long.jsonl", n=2000)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "MC_LOG_LEVEL": "ERROR"}  # fmt: skip
+    cmd = [sys.executable, "-m", "hicache_cp", "replay", "--trace", str(trace), "--no-verify", "--pd",
+           "--json", str(tmp_path / "out.json")]  # fmt: skip
+    err_path = tmp_path / "stderr.txt"
+    with err_path.open("wb") as err:
+        parent = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                  start_new_session=True)  # fmt: skip
+    seen: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not seen:  # the peer's process exists: it is starting
+            assert time.monotonic() < deadline and parent.poll() is None, err_path.read_text()[-2000:]
+            seen = _workers(_descendants(parent.pid))
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        if sig == signal.SIGINT:
+            os.killpg(parent.pid, sig)
+        else:
+            os.kill(parent.pid, sig)
+        rc = parent.wait(timeout=DEADLINE_S)
+        stderr = err_path.read_text(errors="replace")
+        assert rc == 128 + sig, f"exit {rc}, stderr:\n{stderr[-2000:]}"
+        assert "Traceback" not in stderr, stderr[-2000:]
+        left = _alive(seen)
+        while left and time.monotonic() - t0 < DEADLINE_S:
+            time.sleep(0.1)
+            left = _alive(seen)
+        assert left == [], f"the decode peer outlived the run: {left}"
+    finally:
+        for p in [parent, *seen]:
+            try:
+                p.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        parent.wait(timeout=10)

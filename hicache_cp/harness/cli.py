@@ -86,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    # Evaluated once, up front: an `except` clause's expression runs while an
+    # interrupt unwinds through it, and this one imports (numpy, half-loaded then).
+    bad_input = bad_input_types()
     try:
         parser = build_parser(argv)
-    except bad_input_types() as exc:  # a command's option table needs a missing extra
+    except bad_input as exc:  # a command's option table needs a missing extra
         print(f"hicache-cp: error: {exc}", file=sys.stderr)
         return ExitCode.BAD_INPUT
     args = parser.parse_args(argv)
@@ -98,7 +101,7 @@ def _main(argv: list[str]) -> int:
     try:
         module = importlib.import_module(COMMANDS[args.command][0])
         return int(module.run(args))
-    except bad_input_types() as exc:
+    except bad_input as exc:
         if args.verbose:
             traceback.print_exc()
         print(f"{prog}: error: {exc}", file=sys.stderr)

@@ -45,11 +45,9 @@ side never had is logged at WARNING and counted (`unknown_aborts`).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import multiprocessing as mp
 import os
-import signal
 import threading
 import time
 from collections import deque
@@ -59,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp.harness import checks, integrity
+from hicache_cp.harness import checks, integrity, lifetime
 from hicache_cp.harness.errors import InputError, require
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pd.control import ControlClient, check_authkey, listen, recv_msg, send_msg
@@ -465,27 +463,14 @@ class DecodePeer:
 
 
 # -- process entry points ------------------------------------------------------
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when its parent dies, however it dies (SIGKILL included)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the parent's stop() still bounds our life
-        pass
-
-
 def run_decode_peer(layout: KVLayout, pages: int, authkey: bytes, ready: Connection | None = None,
                     whole_prompt: bool = False, drain_s: float = DEFAULT_DRAIN_S) -> None:
-    """Process entry: serve until `shutdown` or termination; sends (address, session) on `ready`.
+    """Process entry (under `lifetime.child_main`): serve until `shutdown` or
+    termination; sends (address, session) on `ready`.
 
-    Ctrl-C reaches the whole process group: the peer ignores SIGINT and lets
-    its parent stop it (`shutdown`, then terminate), so the parent never
-    waits on a peer that is half torn down; it dies with its parent."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    Ctrl-C reaches the whole process group: the peer ignores SIGINT
+    (`child_main`) and lets its parent stop it (`shutdown`, then terminate), so
+    the parent never waits on a peer that is half torn down; it dies with its parent."""
     quiet_mooncake_logs()
     peer = DecodePeer(layout, pages, authkey=authkey, whole_prompt=whole_prompt, drain_s=drain_s)
     if ready is not None:
@@ -500,18 +485,28 @@ def run_decode_peer(layout: KVLayout, pages: int, authkey: bytes, ready: Connect
 def spawn_decode_peer(layout: KVLayout, pages: int, authkey: bytes, timeout_s: float = 60.0, *,
                       whole_prompt: bool = False,
                       drain_s: float = DEFAULT_DRAIN_S) -> tuple[mp.process.BaseProcess, tuple[str, int]]:
-    """Start a decode peer in a spawned process; returns (process, control address)."""
+    """Start a decode peer in a spawned process; returns (process, control address).
+
+    The start holds SIGINT and SIGTERM (`lifetime.start_processes`), and an
+    interrupt or failure before the peer is ready stops it (SIGTERM, then
+    SIGKILL): no peer outlives a start that did not return it."""
     check_authkey(authkey)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_decode_peer, args=(layout, pages, authkey, child, whole_prompt, drain_s),
-                       daemon=True, name="hicache-cp-decode-peer")
-    proc.start()
-    child.close()
-    if not parent.poll(timeout_s):
-        proc.terminate()
-        raise RuntimeError(f"decode peer did not start within {timeout_s} s (exit code {proc.exitcode})")
-    info = parent.recv()
+    proc = ctx.Process(target=lifetime.child_main,
+                       args=(os.getpid(), run_decode_peer, layout, pages, authkey, child, whole_prompt, drain_s),
+                       daemon=True, name="hicache-cp-decode-peer")  # fmt: skip
+    try:
+        lifetime.start_processes([proc])
+        child.close()
+        if not parent.poll(timeout_s):
+            raise RuntimeError(f"decode peer did not start within {timeout_s} s (exit code {proc.exitcode})")
+        info = parent.recv()
+    except BaseException:
+        lifetime.stop_processes([proc])
+        raise
+    finally:
+        parent.close()
     return proc, tuple(info["address"])  # type: ignore[return-value]
 
 

@@ -34,7 +34,8 @@ Output: a table and JSON with per-call `<call>_us_mean/_p50/_p99` over
 requests (`match_us_mean`, `insert_us_mean`, ...), `layer_hook_us_p50/p99`,
 `wait_layer_us_p50/p99`, `own_us_per_request_mean` (every call of a request
 but settle, layer hooks and waits included), the same with `_cpu_`, the hit
-rate and the provenance (commit, machine, command).
+rate, the configuration that ran with the source of every field (`config`)
+and the provenance (commit, machine, command).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from hicache_cp.harness.provenance import command_line, git_commit, machine
 
 #: Calls made once per request (at most), in protocol order.
 REQUEST_CALLS = ("match", "load_back", "alloc_device", "reserve_backup", "insert", "poll", "release", "ensure_free")
+#: This benchmark's own defaults: the layout it is about (below the TOML, the environment and the flags).
+DEFAULTS = {"model": "deepseek-v3.2", "page_size": 64}
 #: Targets of issue 13 checked here (CPU, shared trace, page 64).
 TARGETS = {"match_us_mean": 50.0}
 
@@ -63,8 +66,8 @@ T = TypeVar("T")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add bench-overhead's options to `p` (the replay's sizing options)."""
     p.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (default: the embedded workload)")
-    p.add_argument("--model", default="deepseek-v3.2", help="model preset (default deepseek-v3.2)")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    p.add_argument("--model", help="model preset (default: the config's, else deepseek-v3.2)")
+    p.add_argument("--page-size", type=int, help="tokens per page (default: the config's, else 64)")
     p.add_argument("--config", type=Path, help="TOML config file (flags win over it)")
     p.add_argument("--l1-pages", type=int, help="L1 capacity in pages (default: as replay)")
     l2 = p.add_mutually_exclusive_group()
@@ -189,17 +192,20 @@ def run(args: argparse.Namespace) -> int:
     """Replay the trace through the timed protocol; print a table; write JSON if asked.
 
     The inputs are checked like the replay's (bad input: exit 2 through the CLI)."""
-    from hicache_cp.harness.replay.setup import build_config, check_args, load_requests
+    from hicache_cp.harness.replay.setup import DEFAULT_METRICS_ADDR, build_config, check_args, load_requests
 
     # The replay's options that this benchmark fixes: one rank, the default policies, no extras.
+    page_size = [] if args.page_size is None else [f"page_size={args.page_size}"]
     for name, value in (("cp_size", None), ("policy", None), ("write_policy", None), ("pd", False),
                         ("bounds", False), ("plot", None), ("metrics_port", None),
-                        ("set", [f"page_size={args.page_size}"])):  # fmt: skip
+                        ("metrics_addr", DEFAULT_METRICS_ADDR), ("set", page_size)):  # fmt: skip
         setattr(args, name, value)
     check_args(args)
     requests = load_requests(args)
-    config = build_config(args, requests)[0].config
-    result = measure(args, config, requests)
+    # Every source counts (TOML, HICACHE_*, flags); these defaults only stand in for the library's.
+    resolved = build_config(args, requests, defaults=DEFAULTS)[0]
+    result = measure(args, resolved.config, requests)
+    result["config"] = resolved.report()
     _print_table(result)
     if args.json is not None:
         write_json(args.json, result)

@@ -176,9 +176,20 @@ def run_timeout_s() -> float:
     return value
 
 
-def build_config(args: argparse.Namespace, requests: list[TraceRequest]) -> tuple[ResolvedConfig, Sizing]:
-    """The effective configuration of the run (with sources) and its sizing."""
-    base = Config.resolve(args.config, overrides={**cli_overrides(args), **config_overrides(args)})
+def build_config(args: argparse.Namespace, requests: list[TraceRequest],
+                 defaults: dict[str, Any] | None = None) -> tuple[ResolvedConfig, Sizing]:
+    """The effective configuration of the run (with sources) and its sizing.
+
+    `defaults`: a command's own defaults (source "default:<command>"), below
+    the TOML, the environment and the command line. The fields the engine
+    fixes (`config_overrides`: the hf model's layout and page size) are
+    recorded with the engine as their source; another value for one of them
+    from any source is refused."""
+    engine = getattr(args, "engine", None) or "synthetic"
+    engine_source = f"engine:{engine}" + (f":{args.hf_preset}" if engine == "hf" else "")
+    base = Config.resolve(args.config, overrides=cli_overrides(args), defaults=defaults,
+                          defaults_source=f"default:{getattr(args, 'command', None) or 'command'}",
+                          fixed=config_overrides(args), fixed_source=engine_source)  # fmt: skip
     check_processes("cp_size", base.config.cp_size, base.sources["cp_size"])
     _check_machine(base, args)
     tpb = tokens_per_block(args, base.config)
