@@ -116,7 +116,7 @@ TINY_DEEPSEEK = {
     "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 1,
     "num_experts_per_tok": 2, "first_k_dense_replace": TARGET_LAYERS, "kv_lora_rank": 32, "q_lora_rank": None,
     "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "vocab_size": 1000,
-    "max_position_embeddings": 4096, "torch_dtype": "float32", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 16384, "torch_dtype": "float32", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
 }
 
 
@@ -491,12 +491,14 @@ class Bench:
 
 
 def vllm_config(model_dir: Path, kv_transfer: KVTransferConfig | None, *, device: str = "cpu", workers: int = 1,
-                max_batched: int = 256, max_seqs: int = 8) -> VllmConfig:
+                max_batched: int = 256, max_seqs: int = 8, max_model_len: int = 1024) -> VllmConfig:
     """vLLM's config for the tiny model: prefix caching, chunked prefill, `workers` TP ranks."""
     vc = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=1024),
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
+                                 max_model_len=max_model_len),
         scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched,
-                                         max_model_len=1024, enable_chunked_prefill=True, is_encoder_decoder=False),
+                                         max_model_len=max_model_len, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         # the executor named: vLLM's own pick refuses more TP ranks than GPUs, and the bench's workers share one
         parallel_config=ParallelConfig(tensor_parallel_size=workers,
@@ -522,7 +524,7 @@ def block_hasher():
 
 def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", workers: int = 1, num_blocks: int = 64,
                host_pages: int = 64, max_batched: int = 256, policy: str = "recompute",
-               connector: str = "hicache", debug_checks: bool = True) -> Bench:
+               connector: str = "hicache", debug_checks: bool = True, max_model_len: int = 1024) -> Bench:
     """The bench with `connector` "hicache" (ours) or "offloading" (vLLM's
     OffloadingConnector with `HostCopyOffloadingWorker`), at the same host bytes."""
     specs = layer_specs(shape)
@@ -542,7 +544,8 @@ def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", worke
                               kv_load_failure_policy=policy, kv_connector_extra_config=extra)
     else:
         raise ValueError(f"unknown connector {connector!r}")
-    vc = vllm_config(model_dir, kt, device=device, workers=workers, max_batched=max_batched)
+    vc = vllm_config(model_dir, kt, device=device, workers=workers, max_batched=max_batched,
+                     max_model_len=max_model_len)
     kvc = kv_cache_config(specs, num_blocks)
     sched = make_scheduler(vc, generate_scheduler_kv_cache_config([kvc]))
     conns, kvs = [], []
