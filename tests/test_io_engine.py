@@ -345,6 +345,55 @@ def test_loads_overlap_per_layer(cuda_pools, name: str) -> None:
         engine.close()
 
 
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", CUDA_BACKENDS)
+def test_submissions_take_events_from_the_pool_filled_at_start_up(cuda_pools, name: str, monkeypatch) -> None:
+    """`RESERVED_OPS` planned ops of every layer each way, their tickets all held,
+    create no event on the submitting thread: a `cuEventCreate` there takes the
+    driver lock an issue worker may hold."""
+    from hicache_cp.io import cuda as cuda_io
+
+    layout, dev, host = cuda_pools
+    engine = make_engine(name, dev, host)
+    created: list[int] = []
+    create = engine._drv.event_create
+    monkeypatch.setattr(engine._drv, "event_create", lambda: created.append(1) or create())
+    rng = np.random.default_rng(11)
+    try:
+        tickets = []
+        for direction in Direction:
+            for _ in range(cuda_io.RESERVED_OPS):
+                d_pages, h_pages = random_pairs(rng, 64, dev.physical_pages, host.physical_pages)
+                plan = engine.plan(direction, d_pages, h_pages)
+                for layer in range(layout.num_target_layers):
+                    parts = tuple(p.part for p in layout.parts if layer in p.layer_ids)
+                    tickets += engine.submit_layer(plan, parts, layer)
+        for t in tickets:
+            if t is not None:
+                t.wait()
+        assert not created, f"{name}: {len(created)} events created while submitting {len(tickets)} layers"
+    finally:
+        engine.close()
+
+
+def test_the_event_pool_is_filled_before_the_first_submission() -> None:
+    from hicache_cp.io.cuda import EngineSync, reserved_events
+
+    made = iter(range(1, 10_000))
+
+    class Events:
+        def event_create(self) -> int:
+            return next(made)
+
+    sync = EngineSync(Events(), 0, 0)  # type: ignore[arg-type]
+    n = reserved_events(small_layout())
+    sync.reserve(n)
+    taken = {sync.event() for _ in range(n)}
+    assert taken == set(range(1, n + 1))  # every one from the reserve, none created on the way
+    assert sync.event() == n + 1  # an empty pool still creates
+
+
 @given(
     runs=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 3000)), min_size=1, max_size=20),
     chunk=st.sampled_from([256, 1000, 1024, 4096]),

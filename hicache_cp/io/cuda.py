@@ -68,7 +68,7 @@ from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Dir
 from hicache_cp.io.cudadrv import DmaIssuer, Driver, driver
 from hicache_cp.io.plans import DescriptorTable, LayerDescriptors, PartGeometry, Runs, TableShape
 from hicache_cp.io.runs import coalesce_pairs, dma_plan, plan_runs, run_starts, split_at_chunks  # noqa: F401 - re-exported
-from hicache_cp.layout import Part
+from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pools import DevicePool, HostPool
 from hostmem.arena import HostArena
 
@@ -77,6 +77,15 @@ logger = logging.getLogger(__name__)
 #: Page ids travel as int32 (kernel parameters): pools stay below this.
 MAX_PAGES = 1 << 31
 _D2H, _H2D = Direction.D2H, Direction.H2D
+#: Ops per direction whose tickets the event pool holds from the start (`reserved_events`).
+RESERVED_OPS = 4
+
+
+def reserved_events(layout: KVLayout) -> int:
+    """Events for `RESERVED_OPS` ops of every layer of both models each way, two a layer
+    (a deferred layer's ordering and done events; the parts of a layer share them)."""
+    layers = layout.num_target_layers + layout.num_draft_layers
+    return 2 * len(Direction) * RESERVED_OPS * layers
 
 
 class EngineSync:
@@ -93,6 +102,12 @@ class EngineSync:
         # With one visible device the engine's context is the thread's current one
         # (torch made it so); with several, every entry point makes sure.
         self.guard = torch.cuda.device_count() > 1
+
+    def reserve(self, n: int) -> None:
+        """Create events until the pool holds `n` (at start-up: a `cuEventCreate` on the
+        hot path takes the context's driver lock, which an issue worker may hold)."""
+        while len(self._free) < n:
+            self._free.append(self.drv.event_create())
 
     def event(self) -> int:
         """A disable-timing event from the pool (created when the pool is empty)."""
@@ -283,6 +298,7 @@ class CudaCopyEngine(CopyEngine):
         previous = self._sync.enter()
         try:
             self._order = (self._drv.event_create(), self._drv.event_create())  # compute -> copy stream, reused
+            self._sync.reserve(reserved_events(self.layout))
         finally:
             self._sync.leave(previous)
         self._keep: collections.deque[tuple[CudaTicket, list[Any]]] = collections.deque()
