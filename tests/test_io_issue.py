@@ -6,8 +6,9 @@ waits on the job's `order` event, then every descriptor exactly once in
 chunks of at most CHUNK, then `done` is recorded), jobs keep their order, a
 failing driver call fails that job only (its `issued` is set, the next job
 still runs), `order` goes back to the pool after the wait and `done` when the
-ticket is dropped (at once if issued, else after issue), and `drain`/`close`
-wait for every job.
+ticket is dropped (at once if issued, else after issue), `drain`/`close`
+wait for every job, and the worker keeps at most its window of descriptors
+issued and not yet copied (the double's copies finish when synchronized).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pytest
 from hicache_cp.io.issue import CHUNK, IssueWorker, Job
 from hicache_cp.io.plans import LayerDescriptors
 
+_OWN = 10**9  # event handles the double creates (the worker's window events)
+
 
 class RecordingDriver:
     def __init__(self, fail_at: int | None = None, gate: threading.Event | None = None) -> None:
@@ -27,6 +30,16 @@ class RecordingDriver:
         self.fail_at = fail_at  # fail the batch call whose first descriptor has this dst
         self.gate = gate
         self.lock = threading.Lock()
+        self.issued = 0  # descriptors issued, and of them copied (`event_synchronize`)
+        self.completed = 0
+        self.in_flight_max = 0
+        self.marks: dict[int, int] = {}
+        self.created: list[int] = []
+        self.destroyed: list[int] = []
+
+    def _count(self, k: int) -> None:
+        self.issued += k
+        self.in_flight_max = max(self.in_flight_max, self.issued - self.completed)
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         if self.gate is not None:
@@ -41,15 +54,36 @@ class RecordingDriver:
         if self.fail_at is not None and int(d[0]) == self.fail_at:
             raise RuntimeError("injected batch failure")
         with self.lock:
+            self._count(count)
             self.calls.append(("batch", stream, count, d.tolist(), s.tolist(), n.tolist(), attrs, idx))
 
     def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
         with self.lock:
+            self._count(1)
             self.calls.append(("batch", stream, 1, [dst], [src], [size], None, None))
 
     def event_record(self, event: int, stream: int) -> None:
         with self.lock:
-            self.calls.append(("record", stream, event))
+            if event >= _OWN:  # the worker's own window event: the copies issued so far
+                self.marks[event] = self.issued
+                self.calls.append(("mark", stream, event))
+            else:
+                self.calls.append(("record", stream, event))
+
+    # The window's events. The double's copies finish only when synchronized.
+    def event_create(self) -> int:
+        with self.lock:
+            self.created.append(_OWN + len(self.created))
+            return self.created[-1]
+
+    def event_synchronize(self, event: int) -> None:
+        with self.lock:
+            self.completed = max(self.completed, self.marks[event])
+            self.calls.append(("sync", event))
+
+    def event_destroy(self, event: int) -> None:
+        with self.lock:
+            self.destroyed.append(event)
 
 
 def _desc(n: int, base: int) -> LayerDescriptors:
@@ -70,7 +104,7 @@ def test_jobs_issue_in_protocol_order_and_cover_every_descriptor(chunk: int) -> 
         worker.put(j)
     worker.drain()
     assert worker.pending == 0 and all(j.issued.is_set() and j.error is None for j in jobs)
-    calls = list(drv.calls)
+    calls = [c for c in drv.calls if c[0] in ("wait", "batch", "record")]
     for i, n in enumerate(sizes):
         start = calls.index(("wait", 7, 100 + i))
         end = calls.index(("record", 7, 200 + i))
@@ -94,6 +128,34 @@ def test_jobs_issue_in_protocol_order_and_cover_every_descriptor(chunk: int) -> 
 def test_a_chunk_below_one_descriptor_is_refused() -> None:
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=0)
+    with pytest.raises(ValueError, match="window must be >= chunk"):
+        IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=8, window=7)
+
+
+@pytest.mark.parametrize(("chunk", "window"), [(4, 8), (4, 10), (7, 7), (1024, 8 * 1024)])
+def test_the_worker_keeps_at_most_a_window_of_descriptors_in_flight(chunk: int, window: int) -> None:
+    drv = RecordingDriver()
+    worker = IssueWorker(drv, attrs=1, attr_idx=2, chunk=chunk, window=window)
+    sizes = [3, 5 * chunk + 1, 2 * window, 1]
+    jobs = [Job(7, 100 + i, 200 + i, _desc(n, 100_000 * (i + 1)), lambda e: None) for i, n in enumerate(sizes)]
+    for j in jobs:
+        worker.put(j)
+    worker.drain()
+    assert all(j.error is None for j in jobs)
+    assert drv.issued == sum(sizes)  # every descriptor still issued once
+    assert 0 < drv.in_flight_max <= window
+    assert any(c[0] == "sync" for c in drv.calls)
+    worker.close()
+    assert sorted(drv.destroyed) == sorted(drv.created)  # the window's events die with the worker
+
+
+def test_an_unbounded_worker_never_waits_for_copies() -> None:
+    drv = RecordingDriver()
+    worker = IssueWorker(drv, attrs=1, attr_idx=2, chunk=4, window=None)
+    worker.put(Job(7, 1, 2, _desc(100, 1000), lambda e: None))
+    worker.close()
+    assert drv.issued == 100 and drv.in_flight_max == 100
+    assert not drv.created and not any(c[0] in ("sync", "mark") for c in drv.calls)
 
 
 def test_a_failing_job_fails_alone() -> None:

@@ -98,6 +98,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # descriptor but hold the driver (which serialises a context's calls) longer.
     "direct-chunk64": ("direct", {"chunk": 64}),
     "direct-chunk256": ("direct", {"chunk": 256}),
+    "direct-unbounded": ("direct", {"window": None}),
 }
 BACKENDS = ("direct", "direct-chunk64", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
 TARGETS = {
