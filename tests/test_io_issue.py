@@ -34,6 +34,7 @@ class RecordingDriver:
         self.completed = 0
         self.in_flight_max = 0
         self.marks: dict[int, int] = {}
+        self.queries: dict[int, int] = {}
         self.created: list[int] = []
         self.destroyed: list[int] = []
 
@@ -80,6 +81,16 @@ class RecordingDriver:
         with self.lock:
             self.completed = max(self.completed, self.marks[event])
             self.calls.append(("sync", event))
+
+    def event_query(self, event: int) -> bool:
+        """Done on the second query: the worker must poll until then."""
+        with self.lock:
+            self.queries[event] = self.queries.get(event, 0) + 1
+            if self.queries[event] < 2:
+                return False
+            self.completed = max(self.completed, self.marks[event])
+            self.calls.append(("sync", event))
+            return True
 
     def event_destroy(self, event: int) -> None:
         with self.lock:
