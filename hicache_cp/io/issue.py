@@ -191,14 +191,14 @@ class IssueWorker:
     def _make_room(self, k: int) -> None:
         """Block this thread until `k` more descriptors fit the window. Without a bound,
         a forward's loads issued up front (8192 scattered pages x 24 layers on the
-        H200) filled the copy stream's queue: the driver call then waited for the
-        copies while holding the context's lock, the forward's launches waited
-        behind it, and the loads ran beside compute no longer (0.84 exposed)."""
+        H200) left 0.84-0.99 of the copy exposed; the window of 8 x CHUNK brought it to
+        0.056 (io-h200-window-6ec355a.json). Why is not measured: a full copy queue
+        blocking the driver call, and with it the forward's launches, is a guess."""
         window = self.window
         while window is not None and self._in_flight and self._in_flight_count + k > window:
             event, count = self._in_flight[0]
-            # Polled, never synchronized: a cuEventSynchronize spinning here beside the
-            # forward's launches left 0.52 of a 1024-page load exposed (H200, 6ec355a).
+            # Polled: with cuEventSynchronize here a 1024-page load was 0.52 exposed
+            # (H200, 6ec355a); whether polling avoids that is not measured yet.
             # The copies only wait for work enqueued before them, so this ends.
             while not self.drv.event_query(event):
                 time.sleep(_POLL_S)
