@@ -120,8 +120,8 @@ class DirectCopyEngine(CudaCopyEngine):
     CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE on every batch; a planned
     layer of more than `worker_above` descriptors is issued by a worker
     thread (`io.issue`; None: always on the caller's thread), in driver calls
-    of at most `chunk` descriptors, with at most `window` descriptors issued
-    and not yet copied (None: no bound). Planned ops
+    of at most `chunk` descriptors (`load_chunk` for loads, when given), with
+    at most `window` descriptors issued and not yet copied (None: no bound). Planned ops
     (`plan` + `submit_layer`, the cache's path) sort once and reuse one
     descriptor table for every layer: both parts of a layer in one call.
     """
@@ -131,7 +131,7 @@ class DirectCopyEngine(CudaCopyEngine):
     def __init__(
         self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
         overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
-        window: int | None = WINDOW,
+        load_chunk: int | None = None, window: int | None = WINDOW,
     ) -> None:
         super().__init__(device_pool, host_pool)
         if order not in ("given", "device"):
@@ -144,10 +144,12 @@ class DirectCopyEngine(CudaCopyEngine):
         self.overlap_hint = overlap_hint
         self.worker_above = worker_above if self._issuer.batch else None
         context = self._sync.context
+        self.chunks = {Direction.D2H: chunk, Direction.H2D: chunk if load_chunk is None else load_chunk}
         self._workers = tuple(
             IssueWorker(self._drv, self._issuer.attrs_ptr, self._issuer.attr_idx_ptr,
-                        lambda: self._drv.set_context(context), name=f"hicache-dma-{d}", chunk=chunk, window=window)
-            for d in ("d2h", "h2d")
+                        lambda: self._drv.set_context(context), name=f"hicache-dma-{d.value}",
+                        chunk=self.chunks[d], window=window)
+            for d in (Direction.D2H, Direction.H2D)
         )
         #: Layer submissions handed to the issue workers (benchmarks read it).
         self.counts = {"deferred": 0}

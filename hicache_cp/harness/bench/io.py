@@ -97,7 +97,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # The issue worker's driver calls: fewer, larger calls cost the GPU less per
     # descriptor but hold the driver (which serialises a context's calls) longer.
     "direct-chunk64": ("direct", {"chunk": 64}),
+    "direct-chunk128": ("direct", {"chunk": 128}),
     "direct-chunk256": ("direct", {"chunk": 256}),
+    # Loads in short calls (the forward's launches wait behind a load's driver call),
+    # backups in long ones.
+    "direct-load64": ("direct", {"chunk": 1024, "load_chunk": 64}),
+    "direct-load128": ("direct", {"chunk": 1024, "load_chunk": 128}),
+    "direct-256-load64": ("direct", {"chunk": 256, "load_chunk": 64}),
     "direct-unbounded": ("direct", {"window": None}),
 }
 BACKENDS = ("direct", "direct-chunk64", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
@@ -133,7 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grid caps of the kernel backend sweep, with exposure ('' skips it)")
     parser.add_argument("--runs-backends", default="direct,hybrid,kernel", help="variants also measured on pages in runs ('' skips it)")
     parser.add_argument("--exposure-pages", default="64,1024,8192",
-                        help="page counts of the default backend's exposure rows, scattered and in runs ('' skips them)")
+                        help="page counts of the exposure rows, scattered and in runs ('' skips them)")
+    parser.add_argument("--exposure-backends", default="",
+                        help="variants with exposure rows besides the default backend (comma-separated)")
     parser.add_argument("--run-pages", type=int, default=128, help="consecutive pages per run of the runs pattern")
     parser.add_argument("--alloc-runs", type=Path,
                         help="instead of the sweep: copy the page lists of a bench-alloc JSON (its sample_runs) "
@@ -432,8 +440,8 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
             for _ in range(per_layer):
                 torch.matmul(a, b, out=c)
 
-    compute_ms, _ = _median_ms(gate, lambda: compute(None))
-    with_ms, _ = _median_ms(gate, lambda: compute(loads()))
+    compute_ms, compute_host_ms = _median_ms(gate, lambda: compute(None))
+    with_ms, with_host_ms = _median_ms(gate, lambda: compute(loads()))
 
     def with_backups() -> None:  # each layer's backup right after its compute, all awaited at the end
         tickets = []
@@ -445,7 +453,7 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
             t.make_compute_wait()
 
     backup_copy_ms, _ = _median_ms(gate, lambda: [backup(x) for x in layers][-1].make_compute_wait())
-    backups_ms, _ = _median_ms(gate, with_backups)
+    backups_ms, backups_host_ms = _median_ms(gate, with_backups)
     return {
         "copy_ms": copy_ms, "compute_ms": compute_ms, "with_loads_ms": with_ms, "matmuls_per_layer": per_layer,
         # compute's headroom over the copy (matmuls come whole: 1.0-1.25) and the floor, one
@@ -453,6 +461,11 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
         "compute_over_copy": compute_ms / copy_ms, "floor_fraction": 1 / len(layers), "layers": len(layers), "exposed_load_fraction": max(0.0, (with_ms - compute_ms) / copy_ms),
         "backup_copy_ms": backup_copy_ms, "with_backups_ms": backups_ms,
         "exposed_backup_fraction": max(0.0, (backups_ms - compute_ms) / backup_copy_ms),
+        # The host's time to enqueue each forward: past the gate's sleep (`gate_ms`) the GPU
+        # ran while the host was still enqueueing, and what the host lost (a launch waiting
+        # for the driver behind a long DMA call) is in the exposure, as in a server.
+        "compute_host_ms": compute_host_ms, "with_loads_host_ms": with_host_ms,
+        "with_backups_host_ms": backups_host_ms, "gate_ms": gate.sleep_ms,
     }
 
 
@@ -568,35 +581,39 @@ def run(args: argparse.Namespace) -> int:
     ohost.close()
     del odev, ohost, makers
     torch.cuda.empty_cache()
-    result["exposure"] = measure_exposure_rows(
-        gate, default, [int(x) for x in str(args.exposure_pages).split(",") if x], page_bytes, int(args.run_pages), rng, save,
+    labels = [default, *[x for x in str(args.exposure_backends).split(",") if x and x != default]]
+    result["exposure_by_backend"] = measure_exposure_rows(
+        gate, labels, [int(x) for x in str(args.exposure_pages).split(",") if x], page_bytes, int(args.run_pages), rng, save,
         result,
     )
+    result["exposure"] = result["exposure_by_backend"][default]
     save()
     _print_table(result)
     return 0
 
 
 def measure_exposure_rows(
-    gate: _Gate, label: str, sizes: list[int], page_bytes: int, run: int, rng: np.random.Generator,
+    gate: _Gate, labels: list[str], sizes: list[int], page_bytes: int, run: int, rng: np.random.Generator,
     save: Callable[[], None], result: dict[str, Any],
-) -> dict[str, dict[str, Any]]:
-    """The exposure of one variant at each page count, scattered and in runs of
-    `run` pages (allocator-shaped), each with its own pools of `_EXPOSURE_LAYERS` layers."""
-    out: dict[str, dict[str, Any]] = {"scattered": {}, "runs": {}}
-    result["exposure"] = out
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The exposure of each variant in `labels` at each page count, scattered and in
+    runs of `run` pages (allocator-shaped): label -> pattern -> pages -> row. The
+    variants of one page count share pools of `_EXPOSURE_LAYERS` layers."""
+    out: dict[str, dict[str, dict[str, Any]]] = {label: {"scattered": {}, "runs": {}} for label in labels}
+    result["exposure_by_backend"] = out
     for n in sizes:
         dev, host = _pools(page_bytes, _EXPOSURE_LAYERS, n + run + 1)
         try:
-            for pattern, r in (("scattered", 1), ("runs", run)):
-                try:
-                    engine = _make(label, dev, host)
-                    out[pattern][str(n)] = measure_overlap(gate, engine, n, rng, r)
-                    engine.close()
-                except Exception as exc:  # noqa: BLE001
-                    out[pattern][str(n)] = {"error": repr(exc)}
-                _progress(f"exposure {label} {pattern} {n}: {json.dumps(out[pattern][str(n)])}")
-                save()
+            for label in labels:
+                for pattern, r in (("scattered", 1), ("runs", run)):
+                    try:
+                        engine = _make(label, dev, host)
+                        out[label][pattern][str(n)] = measure_overlap(gate, engine, n, rng, r)
+                        engine.close()
+                    except Exception as exc:  # noqa: BLE001
+                        out[label][pattern][str(n)] = {"error": repr(exc)}
+                    _progress(f"exposure {label} {pattern} {n}: {json.dumps(out[label][pattern][str(n)])}")
+                    save()
         finally:
             host.close()
             del dev, host
@@ -611,8 +628,11 @@ def _make(label: str, dev: Any, host: Any) -> CopyEngine:
 
 def _describe(engine: CopyEngine) -> dict[str, Any]:
     """What ran: the backend and its options (batched DMA, kernel mode, grid, DMA-routed copies)."""
-    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "worker_above", "counts")
-    return {k: getattr(engine, k) for k in keys if hasattr(engine, k)}
+    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "worker_above", "chunks", "counts")
+    def plain(value: Any) -> Any:  # enum keys (chunks by Direction) as their values
+        return {getattr(k, "value", k): v for k, v in value.items()} if isinstance(value, dict) else value
+
+    return {k: plain(getattr(engine, k)) for k in keys if hasattr(engine, k)}
 
 
 def _progress(line: str) -> None:
@@ -706,15 +726,18 @@ def _print_table(r: dict[str, Any]) -> None:
             f"with loads {o['with_loads_ms']:.2f} ms -> exposed {o['exposed_load_fraction']:.3f}; "
             f"with backups {o['with_backups_ms']:.2f} ms -> exposed {o['exposed_backup_fraction']:.3f}"
         )
-    for pattern, rows in r.get("exposure", {}).items():
-        for n, o in rows.items():
-            if "error" in o:
-                print(f"exposure {r['default_backend']} {pattern} {n}: failed: {o['error']}")
-                continue
-            print(
-                f"exposure {r['default_backend']} {pattern:<9} {n:>5} pages x {o['layers']} layers: "
-                f"load {o['exposed_load_fraction']:.3f}, backup {o['exposed_backup_fraction']:.3f}"
-            )
+    by_backend = r.get("exposure_by_backend") or {r["default_backend"]: r.get("exposure", {})}
+    for label, patterns in by_backend.items():
+        for pattern, rows in patterns.items():
+            for n, o in rows.items():
+                if "error" in o:
+                    print(f"exposure {label} {pattern} {n}: failed: {o['error']}")
+                    continue
+                print(
+                    f"exposure {label:<17} {pattern:<9} {n:>5} pages x {o['layers']} layers: "
+                    f"load {o['exposed_load_fraction']:.3f}, backup {o['exposed_backup_fraction']:.3f}"
+                    f" (host {o.get('with_loads_host_ms', 0):.0f}/{o.get('with_backups_host_ms', 0):.0f} ms, gate {o.get('gate_ms', 0):.0f})"
+                )
     print(f"targets: {json.dumps(r['targets'])}")
 
 
