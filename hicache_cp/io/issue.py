@@ -9,16 +9,19 @@ delays the forward's next launches. An `IssueWorker` takes such a layer's
 descriptors and issues them on its own thread, in order, in driver calls of
 at most `chunk` descriptors (default `CHUNK`).
 
-The chunk is a trade measured on the H200 (bench-io variants direct,
-direct-chunk256, direct-chunk1024 in bench/results/io-h200-chunks-f64da82.json,
-1024 scattered 41,984 B pages): the copy engines pay per call too, so calls of
-64 reached 0.93 of the link and left 0.079 / 0.155 of a layer-by-layer load /
-backup exposed beside compute, calls of 1024 reached 0.98-0.99 and 0.052 /
-0.111, the same as issuing everything before the GPU starts. The driver
-serialises a context's calls (two threads issue no faster than one), so a
-longer call is a longer wait for the scheduler thread's next driver call when
-it lands inside one: its submit p99 at 1024 pages rose from 116 to 402 us,
-its median stayed 13-15 us.
+The chunk is a trade measured on the H200 (bench-io's exposure rows per
+variant, bench/results/io-h200-chunks-9ad6efb.json; 24 layers of scattered
+41,984 B pages beside a compute-bound forward). The copy engines pay per call,
+so longer calls reach more of the link (calls of 64 / 128 / 256 / 1024: 0.93 /
+0.96 / 0.97 / 0.98 at 1024 pages). But the driver serialises a context's
+calls: while the worker is inside a call, the forward's kernel launches and
+the caller's own event calls wait for it (half a microsecond a descriptor).
+With calls of 1024 a forward loading 8192 pages a layer lost 0.75 of the copy
+time (launches behind 450 us calls) and the caller's median submit was
+400-440 us; with calls of 128 the same forward lost 0.069, at 1024 pages
+0.050 / 0.094 (load / backup), and both directions at once reached 0.92 of
+the bidirectional peak (calls of 64: 0.89, and 0.115 of a 1024-page backup
+exposed; calls of 256: 0.59 of an 8192-page load). So `CHUNK` is 128.
 
 Protocol of one job (the caller's side in `hicache_cp.io.dma`):
 
@@ -49,7 +52,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 #: Descriptors per driver call on the worker (about half a microsecond each; see above).
-CHUNK = 1024
+CHUNK = 128
 #: Descriptors the worker keeps issued and not yet copied, at most (None: no bound).
 WINDOW: int | None = None  # 8 * CHUNK fixed 8192-page loads but was unstable at 1024 (io-h200-window-6ec355a.json)
 _U64_BYTES = 8

@@ -99,6 +99,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "direct-chunk64": ("direct", {"chunk": 64}),
     "direct-chunk128": ("direct", {"chunk": 128}),
     "direct-chunk256": ("direct", {"chunk": 256}),
+    "direct-chunk1024": ("direct", {"chunk": 1024}),
     # Loads in short calls (the forward's launches wait behind a load's driver call),
     # backups in long ones.
     "direct-load64": ("direct", {"chunk": 1024, "load_chunk": 64}),
@@ -106,7 +107,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "direct-256-load64": ("direct", {"chunk": 256, "load_chunk": 64}),
     "direct-unbounded": ("direct", {"window": None}),
 }
-BACKENDS = ("direct", "direct-chunk64", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
+BACKENDS = ("direct", "direct-chunk64", "direct-chunk1024", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
 TARGETS = {
     "scattered_ratio_1024plus": 0.90, "scattered_ratio_64": 0.85, "runs_ratio_1024plus": 0.93, "runs_ratio_64": 0.90,
     "bidir_ratio": 0.90, "exposed_load_fraction": 0.05, "exposed_backup_fraction": 0.10,
