@@ -281,6 +281,7 @@ def test_cp1_lost_draft_state_passes_the_target_oracle_and_fails_the_draft_oracl
     assert f["request"] in {c["request"] for c in bad}
     assert r["spec_mismatches"] >= 1  # speculation from that prefix: the draft's logits moved
     assert f["request"] in {c["request"] for c in r["spec_checks"] if not c["same"]}
+    assert rc == 1 and any(m.startswith("speculation from") for m in r["integrity_failures"])
     # with the byte check the same fault is refused before use
     rc, r = replay(tmp_path / "draft2.json", "--hf-fault", "drop-draft:draft_kv:0@0")
     assert rc == 1 and r["loads_refused"] >= 1 and r["draft_outputs_mismatches"] == 0
