@@ -6,15 +6,19 @@
   restored pages gives the draft logits of a recompute.
 - The draft oracle sees what the target's does not: a prefix whose draft
   state was lost (the fork's bug) leaves the target's logits intact.
-- Speculation from a restored prefix repeats the recompute's accept lengths,
-  tokens and proposals; from a wrong prefix it does not.
+- Speculation from a restored prefix, fed the recompute's tokens, repeats the
+  recompute's accept lengths, tokens and proposals; from a wrong prefix it
+  does not. A pick flipped by less than the tolerance is a near tie, not a
+  mismatch; one flipped by more is a mismatch.
 - Faults in L2 on the real model at CP 1: corrupt draft KV, corrupt indexer
   keys, a failed copy. Never served: refused (exit 1, named) or recomputed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +34,9 @@ from hicache_cp.harness.engines.hf_cp import PrefixExchange, PrefixSource  # noq
 from hicache_cp.harness.engines.hf_faults import FaultKind, HfFault  # noqa: E402
 from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
 from hicache_cp.harness.engines.hf_oracle import recompute_outputs  # noqa: E402
-from hicache_cp.harness.engines.hf_spec import Sample, SpecCheck, Speculator  # noqa: E402
+from hicache_cp.harness.engines.hf_spec import Flip, Sample, SpecCheck, SpecRun, Speculator  # noqa: E402
 from hicache_cp.harness.errors import InputError  # noqa: E402
-from hicache_cp.layout import Part  # noqa: E402
+from hicache_cp.layout import Model, Part  # noqa: E402
 
 PS = 8
 
@@ -100,15 +104,122 @@ def test_speculation_from_restored_kv_repeats_the_recompute(model: hf_model.HfMo
     src = PrefixSource(bufs, pages, np.zeros(6, np.int64), start)
     sample = Sample(0, ids, 6, 6, 1, src)
     exact = spec.restored_prefixes(PrefixExchange(m, 0, 1), [sample])[0]
-    check = SpecCheck(0, start, spec.run(ids, exact, start), spec.run(ids, ScratchKV(), 0), tolerance=1e-4)
+    check = spec.check(0, ids, exact, start, m.preset.logits_atol, m.preset.logits_rtol)
     assert check.same and len(check.restored.accept_lengths) == 6 and check.max_abs_err < 1e-5
+    assert check.restored.accept_lengths == check.recomputed.accept_lengths and not check.flips
+    assert check.restored.tokens == check.recomputed.tokens and check.restored.proposals == check.recomputed.proposals
     assert sum(check.restored.accept_lengths) + 1 == len(check.restored.tokens)
     for part in (Part.DRAFT_KV, Part.DRAFT_STATE):
         for t in bufs[part]:
             t[1:7] = torch.randn_like(t[1:7]) * 10
     noisy = spec.restored_prefixes(PrefixExchange(m, 0, 1), [sample])[0]
-    wrong = SpecCheck(0, start, spec.run(ids, noisy, start), check.recomputed, tolerance=1e-4)
-    assert not wrong.same and wrong.restored.proposals != check.recomputed.proposals
+    wrong = spec.check(0, ids, noisy, start, m.preset.logits_atol, m.preset.logits_rtol)
+    assert not wrong.same and wrong.restored.proposals != wrong.recomputed.proposals
+    assert wrong.decided_differently and all(f.model is Model.DRAFT for f in wrong.flips)  # the target's KV is right
+    assert wrong.restored.tokens == wrong.recomputed.tokens
+
+
+@contextlib.contextmanager
+def nudged_head(m: hf_model.HfModel, call: int, above: float) -> Iterator[None]:
+    """While open, the `call`-th output of the shared head (0-based; a final
+    forward calls it for the target, then for the draft) has its runner-up
+    logit raised to the top logit + `above`: that forward's target pick flips."""
+    calls = 0
+
+    def hook(mod: Any, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
+        nonlocal calls
+        calls += 1
+        if calls - 1 != call:
+            return None
+        out = out.clone()
+        top = out[0].topk(2)
+        out[0, top.indices[1]] = top.values[0] + above
+        return out
+
+    handle = m.target.lm_head.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+    assert calls > call, f"the head was called {calls} times, never the {call}-th"
+
+
+def test_speculation_near_tie_flip_is_a_tie_and_a_larger_flip_a_mismatch(model: hf_model.HfModel) -> None:
+    """The H200 failure on the tiny model: the restored run's target pick at one
+    forward flips to the runner-up (its logit raised past the top, by less than
+    the tolerance). Fed the recompute's tokens, the restored run compares every
+    later forward on the same context: one near tie, the logits within the
+    tolerance, not a mismatch. Left free (greedy, the comparison before forcing),
+    the tokens part there and the later logits differ far beyond the tolerance.
+    The same flip by more than the tolerance is a mismatch."""
+    m, fw = model, PagedForward(model)
+    ids = np.random.default_rng(3).integers(0, m.vocab_size, 6 * PS + 5)
+    bufs = m.kv_buffers(16)
+    pages = np.arange(1, 7)
+    prefill(m, fw, bufs, ids, pages)
+    spec = Speculator(fw, 32, steps=6)
+    start = 6 * PS - 1
+    sample = Sample(0, ids, 6, 6, 1, PrefixSource(bufs, pages, np.zeros(6, np.int64), start))
+
+    def restored_store() -> ScratchKV:  # a run appends to its store: a fresh copy of the prefix each time
+        return spec.restored_prefixes(PrefixExchange(m, 0, 1), [sample])[0]
+
+    recomputed = spec.run(ids, ScratchKV(), 0)
+    k = 2  # the forward whose target pick flips (the head's call 2k: one prompt chunk, then one token a forward)
+    top = recomputed.logits[k][0].topk(2)
+    gap = float(top.values[0] - top.values[1])  # the recompute's top-2 gap at forward k
+    runner_up = int(top.indices[1])
+    tol = 2 * gap
+    # near tie: the runner-up moves by 1.5 gap (< tol) and leads by 0.5 gap
+    with nudged_head(m, 2 * k, above=gap / 2):
+        restored = spec.run(ids, restored_store(), start, forced=recomputed)
+    check = SpecCheck(0, start, restored, recomputed, tol)
+    (flip,) = check.flips
+    assert (flip.forward, flip.model, flip.recomputed, flip.restored) == (k, Model.TARGET, recomputed.tokens[k], runner_up)
+    assert flip.margin == pytest.approx(gap, abs=1e-5)  # the recompute's gap; the restored side's is 0.5 gap
+    assert check.same and check.near_ties == [flip] and not check.decided_differently
+    # every other forward, the draft at k included (it read the recompute's token), compares the same context
+    assert check.max_abs_err == pytest.approx(1.5 * gap, abs=1e-5)
+    assert [i for i, (a, b) in enumerate(zip(restored.tokens, recomputed.tokens)) if a != b] == [k]
+    assert len(restored.accept_lengths) == 6 and len(restored.logits) == len(recomputed.logits)
+    # the free-running comparison: the flipped token is fed on, and the later forwards' logits move
+    with nudged_head(m, 2 * k, above=gap / 2):
+        free = spec.run(ids, restored_store(), start)
+    assert free.tokens[: k + 1] == restored.tokens[: k + 1] and free.tokens[k + 1 :] != recomputed.tokens[k + 1 :]
+    later = max(float((a - b).abs().max()) for a, b in zip(free.logits[k + 1 :], recomputed.logits[k + 1 :]))
+    assert later > 5 * tol, (later, tol)
+    # beyond the tolerance: the runner-up moves by 6 gap and leads by 5 gap
+    with nudged_head(m, 2 * k, above=5 * gap):
+        restored = spec.run(ids, restored_store(), start, forced=recomputed)
+    check = SpecCheck(0, start, restored, recomputed, tol)
+    assert not check.same and check.max_abs_err > tol
+    (flip,) = check.decided_differently
+    assert (flip.forward, flip.restored) == (k, runner_up) and flip.margin == pytest.approx(5 * gap, abs=1e-5)
+    assert not check.near_ties
+
+
+def _run(picks: list[tuple[int, int]], logits: list[list[list[float]]], forced: bool) -> SpecRun:
+    return SpecRun([1], picks, [picks[0][1]], [torch.tensor(x) for x in logits], forced)
+
+
+def test_a_differing_pick_is_a_near_tie_only_when_both_runs_hold_it_within_the_tolerance() -> None:
+    """Tolerance 0.1, two forwards of a 3-token vocabulary (rows: target, draft)."""
+    second = [[1.0, 0.5, 0.0], [0.85, 1.0, 0.0]]  # forward 1 of the recompute: the draft picks 1 by 0.15
+    ref = _run([(0, 2), (0, 1)], [[[1.0, 0.95, 0.0], [0.0, 0.0, 1.0]], second], False)
+    # forward 0's target: restored 0.97 / 0.99 against 1.0 / 0.95: gaps 0.05 and 0.02, a near tie
+    tie = _run([(1, 2), (0, 1)], [[[0.97, 0.99, 0.0], [0.0, 0.0, 1.0]], second], True)
+    check = SpecCheck(0, 8, tie, ref, 0.1)
+    assert check.same and check.near_ties == [Flip(0, Model.TARGET, 0, 1, pytest.approx(0.05))]
+    # forward 1's draft: restored 0.93 / 0.92, every logit within 0.1 (0.08), but the
+    # recompute holds its pick 0.15 ahead: the runs decided differently
+    apart = _run([(0, 2), (0, 0)], [[[1.0, 0.95, 0.0], [0.0, 0.0, 1.0]], [second[0], [0.93, 0.92, 0.0]]], True)
+    check = SpecCheck(0, 8, apart, ref, 0.1)
+    assert check.max_abs_err == pytest.approx(0.08) and not check.same and not check.near_ties
+    assert check.decided_differently == [Flip(1, Model.DRAFT, 1, 0, pytest.approx(0.15))]
+    # picks alike, one logit 0.2 off: a mismatch
+    off = _run([(0, 2), (0, 1)], [[[1.0, 0.95, 0.2], [0.0, 0.0, 1.0]], second], True)
+    check = SpecCheck(0, 8, off, ref, 0.1)
+    assert not check.flips and not check.same
 
 
 def test_fault_specs_parse_or_fail_as_one_line() -> None:
@@ -170,6 +281,7 @@ def test_cp1_lost_draft_state_passes_the_target_oracle_and_fails_the_draft_oracl
     assert f["request"] in {c["request"] for c in bad}
     assert r["spec_mismatches"] >= 1  # speculation from that prefix: the draft's logits moved
     assert f["request"] in {c["request"] for c in r["spec_checks"] if not c["same"]}
+    assert rc == 1 and any(m.startswith("speculation from") for m in r["integrity_failures"])
     # with the byte check the same fault is refused before use
     rc, r = replay(tmp_path / "draft2.json", "--hf-fault", "drop-draft:draft_kv:0@0")
     assert rc == 1 and r["loads_refused"] >= 1 and r["draft_outputs_mismatches"] == 0
@@ -198,11 +310,13 @@ class _ScriptedForward:
 
         self.m = SimpleNamespace(preset=SimpleNamespace(page_size=PS))
         self.wrong = wrong
+        self.fed: list[tuple[int, int | None]] = []  # per forward: (its last token, the token its draft was forced to)
 
     def run(self, batch: Any, hooks: Any = None) -> Any:
         from types import SimpleNamespace
 
         (plan, _), = batch
+        self.fed.append((int(plan.seq.ids[-1]), plan.seq.forced_token))
         last = plan.seq.end - 1
         draft = 100 + last + 2 + (1000 if last in self.wrong else 0)
         logits = torch.zeros((1, 4))
@@ -222,3 +336,18 @@ def test_speculation_steps_accept_the_right_proposal_and_add_the_bonus_token() -
     assert run.accept_lengths == [2, 2, 1, 2]
     assert run.proposals == [111, 113, 1115, 116]
     assert run.tokens == list(range(110, 118))  # the target's greedy tokens, whatever was proposed
+
+
+def test_a_forced_run_is_fed_the_reference_tokens_and_decides_at_its_steps() -> None:
+    """The restored run, forced: every forward is fed the reference's token (the
+    draft too) and the steps start where the reference's did; each records this
+    run's own decision there."""
+    ref = Speculator(_ScriptedForward(wrong={10, 13}), 32, steps=4).run(np.arange(10), ScratchKV(), 0)
+    assert ref.accept_lengths == [2, 2, 1, 2]  # steps at forwards 0, 2, 4, 5; 8 forwards
+    fw = _ScriptedForward(wrong={10})  # its draft at position 13 is right
+    run = Speculator(fw, 32, steps=4).run(np.arange(10), ScratchKV(), 0, forced=ref)  # type: ignore[arg-type]
+    assert fw.fed == [(9, 110)] + [(t, t + 1) for t in range(110, 117)]  # (fed token, the draft's forced token)
+    # 3 (at forward 4, position 13): its proposal 115 is the target's pick at forward 5: accepted
+    # 4 (at forward 5, the reference's step): proposal 116, accepted
+    assert run.forced and run.accept_lengths == [2, 2, 2, 2] and run.proposals == [111, 113, 115, 116]
+    assert run.tokens == ref.tokens and len(run.logits) == len(ref.logits) == 8

@@ -16,10 +16,11 @@ besides the replay's usual keys:
     draft_outputs_checked / _max_abs_err / _mismatches
                                    the same requests' MTP draft: last-token logits and
                                    proposed token against the draft over a recompute
-    spec_checked / _mismatches / spec_accept_mean_restored / _recomputed, spec_checks
-                                   --spec-steps steps of greedy MTP speculation from the
-                                   restored prefix and from a recompute (`hf_spec`), per
-                                   request the accept lengths, tokens and proposals of both
+    spec_checked / _mismatches / _near_ties / spec_accept_mean_restored / _recomputed, spec_checks
+                                   --spec-steps steps of greedy MTP speculation from a
+                                   recompute and, fed the same tokens, from the restored
+                                   prefix (`hf_spec`), per request the accept lengths, tokens
+                                   and proposals of both and the near-tie picks
     loads_refused, integrity_refused_units, integrity_restore_checked_units
                                    restored pages checked before use (`hf_oracle.RestoreGuard`)
     faults_injected                what --hf-fault fired (`hf_faults`)
@@ -69,7 +70,7 @@ from hicache_cp.harness.engines.hf_cp import PrefixExchange, make_view
 from hicache_cp.harness.engines.hf_faults import FaultInjector, HfFault, check_faults
 from hicache_cp.harness.engines.hf_forward import PagedForward, ScratchKV, SeqChunk, SeqPlan
 from hicache_cp.harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_outputs
-from hicache_cp.harness.engines.hf_spec import OracleSamples, Sample, SpecCheck, Speculator, spec_report
+from hicache_cp.harness.engines.hf_spec import OracleSamples, Sample, Speculator, spec_report
 from hicache_cp.harness.engines.hf_timing import Clock, copy_peak_gbps
 from hicache_cp.harness.engines.scheduler import Arrivals, Order, RequestRecord, Scheduler, SchedulerOptions, ServeResult
 from hicache_cp.harness.trace import TraceRequest, request_tokens
@@ -343,13 +344,11 @@ class HfEngine:
         checks = []
         for s, store in zip(chosen, stores):
             start = s.snapshot.tokens if s.snapshot is not None else 0
-            restored, recomputed = spec.run(s.ids, store, start), spec.run(s.ids, ScratchKV(), 0)
-            scale = max((float(t.abs().max()) for t in recomputed.logits), default=0.0)
-            tol = self.preset.logits_atol + self.preset.logits_rtol * scale
-            check = SpecCheck(s.request, start, restored, recomputed, tol)
+            check = spec.check(s.request, s.ids, store, start, self.preset.logits_atol, self.preset.logits_rtol)
             if not check.same:
-                logger.warning("speculation differs: request %d restored %s, recomputed %s", s.request,
-                               check.restored, check.recomputed)  # fmt: skip
+                logger.warning("speculation differs: request %d max |logit diff| %.3g (tolerance %.3g), picks "
+                               "decided differently %s; restored %s, recomputed %s", s.request, check.max_abs_err,
+                               check.tolerance, check.decided_differently, check.restored, check.recomputed)  # fmt: skip
             checks.append(check)
         return spec_report(checks, steps)
 

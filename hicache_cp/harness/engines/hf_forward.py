@@ -25,10 +25,10 @@ cached page's draft KV is a function of its prefix like the target's. A
 chunk of target queries [start, end) computes draft entries [start + 1,
 end + 1) over the draft prefix [0, start + 1); entry 0 has no hidden state
 before it: it is stored as zeros and masked out. Entry `end` reads the token
-after the chunk (`next_token`, or the sampled first token) and gives the
-proposal; it is not stored, since the next chunk starts at end - 1
-(`scheduler`: a chunk recomputes the last position before it, whose hidden
-state the draft needs) and computes it again.
+after the chunk (`next_token`, or the sampled first token, or a final
+chunk's `forced_token`) and gives the proposal; it is not stored, since the
+next chunk starts at end - 1 (`scheduler`: a chunk recomputes the last
+position before it, whose hidden state the draft needs) and computes it again.
 
 The batch is ragged: each sequence goes through a layer as its own call, on
 its own [1, chunk] queries and [prefix | chunk] keys, as a varlen attention
@@ -80,6 +80,9 @@ class SeqChunk:
     docstring), except the draft's entry `start` when start > 0: that one is
     the previous chunk's last, which a server recomputes by starting the next
     chunk one position early (`scheduler`), so write_from > start there.
+    `forced_token` (final chunks only): the draft reads it instead of the
+    sampled token; the logits and the sampled token are computed and
+    returned as always (a teacher-forced comparison, `hf_spec`).
     """
 
     ids: np.ndarray
@@ -88,6 +91,11 @@ class SeqChunk:
     write_from: int
     write_to: int
     next_token: int | None
+    forced_token: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.forced_token is not None and self.next_token is not None:
+            raise ValueError(f"forced_token {self.forced_token} on a chunk that is not final (next_token {self.next_token})")
 
     @property
     def end(self) -> int:
@@ -275,7 +283,7 @@ class ForwardResult:
     final_rows: list[int]  # batch rows that ended their prompt in this forward
     next_tokens: torch.Tensor  # [n_final] sampled first tokens (device)
     #: [n_final, vocab] float32: the MTP draft's last-token logits (what it predicts after
-    #: the sampled token); their argmax is the draft's proposed token.
+    #: the sampled token, or the chunk's `forced_token`); their argmax is the draft's proposed token.
     draft_logits: torch.Tensor | None = None
 
     @property
@@ -294,7 +302,7 @@ class _Row:
     mask: torch.Tensor
     pos_emb: Any
     hidden: torch.Tensor
-    next_token: torch.Tensor  # [1] the token after the chunk (sampled for a final row)
+    next_token: torch.Tensor  # [1] the token after the chunk (sampled for a final row unless forced)
     cache: Any  # transformers cache objects of the target and of the draft layer
     draft_cache: Any
     draft_mask: torch.Tensor
@@ -345,7 +353,8 @@ class PagedForward:
             logits = m.target.lm_head(base.norm(last)).float()
         sampled = logits.argmax(dim=-1)
         for i, b in enumerate(final_rows):
-            rows[b].next_token = sampled[i : i + 1]
+            if rows[b].plan.seq.forced_token is None:  # else the draft reads the forced token (`_row`)
+                rows[b].next_token = sampled[i : i + 1]
         hooks.before_layer(Model.DRAFT, 0)
         draft_last: list[torch.Tensor] = []
         for r in rows:
@@ -371,7 +380,8 @@ class PagedForward:
         dev = m.device
         ids = torch.from_numpy(plan.ids).to(dev)
         positions = torch.from_numpy(plan.positions).to(dev)
-        nxt = plan.seq.next_token if plan.seq.next_token is not None else 0
+        seq = plan.seq
+        nxt = seq.next_token if seq.next_token is not None else seq.forced_token if seq.forced_token is not None else 0
         hidden = m.target.model.embed_tokens(ids)
         rope = m.target.model.rotary_emb
         return _Row(plan, kv, ids, positions, plan.mask(dev, m.dtype), rope(hidden, position_ids=positions), hidden,
