@@ -235,6 +235,82 @@ def test_prefetch_without_waiting_serves_the_next_request(l3env) -> None:  # noq
         assert r2.m.host_len == 8 and verify_l1(b, r2.tokens, range(8), r2.load.device_pages) == 0
 
 
+def test_pages_a_non_waiting_prefetch_landed_are_l3_hits_of_the_request_that_uses_them(l3env) -> None:  # noqa: F811
+    with _written_here_read_there_gated(l3env, range(1, 9), prefetch_wait=False) as (a, b, store):
+        m = b.match_prefix(tokens_of(*range(1, 9)))  # a request that went without: 8 pages missed
+        op = b.prefetch(m)
+        assert op is not None and m.l3_len == 0
+        b.release(m.last_node)  # it left (say L1 refused it); the fetch goes on
+        store.get_gate.set()
+        b.settle()  # landed on every rank: a host-only node of 8 pages, fresh from L3
+        assert op.state is PrefetchState.COMMITTED and int(b.l3.fresh.sum()) == 8
+        b.check_invariants()
+        r = _serve(b, range(1, 9))  # the first use of the landed copy: L3 hits, not L2 ones
+        assert (r.m.host_len, r.m.l3_len) == (8, 8)
+        assert verify_l1(b, r.tokens, range(8), r.load.device_pages) == 0
+        s = b.stats()
+        assert (s["l3_hit_pages"], s["l3_hit_tokens"], s["l2_hit_pages"], s["l2_hit_tokens"]) == (8, 128, 0, 0)
+        assert s["hit_rate"] == pytest.approx(128 / 256) and not b.l3.fresh.any()
+        evict_all_l1(b)
+        r2 = _serve(b, range(1, 9))  # counted once: the copy is b's L2 now
+        assert (r2.m.host_len, r2.m.l3_len) == (8, 0) and b.stats()["l3_hit_pages"] == 8
+
+
+def _hit_counters(cache) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The hit counters of `stats()`, checked against the Prometheus collector's."""
+    from hicache_cp.prometheus import CacheCollector
+
+    s = cache.stats()
+    tiers = {f.name: f for f in CacheCollector(cache).collect()}["hicache_hit_tokens"]
+    by_tier = {sample.labels["tier"]: sample.value for sample in tiers.samples if sample.name.endswith("_total")}
+    assert by_tier == {"l1": s["l1_hit_tokens"], "l2": s["l2_hit_tokens"], "l3": s["l3_hit_tokens"]}
+    keys = ("requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "l3_hit_tokens",
+            "l3_hit_pages", "l3_prefetch_committed", "l3_prefetch_pages", "l3_surplus_pages", "hit_rate")  # fmt: skip
+    return {k: s[k] for k in keys}
+
+
+def test_a_queued_request_gets_what_landed_as_l3_hits_like_a_waiting_one(l3env) -> None:  # noqa: F811
+    settings = l3env.settings()
+    a = l3_cache(l3env.stores[0], settings)
+    readers = {**settings, "write_min_hits": 1000}  # they only read: each finds exactly a's 10 pages
+    waiting = l3_cache(l3env.stores[1], readers)
+    queued = l3_cache(l3env.stores[2], {**readers, "prefetch_wait": False})
+    try:
+        _serve(a, range(1, 11))
+        flush_writes(a)  # 10 pages in L3
+        op = queued.prefetch_queued(tokens_of(*range(1, 13)))  # at arrival: no request counted, nothing locked
+        assert op is not None and op.num_pages == 10 and queued.metrics.requests == 0
+        assert queued.tree.root.lock_ref == 1 and queued.host_pool.allocator.used_pages == 10
+        queued.settle()  # ...other requests compute meanwhile; it landed and committed
+        assert op.state is PrefetchState.COMMITTED
+        r = _serve(queued, range(1, 13))  # scheduled now: 10 pages from L3 (through L2), 2 computed
+        assert (r.m.device_len, r.m.host_len, r.m.l3_len) == (0, 10, 10)
+        assert verify_l1(queued, r.tokens, range(10), r.load.device_pages) == 0
+        w = _serve(waiting, range(1, 13))  # the same request, waiting for its prefetch at admission
+        assert (w.m.device_len, w.m.host_len, w.m.l3_len) == (0, 10, 10)
+        assert _hit_counters(queued) == _hit_counters(waiting)
+        assert queued.stats()["l3_hit_tokens"] == 160
+        assert queued.prefetch_queued(tokens_of(*range(1, 13))) is None  # all of it is cached now
+        queued.check_invariants()
+    finally:
+        for c in (a, waiting, queued):
+            c.close()
+
+
+def test_a_non_waiting_prefetch_is_not_issued_twice(l3env) -> None:  # noqa: F811
+    with _written_here_read_there_gated(l3env, range(1, 9), prefetch_wait=False) as (a, b, store):
+        op = b.prefetch_queued(tokens_of(*range(1, 9)))
+        assert op is not None and op.state is PrefetchState.FETCHING
+        # scheduled before it landed: it goes without, and no second read of the same pages starts
+        m = b.match_prefix(tokens_of(*range(1, 9)))
+        assert b.prefetch(m) is None and b.l3.metrics.l3_prefetch_started == 1
+        b.release(m.last_node)
+        store.get_gate.set()
+        b.settle()
+        r = _serve(b, range(1, 9))
+        assert r.m.l3_len == 8 and verify_l1(b, r.tokens, range(8), r.load.device_pages) == 0
+
+
 def test_cancel_releases_after_the_read_returns(l3env) -> None:  # noqa: F811
     with _written_here_read_there_gated(l3env, range(1, 5)) as (a, b, store):
         m = b.match_prefix(tokens_of(*range(1, 5)))

@@ -203,8 +203,14 @@ class HiCache:
         `write_through_selective` starts backups of nodes that reached the hit
         threshold. Raises ConsistencyError for a visible host copy missing a
         part. O(matched pages).
+
+        With an L3 tier, host pages whose copies an L3 prefetch landed and no
+        request used yet count as L3 hits (`m.l3_len`), once per landed copy;
+        the other host pages count as L2 hits.
         """
         m = self._prefixes.match_prefix(tokens)
+        if self._tier3 is not None:
+            self._tier3.claim(m)
         self._state.debug_check()
         return m
 
@@ -296,8 +302,12 @@ class HiCache:
         then or until the deadline (`prefetch_timeout_s`), polling in
         between, and on success the match grows by the fetched pages (then
         `load_back` loads them like any L2 hit). Without, the request goes on
-        without them and they serve later requests. Returns None when there
-        is nothing to fetch, no L3 tier, the store is down, or L2 has no room.
+        without them and they serve later requests (the first match that uses
+        a landed page counts it as an L3 hit); a server that knows its
+        requests before it schedules them calls `prefetch_queued` instead.
+        Returns None when there is nothing to fetch, no L3 tier, the store is
+        down, L2 has no room, or (not waiting) an active prefetch already
+        reads from the match's end.
         """
         if self._tier3 is None or match.l3_checked:  # once per match
             match.l3_checked = True
@@ -308,6 +318,29 @@ class HiCache:
             while op.state is PrefetchState.FETCHING:  # agreed state: every rank loops alike
                 self._tier3.wait_local(op)
                 self._lifecycle.poll()
+        self._state.debug_check()
+        return op
+
+    def prefetch_queued(self, tokens: np.ndarray) -> PrefetchOp | None:
+        """Start fetching the L3 continuation of a request that is queued but
+        not scheduled yet (call it when the request arrives); never waits.
+
+        The pages land in L2 while other requests compute; when the request
+        is scheduled later, `match_prefix` finds what was committed by then
+        (counted as L3 hits), and `load_back` loads it like any L2 hit. It
+        counts no request and no hit, and keeps no lock (a later eviction
+        costs the fetch, never a stuck path). Same contract otherwise as
+        `prefetch(match, wait=False)`: one lookup and one MIN collective
+        (every CP rank calls it at the same step), pages invisible until every
+        part landed on every rank. Returns None when nothing is fetched.
+        """
+        if self._tier3 is None:
+            return None
+        m = self._prefixes.peek(tokens)
+        try:
+            op = self._tier3.prefetch_queued(m)
+        finally:
+            self._state.tree.unlock(m.last_node)
         self._state.debug_check()
         return op
 

@@ -34,6 +34,29 @@ class Prefixes:
         """See `HiCache.match_prefix`."""
         s = self.s
         s.clock += 1
+        m, used = self._find(tokens)
+        for node in used:
+            node.hit_count += 1
+            node.last_access = s.clock
+        s.policy.on_match(m.tokens, used, s.clock)
+        s.metrics.record_match(len(tokens), m.device_len, m.host_len, s.layout.page_size)
+        if s.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for node in used:
+                if node.on_device and node.host_state is HostState.NONE and node.hit_count >= s.config.write_threshold:
+                    self.lifecycle.start_backup(node)
+        return m
+
+    def peek(self, tokens: np.ndarray) -> MatchResult:
+        """The cached prefix of a request that is not being scheduled (a queued
+        one's prefetch, `HiCache.prefetch_queued`): like `match_prefix` it may
+        split a node and locks `last_node` (the caller releases it), but it
+        ticks no clock and counts no hit, access or request. O(matched pages)."""
+        m, _ = self._find(tokens)
+        return m
+
+    def _find(self, tokens: np.ndarray) -> tuple[MatchResult, list[Node]]:
+        """The match of `tokens`, its last node locked, and the path it uses."""
+        s = self.s
         pages = whole_pages(tokens, s.layout.page_size)
         path = s.tree.match(pages)
         device: list[np.ndarray] = []
@@ -54,19 +77,9 @@ class Prefixes:
                 break
             last = node
         used = path[: path.index(last) + 1] if last is not s.tree.root else []
-        for node in used:
-            node.hit_count += 1
-            node.last_access = s.clock
-        s.policy.on_match(pages, used, s.clock)
         s.tree.lock(last)
         dev = np.concatenate(device) if device else np.empty(0, dtype=np.int64)
-        m = MatchResult(pages, len(pages) // s.layout.page_size, dev, host_nodes, last, waits)
-        s.metrics.record_match(len(tokens), m.device_len, m.host_len, s.layout.page_size)
-        if s.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            for node in used:
-                if node.on_device and node.host_state is HostState.NONE and node.hit_count >= s.config.write_threshold:
-                    self.lifecycle.start_backup(node)
-        return m
+        return MatchResult(pages, len(pages) // s.layout.page_size, dev, host_nodes, last, waits), used
 
     def _check_parts(self, node: Node) -> None:
         s = self.s

@@ -14,6 +14,12 @@ Two flows, each an explicit state machine (`hicache_cp.l3.ops`):
                       fetched pages) or go without (the pages serve later
                       requests). A failure, a passed deadline or a cancel aborts
                       the op on every rank together and releases its pages.
+    prefetch_queued   the same for a request that is queued, not scheduled yet
+                      (`HiCache.prefetch_queued`): never waits; what landed by
+                      the time the request is matched is in L2 for it.
+    claim(m)          a match uses host copies: the pages among them that an L3
+                      prefetch committed and no request used yet count as L3
+                      hits (once per landed copy; `fresh`), the rest as L2 hits.
     on_committed(n)   a backup committed: queue a write-back of the node's pages
                       (policy: hit at least `write_min_hits` times; the queue is
                       bounded in pages and skips what does not fit; keys already
@@ -98,6 +104,13 @@ class Tier3:
         self.held = np.zeros(capacity + 1, dtype=np.int32)  # logical L2 page -> write jobs holding it
         self.deferred = np.zeros(capacity + 1, dtype=bool)  # evicted while held: freed when released
         self.queued_pages = 0
+        #: Logical L2 page -> it holds a committed copy an L3 prefetch fetched that
+        #: no match used yet: its first use counts as an L3 hit (`claim`). Cleared
+        #: when the copy leaves the tree (`on_evict_l2`). Replicated on every rank.
+        self.fresh = np.zeros(capacity + 1, dtype=bool)
+        #: Per fresh page, this rank's object keys holding it (filled only for an
+        #: observer: `L3Observer.on_l3_hit` when the page is claimed).
+        self.fresh_keys = np.full(capacity + 1, None, dtype=object)
         #: Write-back bound in pages: what puts in flight may hold of L2 (replicated).
         self.queue_limit = config.write_queue_pages or max(1, capacity // 4)
         self._end_hash: dict[int, tuple[int, bytes]] = {}
@@ -116,15 +129,26 @@ class Tier3:
         Costs one lookup (bounded by `lookup_timeout_s`) and, when anything
         could be fetched, one MIN collective (every rank calls this at the
         same step). Returns None when there is nothing to fetch, the store
-        is down, or L2 cannot make room."""
+        is down, L2 cannot make room, or (not waiting) an active prefetch
+        already fetches from `m`'s end."""
+        self._write_on_hits(m)
+        return self._start(m, wait)
+
+    def prefetch_queued(self, m: MatchResult) -> PrefetchOp | None:
+        """`prefetch(m, wait=False)` for a queued request's `m` from
+        `Prefixes.peek` (no hit was counted, so no write-back is due)."""
+        return self._start(m, wait=False)
+
+    def _start(self, m: MatchResult, wait: bool) -> PrefetchOp | None:
         s, g = self.s, self.scheme.group
         m.l3_checked = True
         self.client.tick()
-        self._write_on_hits(m)
         ps = s.layout.page_size
         start, n = m.matched_pages, m.num_pages
         if start < n and m.tokens[start * ps : (start + 1) * ps].tobytes() in m.last_node.children:
             return None  # the tree goes on (a pending copy, stale pages): no L3 read under it
+        if not wait and self._fetching(m.tokens, start) is not None:
+            return None  # a queued request's prefetch already reads it; it lands in L2 for this one too
         groups = self.scheme.whole_groups(start, n)
         if groups.stop * g - start < self.config.prefetch_min_pages:
             return None
@@ -159,6 +183,15 @@ class Tier3:
             op.match = m
         logger.debug("rank %d: prefetch %d of positions [%d, %d) started", s.rank, op.id, s0, end)
         return op
+
+    def _fetching(self, tokens: np.ndarray, start: int) -> PrefetchOp | None:
+        """An active prefetch reading position `start` of `tokens` (its tokens
+        are a prefix of them). O(active prefetches x their tokens), numpy."""
+        for op in self.prefetches:
+            if (op.state is PrefetchState.FETCHING and op.first_position <= start < op.end
+                    and len(tokens) >= len(op.tokens) and np.array_equal(tokens[: len(op.tokens)], op.tokens)):
+                return op
+        return None
 
     def wait_local(self, op: PrefetchOp) -> None:
         """Block until this rank's read of `op` returned or its deadline passed."""
@@ -250,14 +283,14 @@ class Tier3:
     def _commit(self, op: PrefetchOp) -> None:
         """Hand the fetched pages to the tree: new host-only nodes past the
         tree's end, host copies for nodes that have none, the rest freed.
-        (When the prefix they continue was evicted meanwhile, all are freed.)"""
+        (When the prefix they continue was evicted meanwhile, all are freed.)
+        The attached pages are `fresh`: their first use counts as an L3 hit."""
         s = self.s
         op.transition(PrefetchState.COMMITTED)
         self.metrics.l3_prefetch_committed += 1
         self.metrics.l3_get_bytes += op.nbytes
         path, partial = self._walk(op.tokens)
         attached = np.zeros(op.num_pages, dtype=bool)
-        fresh: set[int] = set()
         for node in path:
             if node.first_position < op.start or node.host_state is not HostState.NONE or node.load is not None:
                 continue  # the request's cached prefix, or a node with a host copy already
@@ -267,24 +300,23 @@ class Tier3:
             node.host_parts = s.all_parts
             s.tree.refresh_family(node)
             attached[lo:hi] = True
-            fresh.add(node.id)
         reach = path[-1].end_position if path else 0
         if partial is None and op.start <= reach < op.end:  # past the tree's end: a new host-only node
             parent = path[-1] if path else s.tree.root
             ps = s.layout.page_size
-            node = s.tree.add_host_child(parent, op.tokens[reach * ps :], op.host_pages[reach - op.first_position :],
-                                         s.all_parts)  # fmt: skip
+            s.tree.add_host_child(parent, op.tokens[reach * ps :], op.host_pages[reach - op.first_position :],
+                                  s.all_parts)  # fmt: skip
             attached[reach - op.first_position :] = True
-            fresh.add(node.id)
+        self._mark_fresh(op, attached)
         if not attached.all():  # the cached head of a group, copies the tree has, a prefix evicted meanwhile
             s.host_pool.allocator.free(op.host_pages[~attached])
             self.metrics.l3_surplus_pages += int((~attached).sum())
         self.metrics.l3_prefetch_pages += op.num_pages
         if op.match is not None:
-            self._extend(op.match, op, fresh)
+            self._extend(op.match, op)
         logger.debug("rank %d: prefetch %d committed (%d pages)", s.rank, op.id, op.num_pages)
 
-    def _extend(self, m: MatchResult, op: PrefetchOp, fresh: set[int]) -> None:
+    def _extend(self, m: MatchResult, op: PrefetchOp) -> None:
         """Grow the waiting request's match by the host-only nodes now after it."""
         s = self.s
         path, _ = self._walk(op.tokens)
@@ -306,7 +338,7 @@ class Tier3:
         m.last_node = ext[-1]
         m.host_nodes.extend(ext)
         pages = sum(n.num_pages for n in ext)
-        l3 = sum(n.num_pages for n in ext if n.id in fresh)
+        l3 = self._claim(ext)
         m.host_len += pages
         m.l3_len += l3
         ps = s.layout.page_size
@@ -315,8 +347,6 @@ class Tier3:
         s.metrics.l2_hit_pages += pages - l3
         self.metrics.l3_hit_tokens += l3 * ps
         self.metrics.l3_hit_pages += l3
-        if self.observer is not None and l3:
-            self._observe_hits(op, [n for n in ext if n.id in fresh])
 
     def _walk(self, tokens: np.ndarray) -> tuple[list[Node], tuple[Node, int] | None]:
         """The tree's nodes wholly inside `tokens` (whole pages) from the root,
@@ -340,17 +370,55 @@ class Tier3:
             node, i = child, i + n
         return path, None
 
-    def _observe_hits(self, op: PrefetchOp, nodes: list[Node]) -> None:
-        by_pos: dict[int, list[str]] = {}
+    # ---- L3 hits: the first use of a landed copy -------------------------------------------
+
+    def _mark_fresh(self, op: PrefetchOp, attached: np.ndarray) -> None:
+        """The pages of `op` that joined the tree are fresh (see `fresh`)."""
+        pages = op.host_pages[attached]
+        self.fresh[pages] = True
+        if self.observer is None:
+            return
+        keys: dict[int, list[str]] = {}
         for obj in op.objects:
             for p in obj.positions.tolist():
-                by_pos.setdefault(p, []).append(obj.key)
-        pages: list[tuple[str, ...]] = []
-        for node in nodes:
-            for p in range(node.first_position, node.end_position):
-                if p in by_pos:
-                    pages.append(tuple(by_pos[p]))
-        self.observer.on_l3_hit(pages)  # type: ignore[union-attr]
+                keys.setdefault(p, []).append(obj.key)
+        for i in np.flatnonzero(attached).tolist():
+            mine = keys.get(op.first_position + i)  # None: a CP rank that owns no page here
+            self.fresh_keys[op.host_pages[i]] = tuple(mine) if mine else None
+
+    def _claim(self, nodes: Sequence[Node]) -> int:
+        """A match uses the host copies of `nodes`: clear their fresh pages and
+        return how many there were (the caller counts them as L3 hits).
+        O(pages) in numpy; the observer's keys only with an observer."""
+        if not nodes:
+            return 0
+        pages = np.concatenate([n.host_pages for n in nodes])  # type: ignore[misc]
+        hit = pages[self.fresh[pages]]
+        if not len(hit):
+            return 0
+        self.fresh[hit] = False
+        if self.observer is not None:
+            keys = [k for k in self.fresh_keys[hit].tolist() if k]  # a CP rank's share: pages with objects here
+            self.fresh_keys[hit] = None
+            if keys:
+                self.observer.on_l3_hit(keys)
+        return len(hit)
+
+    def claim(self, m: MatchResult) -> None:
+        """`match_prefix(m)` counted its host continuation as L2 hits: move the
+        pages whose copies an L3 prefetch landed and nobody used yet to the L3
+        hits (`m.l3_len`, so a dropped or aborted load uncounts them like a
+        waiting prefetch's). Replicated: the same on every rank. O(host pages)."""
+        n = self._claim(m.host_nodes)
+        if not n:
+            return
+        ps = self.s.layout.page_size
+        m.l3_len += n
+        self.s.metrics.l2_hit_tokens -= n * ps
+        self.s.metrics.l2_hit_pages -= n
+        self.metrics.l3_hit_tokens += n * ps
+        self.metrics.l3_hit_pages += n
+        logger.debug("rank %d: %d pages of a match were landed by L3 prefetches: L3 hits", self.s.rank, n)
 
     # ---- load accounting ---------------------------------------------------------------------
 
@@ -498,7 +566,10 @@ class Tier3:
         return holding
 
     def on_evict_l2(self, pages: np.ndarray) -> np.ndarray:
-        """L2 evicts `pages`: return those free now; held ones wait for their job."""
+        """L2 evicts `pages`: return those free now; held ones wait for their job.
+        Their copies leave the tree: none is fresh any more."""
+        self.fresh[pages] = False
+        self.fresh_keys[pages] = None
         mask = self.held[pages] > 0
         if not mask.any():
             return pages
@@ -571,6 +642,12 @@ class Tier3:
         for op in self.prefetches:
             assert op.active, f"prefetch {op.id} decided but listed"
             assert len(op.host_pages) == op.end - op.first_position
+        committed = np.zeros_like(self.fresh)
+        for node in self.s.tree.nodes():
+            if node.host_state is HostState.COMMITTED:
+                committed[node.host_pages] = True
+        stray = np.flatnonzero(self.fresh & ~committed)
+        assert not len(stray), f"L2 pages {stray[:8].tolist()} are fresh from L3 but hold no committed copy in the tree"
 
     def stats(self) -> dict[str, object]:
         d = self.metrics.as_dict()

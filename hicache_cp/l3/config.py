@@ -12,7 +12,8 @@ TOML::
     group_parts = true                # every part of a rank's pages in one object
     write_min_hits = 0                # write back pages hit at least this often
     write_queue_pages = 0             # bound of the write-back queue in pages (0: a quarter of L2)
-    prefetch_wait = true              # a request waits for its prefetch (deadline)
+    prefetch_wait = true              # a request waits for its prefetch (deadline); false: never
+                                      # waits (a queued request's prefetch, `HiCache.prefetch_queued`)
     prefetch_timeout_s = 2.0          # deadline of one prefetch
     lookup_timeout_s = 0.5            # deadline of one existence lookup
     retry_interval_s = 1.0            # store down: probe again after this long

@@ -1,7 +1,8 @@
 """Prefill engines that drive `HiCache` as a real server would.
 
-    synthetic   the reference server: deterministic KV bytes, one request at a time
-                (`synthetic.ReferenceServer`; the default and the fast CI path)
+    synthetic   the reference server: deterministic KV bytes, one request at a time,
+                the next one queued behind it (its non-waiting L3 prefetch starts
+                then) (`synthetic.ReferenceServer`; the default and the fast CI path)
     hf          a real model: transformers' DeepSeek-V3.2 with seeded random weights,
                 batched and chunked by a server-like scheduler (`hf`, `hf_model`,
                 `hf_forward`, `hf_oracle`, `hf_timing`, `scheduler`)
@@ -53,8 +54,14 @@ class SyntheticEngine:
         from hicache_cp.harness.engines.synthetic import ReferenceServer
 
         server = ReferenceServer(cache, verify=opts.verify, sink=opts.sink)
+        # The next request is queued while one is served: a non-waiting L3
+        # prefetch of it overlaps this one's compute (`ReferenceServer.serve`).
+        tpb = opts.tokens_per_block
+        after = request_tokens(requests[0], tpb) if requests else None
         for i, req in enumerate(progress_bar(requests, opts.progress)):
-            server.serve(req.index, request_tokens(req, opts.tokens_per_block))
+            tokens, after = after, (request_tokens(requests[i + 1], tpb) if i + 1 < len(requests) else None)
+            assert tokens is not None
+            server.serve(req.index, tokens, queued=() if after is None else (after,))
             opts.on_request(i)
         t = server.integrity
         return EngineRun(

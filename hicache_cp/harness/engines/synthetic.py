@@ -23,6 +23,7 @@ On CP ranks each rank writes and verifies only the pages it owns.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -113,11 +114,19 @@ class ReferenceServer:
         self.integrity = IntegrityReport()
         self.rejected = 0
 
-    def serve(self, request: int, tokens: np.ndarray) -> RequestResult:
+    def serve(self, request: int, tokens: np.ndarray, queued: Sequence[np.ndarray] = ()) -> RequestResult:
+        """Serve one request. `queued`: the tokens of requests that arrived
+        behind it; with an L3 tier that does not wait (`l3.prefetch_wait =
+        false`) their prefetches start once this request's load is submitted,
+        so they land while it computes and serve them when their turn comes
+        (`HiCache.prefetch_queued`). A request is passed as queued once."""
         cache = self.cache
         hashes = prefix_hashes(tokens, self.layout.page_size)
         m = cache.match_prefix(tokens)
         load = cache.load_back(m)
+        if cache.l3 is not None and not cache.config.l3.prefetch_wait:
+            for ids in queued:
+                cache.prefetch_queued(ids)
         start = m.matched_pages
         new = cache.alloc_device(len(hashes) - start, start)
         if new is None:
