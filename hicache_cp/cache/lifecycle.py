@@ -294,6 +294,7 @@ class Lifecycle:
             s.tree.refresh_family(node)
         s.host_pool.allocator.free(op.host_pages)
         s.metrics.backups_aborted += 1
+        s.metrics.backup_pages_dropped += sum(node.num_pages for node in op.nodes)
         logger.warning("rank %d: backup %d aborted, %d host pages released: %s", s.rank, op.id, op.num_pages, op.error)
         for node in list(op.nodes):
             s.tree.prune(node)

@@ -95,6 +95,7 @@ class Prefixes:
         covered = path[-1].end_position if path else 0
         parent = path[-1] if path else s.tree.root
         surplus: list[np.ndarray] = []
+        taken = 0  # pages of this request the tree took (they are new to its L1)
         for node in path:
             if node.end_position <= start:
                 continue  # the request's own matched prefix
@@ -106,6 +107,7 @@ class Prefixes:
                 surplus.append(node.device_pages)  # type: ignore[arg-type]
                 node.device_pages = mine.copy()
                 node.stale_load = None
+                taken += node.num_pages
                 s.tree.refresh_family(node)
             elif node.stale_load is not None:
                 # stale but held: the holder recomputes into these very L1 pages, so
@@ -115,6 +117,7 @@ class Prefixes:
                 surplus.append(mine)
             else:  # evicted from L1 and recomputed by this request
                 node.device_pages = mine.copy()
+                taken += node.num_pages
                 s.tree.refresh_family(node)
         if surplus:
             s.device_pool.allocator.free(np.concatenate(surplus))
@@ -127,6 +130,8 @@ class Prefixes:
             s.policy.on_insert(match.tokens[: new_node.end_position * ps], new_node, s.clock)
         if backup is not None:
             self._attach_backup(backup, new_node, parent)
+            if not backup.nodes:  # no copy for the pages the tree took from this request
+                s.metrics.backup_pages_dropped += taken + len(rest)
         s.tree.lock(new_node)
         s.tree.unlock(match.last_node)
         match.last_node = new_node
