@@ -62,6 +62,9 @@ class CacheMetrics:
     # Of those, pages a request added to the tree whose reservation was released without
     # a copy (insert found part of the path present, a copy failed, an abort).
     backup_pages_dropped: int = 0
+    # Pages of write-through reservations whose positions insert found in the tree
+    # already (with a host copy, or held L1 pages): released at the decision.
+    backup_pages_trimmed: int = 0
     backups_all_layer: int = 0  # the non-overlapped fallback path
     loads_started: int = 0
     loads_done: int = 0
