@@ -59,6 +59,12 @@ class CacheMetrics:
     backups_skipped: int = 0  # L2 could not make room
     backup_pages_wanted: int = 0  # pages backups asked L2 for (computed pages, under write-through)
     backup_pages_skipped: int = 0  # of those, pages L2 had no room for: they never get an L2 copy (nor an L3 one)
+    # Of those, pages a request added to the tree whose reservation was released without
+    # a copy (insert found part of the path present, a copy failed, an abort).
+    backup_pages_dropped: int = 0
+    # Pages of write-through reservations whose positions insert found in the tree
+    # already (with a host copy, or held L1 pages): released at the decision.
+    backup_pages_trimmed: int = 0
     backups_all_layer: int = 0  # the non-overlapped fallback path
     loads_started: int = 0
     loads_done: int = 0

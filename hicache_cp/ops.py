@@ -12,6 +12,15 @@ Backup (D2H, device pages -> reserved host pages):
     flight. Until COMMITTED the host copy is invisible to `match_prefix` and
     its pages cannot be evicted; ABORTED releases the whole reservation.
 
+    A write-through backup is reserved for a request's pages before its
+    forward and attached at `insert` to the nodes that took those pages (its
+    nodes: a new node, or existing ones without a host copy). Positions the
+    tree already held otherwise (with a host copy, or L1 pages a request
+    holds) leave it *trimmed*: their host pages are spare, still written by
+    the copies in flight, and freed at the decision (COMMITTED or ABORTED).
+    Every layer of every page is still copied and landed before the commit;
+    trimming changes which nodes it commits, never the state machine.
+
 Load-back (H2D, host pages -> newly allocated device pages):
 
     RESERVED --submitted--> LOADING --every layer of every part landed,
@@ -256,6 +265,9 @@ class BackupOp(_CopyOp):
     #: Loads of the prefix that were in flight when these pages were computed:
     #: the backup commits only after all of them are DONE, and fails if one aborts.
     after: list[LoadOp] = field(default_factory=list)
+    #: Host pages of the reservation no node took at insert (their positions were in
+    #: the tree already): the copies still write them, so they are freed at the decision.
+    spare_host_pages: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     def transition(self, new: BackupState) -> None:
         if new not in _BACKUP_TABLE[self.state]:

@@ -192,6 +192,173 @@ def test_backup_of_unattached_reservation_waits_for_insert(make_cache) -> None:
     r.release()
 
 
+def _l1_bytes(cache, pages: np.ndarray) -> dict[tuple[Part, int], np.ndarray]:  # type: ignore[no-untyped-def]
+    """Every part's and layer's bytes of these L1 pages (a copy)."""
+    return {
+        (p.part, layer): cache.device_pool.layer_view(p.part, p.slot(layer))[pages].copy()
+        for p in cache.layout.parts
+        for layer in p.layer_ids
+    }
+
+
+def _wipe_l1(cache) -> None:  # type: ignore[no-untyped-def]
+    for p in cache.layout.parts:
+        for s in range(p.num_slots):
+            cache.device_pool.layer_view(p.part, s)[:] = 0
+
+
+def _load_and_check_bytes(cache, toks: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+    """With L1 evicted and wiped: `toks` is a whole L2 hit whose load brings back
+    exactly what the forwards wrote, every part, every layer, every page."""
+    evict_all_l1(cache)
+    _wipe_l1(cache)
+    n = len(toks) // cache.layout.page_size
+    c = run_request(cache, toks, stop_after="load")
+    assert c.m is not None and c.m.device_len == 0 and c.m.host_len == n, (c.m.device_len, c.m.host_len)
+    assert c.load is not None
+    land(cache)
+    assert c.load.state is LoadState.DONE
+    for p in cache.layout.parts:
+        for layer in p.layer_ids:
+            view = cache.device_pool.layer_view(p.part, p.slot(layer))
+            for pos, page in enumerate(c.load.device_pages):
+                assert np.array_equal(view[page], expected_bytes(toks, pos, p.part, layer, p.page_bytes)), (
+                    f"page {pos}, part {p.part.value}, layer {layer}"
+                )
+    c.release()
+
+
+def test_backup_trimmed_to_the_pages_new_to_the_tree(make_cache) -> None:
+    """Two requests compute overlapping prefixes; the second's insert finds the
+    first pages present. Its backup keeps the new suffix and releases the rest."""
+    cache = make_cache(l1_pages=32, host_pages=32)
+    l2 = cache.host_pool.allocator
+    free0 = l2.free_pages
+    short, long = tokens_of(1, 2), tokens_of(1, 2, 3, 4)
+    a = run_request(cache, short, stop_after="draft", write=fill_pattern)
+    b = run_request(cache, long, stop_after="draft", write=fill_pattern)
+    # Both missed and computed everything: A reserved 2 host pages, B 4.
+    assert a.m.matched_pages == 0 and b.m.matched_pages == 0  # type: ignore[union-attr]
+    assert a.bk is not None and b.bk is not None and l2.free_pages == free0 - 6
+    a_node = a.insert()
+    # A's node (positions 0..2) is PENDING on A's backup.
+    assert a_node.host_state is HostState.PENDING and a_node.backup is a.bk
+    b_node = b.insert()
+    # B's insert found positions 0..2 in the tree (PENDING on A): B's duplicates were
+    # freed, its new node (2..4) is PENDING on B's backup with B's host pages 2..4;
+    # B's host pages 0..2 are spare, still held (B's copies may be writing them).
+    assert b_node.parent is a_node and b_node.first_position == 2 and b_node.num_pages == 2
+    assert b.bk.state is BackupState.WRITING and b.bk.nodes == [b_node]
+    assert np.array_equal(b_node.host_pages, b.bk.host_pages[2:])
+    assert np.array_equal(b.bk.spare_host_pages, b.bk.host_pages[:2])
+    assert l2.free_pages == free0 - 6 and cache.metrics.backup_pages_trimmed == 2
+    probe = cache.match_prefix(long)
+    assert probe.host_len == 0 and probe.device_len == 4  # pending copies are invisible
+    cache.release(probe.last_node)
+    land(cache)
+    # COMMITTED: both nodes' copies are visible, B's spare pages went back to L2.
+    assert a.bk.state is BackupState.COMMITTED and b.bk.state is BackupState.COMMITTED
+    assert a_node.host_visible and b_node.host_visible and b_node.backup is None
+    assert l2.free_pages == free0 - 4 and not len(b.bk.spare_host_pages)
+    assert cache.metrics.backups_aborted == 0 and cache.metrics.backup_pages_dropped == 0
+    a.release()
+    b.release()
+    # A later request for the whole prefix is an L2 hit of all 4 pages, byte-exact.
+    _load_and_check_bytes(cache, long)
+    cache.check_invariants()
+
+
+def test_l1_node_without_host_copy_takes_the_inserting_request_pages(make_cache) -> None:
+    """The tree's copy of the first pages has no host copy and nobody holds it: the
+    second request's pages, already being copied, replace it (no second copy)."""
+    cache = make_cache(l1_pages=32, host_pages=32)
+    l1, l2 = cache.device_pool.allocator, cache.host_pool.allocator
+    short, long = tokens_of(5, 6), tokens_of(5, 6, 7)
+    a = run_request(cache, short, stop_after="draft", write=fill_pattern)
+    b = run_request(cache, long, stop_after="draft", write=fill_pattern)
+    assert a.bk is not None and b.bk is not None
+    cache.abort_backup(a.bk)
+    a_node = a.insert()
+    land(cache)
+    a.release()
+    a_pages = a_node.device_pages.copy()  # type: ignore[union-attr]
+    # A's node is in L1 only (its backup aborted) and unlocked.
+    assert a.bk.state is BackupState.ABORTED and a_node.host_state is HostState.NONE and a_node.lock_ref == 0
+    b_node = b.insert()
+    # B's pages 0..2 replaced A's (freed), and B's backup covers both nodes: nothing spare.
+    assert np.array_equal(a_node.device_pages, b.new[:2])  # type: ignore[index]
+    assert not np.isin(a_pages, np.concatenate([n.device_pages for n in cache.tree.nodes()])).any()
+    assert l1.used_pages == 3
+    assert sorted(n.id for n in b.bk.nodes) == sorted([a_node.id, b_node.id]) and not len(b.bk.spare_host_pages)
+    assert a_node.host_state is HostState.PENDING and np.array_equal(a_node.host_pages, b.bk.host_pages[:2])
+    land(cache)
+    assert b.bk.state is BackupState.COMMITTED and a_node.host_visible and b_node.host_visible
+    # A's own 2 pages counted as dropped at A's insert (its backup had aborted); B's none.
+    assert l2.used_pages == 3 and cache.metrics.backup_pages_dropped == 2
+    b.release()
+    _load_and_check_bytes(cache, long)
+    cache.check_invariants()
+
+
+def test_held_l1_node_without_host_copy_keeps_its_pages(make_cache) -> None:
+    """The same, but a request still holds the tree's copy: its L1 pages stay (freeing
+    them would be a use-after-free), and the second request's backup is trimmed."""
+    cache = make_cache(l1_pages=32, host_pages=32)
+    l2 = cache.host_pool.allocator
+    short, long = tokens_of(8, 9), tokens_of(8, 9, 10)
+    a = run_request(cache, short, stop_after="draft", write=fill_pattern)
+    b = run_request(cache, long, stop_after="draft", write=fill_pattern)
+    assert a.bk is not None and b.bk is not None
+    cache.abort_backup(a.bk)
+    a_node = a.insert()
+    land(cache)
+    a_pages = a_node.device_pages.copy()  # type: ignore[union-attr]
+    before = _l1_bytes(cache, a_pages)
+    # A still holds its node (lock 1): in L1 only, no host copy.
+    assert a_node.host_state is HostState.NONE and a_node.lock_ref == 1
+    b_node = b.insert()
+    # A's pages are untouched; B's duplicates went back; B's backup keeps 2..3 only.
+    assert np.array_equal(a_node.device_pages, a_pages)
+    assert all(np.array_equal(v, _l1_bytes(cache, a_pages)[k]) for k, v in before.items())
+    assert b.bk.nodes == [b_node] and np.array_equal(b.bk.spare_host_pages, b.bk.host_pages[:2])
+    land(cache)
+    assert b.bk.state is BackupState.COMMITTED and b_node.host_visible and a_node.host_state is HostState.NONE
+    assert l2.used_pages == 1
+    a.release()
+    b.release()
+    cache.check_invariants()
+
+
+def test_backup_of_pages_all_present_is_aborted_with_the_reason(make_cache) -> None:
+    cache = make_cache(l1_pages=32, host_pages=32)
+    l2 = cache.host_pool.allocator
+    a = run_request(cache, tokens_of(11, 12), stop_after="draft")
+    b = run_request(cache, tokens_of(11, 12), stop_after="draft")
+    a.insert()
+    b.insert()
+    # Every page of B's was in the tree with a (pending) host copy: nothing to keep.
+    assert b.bk is not None and b.bk.state is BackupState.FAILING and not b.bk.nodes
+    assert "all in the tree already" in str(b.bk.error)
+    land(cache)
+    assert b.bk.state is BackupState.ABORTED and l2.used_pages == 2
+    assert cache.metrics.backup_pages_dropped == 0
+    a.release()
+    b.release()
+
+
+def test_insert_refuses_a_backup_reserved_for_other_pages(make_cache) -> None:
+    cache = make_cache(l1_pages=32, host_pages=32)
+    a = run_request(cache, tokens_of(13, 14), stop_after="draft")
+    b = run_request(cache, tokens_of(15), stop_after="draft")
+    with pytest.raises(ValueError, match="not the 2 pages inserted at position 0"):
+        cache.insert(a.m, a.new, backup=b.bk)
+    a.insert()
+    b.insert()
+    land(cache)
+    a.release()
+    b.release()
+
+
 def test_illegal_transitions_raise(make_cache) -> None:
     cache = make_cache()
     layout = cache.layout

@@ -8,6 +8,9 @@ loop both drive it. Actions:
     new request   match (+ lock) -> load_back -> alloc_device -> reserve_backup
     target / draft layer hook of one open request, in any interleaving
     insert, release, abandon (a request that stops mid-forward)
+    twin requests (two requests computing overlapping prefixes: the longer
+        one's insert finds the first pages present, held or not, with or
+        without a host copy)
     poll, copies land (some or all queued copies of one direction run)
     fail next copy of one direction, abort_backup, ensure_free under pressure
 
@@ -30,6 +33,11 @@ which covers page ownership, leaks, evictable sets and op bookkeeping):
       copy fails
     * at the end, with everything released and drained, evicting to the
       whole capacity returns every page of both tiers
+    * an insert with a live write-through backup trims it, never drops it:
+      every node on its path that took the request's pages has a host copy
+      (PENDING on that backup, at the matching host pages, or one it had),
+      a node that kept the tree's pages has a host copy or another holder,
+      and the backup's nodes and spare pages partition its reservation
     * bytes (every rank, its own pages): each forward writes known bytes
       into its new L1 pages; every load agreed DONE must have brought back
       exactly those bytes, every part, every layer
@@ -64,17 +72,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from conftest import Request, TwoRankAgreement, expected_bytes, tiny_config, tokens_of, tree_snapshot  # noqa: E402
 from hicache_cp.cache import HiCache
+from hicache_cp.cache.lifecycle import prefix_loads  # noqa: E402
 from hicache_cp.cp import mapping as cp_mapping  # noqa: E402
 from hicache_cp.config import WritePolicy  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 from hicache_cp.layout import Model, Part, PartLayout  # noqa: E402
-from hicache_cp.ops import LoadState  # noqa: E402
+from hicache_cp.ops import BackupState, LoadState  # noqa: E402
 from hicache_cp.radix import HostState  # noqa: E402
 
 STEPS_RUN = {"hypothesis": 0, "hypothesis_cp": 0, "hypothesis_cuda": 0}
 EVENTS: dict[str, dict[str, int]] = {}  # per machine: summed cache metrics of its examples (coverage)
 _COUNTED = ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages",
-            "evictions_l1", "evictions_l2", "backups_all_layer", "l1_alloc_failures")
+            "evictions_l1", "evictions_l2", "backups_all_layer", "l1_alloc_failures", "backup_pages_trimmed")
 VERIFIED = dict.fromkeys(STEPS_RUN, 0)  # loaded pages whose bytes were compared, per machine
 
 
@@ -280,9 +289,42 @@ class Driver:
         o = self._pick(i, lambda o: not o.inserted and o.forward_done)
         if o is None:
             return
-        for r in o.reqs:
+        live = [r.bk is not None and r.bk.state in (BackupState.RESERVED, BackupState.WRITING) for r in o.reqs]
+        for r, was_live in zip(o.reqs, live):
             r.insert()
+            check_trimmed(r, was_live)
         o.inserted = True
+
+    def twin_requests(
+        self, pages: list[int], extra: list[int], abort_first: bool, release_first: bool, fail_load: bool = False
+    ) -> None:
+        """Two requests computing overlapping prefixes (`pages`, then `pages + extra`):
+        both match before either inserts, the shorter inserts first, so the longer
+        one's insert finds its first pages present. With `abort_first` the first
+        has no host copy; with `release_first` nobody holds it at that insert;
+        `fail_load` fails the first copy of the first one's load."""
+        if len(self.open) > 2:
+            return
+        n0 = len(self.open)
+        self.new_request(pages, fail_load=fail_load)
+        self.new_request(pages + extra)
+        if len(self.open) != n0 + 2:
+            return  # L1 could not take one of them: they stay open as they are
+        a, b = self.open[n0], self.open[n0 + 1]
+        forward = self.cache.layout.num_layers(Model.TARGET) + 1  # every target layer, then the draft's
+        self.advance(n0, forward)
+        self.advance(n0 + 1, forward)
+        if abort_first:
+            for r in a.reqs:
+                if r.bk is not None and r.bk.state in (BackupState.RESERVED, BackupState.WRITING):
+                    r.cache.abort_backup(r.bk)
+        self.advance(self.open.index(a), 1)  # insert
+        if release_first:
+            self.copies_land()
+            self.poll()
+            self.advance(self.open.index(a), 1)  # release
+        self.check()
+        self.advance(self.open.index(b), 1)  # insert: the first pages are in the tree
 
     def release(self, i: int) -> None:
         o = self._pick(i, lambda o: o.inserted)
@@ -501,6 +543,35 @@ def write_known_bytes(req: Request, model: Model, layer: int) -> None:
                 _write_pages(req.cache, req.tokens, req.new, m.matched_pages, p, layer)
 
 
+def check_trimmed(req: Request, was_live: bool) -> None:
+    """Right after `req`'s insert: a backup live before it was trimmed to the
+    nodes that took its pages, never dropped (unless it sits on a stale prefix)."""
+    bk, m, node = req.bk, req.m, req.node
+    assert m is not None and node is not None and req.new is not None
+    if bk is None or not was_live or prefix_loads(node)[1]:
+        return  # no live backup, or one computed on a prefix whose load aborted (it aborts)
+    tree, start = req.cache.tree, m.matched_pages
+    while node is not tree.root and node.end_position > start:
+        lo = node.first_position - start
+        mine = node.device_pages is not None and np.array_equal(node.device_pages, req.new[lo : lo + node.num_pages])
+        if node.backup is bk:
+            assert mine and np.array_equal(node.host_pages, bk.host_pages[lo : lo + node.num_pages]), (
+                f"rank {req.cache.rank}: {node} is pending on backup {bk.id} but holds other pages"
+            )
+        if mine:
+            assert node.host_state is not HostState.NONE, f"rank {req.cache.rank}: {node} took the pages, got no copy"
+        else:  # the tree kept its pages: they have a copy, or another request holds them (our lock is 1)
+            assert node.host_state is not HostState.NONE or node.lock_ref > 1 or node.stale_load is not None, (
+                f"rank {req.cache.rank}: {node} kept unheld L1 pages without a host copy"
+            )
+        node = node.parent  # type: ignore[assignment]
+    if bk.state is BackupState.FAILING:  # aborted at insert: only when no node took its pages without a copy
+        assert not bk.nodes, f"backup {bk.id} aborted with nodes {bk.nodes}"
+        return
+    held = sum(n.num_pages for n in bk.nodes) + len(bk.spare_host_pages)
+    assert held == bk.num_pages, f"backup {bk.id}: nodes and spare hold {held} of {bk.num_pages} pages"
+
+
 def recompute_aborted_load(req: Request) -> None:
     """What a server does when a load aborts: recompute the loaded pages in place."""
     load = req.load
@@ -589,6 +660,13 @@ class CacheMachine(RuleBasedStateMachine):
                 self.d.copies_land()
                 self.d.poll()
                 self.d.advance(len(self.d.open) - 1, 1)
+
+    @rule(pages=PAGE_IDS, extra=st.lists(st.integers(0, 2), min_size=1, max_size=2), abort_first=st.booleans(),
+          release_first=st.booleans(), fail_load=st.integers(0, 3))  # fmt: skip
+    def twin_requests(
+        self, pages: list[int], extra: list[int], abort_first: bool, release_first: bool, fail_load: int
+    ) -> None:
+        self.d.twin_requests(pages, extra, abort_first, release_first, fail_load == 0)  # type: ignore[union-attr]
 
     @rule(i=INDEX, steps=st.integers(1, 7))
     def advance(self, i: int, steps: int) -> None:
@@ -700,7 +778,8 @@ def _assert_covered(events: dict[str, int], keys: tuple[str, ...]) -> None:
 def test_cache_machine() -> None:
     steps, events, verified = _run_machine(CacheMachine, max_examples=200, stateful_step_count=100)
     assert steps >= 10_000, f"only {steps} hypothesis steps ran"
-    _assert_covered(events, ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"))
+    _assert_covered(events, ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages",
+                             "backup_pages_trimmed"))  # fmt: skip
     assert verified > 0, "no loaded page was ever byte-checked"
 
 
@@ -722,9 +801,11 @@ def test_exclusive_cache_machine(machine: type[CacheMachine], covered: tuple[str
 def test_cp_cache_machine() -> None:
     """Two CP ranks driven with identical calls: identical trees after every
     step, and every rank byte-checks the loaded pages it owns."""
-    steps, events, verified = _run_machine(CpCacheMachine, max_examples=60, stateful_step_count=80)
+    # 100 examples: with twin requests among the rules, 60 (derandomized) drew no aborted load.
+    steps, events, verified = _run_machine(CpCacheMachine, max_examples=100, stateful_step_count=80)
     assert steps >= 2_000, f"only {steps} two-rank steps ran"
-    _assert_covered(events, ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages"))
+    _assert_covered(events, ("backups_committed", "backups_aborted", "loads_done", "loads_aborted", "l2_hit_pages",
+                             "backup_pages_trimmed"))  # fmt: skip
     assert verified > 0, "no loaded page was ever byte-checked on the two ranks"
 
 
@@ -792,6 +873,9 @@ def stress(
         (10, lambda: d.target_hook(rng.randrange(8))),
         (4, lambda: d.draft_hook(rng.randrange(8))),
         (4, lambda: d.insert(rng.randrange(8))),
+        (1, lambda: d.twin_requests([rng.randrange(2)] + [rng.randrange(3) for _ in range(rng.randint(0, 3))],
+                                    [rng.randrange(3) for _ in range(rng.randint(1, 2))], rng.random() < 0.5,
+                                    rng.random() < 0.5)),  # fmt: skip
         (4, lambda: d.release(rng.randrange(8))),
         (1, lambda: d.abandon(rng.randrange(8))),
         (4, d.poll),

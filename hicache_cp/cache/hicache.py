@@ -407,10 +407,16 @@ class HiCache:
         `device_pages` are the request's pages for positions
         [match.matched_pages, match.matched_pages + len(device_pages)), from
         `alloc_device`; the tree takes them over. Pages another request
-        inserted meanwhile are kept and the duplicates freed. `backup` (from
-        `reserve_backup` for exactly these pages) is attached so its copy
-        becomes visible when it commits; if the pages did not form one new
-        node it is aborted instead. Returns the node to `release` later.
+        inserted meanwhile are kept and the duplicates freed, except where the
+        tree's copy has no host copy, nobody holds it and `backup` is live:
+        then this request's pages replace it (their copy is in flight).
+
+        `backup` (from `reserve_backup` for exactly these pages, else
+        ValueError) is attached to every node that took its pages and has no
+        host copy, each visible when the op commits; it is trimmed of the
+        positions the tree already held otherwise (their host pages are freed
+        at the decision) and aborted when none is left or it sits on a stale
+        prefix. Returns the node to `release` later. O(pages inserted).
         """
         node = self._prefixes.insert(match, device_pages, backup)
         self._state.debug_check()

@@ -182,13 +182,54 @@ class Lifecycle:
         if op.state in (BackupState.RESERVED, BackupState.WRITING):
             op.transition(BackupState.FAILING)
 
-    def attach(self, op: BackupOp, node: Node) -> None:
-        """The node's host copy is `op`'s reservation, PENDING until it commits."""
-        node.host_pages = op.host_pages
+    def attach(self, op: BackupOp, node: Node, host_pages: np.ndarray | None = None) -> None:
+        """The node's host copy is `op`'s reservation (or its run `host_pages` of
+        it), PENDING until it commits."""
+        node.host_pages = op.host_pages if host_pages is None else host_pages
         node.host_state = HostState.PENDING
         node.backup = op
         op.nodes.append(node)
         self.s.tree.refresh_family(node)
+
+    def claim(self, op: BackupOp, runs: list[tuple[Node, int]]) -> None:
+        """Attach a write-through backup at insert to the nodes that took its pages.
+
+        `runs` are (node, offset): the node holds the op's device pages
+        [offset, offset + node.num_pages) and has no host copy; it gets the
+        matching host pages, PENDING until the op commits. The op's other host
+        pages (positions the tree already held otherwise) become spare: the
+        copies in flight still write them, so they are freed at the decision.
+        With no run at all the op is aborted (`error` says why). Decided on
+        replicated state (the tree), so every CP rank trims alike. O(pages).
+        """
+        s = self.s
+        assert op.state in (_RESERVED, _WRITING) and not op.nodes, f"backup {op.id} ({op.state.value}) claimed twice"
+        if not runs:
+            op.error = op.error or RuntimeError(
+                f"positions {op.first_position}..{op.first_position + op.num_pages} were all in the tree already, "
+                "with a host copy or held by a request"
+            )
+            self.abort_backup(op)
+            return
+        taken = np.zeros(op.num_pages, dtype=bool)
+        for node, lo in runs:
+            hi = lo + node.num_pages
+            assert 0 <= lo and hi <= op.num_pages and not taken[lo:hi].any(), (
+                f"rank {s.rank}: backup {op.id}: {node} at offset {lo} overlaps another run or lies outside "
+                f"its {op.num_pages} pages"
+            )
+            assert node.host_state is HostState.NONE and node.device_pages is not None and np.array_equal(
+                node.device_pages, op.device_pages[lo:hi]
+            ), f"rank {s.rank}: backup {op.id}: {node} does not hold the L1 pages it copies at offset {lo}"
+            taken[lo:hi] = True
+            self.attach(op, node, op.host_pages[lo:hi])
+        if not taken.all():
+            op.spare_host_pages = op.host_pages[~taken]
+            s.metrics.backup_pages_trimmed += len(op.spare_host_pages)
+            logger.debug(
+                "rank %d: backup %d trimmed to %d of %d pages (the rest were in the tree already)",
+                s.rank, op.id, op.num_pages - len(op.spare_host_pages), op.num_pages,
+            )
 
     # ---- decisions -----------------------------------------------------------------------
 
@@ -271,6 +312,9 @@ class Lifecycle:
                 node.host_parts = s.all_parts
                 node.backup = None
                 s.tree.refresh_family(node)
+            if len(op.spare_host_pages):  # trimmed at insert: no copy writes them any more
+                s.host_pool.allocator.free(op.spare_host_pages)
+                op.spare_host_pages = op.spare_host_pages[:0]
             s.metrics.backups_committed += 1
             s.metrics.bytes_d2h += op.nbytes
             s.metrics.backup_commit_latency.observe(time.perf_counter() - op.created_at)
@@ -292,8 +336,10 @@ class Lifecycle:
             node.host_parts = frozenset()
             node.backup = None
             s.tree.refresh_family(node)
-        s.host_pool.allocator.free(op.host_pages)
+        s.host_pool.allocator.free(op.host_pages)  # the nodes' runs and the spare pages
+        op.spare_host_pages = op.spare_host_pages[:0]
         s.metrics.backups_aborted += 1
+        s.metrics.backup_pages_dropped += sum(node.num_pages for node in op.nodes)
         logger.warning("rank %d: backup %d aborted, %d host pages released: %s", s.rank, op.id, op.num_pages, op.error)
         for node in list(op.nodes):
             s.tree.prune(node)

@@ -103,11 +103,18 @@ class Prefixes:
             raise ValueError(
                 f"insert of {len(device_pages)} pages at position {start} exceeds the request's {match.num_pages} pages"
             )
+        live = backup is not None and backup.state in (BackupState.RESERVED, BackupState.WRITING)
+        if backup is not None and (backup.first_position != start or not np.array_equal(backup.device_pages, device_pages)):
+            raise ValueError(
+                f"backup {backup.id} copies {backup.num_pages} pages at position {backup.first_position}, not the "
+                f"{len(device_pages)} pages inserted at position {start}: pass the reservation made for these pages"
+            )
         s.loose_device_pages -= len(device_pages)
         path = s.tree.match(match.tokens[: (start + len(device_pages)) * ps])
         covered = path[-1].end_position if path else 0
         parent = path[-1] if path else s.tree.root
         surplus: list[np.ndarray] = []
+        took: list[tuple[Node, int]] = []  # nodes now holding this request's pages, at their offset in them
         for node in path:
             if node.end_position <= start:
                 continue  # the request's own matched prefix
@@ -119,15 +126,25 @@ class Prefixes:
                 surplus.append(node.device_pages)  # type: ignore[arg-type]
                 node.device_pages = mine.copy()
                 node.stale_load = None
+                took.append((node, lo))
                 s.tree.refresh_family(node)
             elif node.stale_load is not None:
                 # stale but held: the holder recomputes into these very L1 pages, so
                 # they stay; freeing them under it would be a use-after-free
                 surplus.append(mine)
+            elif node.on_device and live and node.host_state is HostState.NONE and node.lock_ref == 0:
+                # inserted meanwhile, no host copy, held by nobody: take this request's
+                # pages, whose copy is in flight, so the node gets one without a second
+                # copy (the tree's pages go; nobody reads them)
+                surplus.append(node.device_pages)  # type: ignore[arg-type]
+                node.device_pages = mine.copy()
+                took.append((node, lo))
+                s.tree.refresh_family(node)
             elif node.on_device:  # inserted meanwhile by another request: keep the tree's
                 surplus.append(mine)
             else:  # evicted from L1 and recomputed by this request
                 node.device_pages = mine.copy()
+                took.append((node, lo))
                 s.tree.refresh_family(node)
         if surplus:
             s.device_pool.allocator.free(np.concatenate(surplus))
@@ -138,26 +155,25 @@ class Prefixes:
             new_node = s.tree.add_child(parent, match.tokens[covered * ps : (covered + len(rest)) * ps], rest)
             new_node.last_access = s.clock
             s.policy.on_insert(match.tokens[: new_node.end_position * ps], new_node, s.clock)
+            took.append((new_node, dup))
         if backup is not None:
-            self._attach_backup(backup, new_node, parent)
+            self._attach_backup(backup, new_node, took)
+            # pages the tree took from this request and holds without any host copy
+            s.metrics.backup_pages_dropped += sum(n.num_pages for n, _ in took if n.host_state is HostState.NONE)
         s.tree.lock(new_node)
         s.tree.unlock(match.last_node)
         match.last_node = new_node
         return new_node
 
-    def _attach_backup(self, backup: BackupOp, new_node: Node, parent: Node) -> None:
-        """Attach a write-through backup to the node its pages formed, or abort
-        it when they formed none (inserted meanwhile) or sit on a stale prefix."""
-        backup.after, on_stale = prefix_loads(new_node)
-        exact = (
-            new_node is not parent
-            and backup.first_position == new_node.first_position
-            and backup.num_pages == new_node.num_pages
-        )
+    def _attach_backup(self, backup: BackupOp, last: Node, took: list[tuple[Node, int]]) -> None:
+        """Attach a write-through backup to the nodes that took its pages and have
+        no host copy, trimming the rest (`Lifecycle.claim`); abort it when it
+        already failed or its pages sit on a stale prefix."""
+        backup.after, on_stale = prefix_loads(last)
+        if backup.state not in (BackupState.RESERVED, BackupState.WRITING):
+            return  # failing or decided already: its pages get no copy
         if on_stale:
             backup.error = backup.error or RuntimeError("computed on a prefix whose load aborted")
             self.lifecycle.abort_backup(backup)
-        elif exact and backup.state in (BackupState.RESERVED, BackupState.WRITING):
-            self.lifecycle.attach(backup, new_node)
-        else:
-            self.lifecycle.abort_backup(backup)
+            return
+        self.lifecycle.claim(backup, [(n, lo) for n, lo in took if n.host_state is HostState.NONE])

@@ -102,6 +102,7 @@ class CacheState:
         )
         host = [n.host_pages for n in nodes if n.host_pages is not None]
         host += [op.host_pages for op in self.backups if not op.nodes]
+        host += [op.spare_host_pages for op in self.backups if op.nodes]  # trimmed at insert, freed at the decision
         if self.l3 is not None:
             self.l3.check_invariants()
             host += self.l3.owned_host_pages()  # prefetch reservations, evictions waiting for a put
@@ -120,3 +121,10 @@ class CacheState:
         for op in self.backups:
             for n in op.nodes:
                 assert n.backup is op and n.host_state is HostState.PENDING, f"backup {op.id}: {n} not pending on it"
+            if op.nodes:  # its nodes' runs and its spare pages are its reservation, each page once
+                held = sum(n.num_pages for n in op.nodes) + len(op.spare_host_pages)
+                assert held == op.num_pages, (
+                    f"rank {self.rank}: backup {op.id}: nodes and spare pages hold {held} of its {op.num_pages} host pages"
+                )
+            else:
+                assert not len(op.spare_host_pages), f"rank {self.rank}: backup {op.id}: spare pages but no node"

@@ -99,7 +99,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     else:
         report = replay_rank(args, config, requests)
     if report.get("backup_pages_wanted"):  # computed pages that never got an L2 copy (so never an L3 one)
-        report["l2_uncopied_fraction"] = round(report["backup_pages_skipped"] / report["backup_pages_wanted"], 4)
+        uncopied = report["backup_pages_skipped"] + report.get("backup_pages_dropped", 0)
+        report["l2_uncopied_fraction"] = round(uncopied / report["backup_pages_wanted"], 4)
     report.update(
         trace_tokens=sum(r.input_length for r in requests),
         footprint_pages=sizing.footprint_pages,

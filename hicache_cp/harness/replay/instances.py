@@ -56,6 +56,7 @@ _SUM_KEYS = (
     "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2", "integrity_checked_pages",
     "integrity_checked_units", "integrity_expected_units", "integrity_mismatches", "rejected_requests",
     "host_bytes", "cross_instance_hit_tokens", "backup_pages_wanted", "backup_pages_skipped",
+    "backup_pages_dropped", "backup_pages_trimmed",
 )  # fmt: skip
 MIN_SEGMENT_BYTES = 64 << 20
 #: How long a finished instance keeps its store segment (its objects) for the others.

@@ -27,6 +27,7 @@ REPORT_KEYS = (
     "bytes_d2h", "bytes_h2d", "backups_committed", "backups_aborted", "evictions_l1", "evictions_l2",
     "integrity_checked_pages", "integrity_checked_units", "integrity_expected_units", "integrity_mismatches",
     "wall_s", "backup_pages_wanted", "backup_pages_skipped",
+    "backup_pages_dropped", "backup_pages_trimmed",
 )  # fmt: skip
 
 
