@@ -243,14 +243,14 @@ def test_pages_a_non_waiting_prefetch_landed_are_l3_hits_of_the_request_that_use
         b.release(m.last_node)  # it left (say L1 refused it); the fetch goes on
         store.get_gate.set()
         b.settle()  # landed on every rank: a host-only node of 8 pages, fresh from L3
-        assert op.state is PrefetchState.COMMITTED and int(b.l3.fresh.sum()) == 8
+        assert op.state is PrefetchState.COMMITTED and int(b.l3.hits.fresh.sum()) == 8
         b.check_invariants()
         r = _serve(b, range(1, 9))  # the first use of the landed copy: L3 hits, not L2 ones
         assert (r.m.host_len, r.m.l3_len) == (8, 8)
         assert verify_l1(b, r.tokens, range(8), r.load.device_pages) == 0
         s = b.stats()
         assert (s["l3_hit_pages"], s["l3_hit_tokens"], s["l2_hit_pages"], s["l2_hit_tokens"]) == (8, 128, 0, 0)
-        assert s["hit_rate"] == pytest.approx(128 / 256) and not b.l3.fresh.any()
+        assert s["hit_rate"] == pytest.approx(128 / 256) and not b.l3.hits.fresh.any()
         evict_all_l1(b)
         r2 = _serve(b, range(1, 9))  # counted once: the copy is b's L2 now
         assert (r2.m.host_len, r2.m.l3_len) == (8, 0) and b.stats()["l3_hit_pages"] == 8

@@ -54,6 +54,7 @@ from typing import Protocol
 import numpy as np
 
 from hicache_cp.cache.eviction import Evictor
+from hicache_cp.cache.l3_hits import L3Hits
 from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
 from hicache_cp.cp import mapping as cp_mapping
@@ -64,7 +65,7 @@ from hicache_cp.l3.keys import KeyScheme, L3Object, PositionHashes, chain_hashes
 from hicache_cp.l3.metrics import L3Metrics
 from hicache_cp.l3.ops import PrefetchOp, PrefetchState, WriteJob, WriteState
 from hicache_cp.l3.store import L3Error, L3Timeout
-from hicache_cp.ops import LoadOp, LoadState
+from hicache_cp.ops import LoadOp
 from hicache_cp.radix import HostState, Node
 
 logger = logging.getLogger(__name__)
@@ -104,22 +105,24 @@ class Tier3:
         self.held = np.zeros(capacity + 1, dtype=np.int32)  # logical L2 page -> write jobs holding it
         self.deferred = np.zeros(capacity + 1, dtype=bool)  # evicted while held: freed when released
         self.queued_pages = 0
-        #: Logical L2 page -> it holds a committed copy an L3 prefetch fetched that
-        #: no match used yet: its first use counts as an L3 hit (`claim`). Cleared
-        #: when the copy leaves the tree (`on_evict_l2`). Replicated on every rank.
-        self.fresh = np.zeros(capacity + 1, dtype=bool)
-        #: Per fresh page, this rank's object keys holding it (filled only for an
-        #: observer: `L3Observer.on_l3_hit` when the page is claimed).
-        self.fresh_keys = np.full(capacity + 1, None, dtype=object)
+        #: Which L2 copies an L3 prefetch landed and no match used yet (`claim`).
+        self.hits = L3Hits(state, self.metrics, capacity)
         #: Write-back bound in pages: what puts in flight may hold of L2 (replicated).
         self.queue_limit = config.write_queue_pages or max(1, capacity // 4)
         self._end_hash: dict[int, tuple[int, bytes]] = {}
-        self._l3_loads: list[tuple[LoadOp, int]] = []  # loads carrying L3-hit pages (for accounting)
 
     @property
     def busy(self) -> bool:
         """Prefetches or write-backs still active (their counters are not final yet)."""
         return bool(self.prefetches or self.writes)
+
+    def claim(self, m: MatchResult) -> None:
+        """`match_prefix(m)` used host copies: the landed ones count as L3 hits (`L3Hits.claim`)."""
+        self.hits.claim(m, self.observer)
+
+    def note_load(self, m: MatchResult, load: LoadOp | None) -> None:
+        """`load_back(m)` ran (`L3Hits.note_load`)."""
+        self.hits.note_load(m, load)
 
     # ---- prefetch ----------------------------------------------------------------------------
 
@@ -246,7 +249,7 @@ class Tier3:
                 self._retire(op)
         self.prefetches = [op for op in self.prefetches if op.active]
         self.writes = [job for job in self.writes if job.active]
-        self._correct_aborted_loads()
+        self.hits.correct_aborted_loads()
 
     def _decide_prefetch(self, op: PrefetchOp, vote: Vote) -> None:
         if vote.ok and vote.settled:
@@ -307,7 +310,7 @@ class Tier3:
             s.tree.add_host_child(parent, op.tokens[reach * ps :], op.host_pages[reach - op.first_position :],
                                   s.all_parts)  # fmt: skip
             attached[reach - op.first_position :] = True
-        self._mark_fresh(op, attached)
+        self.hits.mark(op, attached, self.observer)
         if not attached.all():  # the cached head of a group, copies the tree has, a prefix evicted meanwhile
             s.host_pool.allocator.free(op.host_pages[~attached])
             self.metrics.l3_surplus_pages += int((~attached).sum())
@@ -338,7 +341,7 @@ class Tier3:
         m.last_node = ext[-1]
         m.host_nodes.extend(ext)
         pages = sum(n.num_pages for n in ext)
-        l3 = self._claim(ext)
+        l3 = self.hits.take(ext, self.observer)
         m.host_len += pages
         m.l3_len += l3
         ps = s.layout.page_size
@@ -369,84 +372,6 @@ class Tier3:
             path.append(child)
             node, i = child, i + n
         return path, None
-
-    # ---- L3 hits: the first use of a landed copy -------------------------------------------
-
-    def _mark_fresh(self, op: PrefetchOp, attached: np.ndarray) -> None:
-        """The pages of `op` that joined the tree are fresh (see `fresh`)."""
-        pages = op.host_pages[attached]
-        self.fresh[pages] = True
-        if self.observer is None:
-            return
-        keys: dict[int, list[str]] = {}
-        for obj in op.objects:
-            for p in obj.positions.tolist():
-                keys.setdefault(p, []).append(obj.key)
-        for i in np.flatnonzero(attached).tolist():
-            mine = keys.get(op.first_position + i)  # None: a CP rank that owns no page here
-            self.fresh_keys[op.host_pages[i]] = tuple(mine) if mine else None
-
-    def _claim(self, nodes: Sequence[Node]) -> int:
-        """A match uses the host copies of `nodes`: clear their fresh pages and
-        return how many there were (the caller counts them as L3 hits).
-        O(pages) in numpy; the observer's keys only with an observer."""
-        if not nodes:
-            return 0
-        pages = np.concatenate([n.host_pages for n in nodes])  # type: ignore[misc]
-        hit = pages[self.fresh[pages]]
-        if not len(hit):
-            return 0
-        self.fresh[hit] = False
-        if self.observer is not None:
-            keys = [k for k in self.fresh_keys[hit].tolist() if k]  # a CP rank's share: pages with objects here
-            self.fresh_keys[hit] = None
-            if keys:
-                self.observer.on_l3_hit(keys)
-        return len(hit)
-
-    def claim(self, m: MatchResult) -> None:
-        """`match_prefix(m)` counted its host continuation as L2 hits: move the
-        pages whose copies an L3 prefetch landed and nobody used yet to the L3
-        hits (`m.l3_len`, so a dropped or aborted load uncounts them like a
-        waiting prefetch's). Replicated: the same on every rank. O(host pages)."""
-        n = self._claim(m.host_nodes)
-        if not n:
-            return
-        ps = self.s.layout.page_size
-        m.l3_len += n
-        self.s.metrics.l2_hit_tokens -= n * ps
-        self.s.metrics.l2_hit_pages -= n
-        self.metrics.l3_hit_tokens += n * ps
-        self.metrics.l3_hit_pages += n
-        logger.debug("rank %d: %d pages of a match were landed by L3 prefetches: L3 hits", self.s.rank, n)
-
-    # ---- load accounting ---------------------------------------------------------------------
-
-    def note_load(self, m: MatchResult, load: LoadOp | None) -> None:
-        """`load_back(m)` ran: keep the L3 share of its hits honest if it is dropped or aborts."""
-        if not m.l3_len:
-            return
-        if load is None and not m.host_nodes:  # L1 could not take the host continuation: all misses now
-            self._uncount(m.l3_len)
-            m.l3_len = 0
-        elif load is not None:
-            self._l3_loads.append((load, m.l3_len))
-
-    def _correct_aborted_loads(self) -> None:
-        keep = []
-        for load, pages in self._l3_loads:
-            if load.state is LoadState.ABORTED:
-                self._uncount(pages)
-            elif load.active:
-                keep.append((load, pages))
-        self._l3_loads = keep
-
-    def _uncount(self, pages: int) -> None:
-        """Lifecycle moved these pages' hits from L2 to misses; they were L3 hits."""
-        ps = self.s.layout.page_size
-        self.s.metrics.l2_hit_tokens += pages * ps
-        self.metrics.l3_hit_tokens -= pages * ps
-        self.metrics.l3_hit_pages -= pages
 
     # ---- write-back ----------------------------------------------------------------------------
 
@@ -568,8 +493,7 @@ class Tier3:
     def on_evict_l2(self, pages: np.ndarray) -> np.ndarray:
         """L2 evicts `pages`: return those free now; held ones wait for their job.
         Their copies leave the tree: none is fresh any more."""
-        self.fresh[pages] = False
-        self.fresh_keys[pages] = None
+        self.hits.forget(pages)
         mask = self.held[pages] > 0
         if not mask.any():
             return pages
@@ -642,12 +566,7 @@ class Tier3:
         for op in self.prefetches:
             assert op.active, f"prefetch {op.id} decided but listed"
             assert len(op.host_pages) == op.end - op.first_position
-        committed = np.zeros_like(self.fresh)
-        for node in self.s.tree.nodes():
-            if node.host_state is HostState.COMMITTED:
-                committed[node.host_pages] = True
-        stray = np.flatnonzero(self.fresh & ~committed)
-        assert not len(stray), f"L2 pages {stray[:8].tolist()} are fresh from L3 but hold no committed copy in the tree"
+        self.hits.check_invariants()
 
     def stats(self) -> dict[str, object]:
         d = self.metrics.as_dict()
