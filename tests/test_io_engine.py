@@ -360,7 +360,7 @@ def test_submissions_take_events_from_the_pool_filled_at_start_up(cuda_pools, na
     engine = make_engine(name, dev, host)
     created: list[int] = []
     create = engine._drv.event_create
-    me = threading.get_ident()  # the issue workers' own window events are theirs, not the submitter's
+    me = threading.get_ident()  # events the issue workers create are theirs, not the submitter's
     monkeypatch.setattr(engine._drv, "event_create", lambda: (threading.get_ident() == me and created.append(1)) or create())
     rng = np.random.default_rng(11)
     try:

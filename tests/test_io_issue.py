@@ -7,8 +7,7 @@ chunks of at most CHUNK, then `done` is recorded), jobs keep their order, a
 failing driver call fails that job only (its `issued` is set, the next job
 still runs), `order` goes back to the pool after the wait and `done` when the
 ticket is dropped (at once if issued, else after issue), `drain`/`close`
-wait for every job, and the worker keeps at most its window of descriptors
-issued and not yet copied (the double's copies finish when synchronized).
+wait for every job, and a job of at most `whole` descriptors is one call.
 """
 
 from __future__ import annotations
@@ -18,10 +17,8 @@ import threading
 import numpy as np
 import pytest
 
-from hicache_cp.io.issue import CHUNK, IssueWorker, Job
+from hicache_cp.io.issue import CHUNK, WHOLE, IssueWorker, Job
 from hicache_cp.io.plans import LayerDescriptors
-
-_OWN = 10**9  # event handles the double creates (the worker's window events)
 
 
 class RecordingDriver:
@@ -30,17 +27,7 @@ class RecordingDriver:
         self.fail_at = fail_at  # fail the batch call whose first descriptor has this dst
         self.gate = gate
         self.lock = threading.Lock()
-        self.issued = 0  # descriptors issued, and of them copied (`event_synchronize`)
-        self.completed = 0
-        self.in_flight_max = 0
-        self.marks: dict[int, int] = {}
-        self.queries: dict[int, int] = {}
-        self.created: list[int] = []
-        self.destroyed: list[int] = []
-
-    def _count(self, k: int) -> None:
-        self.issued += k
-        self.in_flight_max = max(self.in_flight_max, self.issued - self.completed)
+        self.issued = 0  # descriptors issued
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         if self.gate is not None:
@@ -55,46 +42,17 @@ class RecordingDriver:
         if self.fail_at is not None and int(d[0]) == self.fail_at:
             raise RuntimeError("injected batch failure")
         with self.lock:
-            self._count(count)
+            self.issued += count
             self.calls.append(("batch", stream, count, d.tolist(), s.tolist(), n.tolist(), attrs, idx))
 
     def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
         with self.lock:
-            self._count(1)
+            self.issued += 1
             self.calls.append(("batch", stream, 1, [dst], [src], [size], None, None))
 
     def event_record(self, event: int, stream: int) -> None:
         with self.lock:
-            if event >= _OWN:  # the worker's own window event: the copies issued so far
-                self.marks[event] = self.issued
-                self.calls.append(("mark", stream, event))
-            else:
-                self.calls.append(("record", stream, event))
-
-    # The window's events. The double's copies finish only when synchronized.
-    def event_create(self) -> int:
-        with self.lock:
-            self.created.append(_OWN + len(self.created))
-            return self.created[-1]
-
-    def event_synchronize(self, event: int) -> None:
-        with self.lock:
-            self.completed = max(self.completed, self.marks[event])
-            self.calls.append(("sync", event))
-
-    def event_query(self, event: int) -> bool:
-        """Done on the second query: the worker must poll until then."""
-        with self.lock:
-            self.queries[event] = self.queries.get(event, 0) + 1
-            if self.queries[event] < 2:
-                return False
-            self.completed = max(self.completed, self.marks[event])
-            self.calls.append(("sync", event))
-            return True
-
-    def event_destroy(self, event: int) -> None:
-        with self.lock:
-            self.destroyed.append(event)
+            self.calls.append(("record", stream, event))
 
 
 def _desc(n: int, base: int) -> LayerDescriptors:
@@ -108,7 +66,7 @@ def _desc(n: int, base: int) -> LayerDescriptors:
 def test_jobs_issue_in_protocol_order_and_cover_every_descriptor(chunk: int) -> None:
     drv = RecordingDriver()
     released: list[int] = []
-    worker = IssueWorker(drv, attrs=111, attr_idx=222, chunk=chunk)
+    worker = IssueWorker(drv, attrs=111, attr_idx=222, chunk=chunk, whole=chunk)
     sizes = [1, chunk, chunk + 1, 3 * chunk + 5]
     jobs = [Job(7, 100 + i, 200 + i, _desc(n, 1000 * (i + 1)), released.append) for i, n in enumerate(sizes)]
     for j in jobs:
@@ -139,34 +97,19 @@ def test_jobs_issue_in_protocol_order_and_cover_every_descriptor(chunk: int) -> 
 def test_a_chunk_below_one_descriptor_is_refused() -> None:
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=0)
-    with pytest.raises(ValueError, match="window must be >= chunk"):
-        IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=8, window=7)
 
 
-@pytest.mark.parametrize(("chunk", "window"), [(4, 8), (4, 10), (7, 7), (1024, 8 * 1024)])
-def test_the_worker_keeps_at_most_a_window_of_descriptors_in_flight(chunk: int, window: int) -> None:
+@pytest.mark.parametrize(("n", "calls"), [(1, 1), (CHUNK + 1, 1), (WHOLE, 1), (WHOLE + 1, -(-(WHOLE + 1) // CHUNK))])
+def test_a_job_up_to_whole_is_one_call_a_longer_one_goes_in_chunks(n: int, calls: int) -> None:
+    """The default sizes: one call for a layer of up to WHOLE descriptors (the copy
+    engines' best), calls of CHUNK beyond (the forward's launches wait behind a call)."""
     drv = RecordingDriver()
-    worker = IssueWorker(drv, attrs=1, attr_idx=2, chunk=chunk, window=window)
-    sizes = [3, 5 * chunk + 1, 2 * window, 1]
-    jobs = [Job(7, 100 + i, 200 + i, _desc(n, 100_000 * (i + 1)), lambda e: None) for i, n in enumerate(sizes)]
-    for j in jobs:
-        worker.put(j)
-    worker.drain()
-    assert all(j.error is None for j in jobs)
-    assert drv.issued == sum(sizes)  # every descriptor still issued once
-    assert 0 < drv.in_flight_max <= window
-    assert any(c[0] == "sync" for c in drv.calls)
+    worker = IssueWorker(drv, attrs=1, attr_idx=2)
+    worker.put(Job(7, 1, 2, _desc(n, 1000), lambda e: None))
     worker.close()
-    assert sorted(drv.destroyed) == sorted(drv.created)  # the window's events die with the worker
-
-
-def test_an_unbounded_worker_never_waits_for_copies() -> None:
-    drv = RecordingDriver()
-    worker = IssueWorker(drv, attrs=1, attr_idx=2, chunk=4, window=None)
-    worker.put(Job(7, 1, 2, _desc(100, 1000), lambda e: None))
-    worker.close()
-    assert drv.issued == 100 and drv.in_flight_max == 100
-    assert not drv.created and not any(c[0] in ("sync", "mark") for c in drv.calls)
+    batches = [c for c in drv.calls if c[0] == "batch"]
+    assert len(batches) == calls and drv.issued == n
+    assert all(c[2] == (n if n <= WHOLE else min(CHUNK, n - i * CHUNK)) for i, c in enumerate(batches))
 
 
 def test_a_failing_job_fails_alone() -> None:

@@ -29,7 +29,7 @@ import torch
 from hicache_cp.io.base import CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, EngineSync, PartInfo, SharedTicket
 from hicache_cp.io.cudadrv import MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE, DmaIssuer
-from hicache_cp.io.issue import CHUNK, WINDOW, IssueWorker, Job
+from hicache_cp.io.issue import CHUNK, WHOLE, IssueWorker, Job
 from hicache_cp.layout import Part
 from hicache_cp.io.runs import runs_of, split_at_chunks
 from hicache_cp.pools import DevicePool, HostPool
@@ -119,9 +119,9 @@ class DirectCopyEngine(CudaCopyEngine):
     "given" keeps the caller's order; `overlap_hint` sets the driver's
     CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE on every batch; a planned
     layer of more than `worker_above` descriptors is issued by a worker
-    thread (`io.issue`; None: always on the caller's thread), in driver calls
-    of at most `chunk` descriptors (`load_chunk` for loads, when given), with
-    at most `window` descriptors issued and not yet copied (None: no bound). Planned ops
+    thread (`io.issue`; None: always on the caller's thread): a layer of at
+    most `whole` descriptors in one driver call, a longer one in calls of
+    `chunk` (`load_chunk` for loads, when given). Planned ops
     (`plan` + `submit_layer`, the cache's path) sort once and reuse one
     descriptor table for every layer: both parts of a layer in one call.
     """
@@ -131,7 +131,7 @@ class DirectCopyEngine(CudaCopyEngine):
     def __init__(
         self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
         overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
-        load_chunk: int | None = None, window: int | None = WINDOW,
+        load_chunk: int | None = None, whole: int = WHOLE,
     ) -> None:
         super().__init__(device_pool, host_pool)
         if order not in ("given", "device"):
@@ -148,7 +148,7 @@ class DirectCopyEngine(CudaCopyEngine):
         self._workers = tuple(
             IssueWorker(self._drv, self._issuer.attrs_ptr, self._issuer.attr_idx_ptr,
                         lambda: self._drv.set_context(context), name=f"hicache-dma-{d.value}",
-                        chunk=self.chunks[d], window=window)
+                        chunk=self.chunks[d], whole=whole)
             for d in (Direction.D2H, Direction.H2D)
         )
         #: Layer submissions handed to the issue workers (benchmarks read it).

@@ -6,22 +6,29 @@ spends about half a microsecond of host time per descriptor inside
 microsecond issued inline from the scheduler thread between launches (a layer
 of 1024 scattered pages: 0.8-1.0 ms). On the scheduler thread that time
 delays the forward's next launches. An `IssueWorker` takes such a layer's
-descriptors and issues them on its own thread, in order, in driver calls of
-at most `chunk` descriptors (default `CHUNK`).
+descriptors and issues them on its own thread, in order: a job of at most
+`whole` descriptors (default `WHOLE`) in one driver call, a longer one in
+calls of `chunk` (default `CHUNK`).
 
-The chunk is a trade measured on the H200 (bench-io's exposure rows per
-variant, bench/results/io-h200-chunks-9ad6efb.json; 24 layers of scattered
-41,984 B pages beside a compute-bound forward). The copy engines pay per call,
-so longer calls reach more of the link (calls of 64 / 128 / 256 / 1024: 0.93 /
-0.96 / 0.97 / 0.98 at 1024 pages). But the driver serialises a context's
-calls: while the worker is inside a call, the forward's kernel launches and
-the caller's own event calls wait for it (half a microsecond a descriptor).
-With calls of 1024 a forward loading 8192 pages a layer lost 0.75 of the copy
-time (launches behind 450 us calls) and the caller's median submit was
-400-440 us; with calls of 128 the same forward lost 0.069, at 1024 pages
-0.050 / 0.094 (load / backup), and both directions at once reached 0.92 of
-the bidirectional peak (calls of 64: 0.89, and 0.115 of a 1024-page backup
-exposed; calls of 256: 0.59 of an 8192-page load). So `CHUNK` is 128.
+The sizes are a trade measured on the H200 (bench-io's exposure rows per
+variant, bench/results/io-h200-chunks-9ad6efb.json and io-h200.json at
+1a04382; 24 layers of scattered 41,984 B pages beside a compute-bound
+forward). The copy engines pay per call, so longer calls reach more of the
+link (calls of 64 / 128 / 256 / 1024: 0.93 / 0.96 / 0.97 / 0.98 at 1024
+pages) and, on both H200s measured, leave less of a 1024-page backup exposed
+(calls of 1024: 0.073 and 0.117; of 128: 0.094 and 0.137). But the driver
+serialises a context's calls: while the worker is inside a call, the
+forward's kernel launches and the caller's own event calls wait for it (half
+a microsecond a descriptor). With calls of 1024 a forward loading 8192 pages
+a layer, 8 calls a layer, lost 0.75-0.90 of the copy time (its launches
+behind 450 us calls) and the caller's median submit was 400-440 us; with
+calls of 128 the same forward lost 0.051-0.069 and the median submit was
+69-122 us (calls of 256: 0.59 of that load exposed; of 64: 0.89 of the
+bidirectional peak). So a layer of up to 1024 descriptors is one call and a
+longer one goes in calls of 128. A bound on the descriptors issued and not
+yet copied (io-h200-window-6ec355a.json) fixed the 8192-page loads but left
+0.52 of a 1024-page load exposed: the forward's host waits for the worker,
+which waits for the GPU; it was removed.
 
 Protocol of one job (the caller's side in `hicache_cp.io.dma`):
 
@@ -42,21 +49,18 @@ started with the first job, stopped by `close()` (which waits for every job).
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
-import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 #: Descriptors per driver call on the worker (about half a microsecond each; see above).
 CHUNK = 128
-#: Descriptors the worker keeps issued and not yet copied, at most (None: no bound).
-WINDOW: int | None = None  # 8 * CHUNK fixed 8192-page loads but was unstable at 1024 (io-h200-window-6ec355a.json)
+#: A job of at most this many descriptors is one driver call (see above).
+WHOLE = 1024
 _U64_BYTES = 8
-_POLL_S = 20e-6  # between queries of the oldest call's event while the window is full
 
 
 class Job:
@@ -105,19 +109,13 @@ class IssueWorker:
 
     def __init__(
         self, drv: Any, attrs: int, attr_idx: int, context: Any = None, name: str = "hicache-dma", chunk: int = CHUNK,
-        window: int | None = WINDOW,
+        whole: int = WHOLE,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 descriptor, got {chunk}")
-        if window is not None and window < chunk:
-            raise ValueError(f"window must be >= chunk ({chunk}) descriptors or None, got {window}")
         self.drv = drv
         self.chunk = chunk
-        self.window = window
-        # (event recorded after a call, its descriptors), oldest first; the events are the worker's own
-        self._in_flight: collections.deque[tuple[int, int]] = collections.deque()
-        self._in_flight_count = 0
-        self._spare: list[int] = []
+        self.whole = whole
         self._attrs, self._attr_idx = attrs, attr_idx
         self._context = context  # made current on the worker thread (None: leave it)
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -160,7 +158,6 @@ class IssueWorker:
         while True:
             job = self._queue.get()
             if job is None:
-                self._release_window()
                 return
             error: BaseException | None = None
             try:
@@ -177,10 +174,10 @@ class IssueWorker:
     def _issue(self, job: Job) -> None:
         drv, desc, stream = self.drv, job.desc, job.stream
         drv.stream_wait_event(stream, job.order)
-        n, chunk = desc.count, self.chunk
+        n = desc.count
+        chunk = n if n <= self.whole else self.chunk
         for lo in range(0, n, chunk):
             k = min(chunk, n - lo)
-            self._make_room(k)
             if k == 1:
                 drv.memcpy_async(int(desc.dst[lo]), int(desc.src[lo]), int(desc.sizes[lo]), stream)
             else:
@@ -188,42 +185,4 @@ class IssueWorker:
                 drv.memcpy_batch_ptrs(
                     desc.dst_ptr + off, desc.src_ptr + off, desc.sizes_ptr + off, k, self._attrs, self._attr_idx, stream
                 )
-            self._mark(k, stream)
         drv.event_record(job.done, stream)
-
-    def _make_room(self, k: int) -> None:
-        """Block this thread until `k` more descriptors fit the window. Without a bound,
-        a forward's loads issued up front (8192 scattered pages x 24 layers on the
-        H200) left 0.84-0.99 of the copy exposed; the window of 8 x CHUNK brought it to
-        0.056 (io-h200-window-6ec355a.json). Why is not measured: a full copy queue
-        blocking the driver call, and with it the forward's launches, is a guess."""
-        window = self.window
-        while window is not None and self._in_flight and self._in_flight_count + k > window:
-            event, count = self._in_flight[0]
-            # Polled: with cuEventSynchronize here a 1024-page load was 0.52 exposed
-            # (H200, 6ec355a); whether polling avoids that is not measured yet.
-            # The copies only wait for work enqueued before them, so this ends.
-            while not self.drv.event_query(event):
-                time.sleep(_POLL_S)
-            self._in_flight.popleft()
-            self._in_flight_count -= count
-            self._spare.append(event)
-
-    def _mark(self, k: int, stream: int) -> None:
-        if self.window is None:
-            return
-        event = self._spare.pop() if self._spare else self.drv.event_create()
-        self.drv.event_record(event, stream)
-        self._in_flight.append((event, k))
-        self._in_flight_count += k
-
-    def _release_window(self) -> None:
-        """Close: the window's events are destroyed once their copies are done."""
-        while self._in_flight:
-            event, _ = self._in_flight.popleft()
-            self.drv.event_synchronize(event)  # closing: nothing else runs beside it
-            self._spare.append(event)
-        for event in self._spare:
-            self.drv.event_destroy(event)
-        self._spare.clear()
-        self._in_flight_count = 0
