@@ -126,3 +126,21 @@ def test_decode_peer_checks_every_unit_against_the_digests() -> None:
     views[Part.TARGET_STATE][1][dst[2], 3] ^= 0x10
     count, found = DecodePeer._verify_digests(peer, room)  # type: ignore[arg-type]
     assert count == 1 and (found[0].request, found[0].position, found[0].part, found[0].layer) == (9, 2, "target_state", 1)
+
+
+@pytest.mark.slow
+def test_replay_engine_hf_with_an_l3_tier(tmp_path: Path) -> None:
+    """`--engine hf --l3 mooncake`: the real model's KV goes through L3 too (the
+    hf scheduler hands its sink digests: the L3 instance sink once refused them
+    with an internal error, exit 3)."""
+    from conftest import mooncake_store_available
+
+    if not mooncake_store_available():
+        pytest.skip("mooncake (store and master) not installed")
+    out = tmp_path / "hf-l3.json"
+    assert main(["replay", "--engine", "hf", "--device", "cpu", "--l3", "mooncake", "--limit", "6", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["engine"] == "hf" and r["l3"] == "mooncake" and r["served_requests"] == 6
+    assert r["config"]["l3"]["value"]["backend"] == "mooncake"
+    assert r["l3_put_keys"] > 0  # the real model's pages were written to the store
+    assert r["integrity_mismatches"] == 0 and r["integrity_checked_units"] == r["integrity_expected_units"] > 0

@@ -52,8 +52,13 @@ class RequestSink(Protocol):
     hook) and `whole_prompt` (it wants the partial last page, `TailPage`): the
     PD sink uses them to send per layer."""
 
-    def send_request(self, request: int, node: Node, hashes: np.ndarray, cache: HiCache) -> None:
-        """Called after insert, while `node` (the request's last page) is still locked."""
+    def send_request(
+        self, request: int, node: Node, hashes: np.ndarray, cache: HiCache, *,
+        digests: list[np.ndarray] | None = None, tail: TailPage | None = None,
+    ) -> None:
+        """Called after insert, while `node` (the request's last page) is still locked.
+        `digests`: the hf engine's per-page digests of its real KV; `tail`: the
+        partial last page, for a sink that wants it (`whole_prompt`)."""
 
 
 @dataclass(frozen=True)

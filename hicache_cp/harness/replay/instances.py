@@ -227,8 +227,8 @@ class CrossInstance:
             elif any(k in self.putting and k not in self.mine for k in keys):
                 self.waiting.append(keys)  # decided when this instance's put of it retires
 
-    def send_request(self, request: int, node: object, hashes: object, cache: object) -> None:
-        pass  # not a PD sink: the replay calls it after every request
+    def send_request(self, request: int, node: object, hashes: object, cache: object, **_: object) -> None:
+        pass  # not a PD sink: the engines call it after every request
 
     def as_dict(self) -> dict[str, int]:
         return {"cross_instance_hit_tokens": self.cross_pages * self.page_size}
