@@ -144,3 +144,38 @@ def test_replay_engine_hf_with_an_l3_tier(tmp_path: Path) -> None:
     assert r["config"]["l3"]["value"]["backend"] == "mooncake"
     assert r["l3_put_keys"] > 0  # the real model's pages were written to the store
     assert r["integrity_mismatches"] == 0 and r["integrity_checked_units"] == r["integrity_expected_units"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wait", [False, True])
+def test_the_hf_scheduler_prefetches_waiting_requests_when_prefetch_does_not_wait(
+    wait: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README, L3: with `prefetch_wait = false` the hf scheduler prefetches the
+    first requests still waiting once each step's batch is built, each request
+    once (`HiCache.prefetch_queued`, spied on and still run); a waiting tier
+    prefetches at admission only."""
+    from conftest import mooncake_store_available
+
+    from hicache_cp.cache.hicache import HiCache
+
+    if not mooncake_store_available():
+        pytest.skip("mooncake (store and master) not installed")
+    calls: list[np.ndarray] = []
+    original = HiCache.prefetch_queued
+
+    def spy(self: HiCache, tokens: np.ndarray):  # type: ignore[no-untyped-def]
+        calls.append(tokens)  # held: no two requests' arrays share an id
+        return original(self, tokens)
+
+    monkeypatch.setattr(HiCache, "prefetch_queued", spy)
+    out = tmp_path / "hf-l3.json"
+    argv = ["replay", "--engine", "hf", "--device", "cpu", "--l3", "mooncake", "--limit", "12", "--l2-fraction", "0.1",
+            "--set", f"l3.prefetch_wait={str(wait).lower()}", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["integrity_mismatches"] == 0 and r["config"]["l3"]["value"]["prefetch_wait"] is wait
+    if wait:
+        assert not calls
+    else:
+        assert 0 < len(calls) <= 12 and len({id(t) for t in calls}) == len(calls)

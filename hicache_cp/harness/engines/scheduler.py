@@ -16,6 +16,12 @@ Each step builds one forward (a batch) and runs it:
                   sequence gets the full batch after `SHORT_STREAK` such
                   forwards in a row, so a stream of hits cannot starve it.
                   `fcfs`: the batch as built
+    queue         with `l3.prefetch_wait = false`, once the batch is built the
+                  first `QUEUED_PREFETCHES` requests still waiting are
+                  prefetched from L3 once each (`HiCache.prefetch_queued`):
+                  their pages land in L2 during the forward (`settle` waits
+                  for reads still in flight, each within its deadline) and
+                  commit at its end, before they are matched
     admission     match_prefix -> load_back -> alloc_device -> reserve_backup.
                   A request is admitted only when the L1 pages of every running
                   sequence plus all of its own fit the pool (so allocation
@@ -60,6 +66,7 @@ chunk's token budget.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import math
 import time
@@ -86,6 +93,10 @@ logger = logging.getLogger(__name__)
 
 #: Short-only forwards in a row while longer sequences wait, before they get one.
 SHORT_STREAK = 4
+#: With an L3 tier that does not wait, the queue's first requests whose L3
+#: continuation is fetched while they wait: a window, since under "asap"
+#: arrivals the whole trace is queued at once and would overfill L2.
+QUEUED_PREFETCHES = 2
 
 
 class Order(enum.Enum):
@@ -325,6 +336,8 @@ class Scheduler:
         self.restarts = 0
         self.redone = 0
         self._short_streak = 0
+        self._prefetch_queued = cache.l3 is not None and not cache.config.l3.prefetch_wait
+        self._prefetched: set[int] = set()  # requests whose queued prefetch started
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -343,6 +356,7 @@ class Scheduler:
                 time.sleep(max(0.0, arrivals[0][0] - now))
                 continue
             batch = self._build_batch(now)
+            self._prefetch_waiting()
             if not batch:
                 if not self.running and self.waiting:
                     self._reject_head()
@@ -366,6 +380,16 @@ class Scheduler:
         return sorted(timed, key=lambda t: t[0])
 
     # ---- batching and admission --------------------------------------------------------------
+
+    def _prefetch_waiting(self) -> None:
+        """Start the L3 prefetch of the queue's first requests (see the module docstring).
+        Replicated: the queue is the same on every CP rank."""
+        if not self._prefetch_queued:
+            return
+        for req, ids, _ in itertools.islice(self.waiting, QUEUED_PREFETCHES):
+            if req.index not in self._prefetched:
+                self._prefetched.add(req.index)
+                self.cache.prefetch_queued(ids)
 
     def _build_batch(self, now: float) -> list[tuple[Seq, int]]:
         batch = self._fcfs_batch(now)
