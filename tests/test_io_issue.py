@@ -142,3 +142,43 @@ def test_a_ticket_dropped_before_issue_gives_done_back_after_it() -> None:
     assert job.issued.is_set() and ("record", 5, 40) in drv.calls
     assert sorted(released) == [30, 40]
     assert worker.pending == 0
+
+
+def test_the_layers_of_one_op_share_one_ordering_wait() -> None:
+    """An op's layers submitted together: the leader's `order` is waited on once,
+    then every layer's descriptors and `done` in order; only the leader gives an
+    ordering event back."""
+    drv = RecordingDriver()
+    released: list[int] = []
+    worker = IssueWorker(drv, attrs=1, attr_idx=2)
+    leader = Job(9, 50, 60, _desc(3, 1000), released.append)
+    followers = [Job(9, None, 61 + i, _desc(2, 2000 + 100 * i), released.append, leader) for i in range(3)]
+    worker.put(leader, *followers)
+    worker.close()
+    kinds = [(c[0], c[2]) for c in drv.calls]
+    assert kinds == [("wait", 50), ("batch", 3), ("record", 60), ("batch", 2), ("record", 61),
+                     ("batch", 2), ("record", 62), ("batch", 2), ("record", 63)]  # fmt: skip
+    assert released == [50] and all(j.issued.is_set() and j.error is None for j in [leader, *followers])
+
+
+def test_the_followers_of_a_failed_leader_fail_unissued() -> None:
+    """A leader that failed may not have made the stream wait for compute: its
+    followers are not issued (they fail, naming it); the next op runs."""
+    drv = RecordingDriver(fail_at=5000)
+    worker = IssueWorker(drv, attrs=1, attr_idx=2)
+    leader = Job(3, 10, 20, _desc(4, 5000), lambda e: None)
+    follower = Job(3, None, 21, _desc(4, 6000), lambda e: None, leader)
+    other = Job(3, 11, 22, _desc(4, 7000), lambda e: None)
+    worker.put(leader, follower, other)
+    worker.close()
+    assert isinstance(leader.error, RuntimeError) and "first layer failed" in str(follower.error)
+    assert not any(c[0] == "batch" and c[3][0] == 6000 for c in drv.calls)
+    assert other.error is None and ("record", 3, 22) in drv.calls
+
+
+def test_a_job_carries_its_order_or_names_a_leader() -> None:
+    leader = Job(1, 2, 3, _desc(1, 10), lambda e: None)
+    with pytest.raises(ValueError, match="not both"):
+        Job(1, 2, 4, _desc(1, 20), lambda e: None, leader)
+    with pytest.raises(ValueError, match="not both"):
+        Job(1, None, 4, _desc(1, 20), lambda e: None)

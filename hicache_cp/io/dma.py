@@ -158,43 +158,55 @@ class DirectCopyEngine(CudaCopyEngine):
         """A layer of more than `worker_above` descriptors (or any while that direction's
         worker has jobs pending: stream order) is issued by the direction's `IssueWorker`;
         the caller pays for two event calls. Others are issued here (`CudaCopyEngine`)."""
-        n = plan.num_pages
-        if not n or self.worker_above is None:
+        if not plan.num_pages or self.worker_above is None:
             return super().submit_layer(plan, parts, layer)
-        i = 0 if plan.direction is Direction.D2H else 1
-        worker = self._workers[i]
-        desc = plan.prepared.get(parts, layer)
-        if desc.count <= self.worker_above and not worker.pending:
+        if plan.prepared.get(parts, layer).count <= self.worker_above and not self._worker(plan).pending:
             return super().submit_layer(plan, parts, layer)
-        sync = self._sync
+        return self._defer(plan, [(parts, layer)])[0]
+
+    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        """Inline behind one ordering wait when every layer is small and the worker
+        idle; otherwise every layer goes to the worker behind one ordering event
+        (the caller's one driver call: a call per layer would wait for the
+        worker's call in flight each time)."""
+        if plan.num_pages and self.worker_above is not None and jobs:
+            widest = max(len(parts) for parts, _ in jobs)
+            if self._worker(plan).pending or len(plan.prepared.runs) * widest > self.worker_above:
+                return self._defer(plan, jobs)
+        return super().submit_layers(plan, jobs)
+
+    def _worker(self, plan: CopyPlan) -> IssueWorker:
+        return self._workers[0 if plan.direction is Direction.D2H else 1]
+
+    def _defer(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        """Hand `jobs` (layers of `plan`) to the direction's worker: one `order` event
+        recorded on the current stream, one job and one `done` event per layer."""
+        n, sync = plan.num_pages, self._sync
+        nbytes = {id(p): n * self._info[id(p)].page_bytes for parts, _ in jobs for p in parts}
+        handle = self._handle[0 if plan.direction is Direction.D2H else 1]
+        out: list[list[CopyTicket | None]] = []
+        queued: list[Job] = []
         previous = sync.enter()
         try:
-            order, done = sync.event(), sync.event()
+            order = sync.event()
             try:
                 self._drv.event_record(order, sync.current_stream())
             except Exception as exc:  # noqa: BLE001 - the submit boundary
                 sync.give_back(order)
-                sync.give_back(done)
-                return [CudaTicket(plan.direction, p, layer, n * self._info[id(p)].page_bytes, None, error=exc) for p in parts]
+                return [[CudaTicket(plan.direction, p, layer, nbytes[id(p)], None, error=exc) for p in parts]
+                        for parts, layer in jobs]  # fmt: skip
+            for parts, layer in jobs:
+                leader = queued[0] if queued else None
+                own_order = order if leader is None else None
+                job = Job(handle, own_order, sync.event(), plan.prepared.get(parts, layer), sync.give_back, leader)
+                queued.append(job)
+                primary = DeferredTicket(plan.direction, parts[0], layer, nbytes[id(parts[0])], sync, job)
+                out.append([primary, *(SharedTicket(primary, p, nbytes[id(p)]) for p in parts[1:])])
         finally:
             sync.leave(previous)
-        job = Job(self._handle[i], order, done, desc, sync.give_back)
-        primary = DeferredTicket(plan.direction, parts[0], layer, n * self._info[id(parts[0])].page_bytes, sync, job)
-        worker.put(job)
-        self.counts["deferred"] += 1
-        if len(parts) == 1:
-            return [primary]
-        return [primary, *(SharedTicket(primary, p, n * self._info[id(p)].page_bytes) for p in parts[1:])]
-
-    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
-        """Inline behind one ordering wait when every layer is small and the worker
-        idle; otherwise layer by layer (`submit_layer` decides each)."""
-        if plan.num_pages and self.worker_above is not None:
-            worker = self._workers[0 if plan.direction is Direction.D2H else 1]
-            widest = max(len(parts) for parts, _ in jobs) if jobs else 0
-            if worker.pending or len(plan.prepared.runs) * widest > self.worker_above:
-                return [self.submit_layer(plan, parts, layer) for parts, layer in jobs]
-        return super().submit_layers(plan, jobs)
+        self._worker(plan).put(*queued)
+        self.counts["deferred"] += len(queued)
+        return out
 
     def close(self) -> None:
         for worker in self._workers:

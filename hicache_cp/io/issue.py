@@ -33,6 +33,7 @@ which waits for the GPU; it was removed.
 Protocol of one job (the caller's side in `hicache_cp.io.dma`):
 
     caller:  record `order` on its current stream (compute so far), put the job
+             (the layers of an op submitted together: one `order`, one job each)
     worker:  copy stream waits on `order`; the chunks; record `done` on the copy
              stream; then `issued` is set (or `error`, and `issued` is set too)
 
@@ -64,15 +65,25 @@ _U64_BYTES = 8
 
 
 class Job:
-    """One layer's descriptors waiting to be issued; see the module docstring."""
+    """One layer's descriptors waiting to be issued; see the module docstring.
 
-    __slots__ = ("stream", "order", "done", "desc", "issued", "error", "_lock", "_orphan", "_release")
+    The layers of one op submitted together share one ordering event: the first
+    job (the leader) carries it, the others name the leader and wait on nothing
+    of their own (the stream runs in order). A follower whose leader failed
+    fails too: its stream may not have waited for compute."""
 
-    def __init__(self, stream: int, order: int, done: int, desc: Any, release: Any) -> None:
+    __slots__ = ("stream", "order", "done", "desc", "leader", "issued", "error", "_lock", "_orphan", "_release")
+
+    def __init__(
+        self, stream: int, order: int | None, done: int, desc: Any, release: Any, leader: Job | None = None
+    ) -> None:
+        if (order is None) == (leader is None):
+            raise ValueError("a job carries its ordering event or names the leader that does, not both")
         self.stream = stream
         self.order = order
         self.done = done
         self.desc = desc  # io.plans.LayerDescriptors: kept alive until issued
+        self.leader = leader
         self.issued = threading.Event()
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -90,10 +101,12 @@ class Job:
     def finish(self, error: BaseException | None) -> None:
         """Issued (or failed): `order` goes back to the pool (the stream's wait on it is
         enqueued; a later record does not change it), `done` too if the ticket is gone."""
-        self._release(self.order)
+        if self.order is not None:
+            self._release(self.order)
         with self._lock:
             self.error = error
             self.desc = None
+            self.leader = None
             self.issued.set()
             if self._orphan:
                 self._release(self.done)
@@ -130,14 +143,15 @@ class IssueWorker:
         """Jobs put and not finished yet (the caller defers while it is > 0)."""
         return self._pending
 
-    def put(self, job: Job) -> None:
-        """Queue `job`; O(1), never blocks on the driver."""
+    def put(self, *jobs: Job) -> None:
+        """Queue `jobs`, in order; O(len(jobs)), never blocks on the driver."""
         with self._lock:
-            self._pending += 1
+            self._pending += len(jobs)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        self._queue.put(job)
+        for job in jobs:
+            self._queue.put(job)
 
     def drain(self) -> None:
         """Block until every job put so far is issued (or failed)."""
@@ -160,7 +174,10 @@ class IssueWorker:
             if job is None:
                 return
             error: BaseException | None = None
+            leader = job.leader
             try:
+                if leader is not None and leader.error is not None:
+                    raise RuntimeError(f"not issued: the op's first layer failed ({leader.error})")
                 self._issue(job)
             except BaseException as exc:  # noqa: BLE001 - reported through the job's tickets
                 error = exc
@@ -173,7 +190,8 @@ class IssueWorker:
 
     def _issue(self, job: Job) -> None:
         drv, desc, stream = self.drv, job.desc, job.stream
-        drv.stream_wait_event(stream, job.order)
+        if job.order is not None:
+            drv.stream_wait_event(stream, job.order)
         n = desc.count
         chunk = n if n <= self.whole else self.chunk
         for lo in range(0, n, chunk):
