@@ -268,18 +268,26 @@ def test_backup_trimmed_to_the_pages_new_to_the_tree(make_cache) -> None:
     cache.check_invariants()
 
 
-def test_l1_node_without_host_copy_takes_the_inserting_request_pages(make_cache) -> None:
-    """The tree's copy of the first pages has no host copy and nobody holds it: the
-    second request's pages, already being copied, replace it (no second copy)."""
-    cache = make_cache(l1_pages=32, host_pages=32)
-    l1, l2 = cache.device_pool.allocator, cache.host_pool.allocator
-    short, long = tokens_of(5, 6), tokens_of(5, 6, 7)
+def _first_inserted_without_host_copy(cache, short: np.ndarray, long: np.ndarray):  # type: ignore[no-untyped-def]
+    """Requests A (`short`) and B (`long`, extending it) both computed, A's backup
+    aborted and A inserted (still holding its node): A's node is in L1 with no
+    host copy when B inserts. Returns (A, B, A's node)."""
     a = run_request(cache, short, stop_after="draft", write=fill_pattern)
     b = run_request(cache, long, stop_after="draft", write=fill_pattern)
     assert a.bk is not None and b.bk is not None
     cache.abort_backup(a.bk)
     a_node = a.insert()
     land(cache)
+    return a, b, a_node
+
+
+def test_l1_node_without_host_copy_takes_the_inserting_request_pages(make_cache) -> None:
+    """The tree's copy of the first pages has no host copy and nobody holds it: the
+    second request's pages, already being copied, replace it (no second copy)."""
+    cache = make_cache(l1_pages=32, host_pages=32)
+    l1, l2 = cache.device_pool.allocator, cache.host_pool.allocator
+    long = tokens_of(5, 6, 7)
+    a, b, a_node = _first_inserted_without_host_copy(cache, tokens_of(5, 6), long)
     a.release()
     a_pages = a_node.device_pages.copy()  # type: ignore[union-attr]
     # A's node is in L1 only (its backup aborted) and unlocked.
@@ -305,13 +313,7 @@ def test_held_l1_node_without_host_copy_keeps_its_pages(make_cache) -> None:
     them would be a use-after-free), and the second request's backup is trimmed."""
     cache = make_cache(l1_pages=32, host_pages=32)
     l2 = cache.host_pool.allocator
-    short, long = tokens_of(8, 9), tokens_of(8, 9, 10)
-    a = run_request(cache, short, stop_after="draft", write=fill_pattern)
-    b = run_request(cache, long, stop_after="draft", write=fill_pattern)
-    assert a.bk is not None and b.bk is not None
-    cache.abort_backup(a.bk)
-    a_node = a.insert()
-    land(cache)
+    a, b, a_node = _first_inserted_without_host_copy(cache, tokens_of(8, 9), tokens_of(8, 9, 10))
     a_pages = a_node.device_pages.copy()  # type: ignore[union-attr]
     before = _l1_bytes(cache, a_pages)
     # A still holds its node (lock 1): in L1 only, no host copy.

@@ -90,27 +90,34 @@ def test_draft_on_restored_pages_equals_a_recompute_and_depends_on_its_own_kv(mo
     assert float((lost.draft_logits[0] - draft_ref).abs().max()) > 1e-3  # the draft's does not
 
 
-def test_speculation_from_restored_kv_repeats_the_recompute(model: hf_model.HfModel) -> None:
-    """From a prefix restored exactly (a snapshot of its pages, rebuilt by the
-    exchange) the steps equal the recompute's; from a prefix whose draft KV is
-    noise the draft proposes other tokens."""
-    m, fw = model, PagedForward(model)
+def _speculation_sample(m: hf_model.HfModel) -> tuple[np.ndarray, Speculator, Sample, int]:
+    """A 6-page prompt prefilled into pages 1..6, a 6-step speculator, and the
+    oracle's sample of that prefix resumed at its last reused position."""
+    fw = PagedForward(m)
     ids = np.random.default_rng(3).integers(0, m.vocab_size, 6 * PS + 5)
     bufs = m.kv_buffers(16)
     pages = np.arange(1, 7)
     prefill(m, fw, bufs, ids, pages)
-    spec = Speculator(fw, 32, steps=6)
     start = 6 * PS - 1  # the server resumes at the last reused position
-    src = PrefixSource(bufs, pages, np.zeros(6, np.int64), start)
-    sample = Sample(0, ids, 6, 6, 1, src)
+    sample = Sample(0, ids, 6, 6, 1, PrefixSource(bufs, pages, np.zeros(6, np.int64), start))
+    return ids, Speculator(fw, 32, steps=6), sample, start
+
+
+def test_speculation_from_restored_kv_repeats_the_recompute(model: hf_model.HfModel) -> None:
+    """From a prefix restored exactly (a snapshot of its pages, rebuilt by the
+    exchange) the steps equal the recompute's; from a prefix whose draft KV is
+    noise the draft proposes other tokens."""
+    m = model
+    ids, spec, sample, start = _speculation_sample(m)
     exact = spec.restored_prefixes(PrefixExchange(m, 0, 1), [sample])[0]
     check = spec.check(0, ids, exact, start, m.preset.logits_atol, m.preset.logits_rtol)
     assert check.same and len(check.restored.accept_lengths) == 6 and check.max_abs_err < 1e-5
     assert check.restored.accept_lengths == check.recomputed.accept_lengths and not check.flips
     assert check.restored.tokens == check.recomputed.tokens and check.restored.proposals == check.recomputed.proposals
     assert sum(check.restored.accept_lengths) + 1 == len(check.restored.tokens)
-    for part in (Part.DRAFT_KV, Part.DRAFT_STATE):
-        for t in bufs[part]:
+    assert sample.snapshot is not None
+    for part in (Part.DRAFT_KV, Part.DRAFT_STATE):  # the pool the sample's prefix lies in
+        for t in sample.snapshot.buffers[part]:
             t[1:7] = torch.randn_like(t[1:7]) * 10
     noisy = spec.restored_prefixes(PrefixExchange(m, 0, 1), [sample])[0]
     wrong = spec.check(0, ids, noisy, start, m.preset.logits_atol, m.preset.logits_rtol)
@@ -152,14 +159,8 @@ def test_speculation_near_tie_flip_is_a_tie_and_a_larger_flip_a_mismatch(model: 
     tolerance, not a mismatch. Left free (greedy, the comparison before forcing),
     the tokens part there and the later logits differ far beyond the tolerance.
     The same flip by more than the tolerance is a mismatch."""
-    m, fw = model, PagedForward(model)
-    ids = np.random.default_rng(3).integers(0, m.vocab_size, 6 * PS + 5)
-    bufs = m.kv_buffers(16)
-    pages = np.arange(1, 7)
-    prefill(m, fw, bufs, ids, pages)
-    spec = Speculator(fw, 32, steps=6)
-    start = 6 * PS - 1
-    sample = Sample(0, ids, 6, 6, 1, PrefixSource(bufs, pages, np.zeros(6, np.int64), start))
+    m = model
+    ids, spec, sample, start = _speculation_sample(m)
 
     def restored_store() -> ScratchKV:  # a run appends to its store: a fresh copy of the prefix each time
         return spec.restored_prefixes(PrefixExchange(m, 0, 1), [sample])[0]
