@@ -193,6 +193,40 @@ def test_early_sigint_exits_130_in_one_line(delay_s: float) -> None:
     assert [line for line in err.splitlines() if "interrupted" in line], err
 
 
+# A fresh interpreter (multiprocessing's resource tracker not yet running)
+# starts one spawned child through `start_processes`; the child reports the
+# signal mask it was born with, before `child_main` could change it.
+_FIRST_SPAWN = """
+import multiprocessing as mp, signal
+from hicache_cp.harness import lifetime
+
+def report(conn):
+    conn.send(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=report, args=(child,))
+    lifetime.start_processes([proc])
+    print(parent.recv())
+    proc.join()
+"""
+
+
+def test_the_first_spawned_child_starts_with_interrupts_blocked(tmp_path: Path) -> None:
+    """The first spawn of a run starts multiprocessing's resource tracker, which
+    unblocks SIGINT and SIGTERM in the parent's thread once it is up; a child
+    started after that took a Ctrl-C during its imports and printed a fatal
+    error. Every child `start_processes` starts is born with both blocked."""
+    script = tmp_path / "first_spawn.py"
+    script.write_text(_FIRST_SPAWN)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout  # fmt: skip
+    blocked = set(json.loads(out.strip().splitlines()[-1]))
+    assert {int(signal.SIGINT), int(signal.SIGTERM)} <= blocked, f"the child was born with {sorted(blocked)} blocked"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 def test_a_signal_while_the_decode_peer_starts_stops_it(sig: signal.Signals, tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import resource_tracker
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,10 @@ def start_processes(procs: Sequence[Any]) -> None:
     """Start multiprocessing children whole: an interrupt waits until every
     start returned (a start cut short leaves a child reading a truncated
     pickle), and a Ctrl-C during their start-up reaches none of them."""
+    # The first spawn of a run starts multiprocessing's resource tracker, which
+    # unblocks SIGINT and SIGTERM in this thread when it is up: start it before
+    # blocking, or the children started after it would take Ctrl-C mid-import.
+    resource_tracker.ensure_running()
     with _signals_deferred():
         for p in procs:
             p.start()
