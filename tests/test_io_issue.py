@@ -72,7 +72,7 @@ def test_jobs_issue_in_protocol_order_and_cover_every_descriptor(chunk: int) -> 
     for j in jobs:
         worker.put(j)
     worker.drain()
-    assert worker.pending == 0 and all(j.issued.is_set() and j.error is None for j in jobs)
+    assert worker.pending == 0 and all(j.issued and j.error is None for j in jobs)
     calls = [c for c in drv.calls if c[0] in ("wait", "batch", "record")]
     for i, n in enumerate(sizes):
         start = calls.index(("wait", 7, 100 + i))
@@ -120,8 +120,8 @@ def test_a_failing_job_fails_alone() -> None:
     worker.put(bad)
     worker.put(good)
     worker.drain()
-    assert bad.issued.is_set() and isinstance(bad.error, RuntimeError)
-    assert good.issued.is_set() and good.error is None
+    assert bad.issued and isinstance(bad.error, RuntimeError)
+    assert good.issued and good.error is None
     assert ("record", 3, 21) in drv.calls and ("record", 3, 20) not in drv.calls
     assert 10 in released and 11 in released
     worker.close()
@@ -136,12 +136,51 @@ def test_a_ticket_dropped_before_issue_gives_done_back_after_it() -> None:
     worker.put(job)
     assert worker.pending == 1
     job.drop()  # the worker is held at the wait: not issued yet
-    assert 40 not in released and not job.issued.is_set()
+    assert 40 not in released and not job.issued
     gate.set()
     worker.close()  # issues what is queued, then stops
-    assert job.issued.is_set() and ("record", 5, 40) in drv.calls
+    assert job.issued and ("record", 5, 40) in drv.calls
     assert sorted(released) == [30, 40]
     assert worker.pending == 0
+
+
+def test_a_waiter_blocks_until_its_own_job_is_issued_not_the_whole_op() -> None:
+    """A forward waits on layer 0 of a load while later layers are still queued:
+    `wait_issued` returns once that job is issued, with the next one held."""
+    gate, second = threading.Event(), threading.Event()
+    drv = RecordingDriver()
+    worker = IssueWorker(drv, attrs=1, attr_idx=2)
+    first = Job(4, 10, 20, _desc(2, 100), lambda e: None)
+    later = Job(4, 11, 21, _desc(2, 200), lambda e: None)
+    held_at = drv.stream_wait_event
+
+    def wait_then_hold(stream: int, event: int) -> None:  # the second job's wait blocks the worker
+        held_at(stream, event)
+        if event == 11:
+            second.set()
+            gate.wait()
+
+    drv.stream_wait_event = wait_then_hold  # type: ignore[method-assign]
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: (first.wait_issued(), woke.append(later.issued)))
+    worker.put(first, later)
+    waiter.start()
+    assert second.wait(5)  # the worker holds the later job
+    waiter.join(5)
+    assert woke == [False] and first.issued and not later.issued
+    gate.set()
+    later.wait_issued()
+    assert later.issued and worker.pending == 0
+    worker.close()
+
+
+def test_a_job_never_put_gives_done_back_when_dropped_and_refuses_a_wait() -> None:
+    released: list[int] = []
+    job = Job(1, 2, 3, _desc(1, 10), released.append)
+    with pytest.raises(RuntimeError, match="before it was put"):
+        job.wait_issued()
+    job.drop()
+    assert released == [3]
 
 
 def test_the_layers_of_one_op_share_one_ordering_wait() -> None:
@@ -158,7 +197,7 @@ def test_the_layers_of_one_op_share_one_ordering_wait() -> None:
     kinds = [(c[0], c[2]) for c in drv.calls]
     assert kinds == [("wait", 50), ("batch", 3), ("record", 60), ("batch", 2), ("record", 61),
                      ("batch", 2), ("record", 62), ("batch", 2), ("record", 63)]  # fmt: skip
-    assert released == [50] and all(j.issued.is_set() and j.error is None for j in [leader, *followers])
+    assert released == [50] and all(j.issued and j.error is None for j in [leader, *followers])
 
 
 def test_the_followers_of_a_failed_leader_fail_unissued() -> None:

@@ -248,3 +248,65 @@ def test_cuda_planned_failure_fails_every_part(cuda_pools, monkeypatch) -> None:
             engine.plan(Direction.H2D, np.array([dev.physical_pages]), np.array([1]))
     finally:
         engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "scattered"])
+def test_direct_op_of_every_layer_lands_whole(cuda_pools, runs: bool) -> None:
+    """A load submits every layer at once (`submit_layers`): an op small per layer
+    but large in all issues its first layer inline and gives the rest to the
+    worker; an op large per layer gives every layer to it. Either way every
+    layer of every part lands exact."""
+    from hicache_cp.io.dma import DeferredTicket
+
+    layout, dev, host = cuda_pools
+    engine = make_engine("direct", dev, host, worker_above=4)
+    rng = np.random.default_rng(7)
+    jobs = [(parts, layer) for layer, parts in table_layers(layout)[: layout.num_layers(Model.TARGET)]]
+    try:
+        d_pages, h_pages = _pattern(rng, 16 if runs else 64, runs, dev.physical_pages, host.physical_pages)
+        want = {}
+        for parts, layer in jobs:
+            for p in parts:
+                slot = layout.part(p).slot(layer)
+                dev.buffer(p)[slot].fill_(0xCD)
+                hv = host.torch_view(p)[slot]
+                hv.copy_(torch.randint(0, 256, hv.shape, dtype=torch.uint8))
+                want[p, layer] = hv.clone()
+        before = engine.counts["deferred"]
+        tickets = engine.submit_layers(engine.plan(Direction.H2D, d_pages, h_pages), jobs)
+        deferred = [isinstance(ts[0], DeferredTicket) for ts in tickets]
+        assert deferred == ([False] + [True] * (len(jobs) - 1) if runs else [True] * len(jobs))
+        assert engine.counts["deferred"] - before == sum(deferred)
+        for ts in tickets:
+            for t in ts:
+                t.make_compute_wait()
+        for parts, layer in jobs:
+            for p in parts:
+                after = dev.buffer(p)[layout.part(p).slot(layer)].cpu()
+                assert torch.equal(after[d_pages], want[p, layer][h_pages]), (p, layer)
+    finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+def test_direct_op_whose_first_layer_fails_issues_nothing_after_it(cuda_pools, monkeypatch) -> None:
+    layout, dev, host = cuda_pools
+    engine = make_engine("direct", dev, host, worker_above=4)
+    jobs = [(parts, layer) for layer, parts in table_layers(layout)[: layout.num_layers(Model.TARGET)]]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected DMA failure")
+
+    try:
+        plan = engine.plan(Direction.H2D, np.array([1, 2, 3]), np.array([3, 4, 5]))
+        monkeypatch.setattr(engine._issuer, "issue_table_row", boom)
+        tickets = engine.submit_layers(plan, jobs)
+        assert all(t.query() is TicketState.FAILED for ts in tickets for t in ts)
+        assert engine.counts["deferred"] == 0
+        with pytest.raises(CopyFailed, match="injected"):
+            tickets[-1][0].make_compute_wait()
+    finally:
+        engine.close()

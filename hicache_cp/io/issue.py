@@ -70,9 +70,13 @@ class Job:
     The layers of one op submitted together share one ordering event: the first
     job (the leader) carries it, the others name the leader and wait on nothing
     of their own (the stream runs in order). A follower whose leader failed
-    fails too: its stream may not have waited for compute."""
+    fails too: its stream may not have waited for compute.
 
-    __slots__ = ("stream", "order", "done", "desc", "leader", "issued", "error", "_lock", "_orphan", "_release")
+    `issued` is a plain flag under the worker's condition, bound when the job
+    is put: a load puts a job per layer of the model at once, and an Event and
+    a Lock per job were most of the caller's time per layer."""
+
+    __slots__ = ("stream", "order", "done", "desc", "leader", "issued", "error", "_cond", "_orphan", "_release")
 
     def __init__(
         self, stream: int, order: int | None, done: int, desc: Any, release: Any, leader: Job | None = None
@@ -84,32 +88,51 @@ class Job:
         self.done = done
         self.desc = desc  # io.plans.LayerDescriptors: kept alive until issued
         self.leader = leader
-        self.issued = threading.Event()
+        self.issued = False
         self.error: BaseException | None = None
-        self._lock = threading.Lock()
+        self._cond: threading.Condition | None = None  # the worker's, from `IssueWorker.put`
         self._orphan = False
         self._release = release  # gives an event back to the engine's pool
 
+    def wait_issued(self) -> None:
+        """Block until the worker issued the job (or failed it)."""
+        if self.issued:
+            return
+        cond = self._cond
+        if cond is None:
+            raise RuntimeError("a job is waited on before it was put on a worker")
+        with cond:
+            while not self.issued:
+                cond.wait()
+
     def drop(self) -> None:
         """The job's ticket is gone: give `done` back now, or once issued."""
-        with self._lock:
-            if self.issued.is_set():
+        cond = self._cond
+        if cond is None:  # never put: nothing records `done`
+            self._release(self.done)
+            return
+        with cond:
+            if self.issued:
                 self._release(self.done)
             else:
                 self._orphan = True
 
+    def bind(self, cond: threading.Condition) -> None:
+        """Put on a worker whose condition signals `issued`."""
+        self._cond = cond
+
     def finish(self, error: BaseException | None) -> None:
-        """Issued (or failed): `order` goes back to the pool (the stream's wait on it is
-        enqueued; a later record does not change it), `done` too if the ticket is gone."""
+        """Issued (or failed); the worker holds `_cond`. `order` goes back to the
+        pool (the stream's wait on it is enqueued; a later record does not change
+        it), `done` too if the ticket is already gone."""
         if self.order is not None:
             self._release(self.order)
-        with self._lock:
-            self.error = error
-            self.desc = None
-            self.leader = None
-            self.issued.set()
-            if self._orphan:
-                self._release(self.done)
+        self.error = error
+        self.desc = None
+        self.leader = None
+        self.issued = True
+        if self._orphan:
+            self._release(self.done)
 
 
 class IssueWorker:
@@ -133,8 +156,7 @@ class IssueWorker:
         self._context = context  # made current on the worker thread (None: leave it)
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._pending = 0  # jobs put and not yet finished
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        self._progress = threading.Condition()  # a job issued; `_pending` and every job's `issued` under it
         self._thread: threading.Thread | None = None
         self._name = name
 
@@ -145,8 +167,10 @@ class IssueWorker:
 
     def put(self, *jobs: Job) -> None:
         """Queue `jobs`, in order; O(len(jobs)), never blocks on the driver."""
-        with self._lock:
+        with self._progress:
             self._pending += len(jobs)
+        for job in jobs:
+            job.bind(self._progress)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
@@ -155,9 +179,9 @@ class IssueWorker:
 
     def drain(self) -> None:
         """Block until every job put so far is issued (or failed)."""
-        with self._idle:
+        with self._progress:
             while self._pending:
-                self._idle.wait()
+                self._progress.wait()
 
     def close(self) -> None:
         """Issue what is queued, then stop the thread."""
@@ -182,11 +206,10 @@ class IssueWorker:
             except BaseException as exc:  # noqa: BLE001 - reported through the job's tickets
                 error = exc
                 logger.warning("DMA issue of %d descriptors failed: %s", job.desc.count if job.desc else -1, exc)
-            job.finish(error)
-            with self._idle:
+            with self._progress:
+                job.finish(error)
                 self._pending -= 1
-                if not self._pending:
-                    self._idle.notify_all()
+                self._progress.notify_all()
 
     def _issue(self, job: Job) -> None:
         drv, desc, stream = self.drv, job.desc, job.stream

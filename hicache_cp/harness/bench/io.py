@@ -12,7 +12,8 @@ One run measures, on the current GPU:
   consecutive pages on both sides (the shape the contiguous-preferring
   allocators produce; runs in random order);
 * the engine's bidirectional rate: backups and loads at the same time;
-* load overlap: N layers, loads of all of them submitted up front, the
+* load overlap: N layers (default DeepSeek-V3.2's 61), loads of all of
+  them submitted up front in one `submit_layers` (the cache's load_back), the
   forward waiting per layer (`make_compute_wait`) before matmuls sized so
   compute per layer is at least copy per layer. `exposed_load_fraction` =
   (time with loads - compute-only time) / copy-only time, clipped at 0; its
@@ -72,6 +73,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_cp.config import PRESETS
 from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
@@ -113,10 +115,11 @@ TARGETS = {
     "bidir_ratio": 0.90, "exposed_load_fraction": 0.05, "exposed_backup_fraction": 0.10,
     "submit_us_64": 30.0, "submit_us_8192": 100.0,
 }
-#: Layers of the default backend's exposure rows (scattered and in runs): 24 at every
-#: page count, so the floor (one layer's copy, 1/24) is the same; at 8192 pages each
-#: pool holds 8.3 GB.
-_EXPOSURE_LAYERS = 24
+#: Layers of the overlap test and the exposure rows: the model's (DeepSeek-V3.2, whose
+#: 656 B a token the default page is). The floor, one layer's copy that nothing can
+#: hide, is 1/61 at every page count (1/24 before 2026-12: 64-page loads measured 0.065
+#: against a floor of 0.042, io-h200.json at ef4f07b); at 8192 pages each pool holds 21 GB.
+_EXPOSURE_LAYERS = PRESETS["deepseek-v3.2"].num_layers
 #: Host-only submissions timed per page count and direction (besides the gated batches).
 _SUBMIT_SAMPLES = 40
 #: Page counts whose numbers of the default backend are recorded on their own.
@@ -134,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-bytes", type=int, default=41984, help="bytes of one page of one layer (default: 64 tokens x 656 B)")
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"variants to measure, of {', '.join(VARIANTS)}")
     parser.add_argument("--peak-mib", type=int, default=1024, help="size of the contiguous peak copies")
-    parser.add_argument("--overlap-layers", type=int, default=24, help="layers of the overlap test")
+    parser.add_argument("--overlap-layers", type=int, default=_EXPOSURE_LAYERS, help="layers of the overlap test (default: DeepSeek-V3.2's)")
     parser.add_argument("--overlap-pages", type=int, default=1024, help="pages per layer in the overlap test")
     parser.add_argument("--kernel-sm-fractions", default="0.03,0.06,0.12,0.25",
                         help="grid caps of the kernel backend sweep, with exposure ('' skips it)")
@@ -418,14 +421,11 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
     load_plan, backup_plan = engine.plan(Direction.H2D, d, h), engine.plan(Direction.D2H, d, h)
     parts = (Part.TARGET_KV,)
 
-    def load(layer: int) -> Any:
-        return engine.submit_layer(load_plan, parts, layer)[0]
-
     def backup(layer: int) -> Any:
         return engine.submit_layer(backup_plan, parts, layer)[0]
 
-    def loads() -> list[Any]:
-        return [load(layer) for layer in layers]
+    def loads() -> list[Any]:  # every layer at once, as the cache's load_back submits them
+        return [tickets[0] for tickets in engine.submit_layers(load_plan, [(parts, layer) for layer in layers])]
 
     copy_ms, _ = _median_ms(gate, lambda: loads()[-1].make_compute_wait())
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
