@@ -200,19 +200,22 @@ def test_the_layers_of_one_op_share_one_ordering_wait() -> None:
     assert released == [50] and all(j.issued and j.error is None for j in [leader, *followers])
 
 
-def test_the_followers_of_a_failed_leader_fail_unissued() -> None:
+def test_the_followers_of_a_failed_leader_fail_unissued(caplog: pytest.LogCaptureFixture) -> None:
     """A leader that failed may not have made the stream wait for compute: its
-    followers are not issued (they fail, naming it); the next op runs."""
+    followers are not issued (they fail, naming it); the next op runs. The
+    failure is one WARNING, not one per layer."""
     drv = RecordingDriver(fail_at=5000)
     worker = IssueWorker(drv, attrs=1, attr_idx=2)
     leader = Job(3, 10, 20, _desc(4, 5000), lambda e: None)
-    follower = Job(3, None, 21, _desc(4, 6000), lambda e: None, leader)
-    other = Job(3, 11, 22, _desc(4, 7000), lambda e: None)
-    worker.put(leader, follower, other)
-    worker.close()
-    assert isinstance(leader.error, RuntimeError) and "first layer failed" in str(follower.error)
-    assert not any(c[0] == "batch" and c[3][0] == 6000 for c in drv.calls)
-    assert other.error is None and ("record", 3, 22) in drv.calls
+    followers = [Job(3, None, 21 + i, _desc(4, 6000 + 10 * i), lambda e: None, leader) for i in range(3)]
+    other = Job(3, 11, 29, _desc(4, 7000), lambda e: None)
+    with caplog.at_level("DEBUG", logger="hicache_cp.io.issue"):
+        worker.put(leader, *followers, other)
+        worker.close()
+    assert [r.levelname for r in caplog.records if r.levelname != "DEBUG"] == ["WARNING"]
+    assert isinstance(leader.error, RuntimeError) and all("first layer failed" in str(f.error) for f in followers)
+    assert not any(c[0] == "batch" and 6000 <= c[3][0] < 7000 for c in drv.calls)
+    assert other.error is None and ("record", 3, 29) in drv.calls
 
 
 def test_a_job_carries_its_order_or_names_a_leader() -> None:

@@ -199,13 +199,15 @@ class IssueWorker:
                 return
             error: BaseException | None = None
             leader = job.leader
-            try:
-                if leader is not None and leader.error is not None:
-                    raise RuntimeError(f"not issued: the op's first layer failed ({leader.error})")
-                self._issue(job)
-            except BaseException as exc:  # noqa: BLE001 - reported through the job's tickets
-                error = exc
-                logger.warning("DMA issue of %d descriptors failed: %s", job.desc.count if job.desc else -1, exc)
+            if leader is not None and leader.error is not None:  # logged once, at the leader
+                error = RuntimeError(f"not issued: the op's first layer failed ({leader.error})")
+                logger.debug("%s", error)
+            else:
+                try:
+                    self._issue(job)
+                except BaseException as exc:  # noqa: BLE001 - reported through the job's tickets
+                    error = exc
+                    logger.warning("DMA issue of %d descriptors failed: %s", job.desc.count if job.desc else -1, exc)
             with self._progress:
                 job.finish(error)
                 self._pending -= 1
