@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
-                                ".whl", ".devdata", "bench")
+                                ".whl", ".devdata", ".sglang_src", "bench")
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,14 @@ FAULTS: list[Fault] = [
           "        if self.error is not None or self.cancelled or self.state is PrefetchState.FAILING:",
           "        if self.cancelled or self.state is PrefetchState.FAILING:",
           ("tests/test_l3_cache.py", "tests/test_l3_faults.py"), "a prefetch whose read failed commits its pages"),
+    # ---- the DMA issue worker (its driver is a double; the CUDA side runs on the device)
+    Fault("issue-orphan-done-kept", "hicache_cp/io/issue.py", "        if self._orphan:\n", "        if False:\n",
+          ("tests/test_io_issue.py",), "a ticket dropped before its job was issued never gives `done` back"),
+    Fault("issue-waiters-not-woken", "hicache_cp/io/issue.py", "                self._progress.notify_all()\n",
+          "                pass\n", ("tests/test_io_issue.py",), "a forward waiting on a layer is never told it was issued"),
+    Fault("issue-follower-of-failed-leader-issued", "hicache_cp/io/issue.py",
+          "            if leader is not None and leader.error is not None:", "            if False:",
+          ("tests/test_io_issue.py",), "layers issued on a stream that may not have waited for compute"),
     # ---- configuration
     Fault("env-below-toml", "hicache_cp/config.py", "        values.update(from_env)\n",
           "        values = {**from_env, **values}\n", ("tests/test_config_sources.py",),
