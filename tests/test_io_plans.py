@@ -170,6 +170,10 @@ def cuda_pools():
     host.close()
 
 
+def _injected_failure(*args, **kwargs):
+    raise RuntimeError("injected DMA failure")
+
+
 def _pattern(rng: np.random.Generator, n: int, runs: bool, dev_pages: int, host_pages: int) -> tuple[np.ndarray, np.ndarray]:
     if runs:  # a few runs consecutive on both sides, as the allocators hand out
         d0, h0 = int(rng.integers(1, dev_pages - n)), int(rng.integers(1, host_pages - n))
@@ -234,12 +238,9 @@ def test_cuda_planned_failure_fails_every_part(cuda_pools, monkeypatch) -> None:
     layout, dev, host = cuda_pools
     engine = make_engine("direct", dev, host)
 
-    def boom(*args, **kwargs):
-        raise RuntimeError("injected DMA failure")
-
     try:
         plan = engine.plan(Direction.D2H, np.array([1, 2, 5]), np.array([3, 4, 9]))
-        monkeypatch.setattr(engine._issuer, "issue_table_row", boom)
+        monkeypatch.setattr(engine._issuer, "issue_table_row", _injected_failure)
         tickets = engine.submit_layer(plan, (Part.TARGET_KV, Part.TARGET_STATE), 1)
         assert [t.query() for t in tickets] == [TicketState.FAILED, TicketState.FAILED]
         with pytest.raises(CopyFailed, match="injected"):
@@ -297,12 +298,9 @@ def test_direct_op_whose_first_layer_fails_issues_nothing_after_it(cuda_pools, m
     engine = make_engine("direct", dev, host, worker_above=4)
     jobs = [(parts, layer) for layer, parts in table_layers(layout)[: layout.num_layers(Model.TARGET)]]
 
-    def boom(*args, **kwargs):
-        raise RuntimeError("injected DMA failure")
-
     try:
         plan = engine.plan(Direction.H2D, np.array([1, 2, 3]), np.array([3, 4, 5]))
-        monkeypatch.setattr(engine._issuer, "issue_table_row", boom)
+        monkeypatch.setattr(engine._issuer, "issue_table_row", _injected_failure)
         tickets = engine.submit_layers(plan, jobs)
         assert all(t.query() is TicketState.FAILED for ts in tickets for t in ts)
         assert engine.counts["deferred"] == 0
