@@ -33,9 +33,10 @@ from hicache_cp.harness.engines import hf_model  # noqa: E402
 from hicache_cp.harness.engines.hf_cp import PrefixExchange, PrefixSource  # noqa: E402
 from hicache_cp.harness.engines.hf_faults import FaultKind, HfFault  # noqa: E402
 from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
-from hicache_cp.harness.engines.hf_oracle import recompute_outputs  # noqa: E402
+from hicache_cp.harness.engines.hf_oracle import OutputCheck, recompute_outputs  # noqa: E402
 from hicache_cp.harness.engines.hf_spec import Flip, Sample, SpecCheck, SpecRun, Speculator  # noqa: E402
 from hicache_cp.harness.errors import InputError  # noqa: E402
+from hicache_cp.harness.replay.report import integrity_failures  # noqa: E402
 from hicache_cp.layout import Model, Part  # noqa: E402
 
 PS = 8
@@ -271,6 +272,25 @@ def test_cp1_a_failed_copy_alone_is_recomputed_and_the_run_is_clean(tmp_path: Pa
     assert r["stats"]["loads_aborted"] == 1 and r["outputs_mismatches"] == 0 and r["draft_outputs_mismatches"] == 0
 
 
+def test_outputs_beyond_the_tolerance_fail_the_run() -> None:
+    """Target or draft logits of a sampled hit request past the tolerance are an
+    integrity failure (exit 1), as speculation mismatches are; near ties are not."""
+    clean = {"outputs_checked": 5, "outputs_mismatches": 0, "draft_outputs_checked": 5, "draft_outputs_mismatches": 0,
+             "draft_outputs_near_ties": 2, "spec_near_ties": 1}  # fmt: skip
+    assert integrity_failures(clean) == []
+    assert integrity_failures({**clean, "outputs_mismatches": 2}) == [
+        "the outputs of 2 of 5 sampled hit requests differ from a recompute beyond the tolerance"]
+    assert integrity_failures({**clean, "draft_outputs_mismatches": 1}) == [
+        "the MTP draft outputs of 1 of 5 sampled hit requests differ from a recompute beyond the tolerance"]
+
+
+def test_a_draft_token_flip_within_the_tolerance_is_a_near_tie_not_a_mismatch() -> None:
+    flip = OutputCheck(1, 64, 32, 32, 0.0, 1.0, True, draft_max_abs_err=0.01, draft_tolerance=0.02, draft_same_token=False)
+    moved = OutputCheck(1, 64, 32, 32, 0.0, 1.0, True, draft_max_abs_err=0.03, draft_tolerance=0.02, draft_same_token=True)
+    assert flip.draft_ok and flip.draft_near_tie
+    assert not moved.draft_ok and not moved.draft_near_tie
+
+
 def test_cp1_lost_draft_state_passes_the_target_oracle_and_fails_the_draft_oracle(tmp_path: Path) -> None:
     """The fork's bug without the byte check (--no-verify): one load's draft parts
     come back as zeros. The target's outputs are right; the draft's are not."""
@@ -283,6 +303,7 @@ def test_cp1_lost_draft_state_passes_the_target_oracle_and_fails_the_draft_oracl
     assert r["spec_mismatches"] >= 1  # speculation from that prefix: the draft's logits moved
     assert f["request"] in {c["request"] for c in r["spec_checks"] if not c["same"]}
     assert rc == 1 and any(m.startswith("speculation from") for m in r["integrity_failures"])
+    assert any(m.startswith("the MTP draft outputs of") for m in r["integrity_failures"]), r["integrity_failures"]
     # with the byte check the same fault is refused before use
     rc, r = replay(tmp_path / "draft2.json", "--hf-fault", "drop-draft:draft_kv:0@0")
     assert rc == 1 and r["loads_refused"] >= 1 and r["draft_outputs_mismatches"] == 0

@@ -13,9 +13,10 @@ besides the replay's usual keys:
     outputs_checked / _max_abs_err / _mismatches
                                    the output oracle (`hf_oracle`) on --check-outputs N
                                    hit requests, against the model's own full forward
-    draft_outputs_checked / _max_abs_err / _mismatches
-                                   the same requests' MTP draft: last-token logits and
-                                   proposed token against the draft over a recompute
+    draft_outputs_checked / _max_abs_err / _mismatches / _near_ties
+                                   the same requests' MTP draft: last-token logits against
+                                   the draft over a recompute (a proposed token that differs
+                                   within the tolerance is a near tie, not a mismatch)
     spec_checked / _mismatches / _near_ties / spec_accept_mean_restored / _recomputed, spec_checks
                                    --spec-steps steps of greedy MTP speculation from a
                                    recompute and, fed the same tokens, from the restored
@@ -319,7 +320,7 @@ class HfEngine:
             if not check.ok:
                 logger.warning("output mismatch: request %d max |logit diff| %.3g > %.3g", s.request, err, tol)
             if not check.draft_ok:
-                logger.warning("draft output mismatch: request %d max |draft logit diff| %.3g (tolerance %.3g), "
+                logger.warning("draft output mismatch: request %d max |draft logit diff| %.3g > %.3g, "
                                "same proposed token: %s", s.request, d_err, d_tol, d_same)  # fmt: skip
         return {
             "outputs_checked": len(checks),
@@ -331,6 +332,7 @@ class HfEngine:
             "draft_outputs_max_abs_err": max((c.draft_max_abs_err for c in checks), default=0.0),
             "draft_outputs_mismatches": sum(not c.draft_ok for c in checks),
             "draft_outputs_same_token": sum(c.draft_same_token for c in checks),
+            "draft_outputs_near_ties": sum(c.draft_near_tie for c in checks),
             "output_checks": [dataclasses.asdict(c) for c in checks],
         }
 

@@ -263,7 +263,13 @@ class OutputCheck:
 
     @property
     def draft_ok(self) -> bool:
-        return self.draft_max_abs_err <= self.draft_tolerance and self.draft_same_token
+        return self.draft_max_abs_err <= self.draft_tolerance
+
+    @property
+    def draft_near_tie(self) -> bool:
+        """The draft's logits are within the tolerance but its proposed token differs:
+        two logits closer than the tolerance swapped (as the speculation oracle's near ties)."""
+        return self.draft_ok and not self.draft_same_token
 
 
 def recompute_logits(model: Any, ids: np.ndarray, chunk_tokens: int | None = None) -> torch.Tensor:

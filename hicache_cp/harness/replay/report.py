@@ -26,15 +26,20 @@ def integrity_failures(report: dict[str, Any]) -> list[str]:
     """Every reason this run's bytes cannot be trusted (exit code 1); [] when clean.
 
     Cache hits: mismatches, or byte checks that covered less than what was
-    reused; speculation from restored prefixes that differs from a recompute
-    beyond the tolerance (`hf_spec`, near ties excepted). PD: rooms that
-    failed or mismatched, transfers the decode peer rejected."""
+    reused; outputs (target and MTP draft logits) and speculation from
+    restored prefixes that differ from a recompute beyond the tolerance
+    (`hf_oracle`, `hf_spec`; near ties excepted). PD: rooms that failed or
+    mismatched, transfers the decode peer rejected."""
     out = []
     if report.get("integrity_mismatches"):
         out.append(f"{report['integrity_mismatches']} reused (page, part, layer) units differ from what prefill computed")
     checked, expected = report.get("integrity_checked_units"), report.get("integrity_expected_units")
     if checked is not None and checked != expected:  # with --no-verify both are 0
         out.append(f"byte checks covered {checked} of the {expected} reused (page, part, layer) units")
+    for key, what in (("outputs", "outputs"), ("draft_outputs", "MTP draft outputs")):
+        if report.get(f"{key}_mismatches"):
+            out.append(f"the {what} of {report[f'{key}_mismatches']} of {report.get(f'{key}_checked')} sampled hit "
+                       f"requests differ from a recompute beyond the tolerance")
     if report.get("spec_mismatches"):
         out.append(f"speculation from {report['spec_mismatches']} of {report.get('spec_checked')} restored prefixes "
                    f"differs from a recompute beyond the tolerance")
