@@ -91,6 +91,31 @@ def test_draft_on_restored_pages_equals_a_recompute_and_depends_on_its_own_kv(mo
     assert float((lost.draft_logits[0] - draft_ref).abs().max()) > 1e-3  # the draft's does not
 
 
+def test_the_recomputed_draft_reads_the_served_first_token(model: hf_model.HfModel, monkeypatch) -> None:
+    """A near tie in the target's logits makes the served first token differ from
+    the recompute's; the served draft then read another token. The oracle feeds
+    the recompute's draft the served token, so only a draft-state fault moves it."""
+    from hicache_cp.harness.engines import hf as hf_engine
+
+    m = model
+    ids = np.random.default_rng(11).integers(0, m.vocab_size, 3 * PS + 7)
+    ref, own = recompute_outputs(m, ids)
+    first = int(ref.argmax())
+    _, same = recompute_outputs(m, ids, next_token=first)
+    _, other = recompute_outputs(m, ids, next_token=(first + 1) % m.vocab_size)
+    assert torch.equal(own, same)
+    assert float((own - other).abs().max()) > 1e-3  # another token: another draft output
+    seen: list[int | None] = []
+
+    def spy(model_: Any, ids_: np.ndarray, chunk: int | None = None, next_token: int | None = None) -> Any:
+        seen.append(next_token)
+        return recompute_outputs(model_, ids_, chunk, next_token)
+
+    monkeypatch.setattr(hf_engine, "recompute_outputs", spy)
+    assert main(["replay", "--engine", "hf", "--limit", "30", "--check-outputs", "3"]) == 0
+    assert len(seen) == 3 and all(isinstance(t, int) for t in seen), seen  # the served token, never None
+
+
 def _speculation_sample(m: hf_model.HfModel) -> tuple[np.ndarray, Speculator, Sample, int]:
     """A 6-page prompt prefilled into pages 1..6, a 6-step speculator, and the
     oracle's sample of that prefix resumed at its last reused position."""

@@ -15,8 +15,9 @@ besides the replay's usual keys:
                                    hit requests, against the model's own full forward
     draft_outputs_checked / _max_abs_err / _mismatches / _near_ties
                                    the same requests' MTP draft: last-token logits against
-                                   the draft over a recompute (a proposed token that differs
-                                   within the tolerance is a near tie, not a mismatch)
+                                   the draft over a recompute, both fed the served first
+                                   token (a proposed token that differs within the
+                                   tolerance is a near tie, not a mismatch)
     spec_checked / _mismatches / _near_ties / spec_accept_mean_restored / _recomputed, spec_checks
                                    --spec-steps steps of greedy MTP speculation from a
                                    recompute and, fed the same tokens, from the restored
@@ -310,8 +311,9 @@ class HfEngine:
         p = self.preset
         checks: list[OutputCheck] = []
         for s in chosen:
-            ref, draft_ref = recompute_outputs(model, s.ids, self.chunk_tokens)
-            err, tol, same = compare_logits(result.logits[s.request], ref, p.logits_atol, p.logits_rtol)
+            served = result.logits[s.request]
+            ref, draft_ref = recompute_outputs(model, s.ids, self.chunk_tokens, next_token=int(served.argmax()))
+            err, tol, same = compare_logits(served, ref, p.logits_atol, p.logits_rtol)
             served_draft = result.draft_logits[s.request]
             d_err, d_tol, d_same = compare_logits(served_draft, draft_ref, p.logits_atol, p.logits_rtol)
             check = OutputCheck(s.request, len(s.ids), s.reused_pages * p.page_size, s.restored_pages * p.page_size,

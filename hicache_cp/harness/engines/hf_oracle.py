@@ -290,7 +290,9 @@ def recompute_logits(model: Any, ids: np.ndarray, chunk_tokens: int | None = Non
     return out.logits[0, -1].float().cpu()
 
 
-def recompute_outputs(m: Any, ids: np.ndarray, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def recompute_outputs(
+    m: Any, ids: np.ndarray, chunk_tokens: int | None = None, next_token: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(target, draft) last-token logits of a prompt computed from scratch, float32 on the CPU.
 
     The target runs as in `recompute_logits` (its own forward and cache
@@ -298,8 +300,15 @@ def recompute_outputs(m: Any, ids: np.ndarray, chunk_tokens: int | None = None) 
     state the MTP layer reads, before the final norm). The draft layer
     (`HfModel.draft`) then runs with its own cache over entries 1..n, one
     position ahead of the target as in transformers' MTP decoding: entry j
-    reads token j (for j = n the target's greedy first token) and the target
-    hidden at j - 1; its logits are the shared head over its output at entry n."""
+    reads token j (for j = n the target's greedy first token, or `next_token`
+    when given) and the target hidden at j - 1; its logits are the shared head
+    over its output at entry n.
+
+    The output oracle passes the served run's first token as `next_token`, so
+    both drafts read the same token: where two target logits closer than the
+    tolerance swap, the served draft read the other one, and its logits
+    (8.5 apart on the H200 at ef4f07b, serve-h200.json request 18) said
+    nothing about the restored draft state."""
     from transformers import DynamicCache
 
     target, base, dev = m.target, m.target.model, m.device
@@ -317,7 +326,8 @@ def recompute_outputs(m: Any, ids: np.ndarray, chunk_tokens: int | None = None) 
         hook.remove()
     logits = out.logits[0, -1].float()
     h = torch.cat(hidden, dim=1)
-    draft_ids = torch.cat([x[:, 1:], logits.argmax().view(1, 1)], dim=1)
+    first = logits.argmax().view(1, 1) if next_token is None else torch.tensor([[next_token]], device=dev)
+    draft_ids = torch.cat([x[:, 1:], first], dim=1)
     dcache = DynamicCache(config=m.draft_config)
     with torch.no_grad():
         for start in range(0, n, step):
