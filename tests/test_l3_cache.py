@@ -14,12 +14,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import evict_all_l1, evict_all_l2, fill_pattern, run_request, tokens_of
+from conftest import Faults, evict_all_l1, evict_all_l2, fill_pattern, run_request, tokens_of
 from test_l3_support import GatedStore, flush_writes, l3_cache, l3env, until, verify_l1  # noqa: F401 - fixture
 
 from hicache_cp.config import PRESETS
+from hicache_cp.io.base import Direction
 from hicache_cp.l3.ops import PrefetchState
 from hicache_cp.l3.store import L3Error
+from hicache_cp.ops import LoadState
 
 
 def _serve(cache, ids):  # type: ignore[no-untyped-def]
@@ -45,6 +47,26 @@ def test_a_page_one_cache_wrote_is_an_l3_hit_for_another(l3env) -> None:  # noqa
         assert r2.m.l3_len == 0 and r2.m.host_len == 10
         b.check_invariants()
     finally:
+        a.close()
+        b.close()
+
+
+def test_the_l3_hits_of_a_load_that_fails_are_misses(l3env) -> None:  # noqa: F811
+    settings = l3env.settings()
+    a, b = l3_cache(l3env.stores[0], settings), l3_cache(l3env.stores[1], settings)
+    faults = Faults()
+    faults.fail_direction, faults.fail_next = Direction.H2D, 1
+    try:
+        _serve(a, range(1, 11))
+        flush_writes(a)  # a's 10 pages are in L3
+        b.engine.fault = faults
+        r = _serve(b, range(1, 13))  # 10 pages fetched from L3 into b's L2; their H2D fails
+        assert r.m.l3_len == 10 and r.load.state is LoadState.ABORTED
+        s = b.stats()  # the request computed all 12 pages: no hit of any tier
+        assert (s["l3_hit_tokens"], s["l3_hit_pages"], s["l2_hit_tokens"], s["miss_tokens"]) == (0, 0, 0, 192)
+        b.check_invariants()
+    finally:
+        b.engine.fault = None
         a.close()
         b.close()
 

@@ -308,6 +308,32 @@ def test_chunked_per_layer_lands_at_absolute_positions(decode_peer, adapter) -> 
 
 @needs_mooncake
 @pytest.mark.mooncake
+def test_a_position_resent_with_another_prefix_hash_fails_the_room(decode_peer, adapter) -> None:
+    """Layers of one position are sent apart; a later layer that names another prefix hash
+    for it means the sender mixed two requests' pages: the room fails at once, nothing of
+    that send goes out."""
+    from hicache_cp.errors import ConsistencyError
+    from hicache_cp.pd.sender import PageHomes
+
+    rng = np.random.default_rng(8)
+    with one_sender(decode_peer, adapter) as (pre, s):
+        homes = pre.request(6, rng)
+        s.open_room(550, 550, 6)
+        s.send_layer(550, Part.TARGET_KV, 0, homes)
+        drifted = homes.prefix_hashes.copy()
+        drifted[3] ^= np.uint64(1)
+        other = PageHomes(homes.positions, homes.tier, homes.pages, drifted)
+        with pytest.raises(ConsistencyError, match="prefix hash differs") as caught:
+            s.send_layer(550, Part.TARGET_KV, 1, other)
+        assert caught.value.details["positions"].tolist() == [3]  # the position is named
+        room = s.rooms.get(550)
+        assert room.state is RoomState.FAILED and "prefix hash" in (room.failure or "")
+        assert (Part.TARGET_KV, 1) not in room.sent
+        assert not s.finish(550).ok
+
+
+@needs_mooncake
+@pytest.mark.mooncake
 def test_l2_only_pages_sent_without_load_back(decode_peer, adapter) -> None:
     rng = np.random.default_rng(11)
     with one_sender(decode_peer, adapter) as (pre, s):

@@ -180,10 +180,12 @@ def test_abort_while_the_load_is_in_flight_frees_slots_only_after_it_returned(ma
     free_before = s.allocator.available_size()
     aborter = threading.Thread(target=s.abort, args=(reqs[0],))
     aborter.start()
-    time.sleep(0.3)
-    # The abort waits for the H2D still writing the request's slots: nothing is freed yet.
-    assert aborter.is_alive() and s.allocator.available_size() == free_before
-    faults.open()
+    try:
+        time.sleep(0.3)
+        # The abort waits for the H2D still writing the request's slots: nothing is freed yet.
+        assert aborter.is_alive() and s.allocator.available_size() == free_before
+    finally:
+        faults.open()  # a failure above must not leave every later copy at the gate
     aborter.join(timeout=10)
     assert not aborter.is_alive()
     assert s.allocator.available_size() > free_before
@@ -193,6 +195,24 @@ def test_abort_while_the_load_is_in_flight_frees_slots_only_after_it_returned(ma
     r = serve(s, a)
     assert r.host_hit_length == 5 * PAGE and r.finished_reason is not None
     assert s.forward.report.checked_bytes == 5 * PAGE * TOKEN_BYTES
+    clean(s)
+
+
+def test_a_request_aborted_before_its_forward_gives_its_host_reservation_back(make_server) -> None:
+    s = make_server()
+    cache = s.tree_cache.cache
+    free_before = cache.host_pool.allocator.free_pages
+    tokens = prompt(13, 5)
+    req = s.submit(tokens)
+    assert s.prepare_batch() == [req]
+    assert cache.host_pool.allocator.free_pages == free_before - 5  # write-through reserved, PENDING
+    s.abort(req)  # before the forward: no layer of the reserved copy was ever written
+    s.tree_cache.flush_pending_backups()  # the after-batch flush decides it
+    assert cache.metrics.backups_aborted == 1
+    assert cache.host_pool.allocator.free_pages == free_before
+    assert not s.tree_cache._flows
+    r = serve(s, tokens)  # nothing of it was committed: a miss, computed and backed up anew
+    assert r.host_hit_length == 0 and cache.metrics.backups_committed == 1
     clean(s)
 
 

@@ -376,11 +376,14 @@ class Bench:
             if worker is None or i == worker:
                 inject_fault(engine, hook)
 
-    def add(self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None) -> str:
+    def add(
+        self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None, cache_salt: str | None = None
+    ) -> str:
         self._n += 1
         rid = req_id or f"r{self._n}"
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.sched.add_request(Request(rid, list(prompt), params, None, block_hasher=self.hasher))
+        request = Request(rid, list(prompt), params, None, block_hasher=self.hasher, cache_salt=cache_salt)
+        self.sched.add_request(request)
         return rid
 
     def step(self, *, abort_before_forward: list[str] = (), hold: set[int] = frozenset()) -> StepRecord:

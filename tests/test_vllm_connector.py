@@ -84,6 +84,38 @@ def test_vllm_miss_then_full_hit_from_l2(new_bench):
     settled(b)
 
 
+def test_vllm_a_prompt_of_whole_pages_all_in_l2_still_computes_its_last_page(new_bench):
+    b = new_bench()
+    b.add(P[:80])  # exactly 5 whole pages
+    b.run()
+    b.drop_vllm_prefix_cache()
+    b.add(P[:80])
+    (s,) = b.run()
+    # vLLM needs a token to compute (its logits): L2 offers 4 of the 5 pages, never all.
+    assert s.scheduled == {"r2": (64, 16)}
+    assert s.loads == [("r2", 0, 4)] and b.side.stats.offered_tokens == 64
+    assert b.mismatches == []
+    settled(b)
+
+
+def test_vllm_salted_requests_never_touch_l2(new_bench):
+    """A cache salt makes equal tokens different KV to vLLM (its block hashes take the
+    salt); the tree's keys are tokens alone, so salted requests neither load nor save."""
+    b = new_bench()
+    b.add(P, cache_salt="tenant-a")
+    (s,) = b.run()
+    assert s.scheduled == {"r1": (0, 85)} and s.saves == []
+    b.add(P)  # unsalted: a miss in vLLM's cache, and nothing of r1 in L2
+    (s,) = b.run()
+    assert s.scheduled == {"r2": (0, 85)} and s.saves == [("r2", 0, 5)]
+    b.drop_vllm_prefix_cache()
+    b.add(P, cache_salt="tenant-b")
+    (s,) = b.run()
+    assert s.scheduled == {"r3": (0, 85)} and s.loads == []  # r2's pages in L2 are not offered
+    assert b.side.stats.lookups == 1  # r2's only
+    settled(b)
+
+
 def test_vllm_partial_hit_continues_vllm_prefix_cache(new_bench):
     b = new_bench()
     b.add(P)

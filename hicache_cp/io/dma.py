@@ -285,7 +285,7 @@ class StagingCopyEngine(CudaCopyEngine):
         layer = self.device_pool.layer(info.part, slot)  # [physical_pages, page_bytes]
         staging = self._staging[0 if d2h else 1]
         host_base = info.host_layer(slot)  # arena byte offset
-        copy_stream = self._streams[self._direction(d2h)]
+        copy_stream = self._streams[Direction.D2H if d2h else Direction.H2D]
         with torch.cuda.device(self.device_index), torch.cuda.stream(copy_stream):
             for lo in range(0, len(host_sorted), cap):
                 hs, ds = host_sorted[lo : lo + cap], dev_sorted[lo : lo + cap]
@@ -301,12 +301,6 @@ class StagingCopyEngine(CudaCopyEngine):
                 else:
                     self._host_dma(d2h, info, host_off, stage_addr, lengths * page_bytes, stream)
                     layer.index_copy_(0, idx, stage)
-
-    @staticmethod
-    def _direction(d2h: bool) -> Any:
-        from hicache_cp.io.base import Direction
-
-        return Direction.D2H if d2h else Direction.H2D
 
     def _index_to_device(self, pages: np.ndarray, keep: list[Any]) -> torch.Tensor:
         """Copy an int64 page array to the device on the current (copy) stream; both
