@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from conftest import evict_all_l1, evict_all_l2, fill_pattern, run_request, tokens_of
 from test_l3_support import GatedStore, flush_writes, l3_cache, l3env, until, verify_l1  # noqa: F401 - fixture
 
@@ -186,3 +187,33 @@ def test_a_peer_holding_the_objects_dies_mid_prefetch() -> None:
                 t.start()
             for t in closers:
                 t.join(timeout=30)
+
+
+class _ClientAnswering:
+    """A test double of MooncakeDistributedStore's read calls, with scripted counts
+    (the real client answers a short object with TRANSFER_FAIL, never a short count:
+    `test_l3_cache.py::test_a_short_object_is_a_failed_read` covers that)."""
+
+    def __init__(self, counts: list[int], sizes: dict[str, int]) -> None:
+        self.counts, self.sizes = counts, sizes
+
+    def batch_get_into_multi_buffers(self, keys, ptrs, sizes):  # type: ignore[no-untyped-def]
+        return self.counts
+
+    def get_size(self, key: str) -> int:
+        return self.sizes.get(key, -704)
+
+
+def test_every_read_that_does_not_fill_its_pages_exactly_is_an_error_naming_its_key() -> None:
+    from hicache_cp.l3.store import MooncakeStore, StoreCode
+
+    keys, ptrs, sizes = ["full", "short", "failed", "other-size"], [[0x1000, 0x2000]] * 4, [[64, 32]] * 4
+    client = _ClientAnswering([96, 95, int(StoreCode.INTERNAL_ERROR), int(StoreCode.TRANSFER_FAIL)], {"other-size": 48})
+    errors = MooncakeStore(client, "double").get_each(keys, ptrs, sizes)
+    assert errors[0] is None
+    assert [(e.key, e.details) for e in errors[1:2]] == [("short", {"expected_bytes": 96, "got_bytes": 95})]
+    assert errors[2].key == "failed" and errors[2].code == StoreCode.INTERNAL_ERROR
+    assert errors[3].key == "other-size" and errors[3].details == {"expected_bytes": 96, "object_bytes": 48}
+    with pytest.raises(L3Error, match="short read") as caught:  # `get` raises the first, naming its key
+        MooncakeStore(client, "double").get(keys, ptrs, sizes)
+    assert caught.value.key == "short" and caught.value.details["keys"] == 4

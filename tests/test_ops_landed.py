@@ -9,15 +9,17 @@ reservation is released, and a load aborts instead of returning a hit.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
-from conftest import evict_all_l1, land, run_request, tokens_of
+from conftest import evict_all_l1, expected_bytes, fill_pattern, land, run_request, tokens_of
 from hicache_cp.cache.lifecycle import Lifecycle
 from hicache_cp.config import Config
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.io.base import CopyTicket, Direction, TicketState
-from hicache_cp.layout import Part
+from hicache_cp.layout import Model, Part
 from hicache_cp.ops import BackupOp, BackupState, LoadState
 
 PARTS = list(Part)
@@ -134,3 +136,34 @@ def test_a_layer_of_several_copies_lands_when_the_last_one_does() -> None:
     second.state = TicketState.DONE
     op.reap()
     assert 0 in op.landed[Part.TARGET_KV]
+
+
+@pytest.mark.parametrize("model", list(Model))
+def test_a_layer_wait_covers_every_part_of_the_layer(make_cache, model: Model) -> None:
+    """The forward reads a layer's KV and its state (the NSA indexer keys) together:
+    `wait_layer` returns only once every part of the model at that layer is loaded,
+    even when the last part's copy is slow."""
+    slow_part = [p for p in Part if p.model is model][-1]  # the state part: copied after the KV part
+
+    def slow_copy(direction: Direction, part: Part, layer: int) -> None:
+        if (direction, part, layer) == (Direction.H2D, slow_part, 0):
+            time.sleep(0.3)
+
+    cache = make_cache()
+    tokens = tokens_of(1, 2, 3)
+    run_request(cache, tokens, write=fill_pattern)  # computed and backed up
+    evict_all_l1(cache)
+    for buf in cache.device_pool.buffers.values():
+        buf.fill_(0x5A)  # what L1 held is gone: only the load can bring the bytes back
+    cache.engine.fault = slow_copy
+    r = run_request(cache, tokens, stop_after="load")
+    assert r.load is not None and r.load.first_position == 0
+    r.load.wait_layer(0, model)
+    for p in cache.layout.parts_of(model):
+        if not p.has_layer(0):
+            continue
+        view = cache.device_pool.layer_view(p.part, p.slot(0))
+        for pos, page in enumerate(r.load.device_pages):
+            assert (view[page] == expected_bytes(tokens, pos, p.part, 0, p.page_bytes)).all(), (p.part, pos)
+    land(cache)
+    assert r.load.state is LoadState.DONE

@@ -86,6 +86,14 @@ def test_check_compatible_lists_both_sides() -> None:
     assert diffs["draft_state registered"] == (True, False)
     assert diffs["draft_state_count"] == (1, 0)
     check_compatible(a, RegistrationDescriptor.from_buffers("decode", tiny_layout(), {p: 0 for p in Part}, 99))
+    # A decode side that stores the target KV narrower (fp8 against bf16): every count
+    # agrees, only the page size tells them apart.
+    fp8 = KVLayout.build(page_size=4, num_layers=3, kv_bytes_per_token=32, state_bytes_per_token=16,
+                         state_layers=(0, 2), draft_layers=1, draft_kv_bytes_per_token=64,
+                         draft_state_bytes_per_token=16)
+    with pytest.raises(RegistrationMismatch) as err:
+        check_compatible(a, RegistrationDescriptor.from_buffers("decode", fp8, {p: 1 << 20 for p in Part}, 8))
+    assert err.value.differences == [("target_kv page_bytes", 256, 128)]
 
 
 # -- engine-backed ------------------------------------------------------------------
