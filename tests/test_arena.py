@@ -219,6 +219,36 @@ def test_wait_ready_times_out_when_preparation_is_slow(monkeypatch: pytest.Monke
         arena.close()
 
 
+def test_a_view_waits_for_the_bytes_it_covers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A view is handed out only once its bytes are prepared (pinned: registered, so a
+    DMA into it cannot fail); a view of what is ready already does not wait."""
+    gate = threading.Event()
+    original = HostArena._touch_slice
+
+    def slow_touch(self, lo, hi):  # type: ignore[no-untyped-def]
+        if lo >= MIB:
+            gate.wait(10)
+        return original(self, lo, hi)
+
+    monkeypatch.setattr(HostArena, "_touch_slice", slow_touch)
+    arena = HostArena(4 * MIB, pin=False, touch_threads=1, register_chunk_bytes=MIB, touch="write", name="slow")
+    views: list[np.ndarray] = []
+    try:
+        arena.wait_ready(MIB, timeout=10)
+        assert len(arena.numpy(0, MIB)) == MIB  # ready: at once
+        waiter = threading.Thread(target=lambda: views.append(arena.numpy(0, 2 * MIB)))
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and not views  # the second MiB is still being prepared
+        gate.set()
+        waiter.join(10)
+        assert len(views[0]) == 2 * MIB and arena.ready_bytes >= 2 * MIB
+    finally:
+        gate.set()
+        del views
+        arena.close()
+
+
 def test_close_is_idempotent_and_use_after_close_raises() -> None:
     arena = HostArena(2 * MIB, pin=False, register_chunk_bytes=MIB, name="gone")
     kept = arena.numpy(0, 16)

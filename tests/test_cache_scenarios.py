@@ -535,6 +535,9 @@ def test_stale_pages_of_an_abandoned_request_are_never_backed_up(make_cache) -> 
     cache = make_cache(l1_pages=32, host_pages=32, fault=faults, write_policy="write_back")
     b, node = _abort_a_load(cache, faults, tokens_of(43, 44))
     b.release()
+    with pytest.raises(ValueError, match="after the request released it"):  # too late: nobody rewrote them
+        cache.recomputed(b.load)
+    assert node.stale_load is not None
     evict_all_l2(cache)
     assert node.host_state is HostState.NONE and node.stale_load is not None
     with pytest.raises(ValueError, match="awaiting recompute"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 from multiprocessing.connection import Client
 from pathlib import Path
@@ -64,6 +65,49 @@ def test_control_channel_never_unpickles(tmp_path: Path) -> None:
         assert not marker.exists()
     finally:
         peer.close()
+
+
+def test_a_late_reply_is_never_the_next_answer_and_events_survive_a_request() -> None:
+    """The prefill side times out on a request; its reply arrives later, then a decode
+    abort event and the reply to the next request. The next request gets its own reply,
+    and the event waits in `poll_events` (a scripted peer on a real connection)."""
+    from multiprocessing.connection import Listener
+
+    from hicache_cp.pd.control import recv_msg, send_msg
+
+    key = new_authkey()
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    seen: list[dict] = []
+    client_done = threading.Event()
+
+    def peer() -> None:
+        with listener.accept() as conn:
+            first = recv_msg(conn)
+            seen.append(first)
+            time.sleep(0.3)  # past the client's timeout
+            send_msg(conn, {"seq": first["seq"], "ok": True, "answer": "first"})
+            second = recv_msg(conn)
+            seen.append(second)
+            send_msg(conn, {"event": "abort", "room": 7, "reason": "decode gave up"})
+            send_msg(conn, {"seq": second["seq"], "ok": True, "answer": "second"})
+            client_done.wait(5)  # a peer stays connected
+
+    thread = threading.Thread(target=peer)
+    thread.start()
+    client = ControlClient(listener.address, key)
+    try:
+        with pytest.raises(TimeoutError, match="did not answer open"):
+            client.request({"op": "open"}, 0.1)
+        time.sleep(0.4)  # the stale reply is on the wire now
+        reply = client.request({"op": "done"}, 5.0)
+        assert reply["answer"] == "second" and [m["op"] for m in seen] == ["open", "done"]
+        assert client.poll_events() == [{"event": "abort", "room": 7, "reason": "decode gave up"}]
+        assert client.poll_events() == []
+    finally:
+        client_done.set()
+        client.close()
+        thread.join(5)
+        listener.close()
 
 
 def test_short_authkeys_are_refused_everywhere() -> None:

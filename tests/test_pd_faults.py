@@ -124,6 +124,34 @@ def test_finish_checks_every_part_and_layer_for_every_position(decode_peer, adap
         assert after["free_pages"] == before["free_pages"]
 
 
+class _FaultedEvent:
+    """A test double of the CUDA event a layer hook passes as `after`, whose wait
+    reports an asynchronous fault of the forward (as `torch.cuda.Event.synchronize`
+    raises one)."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_per_layer_send_that_fails_on_the_feeder_fails_the_room(decode_peer, adapter) -> None:
+    """Per-layer sends run on the feeder thread after the layer's event; one that fails
+    there (the layer's KV may be garbage) fails the room at finish, never "done"."""
+    rng = np.random.default_rng(23)
+    with one_sender(decode_peer, adapter) as (pre, s):
+        before = stats(decode_peer)
+        homes = pre.request(6, rng)
+        s.open_room(1150, 1150, 6)
+        for p in s.layout.parts:
+            for layer in p.layer_ids:
+                after = _FaultedEvent() if (p.part, layer) == (Part.TARGET_KV, 1) else None
+                s.send_layer(1150, p.part, layer, homes, after=after, background=True)
+        res = s.finish(1150)
+        assert res.state is RoomState.FAILED
+        assert "per-layer submission failed: CUDA error: an illegal memory access" in res.failure, res.failure
+        assert stats(decode_peer)["verified_rooms"] == before["verified_rooms"]  # "abort", never "done"
+        _later_request_verifies(pre, s, 1151, rng)
+
+
 def test_destination_gone_on_done_concludes_failed_loudly(adapter, caplog: pytest.LogCaptureFixture) -> None:
     """Every byte landed, then the decode peer dies: the "done" gets no answer.
     The room concludes FAILED with a WARNING, never SUCCESS."""
