@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from test_l3_support import MemoryStore, l3_cache
 
 from hicache_cp.config import Config
 from hicache_cp.l3.config import L3Config
+from hicache_cp.l3.store import L3Error, StoreCode
 
 SETTINGS = {"backend": "mooncake", "master": "127.0.0.1:1", "prefetch_timeout_s": 10.0, "lookup_timeout_s": 5.0}
 
@@ -104,6 +106,35 @@ def test_a_running_put_keeps_its_pages() -> None:
         cache.check_invariants()
     finally:
         store.gate.set()
+        cache.close()
+
+
+class InFlightPutFailure(MemoryStore):
+    """MemoryStore whose puts fail with TRANSFER_FAIL: Mooncake may still be reading the pages."""
+
+    def put(self, keys, ptrs, sizes):  # type: ignore[no-untyped-def]
+        return [L3Error("put", "injected transfer failure", code=StoreCode.TRANSFER_FAIL, key=k) for k in keys]
+
+
+def test_pages_a_failed_put_may_still_read_stay_held_for_the_unsafe_hold() -> None:
+    cache = l3_cache(InFlightPutFailure(), {**SETTINGS, "unsafe_hold_s": 0.5})
+    try:
+        _serve(cache, range(1, 5))  # 4 pages committed; their put fails, its transfer may go on
+        (job,) = cache.l3.writes
+        deadline = time.monotonic() + 10
+        while not job.future.done():
+            assert time.monotonic() < deadline, "the put never returned"
+            time.sleep(0.005)
+        cache.poll()
+        evict_all_l1(cache)
+        evict_all_l2(cache)  # the nodes lose their host copies; the pages stay held (quarantined)
+        assert job.active and job.quarantined and cache.host_pool.allocator.used_pages == 4
+        cache.check_invariants()
+        time.sleep(0.6)  # past the hold
+        cache.poll()
+        assert not job.active and cache.host_pool.allocator.used_pages == 0
+        assert cache.stats()["l3_quarantined_ops"] == 1 and cache.stats()["l3_put_keys"] == 0
+    finally:
         cache.close()
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
@@ -134,6 +135,31 @@ def test_l2_hit_after_device_eviction_loads_every_part(make_server) -> None:
     r3 = serve(s, a)
     assert r3.host_hit_length == 0 and s.tree_cache.stats.loaded_tokens == 5 * PAGE
     clean(s)
+
+
+def test_parts_read_before_their_layers_hook_are_waited_for_earlier(make_server) -> None:
+    """The indexer reads layer l's keys before layer l's attention runs the hook, and the
+    MTP draft reads its own keys before its hook: a slow copy of those parts is waited
+    for at the hook before (layer l-1's, the last target layer's), never read early."""
+    slow = {(Direction.H2D, Part.TARGET_STATE, 2), (Direction.H2D, Part.DRAFT_STATE, 0)}
+
+    def slow_copy(direction, part, layer) -> None:  # type: ignore[no-untyped-def]
+        if (direction, part, layer) in slow:
+            time.sleep(0.2)
+
+    s = make_server()
+    a = in_l2_only(s, 14)
+    for pool in (s.target, *s.drafts):  # what L1 held is gone: only the load brings the bytes back
+        for buf in (*pool.kv_buffer, *getattr(pool, "index_k_with_scale_buffer", ())):
+            buf.view(torch.uint8).fill_(0x5A)
+    s.tree_cache.cache.engine.fault = slow_copy
+    try:
+        r = serve(s, a)
+    finally:
+        s.tree_cache.cache.engine.fault = None
+    assert r.host_hit_length == 5 * PAGE
+    assert s.forward.report.checked_bytes == 5 * PAGE * TOKEN_BYTES
+    clean(s)  # no byte mismatched: every part was loaded before it was read
 
 
 def test_partial_hit_continues_sglangs_device_prefix(make_server) -> None:

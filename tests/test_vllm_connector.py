@@ -12,6 +12,9 @@ Skipped where vLLM is not installed (`scripts/install_vllm.sh`); CI installs it.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -242,6 +245,27 @@ def test_vllm_corrupted_l2_is_detected_by_the_bench(new_bench):
     assert {(r, pos // H.BLOCK) for r, _, pos in b.mismatches} == {("r2", 2)}
 
 
+def test_vllm_layers_whose_save_hook_never_fired_are_copied_after_the_forward(new_bench, caplog):
+    """A layer vLLM runs without calling save_kv_layer (a full CUDA-graph replay) is copied
+    at wait_for_save, after the forward wrote it: the save still commits every layer."""
+    b = new_bench()
+    unhooked = H.LAYERS[-1]
+    for w in b.workers:
+        real = w.save_kv_layer
+        w.save_kv_layer = lambda name, t, md, real=real: None if name == unhooked else real(name, t, md)
+    with caplog.at_level(logging.WARNING, logger="hicache_cp.integrations.vllm.worker"):
+        b.add(P)
+        (s1,) = b.run()
+    assert s1.saves == [("r1", 0, 5)] and b.cache.metrics.backups_committed == 1
+    warned = [r for r in caplog.records if "no save_kv_layer hook" in r.getMessage()]
+    assert len(warned) == len(b.workers)  # once per worker
+    b.drop_vllm_prefix_cache()
+    b.add(P)
+    (s2,) = b.run()
+    assert s2.loads == [("r2", 0, 5)] and b.mismatches == []  # the late-copied layer holds what r1 computed
+    settled(b)
+
+
 def test_vllm_load_waits_are_per_layer(new_bench):
     """The forward waits for a layer's load at that layer's hook, not for the whole load."""
     b = new_bench()
@@ -289,6 +313,30 @@ def test_vllm_v32_indexer_and_mtp_round_trip(new_bench):
     b.run()
     assert {(r, name, pos // H.BLOCK) for r, name, pos in b.mismatches} == {
         ("r3", "model.layers.2.self_attn.indexer.k_cache", 1)}
+
+
+def test_vllm_v32_slow_indexer_copies_are_waited_for_before_the_indexer_reads(new_bench):
+    """vLLM's indexer reads layer l's keys before layer l's attention wrapper waits:
+    a slow copy of them is waited for at layer l-1's hook, never read early."""
+    b = new_bench(shape="v32")
+    if b.device != "cpu":
+        pytest.skip("the fault hook slows a copy only on the CPU engine (on CUDA it runs at submit)")
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+    for kv in b.kv:  # what vLLM's blocks held is gone: only the load brings the bytes back
+        for t in kv.values():
+            t.view(torch.uint8).fill_(0x5A)
+
+    def slow_copy(direction, part, layer):  # type: ignore[no-untyped-def]
+        if (direction, part, layer) == (Direction.H2D, Part.TARGET_STATE, 1):
+            time.sleep(0.2)
+
+    b.set_fault(slow_copy)
+    b.add(P)
+    (s,) = b.run()
+    assert s.loads == [("r2", 0, 5)] and b.mismatches == []
+    settled(b)
 
 
 def test_vllm_v32_failed_indexer_load_is_recomputed(new_bench):
