@@ -288,6 +288,10 @@ _FEW_RUNS = 4
 _FEW_SLICES = 16
 
 
+#: What a freed L1 page holds under debug checks (`DevicePool.poison`).
+POISON_BYTE = 0x5A
+
+
 class DevicePool:
     """L1: per-part, per-layer device buffers of this rank plus the logical page allocator.
 
@@ -353,6 +357,19 @@ class DevicePool:
         if self.is_cuda:
             raise TypeError("layer_view is for host-memory device pools; CUDA engines use layer()")
         return self._views[part][slot]
+
+    def poison(self, pages: np.ndarray) -> None:
+        """Overwrite this rank's share of logical `pages` with `POISON_BYTE` in every part
+        and layer (CPU pools only). With debug checks the cache poisons every L1 page it
+        frees: a later read of it then shows as wrong bytes, never as the KV it used to
+        hold. O(pages x layers)."""
+        if self.is_cuda:
+            raise TypeError("poison is for host-memory device pools")
+        pages = np.asarray(pages, dtype=np.int64)
+        physical = cp_mapping.to_physical(pages[cp_mapping.owner(pages, self.cp_size) == self.rank], self.cp_size)
+        for views in self._views.values():
+            for view in views:
+                view[physical] = POISON_BYTE
 
 
 class HostPool:

@@ -152,9 +152,7 @@ def test_a_layer_wait_covers_every_part_of_the_layer(make_cache, model: Model) -
     cache = make_cache()
     tokens = tokens_of(1, 2, 3)
     run_request(cache, tokens, write=fill_pattern)  # computed and backed up
-    evict_all_l1(cache)
-    for buf in cache.device_pool.buffers.values():
-        buf.fill_(0x5A)  # what L1 held is gone: only the load can bring the bytes back
+    evict_all_l1(cache)  # the freed pages are poisoned (debug checks): only the load brings the bytes back
     cache.engine.fault = slow_copy
     r = run_request(cache, tokens, stop_after="load")
     assert r.load is not None and r.load.first_position == 0

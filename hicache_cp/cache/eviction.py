@@ -70,7 +70,7 @@ class Evictor:
         return pages
 
     def free_device(self, pages: np.ndarray) -> None:
-        self.s.device_pool.allocator.free(pages)
+        self.s.free_device_pages(pages)
         self.s.loose_device_pages -= len(pages)
 
     def reserve_host(self, n: int, first_position: int) -> np.ndarray | None:
@@ -193,7 +193,7 @@ class Evictor:
         assert pages is not None
         node.device_pages = None
         node.stale_load = None
-        s.device_pool.allocator.free(pages)
+        s.free_device_pages(pages)
         s.metrics.evictions_l1 += len(pages)
         s.policy.on_evict(node, "l1", s.clock)
         s.tree.refresh_family(node)

@@ -147,7 +147,7 @@ class Prefixes:
                 took.append((node, lo))
                 s.tree.refresh_family(node)
         if surplus:
-            s.device_pool.allocator.free(np.concatenate(surplus))
+            s.free_device_pages(np.concatenate(surplus))
         dup = max(0, covered - start)
         new_node = parent
         rest = device_pages[dup:]

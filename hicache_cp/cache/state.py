@@ -82,6 +82,14 @@ class CacheState:
     def __post_init__(self) -> None:
         self.all_parts = frozenset(p.part for p in self.layout.parts)
 
+    def free_device_pages(self, pages: np.ndarray) -> None:
+        """Give L1 pages back to the allocator. With debug checks on a host-memory pool
+        they are poisoned first, so that reading a page after its free shows in the
+        byte checks instead of passing on the bytes it still held."""
+        if self.config.debug_checks and not self.device_pool.is_cuda:
+            self.device_pool.poison(pages)
+        self.device_pool.allocator.free(pages)
+
     def debug_check(self) -> None:
         """`check_invariants` after an operation, when `debug_checks` asks for it."""
         if self.config.debug_checks:
