@@ -288,7 +288,7 @@ _FEW_RUNS = 4
 _FEW_SLICES = 16
 
 
-#: What a freed L1 page holds under debug checks (`DevicePool.poison`).
+#: What a freed page holds under debug checks (`DevicePool.poison`, `HostPool.poison`).
 POISON_BYTE = 0x5A
 
 
@@ -360,13 +360,12 @@ class DevicePool:
 
     def poison(self, pages: np.ndarray) -> None:
         """Overwrite this rank's share of logical `pages` with `POISON_BYTE` in every part
-        and layer (CPU pools only). With debug checks the cache poisons every L1 page it
+        and layer (CPU pools only). With debug checks the cache poisons every page it
         frees: a later read of it then shows as wrong bytes, never as the KV it used to
         hold. O(pages x layers)."""
         if self.is_cuda:
             raise TypeError("poison is for host-memory device pools")
-        pages = np.asarray(pages, dtype=np.int64)
-        physical = cp_mapping.to_physical(pages[cp_mapping.owner(pages, self.cp_size) == self.rank], self.cp_size)
+        physical = _owned_physical(pages, self.cp_size, self.rank)
         for views in self._views.values():
             for view in views:
                 view[physical] = POISON_BYTE
@@ -434,6 +433,12 @@ class HostPool:
     def part_view(self, part: Part) -> np.ndarray:
         return self._views[part]
 
+    def poison(self, pages: np.ndarray) -> None:
+        """`DevicePool.poison` for L2 (nothing without memory). O(pages x layers)."""
+        physical = _owned_physical(pages, self.cp_size, self.rank)
+        for view in self._views.values():
+            view[:, physical] = POISON_BYTE
+
     def torch_view(self, part: Part) -> torch.Tensor:
         """Zero-copy torch view [slots, physical_pages, page_bytes] of one part."""
         return torch.from_numpy(self._views[part])
@@ -457,6 +462,12 @@ class HostPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _owned_physical(pages: np.ndarray, cp_size: int, rank: int) -> np.ndarray:
+    """Physical ids of the logical `pages` that `rank` owns."""
+    pages = np.asarray(pages, dtype=np.int64)
+    return cp_mapping.to_physical(pages[cp_mapping.owner(pages, cp_size) == rank], cp_size)
 
 
 def _layer_tensors(

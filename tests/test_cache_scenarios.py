@@ -766,19 +766,21 @@ def test_evict_device_empties_l1_and_keeps_every_committed_host_copy(make_cache)
     cache.check_invariants()
 
 
-def test_freed_l1_pages_are_poisoned_under_debug_checks(make_cache) -> None:
-    """With debug checks (every test cache) an L1 page freed by eviction holds
+def test_freed_pages_are_poisoned_under_debug_checks(make_cache) -> None:
+    """With debug checks (every test cache) an L1 or L2 page freed by eviction holds
     POISON_BYTE in every part and layer: a read after the free fails the byte
     checks instead of passing on the KV the page used to hold."""
     from hicache_cp.pools import POISON_BYTE
 
     cache = make_cache()
     r = run_request(cache, tokens_of(61, 62, 63), write=fill_pattern)
-    pages = r.node.device_pages.copy()
+    device, host = r.node.device_pages.copy(), r.node.host_pages.copy()
     evict_all_l1(cache)
+    evict_all_l2(cache)
     for p in cache.layout.parts:
         for slot in range(p.num_slots):
-            assert (cache.device_pool.layer_view(p.part, slot)[pages] == POISON_BYTE).all(), (p.part, slot)
+            assert (cache.device_pool.layer_view(p.part, slot)[device] == POISON_BYTE).all(), (p.part, slot)
+            assert (cache.host_pool.layer_view(p.part, slot)[host] == POISON_BYTE).all(), (p.part, slot)
     quiet = make_cache(debug_checks=False)  # a server does not pay for it
     r = run_request(quiet, tokens_of(61, 62, 63), write=fill_pattern)
     pages = r.node.device_pages.copy()
@@ -789,10 +791,12 @@ def test_freed_l1_pages_are_poisoned_under_debug_checks(make_cache) -> None:
 
 def test_poison_touches_only_the_pages_this_rank_owns() -> None:
     from hicache_cp.config import Config
-    from hicache_cp.pools import POISON_BYTE, DevicePool
+    from hicache_cp.pools import POISON_BYTE, DevicePool, HostPool
 
     layout = Config(model="tiny").layout()
-    pool = DevicePool(layout, 9, cp_size=2, rank=1)  # logical pages 2, 4, 6, ... live here
-    pool.poison(np.array([1, 2, 3, 4]))  # rank 1 owns 2 and 4: physical 1 and 2
-    view = pool.layer_view(Part.TARGET_KV, 0)
-    assert (view[[1, 2]] == POISON_BYTE).all() and not view[[0, 3, 4]].any()
+    device = DevicePool(layout, 9, cp_size=2, rank=1)  # logical pages 2, 4, 6, ... live here
+    with HostPool(layout, 9 * layout.bytes_per_page, cp_size=2, rank=1, pin=False) as host:
+        for pool in (device, host):
+            pool.poison(np.array([1, 2, 3, 4]))  # rank 1 owns 2 and 4: physical 1 and 2
+            view = pool.layer_view(Part.TARGET_KV, 0)
+            assert (view[[1, 2]] == POISON_BYTE).all() and not view[[0, 3, 4]].any()

@@ -123,7 +123,7 @@ class Evictor:
             node.host_parts = frozenset()
             if s.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
                 pages = s.l3.on_evict_l2(pages)
-            s.host_pool.allocator.free(pages)
+            s.free_host_pages(pages)
             s.tree.refresh_family(node)
         self.loaded = keep
 
@@ -212,7 +212,7 @@ class Evictor:
         s.policy.on_evict(node, "l2", s.clock)
         if s.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
             pages = s.l3.on_evict_l2(pages)
-        s.host_pool.allocator.free(pages)
+        s.free_host_pages(pages)
         s.tree.refresh_family(node)
         parent = node.parent
         s.tree.prune(node)

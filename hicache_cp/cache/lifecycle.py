@@ -313,7 +313,7 @@ class Lifecycle:
                 node.backup = None
                 s.tree.refresh_family(node)
             if len(op.spare_host_pages):  # trimmed at insert: no copy writes them any more
-                s.host_pool.allocator.free(op.spare_host_pages)
+                s.free_host_pages(op.spare_host_pages)
                 op.spare_host_pages = op.spare_host_pages[:0]
             s.metrics.backups_committed += 1
             s.metrics.bytes_d2h += op.nbytes
@@ -336,7 +336,7 @@ class Lifecycle:
             node.host_parts = frozenset()
             node.backup = None
             s.tree.refresh_family(node)
-        s.host_pool.allocator.free(op.host_pages)  # the nodes' runs and the spare pages
+        s.free_host_pages(op.host_pages)  # the nodes' runs and the spare pages
         op.spare_host_pages = op.spare_host_pages[:0]
         s.metrics.backups_aborted += 1
         s.metrics.backup_pages_dropped += sum(node.num_pages for node in op.nodes)

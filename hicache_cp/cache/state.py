@@ -90,6 +90,12 @@ class CacheState:
             self.device_pool.poison(pages)
         self.device_pool.allocator.free(pages)
 
+    def free_host_pages(self, pages: np.ndarray) -> None:
+        """`free_device_pages` for L2."""
+        if self.config.debug_checks:
+            self.host_pool.poison(pages)
+        self.host_pool.allocator.free(pages)
+
     def debug_check(self) -> None:
         """`check_invariants` after an operation, when `debug_checks` asks for it."""
         if self.config.debug_checks:

@@ -278,7 +278,7 @@ class Tier3:
             self.metrics.l3_quarantined_ops += 1
             logger.error("rank %d: prefetch %d failed with I/O possibly in flight: its %d L2 pages were held "
                          "%.0f s before release: %s", s.rank, op.id, op.num_pages, op.hold_s, op.error)  # fmt: skip
-        s.host_pool.allocator.free(op.host_pages)
+        s.free_host_pages(op.host_pages)
         self.metrics.l3_prefetch_aborted += 1
         logger.warning("rank %d: prefetch %d of %d pages aborted, the request goes without it: %s",
                        s.rank, op.id, op.num_pages, op.error or "failed on another rank")  # fmt: skip
@@ -312,7 +312,7 @@ class Tier3:
             attached[reach - op.first_position :] = True
         self.hits.mark(op, attached, self.observer)
         if not attached.all():  # the cached head of a group, copies the tree has, a prefix evicted meanwhile
-            s.host_pool.allocator.free(op.host_pages[~attached])
+            s.free_host_pages(op.host_pages[~attached])
             self.metrics.l3_surplus_pages += int((~attached).sum())
         self.metrics.l3_prefetch_pages += op.num_pages
         if op.match is not None:
@@ -446,7 +446,7 @@ class Tier3:
         done = job.held[(self.held[job.held] == 0) & self.deferred[job.held]]
         if len(done):
             self.deferred[done] = False
-            s.host_pool.allocator.free(done)
+            s.free_host_pages(done)
         if job.future is None:
             return
         if job.yielded:
