@@ -10,6 +10,7 @@ full forward.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -113,6 +114,30 @@ def test_waits_on_another_requests_load_in_the_same_batch(model: hf_model.HfMode
     assert rc.l1_hit_pages == 6 and rc.waited_loads == 1  # C's device prefix is B's load
     assert rb.first_forward == rc.first_forward  # one forward
     assert result.integrity.checked_l2_units > 0
+    assert_outputs(model, result, {1: b, 2: c})
+    assert_clean(s, result)
+
+
+def test_a_request_scheduled_without_the_loader_still_waits_on_its_load(model: hf_model.HfModel, server: Any) -> None:
+    """B loads a prefix back from L2 and C's device prefix is that load; both are
+    admitted, and short-first runs C (a 3-token tail) alone, before B's long prefill.
+    C's forward waits on B's load per layer although B is not in it; the copies are
+    slow, so reading early would show."""
+    s = server()
+    x = prompt(4, 6)
+    s.serve(x)
+    evict_all_l1(s.cache)
+    b, c = np.concatenate([x, prompt(5, 5)]), np.concatenate([x, prompt(6, 0, tail=3)])
+
+    def slow_load(direction: Direction, part: Part, layer: int) -> None:
+        if direction is Direction.H2D:
+            time.sleep(0.05)
+
+    s.cache.engine.fault = slow_load  # type: ignore[attr-defined]
+    result = s.serve(b, c, first=1)
+    rb, rc = (next(r for r in result.records if r.request == i) for i in (1, 2))
+    assert rb.l2_hit_pages == 6 and rc.l1_hit_pages == 6 and rc.waited_loads == 1
+    assert rc.first_forward < rb.first_forward  # C's forward ran without B
     assert_outputs(model, result, {1: b, 2: c})
     assert_clean(s, result)
 
@@ -240,3 +265,4 @@ def test_short_first_gives_long_work_a_forward_after_a_streak(server: Any) -> No
     assert sched._short_first(batch) == batch
     assert sched._short_first(batch) == [(b, 3), (a, 9)]  # the streak starts over
     assert sched._short_first([(a, 9), (b, 3)]) == [(a, 9), (b, 3)]  # all short: the batch as built
+

@@ -382,6 +382,17 @@ FAULTS: list[Fault] = [
           "                        for op in fwd.loads:\n                            op.wait_layer(d, Model.DRAFT)\n",
           "                        pass\n",
           ("tests/test_sglang_radix.py",), "the MTP draft reads its layers before they are loaded"),
+    # ---- the real-model engine's scheduler
+    Fault("hf-shared-loads-not-waited", "hicache_cp/harness/engines/scheduler.py",
+          "            for op in [*seq.m.waits, *([seq.load] if seq.load is not None else [])]:\n",
+          "            for op in [*([seq.load] if seq.load is not None else [])]:\n",
+          ("tests/test_engine_hf_scenarios.py", "tests/test_engine_hf.py"),
+          "a request whose prefix another request is still loading reads it unwaited"),
+    Fault("hf-aborted-load-served", "hicache_cp/harness/engines/scheduler.py",
+          "            redo = seq.load is not None and seq.load.state is LoadState.ABORTED and seq.redo_load is None\n",
+          "            redo = False\n",
+          ("tests/test_engine_hf_scenarios.py", "tests/test_engine_hf.py"),
+          "a request whose load aborted is answered from the KV it never got"),
 ]
 
 
