@@ -198,7 +198,9 @@ def test_a_forked_child_neither_inherits_nor_breaks_the_arena(dontfork: bool) ->
         arena.close()
 
 
-def test_wait_ready_times_out_when_preparation_is_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def slow_arena(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[HostArena, threading.Event]]:
+    """An arena of 4 MiB whose preparation stops after the first MiB until the gate opens."""
     gate = threading.Event()
     original = HostArena._touch_slice
 
@@ -211,42 +213,32 @@ def test_wait_ready_times_out_when_preparation_is_slow(monkeypatch: pytest.Monke
     arena = HostArena(4 * MIB, pin=False, touch_threads=1, register_chunk_bytes=MIB, touch="write", name="slow")
     try:
         arena.wait_ready(MIB, timeout=10)  # the first chunk is not gated
-        with pytest.raises(TimeoutError, match="slow"):
-            arena.wait_ready(timeout=0.05)
-        assert arena.ready_bytes == MIB
+        yield arena, gate
     finally:
         gate.set()
         arena.close()
 
 
-def test_a_view_waits_for_the_bytes_it_covers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wait_ready_times_out_when_preparation_is_slow(slow_arena: tuple[HostArena, threading.Event]) -> None:
+    arena, _ = slow_arena
+    with pytest.raises(TimeoutError, match="slow"):
+        arena.wait_ready(timeout=0.05)
+    assert arena.ready_bytes == MIB
+
+
+def test_a_view_waits_for_the_bytes_it_covers(slow_arena: tuple[HostArena, threading.Event]) -> None:
     """A view is handed out only once its bytes are prepared (pinned: registered, so a
     DMA into it cannot fail); a view of what is ready already does not wait."""
-    gate = threading.Event()
-    original = HostArena._touch_slice
-
-    def slow_touch(self, lo, hi):  # type: ignore[no-untyped-def]
-        if lo >= MIB:
-            gate.wait(10)
-        return original(self, lo, hi)
-
-    monkeypatch.setattr(HostArena, "_touch_slice", slow_touch)
-    arena = HostArena(4 * MIB, pin=False, touch_threads=1, register_chunk_bytes=MIB, touch="write", name="slow")
+    arena, gate = slow_arena
+    assert len(arena.numpy(0, MIB)) == MIB  # ready: at once
     views: list[np.ndarray] = []
-    try:
-        arena.wait_ready(MIB, timeout=10)
-        assert len(arena.numpy(0, MIB)) == MIB  # ready: at once
-        waiter = threading.Thread(target=lambda: views.append(arena.numpy(0, 2 * MIB)))
-        waiter.start()
-        waiter.join(0.2)
-        assert waiter.is_alive() and not views  # the second MiB is still being prepared
-        gate.set()
-        waiter.join(10)
-        assert len(views[0]) == 2 * MIB and arena.ready_bytes >= 2 * MIB
-    finally:
-        gate.set()
-        del views
-        arena.close()
+    waiter = threading.Thread(target=lambda: views.append(arena.numpy(0, 2 * MIB)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not views  # the second MiB is still being prepared
+    gate.set()
+    waiter.join(10)
+    assert len(views[0]) == 2 * MIB and arena.ready_bytes >= 2 * MIB
 
 
 def test_close_is_idempotent_and_use_after_close_raises() -> None:
