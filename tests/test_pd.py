@@ -228,6 +228,39 @@ def test_byte_exact_all_parts(decode_peer, adapter, cp_size: int) -> None:
         pre.close()
 
 
+class _SubmitWatch:
+    """The adapter's TransferEngine, recording how many transfers to the peer are in
+    flight, the new batch included, as each engine batch is submitted."""
+
+    def __init__(self, engine, adapter) -> None:  # type: ignore[no-untyped-def]
+        self._engine, self._adapter = engine, adapter
+        self.in_flight: list[int] = []
+
+    def batch_transfer_async_write(self, peer, srcs, dsts, lens):  # type: ignore[no-untyped-def]
+        self.in_flight.append(self._adapter.in_flight(peer) + len(srcs))
+        return self._engine.batch_transfer_async_write(peer, srcs, dsts, lens)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._engine, name)
+
+
+@needs_mooncake
+@pytest.mark.mooncake
+def test_a_buffer_is_registered_once_with_one_size(adapter) -> None:
+    buf = np.zeros(8192, np.uint8)
+    ptr = buf.ctypes.data
+    adapter.register(ptr, 4096)
+    try:
+        adapter.register(ptr, 4096)  # again, the same: nothing to do
+        with pytest.raises(ValueError, match="already registered with 4096 bytes, not 8192"):
+            adapter.register(ptr, 8192)
+        assert adapter.registered[ptr] == 4096
+    finally:
+        adapter.unregister(ptr)
+    with pytest.raises(ValueError, match="not registered"):
+        adapter.unregister(ptr)
+
+
 @needs_mooncake
 @pytest.mark.mooncake
 def test_runs_coalesce_and_in_flight_cap(decode_peer, adapter) -> None:
@@ -252,13 +285,14 @@ def test_runs_coalesce_and_in_flight_cap(decode_peer, adapter) -> None:
         # Source-page gaps split runs too: pages reversed -> one descriptor per page.
         rev = s.plan(300, PageHomes(homes.positions, homes.tier, homes.pages[::-1].copy(), homes.prefix_hashes))
         assert rev.descriptors_per_part[Part.TARGET_KV] == 40 * 3
-        old = adapter.max_in_flight
-        adapter.max_in_flight = 7  # forces splitting into engine batches and early waits
+        old, engine = adapter.max_in_flight, adapter.engine
+        adapter.max_in_flight = 2  # forces splitting into engine batches and early waits
+        adapter.engine = watch = _SubmitWatch(engine, adapter)
         try:
             s.send(300, homes)
-            assert adapter.in_flight(room.peer) <= 7
         finally:
-            adapter.max_in_flight = old
+            adapter.max_in_flight, adapter.engine = old, engine
+        assert len(watch.in_flight) > 1 and max(watch.in_flight) <= 2
         res = s.finish(300)
         assert res.ok, res.failure
 
