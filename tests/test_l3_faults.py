@@ -211,7 +211,7 @@ def test_every_read_that_does_not_fill_its_pages_exactly_is_an_error_naming_its_
     client = _ClientAnswering([96, 95, int(StoreCode.INTERNAL_ERROR), int(StoreCode.TRANSFER_FAIL)], {"other-size": 48})
     errors = MooncakeStore(client, "double").get_each(keys, ptrs, sizes)
     assert errors[0] is None
-    assert [(e.key, e.details) for e in errors[1:2]] == [("short", {"expected_bytes": 96, "got_bytes": 95})]
+    assert (errors[1].key, errors[1].details) == ("short", {"expected_bytes": 96, "got_bytes": 95})
     assert errors[2].key == "failed" and errors[2].code == StoreCode.INTERNAL_ERROR
     assert errors[3].key == "other-size" and errors[3].details == {"expected_bytes": 96, "object_bytes": 48}
     with pytest.raises(L3Error, match="short read") as caught:  # `get` raises the first, naming its key
