@@ -9,9 +9,11 @@ against `integrity.content`.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -259,6 +261,35 @@ def test_a_buffer_is_registered_once_with_one_size(adapter) -> None:
         adapter.unregister(ptr)
     with pytest.raises(ValueError, match="not registered"):
         adapter.unregister(ptr)
+
+
+def _mapped(addr: int) -> bool:
+    """Whether `addr` lies in a mapping of this process."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+        if lo <= addr < hi:
+            return True
+    return False
+
+
+@needs_mooncake
+@pytest.mark.mooncake
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_registered_host_memory_stays_mapped_until_the_sender_closes(decode_peer, adapter) -> None:
+    """An interrupted run unwinds its cache, whose host pool unmaps its arenas,
+    before the sender is closed; the transfer engine reads registered memory by
+    address and may still be sending from it (a replay crashed with SIGSEGV
+    there). The arenas stay mapped until the sender has unregistered them."""
+    pre = Prefill(tiny_layout())
+    (s,) = pre.senders(decode_peer, adapter)
+    bases = [int(a.ptr) for a in pre.l2[0].arenas.values()]
+    pre.close()
+    assert all(_mapped(b) for b in bases), "a host arena was unmapped while registered"
+    s.close()
+    assert adapter.registered == {}
+    del pre, s
+    gc.collect()
+    assert not any(_mapped(b) for b in bases), "the host arenas outlived their pool and sender"
 
 
 @needs_mooncake

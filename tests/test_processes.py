@@ -28,6 +28,7 @@ import psutil
 import pytest
 
 from conftest import mooncake_store_available
+from hicache_cp.harness import lifetime
 
 ROOT = Path(__file__).resolve().parent.parent
 SHM = Path("/dev/shm")
@@ -103,6 +104,17 @@ def _alive(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
+def _wait_or_dump_stacks(parent: subprocess.Popen[bytes], err_path: Path) -> int:
+    """The exit code within DEADLINE_S; past it, fail with every thread's stack
+    (the CLI prints them on SIGUSR1) and the end of stderr."""
+    try:
+        return parent.wait(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        parent.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        pytest.fail(f"still running {DEADLINE_S} s after the signal; its stacks:\n{err_path.read_text()[-12000:]}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 @pytest.mark.parametrize("case", list(CASES))
@@ -146,7 +158,7 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
             os.killpg(parent.pid, sig)  # Ctrl-C: the terminal signals the whole foreground group
         else:
             os.kill(parent.pid, sig)
-        rc = parent.wait(timeout=DEADLINE_S)
+        rc = _wait_or_dump_stacks(parent, err_path)
         stderr = err_path.read_text(errors="replace")
         if sig == signal.SIGKILL:
             assert rc == -signal.SIGKILL
@@ -191,6 +203,26 @@ def test_early_sigint_exits_130_in_one_line(delay_s: float) -> None:
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     assert [line for line in err.splitlines() if "interrupted" in line], err
+
+
+def test_an_interrupt_python_drops_inside_a_finalizer_is_delivered_again() -> None:
+    """Python runs a signal handler inside finalizers too (`__del__`, a WeakSet's
+    callback) and drops what it raises there: the run went on with the Ctrl-C
+    spent, and took the next one for a Ctrl-C during its clean-up. The signal
+    is delivered again once the finalizer has returned."""
+
+    class Finalized:
+        def __del__(self) -> None:
+            signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the finalizer
+
+    hook = sys.unraisablehook
+    t0 = time.monotonic()
+    with pytest.raises(lifetime.Interrupted) as caught, lifetime.stop_on_signals():
+        Finalized()  # dropped at once
+        time.sleep(5.0)  # the signal delivered again cuts this short
+    assert caught.value.signum == signal.SIGINT
+    assert time.monotonic() - t0 < 4.0
+    assert sys.unraisablehook is hook
 
 
 # A fresh interpreter (multiprocessing's resource tracker not yet running)
@@ -254,7 +286,7 @@ def test_a_signal_while_the_decode_peer_starts_stops_it(sig: signal.Signals, tmp
             os.killpg(parent.pid, sig)
         else:
             os.kill(parent.pid, sig)
-        rc = parent.wait(timeout=DEADLINE_S)
+        rc = _wait_or_dump_stacks(parent, err_path)
         stderr = err_path.read_text(errors="replace")
         assert rc == 128 + sig, f"exit {rc}, stderr:\n{stderr[-2000:]}"
         assert "Traceback" not in stderr, stderr[-2000:]

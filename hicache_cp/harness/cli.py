@@ -12,14 +12,17 @@
 Each subcommand lives in its own module exposing `add_arguments(parser)`
 and `run(args) -> int`; modules are imported only when their command runs,
 so optional dependencies (CUDA, Mooncake) are needed only by their command.
+`kill -USR1 <pid>` prints every thread's stack to stderr (so does a crash).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import importlib
 import logging
+import signal
 import sys
 import traceback
 from typing import Any, NoReturn
@@ -74,6 +77,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; the one place that turns exceptions (and SIGINT/SIGTERM:
     130/143, children stopped, see `lifetime`) into exit codes."""
+    if argv is None:  # this process's own command line (tests pass argv and keep their own handlers)
+        _dump_stacks_on_crash_and_sigusr1()
     argv = sys.argv[1:] if argv is None else argv
     try:
         with lifetime.stop_on_signals():
@@ -83,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             print(f"hicache-cp: {exc or 'interrupted'}", file=sys.stderr)
         return code
+
+
+def _dump_stacks_on_crash_and_sigusr1() -> None:
+    """A crash (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to
+    stderr, and so does `kill -USR1 <pid>` on a run that looks stuck."""
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _main(argv: list[str]) -> int:

@@ -18,7 +18,8 @@ Every process the harness starts (CP ranks, L3 instances, the decode peer,
   ignore it) and leave the shutdown to the parent, which would otherwise wait
   on peers that died half-way through a protocol. The parent defers both
   signals while it starts children (a start cut short leaves a child reading
-  a truncated pickle), then unwinds.
+  a truncated pickle), then unwinds. A signal whose `Interrupted` Python drops
+  (raised inside a finalizer) is delivered again.
 
 Linux only (prctl); elsewhere the first two rules still hold.
 """
@@ -43,6 +44,8 @@ PR_SET_PDEATHSIG = 1
 #: How long a stopped child may take to exit after SIGTERM before SIGKILL.
 STOP_GRACE_S = 3.0
 _HANDLED = (signal.SIGINT, signal.SIGTERM)
+#: A signal Python dropped is sent again after this long (its finalizer has returned by then).
+_REDELIVER_AFTER_S = 0.01
 
 
 class Interrupted(BaseException):
@@ -78,13 +81,30 @@ def stop_on_signals() -> Iterator[None]:
             return
         raise Interrupted(signum)
 
+    def unraisable(info: Any) -> None:
+        """Python runs signal handlers inside finalizers and weakref callbacks
+        too, and drops what they raise: the run would go on with the signal
+        spent. Clear it and deliver it again, from a timer thread, once the
+        main thread has left the finalizer (and this hook)."""
+        exc = info.exc_value
+        if not isinstance(exc, Interrupted):
+            previous_hook(info)
+            return
+        logger.debug("%s dropped inside %r; delivering it again", exc, info.object)
+        fired.clear()
+        again = threading.Timer(_REDELIVER_AFTER_S, signal.pthread_kill, (threading.main_thread().ident, exc.signum))
+        again.daemon = True
+        again.start()
+
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield
         return
     old = {s: signal.signal(s, handler) for s in _HANDLED}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         for s, h in old.items():
             signal.signal(s, h)
 

@@ -68,6 +68,7 @@ from hicache_cp.pd.plan import L1, L2, PageHomes, TransferPlan, plan_transfer, t
 from hicache_cp.pd.registration import RegistrationDescriptor, RegistrationMismatch, check_compatible
 from hicache_cp.pd.result import RoomResult, dump_partition, partition_log, room_result
 from hicache_cp.pd.room import DEFAULT_DRAIN_S, DEFAULT_TIMEOUT_S, Room, RoomFailed, RoomState, RoomTable
+from hicache_cp.pools import DevicePool, HostPool
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ class PdSender:
     def __init__(
         self,
         layout: KVLayout,
-        device_pool: Any | None,
-        host_pool: Any | None,
+        device_pool: DevicePool | None,
+        host_pool: HostPool | None,
         *,
         decode_address: tuple[str, int],
         authkey: bytes,
@@ -119,6 +120,11 @@ class PdSender:
                 raise ValueError(f"{tier_name(tier)} pool has cp_size {pool.cp_size}, sender {cp_size}")
             self.sources[tier] = make(pool)
             self._pool_pages[tier] = pool.physical_pages
+        # The engine reads registered memory by address: hold each pool's buffers
+        # until `close` unregisters them, so that a pool closed first (an
+        # interrupted run unwinding) cannot unmap or free memory a transfer
+        # still reads (a HostArena unmaps once its last view is dropped).
+        self._held = [_buffers_of(pool) for pool in (device_pool, host_pool) if pool is not None]
         self._registered: list[int] = []
         for desc in self.sources.values():
             for base, nbytes in desc.regions():
@@ -533,9 +539,17 @@ class PdSender:
                 except (TransferError, ValueError) as exc:
                     logger.warning("unregister %#x failed: %s", base, exc)
         self._registered.clear()
+        self._held.clear()
 
     def __enter__(self) -> PdSender:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _buffers_of(pool: DevicePool | HostPool) -> list[object]:
+    """References that keep a pool's memory allocated and mapped: its L1 tensors, its L2 arenas' views."""
+    if isinstance(pool, HostPool):
+        return [pool.part_view(part) for part in pool.arenas]
+    return list(pool.buffers.values())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 from hicache_cp.cache import HiCache
@@ -55,9 +56,15 @@ def replay_rank(
     tpb = tokens_per_block(args, config)
     t0 = time.perf_counter()
     samples: list[dict[str, Any]] = []
-    with engine.open_cache(config, rank=rank, agreement=agreement, device=device) as cache:
+    with engine.open_cache(config, rank=rank, agreement=agreement, device=device) as cache, ExitStack() as stops:
+        # Stopped before the cache closes, on every path (an interrupt too): the
+        # sink's open rooms are aborted and drained while their pages still exist.
         sink = sink_factory(cache) if sink_factory is not None else None
+        if sink is not None:
+            stops.callback(sink.close)  # type: ignore[attr-defined]
         exporter = _start_metrics(args, cache, rank)
+        if exporter is not None:
+            stops.callback(exporter.stop)
         every = max(1, len(requests) // 200)
 
         def on_request(i: int) -> None:
@@ -69,11 +76,8 @@ def replay_rank(
         cache.drain()
         cache.check_invariants()
         stats = cache.stats()
-        if exporter is not None:
-            exporter.stop()
         if sink is not None:
             stats.update(sink.totals.as_dict())  # type: ignore[attr-defined]
-            sink.close()  # type: ignore[attr-defined]
     wall = time.perf_counter() - t0
     report = {k: stats[k] for k in REPORT_KEYS if k in stats}
     report.update({k: v for k, v in stats.items() if k.startswith("pd_")})
