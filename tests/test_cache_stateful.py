@@ -486,7 +486,9 @@ class Driver:
         self.check()
         for c in self.caches:
             assert c.in_flight() == ([], []), c.in_flight()
-        for _ in range(12):  # write_back: L1 eviction backs up first, evicts after commit, a level a round
+        # write_back: L1 eviction backs up first and evicts after the commit, a
+        # tree level a round (a tree may be deeper than any fixed count of rounds)
+        for _ in range(len(list(self.caches[0].tree.nodes())) + 4):
             self.ensure_free(10**6, 10**6)
             self.copies_land()
             self.poll()
@@ -911,6 +913,12 @@ def test_seeded_stress_write_back_exclusive(ranks: int) -> None:
     """write_back with l2_exclusive: evictions that wait for their backups
     (settle inside alloc, in lockstep on CP ranks) and loads that drop L2 copies."""
     stress(11, 800, ranks=ranks, manual=ranks == 2, policy=WritePolicy.WRITE_BACK, exclusive=True)
+
+
+def test_seeded_stress_deep_tree_drains_whole() -> None:
+    """A soak seed (write_back, two ranks) whose final eviction, a tree level a
+    round, takes 14 rounds: every page still comes back."""
+    stress(1197, 1500, ranks=2, manual=True, policy=WritePolicy.WRITE_BACK, exclusive=True)
 
 
 if __name__ == "__main__":
