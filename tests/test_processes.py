@@ -225,6 +225,32 @@ def test_an_interrupt_python_drops_inside_a_finalizer_is_delivered_again() -> No
     assert sys.unraisablehook is hook
 
 
+def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path: Path) -> None:
+    """`kill -USR1` on a run that looks stuck: every thread's Python stack on
+    stderr, and the run carries on (a Ctrl-C still ends it with 130)."""
+    err_path = tmp_path / "stderr.txt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "hicache_cp", "replay", "--trace", str(_trace(tmp_path / "long.jsonl")), "--no-verify"]
+    with err_path.open("wb") as err:
+        parent = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        while "req/s" not in err_path.read_text(errors="replace"):  # the replay's progress bar: work started
+            assert time.monotonic() < deadline and parent.poll() is None, err_path.read_text()[-2000:]
+            time.sleep(0.2)
+        parent.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        assert parent.poll() is None, "SIGUSR1 ended the run"
+        stacks = err_path.read_text(errors="replace")
+        assert "Current thread 0x" in stacks and "hicache_cp/harness/replay" in stacks, stacks[-3000:]
+        parent.send_signal(signal.SIGINT)
+        assert _wait_or_dump_stacks(parent, err_path) == 130
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+
+
 # A fresh interpreter (multiprocessing's resource tracker not yet running)
 # starts one spawned child through `start_processes`; the child reports the
 # signal mask it was born with, before `child_main` could change it.
