@@ -16,6 +16,8 @@ driver failure turns every part's ticket FAILED.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -307,4 +309,55 @@ def test_direct_op_whose_first_layer_fails_issues_nothing_after_it(cuda_pools, m
         with pytest.raises(CopyFailed, match="injected"):
             tickets[-1][0].make_compute_wait()
     finally:
+        engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("device_waits", [True, False])
+def test_a_layer_not_issued_yet_is_waited_for_on_the_gpu_not_the_host(cuda_pools, device_waits: bool) -> None:
+    """The issue worker is held before its first job: with device waits the forward's
+    `make_compute_wait` returns at once and the compute stream's next read still sees
+    the loaded bytes (it waited on the worker's counter on the GPU); without them the
+    host blocks until the worker issued the layer."""
+    layout, dev, host = cuda_pools
+    engine = make_engine("direct", dev, host, worker_above=0, device_waits=device_waits)
+    assert engine.device_waits is device_waits
+    held, entered = threading.Event(), threading.Event()
+    worker = engine._workers[1]  # H2D
+    issue = worker._issue
+
+    def held_issue(job) -> None:
+        entered.set()
+        assert held.wait(30)
+        issue(job)
+
+    worker._issue = held_issue
+    part = layout.parts[0]
+    layer = part.layer_ids[-1]
+    slot = part.slot(layer)
+    d_pages, h_pages = np.array([5, 9, 2]), np.array([7, 1, 3])
+    dbuf, hview = dev.buffer(part.part)[slot], host.torch_view(part.part)[slot]
+    hview.copy_(torch.randint(0, 256, hview.shape, dtype=torch.uint8))
+    dbuf.fill_(0xCD)
+    want = hview[h_pages].clone()
+    try:
+        [ticket] = engine.submit_layers(engine.plan(Direction.H2D, d_pages, h_pages), [((part.part,), layer)])[0]
+        assert entered.wait(10) and not ticket._job.issued
+        waiter = threading.Thread(target=ticket.make_compute_wait)
+        waiter.start()
+        waiter.join(2)
+        assert waiter.is_alive() is not device_waits  # returned at once only with device waits
+        if device_waits:
+            seen = dbuf[torch.from_numpy(d_pages).to(dbuf.device)].clone()  # queued behind the GPU-side wait
+            held.set()
+            torch.cuda.synchronize()
+            assert torch.equal(seen.cpu(), want)
+        else:
+            held.set()
+            waiter.join(10)
+            assert not waiter.is_alive()
+        assert ticket.query() is TicketState.DONE
+    finally:
+        held.set()
         engine.close()

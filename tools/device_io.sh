@@ -58,7 +58,7 @@ if want sglang; then
   step "SGLang's HiCache kernels against ours"
   if $PY -c "import tvm_ffi" 2>/dev/null || wheels .whl/apache_tvm_ffi-*.whl; then
     # shellcheck disable=SC2086
-    run io-vs-sglang-h200 "${SGLANG_TIMEOUT:-200}" $PY tools/io_vs_sglang.py --sglang-src .sglang_src \
+    run io-vs-sglang-h200 "${SGLANG_TIMEOUT:-200}" $PY tools/io_vs_sglang.py --sglang-src .sglang_src/sglang/kernels/jit \
       --json "$DEST/io-vs-sglang-h200.json" ${SGLANG_ARGS:-}
   else
     echo "apache-tvm-ffi missing (carry .whl)"; keep 1

@@ -3,7 +3,7 @@
 Run on a CUDA machine from the repository root, with SGLang's kernel sources
 extracted from its wheel (never committed) and apache-tvm-ffi importable:
 
-    python3 tools/io_vs_sglang.py --sglang-src .sglang_src --json bench/results/io-vs-sglang-h200.json
+    python3 tools/io_vs_sglang.py --sglang-src .sglang_src/sglang/kernels/jit --json bench/results/io-vs-sglang-h200.json
 
 `.sglang_src/` holds, from the sglang 0.5.23 wheel, `sglang/kernels/jit/include/`
 and `sglang/kernels/jit/csrc/kvcacheio/hicache.cuh`, `hicache_tma.cuh`.
@@ -208,6 +208,10 @@ class _AsEngine:
     def submit_layer(self, plan: Any, parts: tuple[Part, ...], layer: int) -> list[Any]:
         return [self.copier.submit(plan, layer)]
 
+    def submit_layers(self, plan: Any, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[Any]]:
+        """A load's every layer at once (bench-io's overlap test): one call per layer, as SGLang."""
+        return [self.submit_layer(plan, parts, layer) for parts, layer in jobs]
+
 
 def measure(gate: _Gate, engine: Any, n: int, pages: int, rng: np.random.Generator, layers: int) -> dict[str, float]:
     """GB/s and submit host time per layer, both directions, over `n` scattered pages."""
@@ -236,7 +240,8 @@ def measure(gate: _Gate, engine: Any, n: int, pages: int, rng: np.random.Generat
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sglang-src", type=Path, default=Path(".sglang_src"))
+    ap.add_argument("--sglang-src", type=Path, default=Path(".sglang_src/sglang/kernels/jit"),
+                    help="the wheel's sglang/kernels/jit folder (csrc/ and include/)")
     ap.add_argument("--build-dir", type=Path, default=Path("/tmp/sglang_jit"))
     ap.add_argument("--pages", type=int, default=1024, help="pages per layer")
     ap.add_argument("--layers", type=int, default=8)

@@ -33,16 +33,28 @@ which waits for the GPU; it was removed.
 Protocol of one job (the caller's side in `hicache_cp.io.dma`):
 
     caller:  record `order` on its current stream (compute so far), put the job
-             (the layers of an op submitted together: one `order`, one job each)
+             (the layers of an op submitted together: one `order`, one job each);
+             `put` numbers the worker's jobs 1, 2, 3, ... (`Job.seq`)
     worker:  copy stream waits on `order`; the chunks; record `done` on the copy
-             stream; then `issued` is set (or `error`, and `issued` is set too)
+             stream; write `seq` to the stream's progress counter (a uint64 in
+             device memory, `counter`) on the copy stream; then `issued` is set
+             (or `error`, and `issued` is set too; the counter is written anyway)
 
-A ticket of a job is PENDING until `issued`; `make_compute_wait` blocks the
-host until then (a load's layer is waited on only when the forward needs it,
-long after its job was put), then makes the current stream wait on `done`.
+A ticket of a job is PENDING until `issued`. Its `make_compute_wait` never
+waits for the worker on the host when the worker has a counter: the current
+stream waits on the GPU until the counter reaches the job's `seq`
+(`cuStreamWaitValue64`). Without a counter it blocks the host until
+`issued`, then the current stream waits on `done`. The host wait was the
+exposure of deep loads: a forward enqueued ahead of the GPU (as a server's
+is) with a load of 61 layers of 1024 scattered pages queued 62k descriptors;
+the driver blocks a call once its queue is full, so the worker waited for
+the GPU and the forward's host waited for the worker, and the GPU ran dry
+(0.69 of the load exposed at 160acc4, io-h200.json; `direct-hostwait` in
+bench-io keeps that path measurable).
 Jobs of one direction run in submission order; the caller sends a copy of a
 direction to the worker whenever that direction has jobs pending, so the
-copies of a stream keep the order they were submitted in.
+copies of a stream keep the order they were submitted in, and its counter
+only grows.
 
 Process: the prefill server's; one worker thread per engine and direction,
 started with the first job, stopped by `close()` (which waits for every job).
@@ -76,7 +88,7 @@ class Job:
     is put: a load puts a job per layer of the model at once, and an Event and
     a Lock per job were most of the caller's time per layer."""
 
-    __slots__ = ("stream", "order", "done", "desc", "leader", "issued", "error", "_cond", "_orphan", "_release")
+    __slots__ = ("stream", "order", "done", "desc", "leader", "issued", "error", "seq", "_cond", "_orphan", "_release")
 
     def __init__(
         self, stream: int, order: int | None, done: int, desc: Any, release: Any, leader: Job | None = None
@@ -90,6 +102,7 @@ class Job:
         self.leader = leader
         self.issued = False
         self.error: BaseException | None = None
+        self.seq = 0  # the worker's number for it (from 1), bound by `IssueWorker.put`
         self._cond: threading.Condition | None = None  # the worker's, from `IssueWorker.put`
         self._orphan = False
         self._release = release  # gives an event back to the engine's pool
@@ -117,9 +130,10 @@ class Job:
             else:
                 self._orphan = True
 
-    def bind(self, cond: threading.Condition) -> None:
-        """Put on a worker whose condition signals `issued`."""
+    def bind(self, cond: threading.Condition, seq: int) -> None:
+        """Put on a worker whose condition signals `issued`, as its job number `seq`."""
         self._cond = cond
+        self.seq = seq
 
     def finish(self, error: BaseException | None) -> None:
         """Issued (or failed); the worker holds `_cond`. `order` goes back to the
@@ -139,13 +153,14 @@ class IssueWorker:
     """Issues jobs of one copy stream on its own thread, in order (see the module docstring).
 
     `drv` is the process's `cudadrv.Driver` (tests pass a double with the same
-    four methods); `attrs`/`attr_idx` are the addresses of the batch's
-    attribute arrays.
+    methods); `attrs`/`attr_idx` are the addresses of the batch's attribute
+    arrays; `counter` is the device address of the stream's progress counter
+    (a uint64 that reads 0 before the first job; None: no counter).
     """
 
     def __init__(
         self, drv: Any, attrs: int, attr_idx: int, context: Any = None, name: str = "hicache-dma", chunk: int = CHUNK,
-        whole: int = WHOLE,
+        whole: int = WHOLE, counter: int | None = None,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 descriptor, got {chunk}")
@@ -156,6 +171,8 @@ class IssueWorker:
         self._context = context  # made current on the worker thread (None: leave it)
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._pending = 0  # jobs put and not yet finished
+        self._seq = 0  # the last job number given
+        self.counter = counter
         self._progress = threading.Condition()  # a job issued; `_pending` and every job's `issued` under it
         self._thread: threading.Thread | None = None
         self._name = name
@@ -166,16 +183,17 @@ class IssueWorker:
         return self._pending
 
     def put(self, *jobs: Job) -> None:
-        """Queue `jobs`, in order; O(len(jobs)), never blocks on the driver."""
-        with self._progress:
-            self._pending += len(jobs)
-        for job in jobs:
-            job.bind(self._progress)
+        """Queue `jobs`, in order; O(len(jobs)), never blocks on the driver. Numbers and
+        queues them under one lock, so the queue's order is the numbers' order."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        for job in jobs:
-            self._queue.put(job)
+        with self._progress:
+            self._pending += len(jobs)
+            for job in jobs:
+                self._seq += 1
+                job.bind(self._progress, self._seq)
+                self._queue.put(job)
 
     def drain(self) -> None:
         """Block until every job put so far is issued (or failed)."""
@@ -208,10 +226,22 @@ class IssueWorker:
                 except BaseException as exc:  # noqa: BLE001 - reported through the job's tickets
                     error = exc
                     logger.warning("DMA issue of %d descriptors failed: %s", job.desc.count if job.desc else -1, exc)
+            if self.counter is not None:
+                error = self._advance(job, error)
             with self._progress:
                 job.finish(error)
                 self._pending -= 1
                 self._progress.notify_all()
+
+    def _advance(self, job: Job, error: BaseException | None) -> BaseException | None:
+        """Write the job's number to the counter on its stream, failed jobs too: a forward
+        may wait for it on the GPU already (the failure reaches the op through the ticket)."""
+        try:
+            self.drv.stream_write_value(job.stream, self.counter, job.seq)
+        except BaseException as exc:  # noqa: BLE001
+            logger.error("DMA job %d: progress counter not written (%s); a stream waiting for it hangs", job.seq, exc)
+            return error or exc
+        return error
 
     def _issue(self, job: Job) -> None:
         drv, desc, stream = self.drv, job.desc, job.stream
