@@ -361,3 +361,41 @@ def test_a_layer_not_issued_yet_is_waited_for_on_the_gpu_not_the_host(cuda_pools
     finally:
         held.set()
         engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("worker_above", [None, 0], ids=["inline", "worker"])
+def test_the_parts_of_a_layer_make_a_stream_wait_once(cuda_pools, monkeypatch, worker_above: int | None) -> None:
+    """The parts of a layer copied together share one completion: the forward asks each
+    part's ticket to wait, the stream waits once (every wait is a driver call and GPU time),
+    and another stream still gets its own wait."""
+    layout, dev, host = cuda_pools
+    engine = make_engine("direct", dev, host, worker_above=worker_above)
+    layer, parts = next((layer, parts) for layer, parts in table_layers(layout) if len(parts) > 1)
+    calls: list[int] = []
+    drv = engine._drv
+    for name in ("stream_wait_event", "stream_wait_value"):
+        real = getattr(drv, name)
+        monkeypatch.setattr(drv, name, lambda stream, *a, real=real: (calls.append(stream), real(stream, *a))[1])
+    try:
+        held = threading.Event()
+        if worker_above is not None:  # keep the layer unissued: the counter wait path
+            issue = engine._workers[1]._issue
+            engine._workers[1]._issue = lambda job: (held.wait(30), issue(job))[1]
+        tickets = engine.submit_layers(engine.plan(Direction.H2D, np.array([3, 4]), np.array([5, 9])), [(parts, layer)])[0]
+        assert len(tickets) == len(parts) > 1
+        for t in tickets:
+            t.make_compute_wait()
+        assert len(calls) == 1
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            for t in tickets:
+                t.make_compute_wait()
+        assert len(calls) == 2 and calls[1] == side.cuda_stream
+        held.set()
+        torch.cuda.synchronize()
+        assert all(t.query() is TicketState.DONE for t in tickets)
+    finally:
+        held.set()
+        engine.close()

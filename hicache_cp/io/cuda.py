@@ -167,6 +167,7 @@ class CudaTicket(CopyTicket):
         self._event = event
         self._error = error
         self._done = sync is None and error is None
+        self._waiting: int | None = None  # the stream last made to wait on this copy (the parts of a layer share it)
 
     def query(self) -> TicketState:
         """Event query; O(1), never blocks, never raises for a failed copy."""
@@ -193,7 +194,9 @@ class CudaTicket(CopyTicket):
             raise CopyFailed(f"{self.describe()} failed: {self._error}") from self._error
 
     def make_compute_wait(self) -> None:
-        """The current stream waits on the copy's event; no host block.
+        """The current stream waits on the copy's event; no host block. Once per stream:
+        the other parts of the layer (`SharedTicket`) ask again, and a stream that
+        already waits keeps waiting.
 
         Raises CopyFailed for a copy already known to have failed (compute
         must not read a layer that never landed).
@@ -206,7 +209,10 @@ class CudaTicket(CopyTicket):
         assert sync is not None
         previous = sync.enter()
         try:
-            sync.drv.stream_wait_event(sync.current_stream(), self._event)
+            stream = sync.current_stream()
+            if stream != self._waiting:
+                sync.drv.stream_wait_event(stream, self._event)
+                self._waiting = stream
         finally:
             sync.leave(previous)
 

@@ -56,6 +56,7 @@ class DeferredTicket(CopyTicket):
         self._sync = sync
         self._job = job
         self._counter = counter  # the worker's progress counter (None: wait for `issued` on the host)
+        self._waiting: int | None = None  # the stream last made to wait on this layer (as `CudaTicket`'s)
         self._done = False
         self._error: BaseException | None = None
 
@@ -91,7 +92,7 @@ class DeferredTicket(CopyTicket):
         """The current stream waits for this layer. Not issued yet: on the GPU, until the
         worker's counter reaches the job (a failure issuing it still advances the counter
         and reaches the op through `query`); without a counter the host blocks until the
-        worker issued it. Issued: on its `done` event."""
+        worker issued it. Issued: on its `done` event. Once per stream, as `CudaTicket`."""
         job = self._job
         use_counter = self._counter is not None and not job.issued
         if not use_counter:
@@ -104,10 +105,14 @@ class DeferredTicket(CopyTicket):
         sync = self._sync
         previous = sync.enter()
         try:
+            stream = sync.current_stream()
+            if stream == self._waiting:
+                return
             if use_counter:
-                sync.drv.stream_wait_value(sync.current_stream(), self._counter, job.seq)
+                sync.drv.stream_wait_value(stream, self._counter, job.seq)
             else:
-                sync.drv.stream_wait_event(sync.current_stream(), job.done)
+                sync.drv.stream_wait_event(stream, job.done)
+            self._waiting = stream
         finally:
             sync.leave(previous)
 
