@@ -7,9 +7,7 @@ chunks of at most CHUNK, then `done` is recorded), jobs keep their order, a
 failing driver call fails that job only (its `issued` is set, the next job
 still runs), `order` goes back to the pool after the wait and `done` when the
 ticket is dropped (at once if issued, else after issue), `drain`/`close`
-wait for every job, a job of at most `whole` descriptors is one call, and
-with a progress counter every job, failed or not, writes its number to it
-after its own calls, in order.
+wait for every job, and a job of at most `whole` descriptors is one call.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ class RecordingDriver:
         self.gate = gate
         self.lock = threading.Lock()
         self.issued = 0  # descriptors issued
-        self.fail_write_at: int | None = None  # fail the counter writes to this address
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         if self.gate is not None:
@@ -56,12 +53,6 @@ class RecordingDriver:
     def event_record(self, event: int, stream: int) -> None:
         with self.lock:
             self.calls.append(("record", stream, event))
-
-    def stream_write_value(self, stream: int, address: int, value: int) -> None:
-        if address == self.fail_write_at:
-            raise RuntimeError("injected counter write failure")
-        with self.lock:
-            self.calls.append(("counter", stream, address, value))
 
 
 def _desc(n: int, base: int) -> LayerDescriptors:
@@ -108,10 +99,10 @@ def test_a_chunk_below_one_descriptor_is_refused() -> None:
         IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=0)
 
 
-@pytest.mark.parametrize(("n", "calls"), [(1, 1), (CHUNK + 1, 1), (WHOLE, 1), (WHOLE + 1, -(-(WHOLE + 1) // CHUNK))])
+@pytest.mark.parametrize(("n", "calls"), [(1, 1), (WHOLE, 1), (WHOLE + 1, -(-(WHOLE + 1) // CHUNK)), (1000, 8)])
 def test_a_job_up_to_whole_is_one_call_a_longer_one_goes_in_chunks(n: int, calls: int) -> None:
-    """The default sizes: one call for a layer of up to WHOLE descriptors (the copy
-    engines' best), calls of CHUNK beyond (the forward's launches wait behind a call)."""
+    """The default sizes: one call for a layer of up to WHOLE descriptors, calls of CHUNK
+    beyond (the forward's launches wait behind a call; `io.issue` says why WHOLE is CHUNK)."""
     drv = RecordingDriver()
     worker = IssueWorker(drv, attrs=1, attr_idx=2)
     worker.put(Job(7, 1, 2, _desc(n, 1000), lambda e: None))
@@ -233,46 +224,3 @@ def test_a_job_carries_its_order_or_names_a_leader() -> None:
         Job(1, 2, 4, _desc(1, 20), lambda e: None, leader)
     with pytest.raises(ValueError, match="not both"):
         Job(1, None, 4, _desc(1, 20), lambda e: None)
-
-
-def test_every_job_advances_the_counter_after_its_calls_failed_ones_too() -> None:
-    """A forward may already wait on the GPU for any job's number: each job, issued,
-    failed or skipped behind a failed leader, writes its number 1, 2, 3, ... to the
-    stream's counter after its own calls and before the next job's."""
-    drv = RecordingDriver(fail_at=5000)
-    worker = IssueWorker(drv, attrs=1, attr_idx=2, counter=0xC0)
-    ok = Job(3, 10, 20, _desc(2, 1000), lambda e: None)
-    leader = Job(3, 11, 21, _desc(4, 5000), lambda e: None)
-    follower = Job(3, None, 22, _desc(2, 6000), lambda e: None, leader)
-    last = Job(3, 12, 23, _desc(2, 7000), lambda e: None)
-    worker.put(ok, leader, follower)
-    worker.put(last)
-    worker.close()
-    assert [j.seq for j in (ok, leader, follower, last)] == [1, 2, 3, 4]
-    assert leader.error is not None and follower.error is not None and ok.error is None and last.error is None
-    counters = [c for c in drv.calls if c[0] == "counter"]
-    assert counters == [("counter", 3, 0xC0, n) for n in (1, 2, 3, 4)]
-    assert drv.calls.index(("record", 3, 20)) < drv.calls.index(counters[0]) < drv.calls.index(("wait", 3, 11))
-    assert drv.calls.index(counters[3]) == len(drv.calls) - 1  # after the last job's record
-
-
-def test_a_counter_that_cannot_be_written_fails_the_job_loudly(caplog: pytest.LogCaptureFixture) -> None:
-    """A stream waiting for that number would hang: the job fails (its op aborts) and an
-    ERROR names the job."""
-    drv = RecordingDriver()
-    drv.fail_write_at = 0xC0
-    worker = IssueWorker(drv, attrs=1, attr_idx=2, counter=0xC0)
-    job = Job(3, 10, 20, _desc(2, 1000), lambda e: None)
-    with caplog.at_level("ERROR", logger="hicache_cp.io.issue"):
-        worker.put(job)
-        worker.close()
-    assert job.issued and isinstance(job.error, RuntimeError) and "counter write" in str(job.error)
-    assert any(r.levelname == "ERROR" and "job 1" in r.getMessage() for r in caplog.records)
-
-
-def test_without_a_counter_nothing_is_written() -> None:
-    drv = RecordingDriver()
-    worker = IssueWorker(drv, attrs=1, attr_idx=2)
-    worker.put(Job(3, 10, 20, _desc(2, 1000), lambda e: None))
-    worker.close()
-    assert not any(c[0] == "counter" for c in drv.calls)

@@ -134,11 +134,6 @@ FAULTS: list[Fault] = [
     Fault("issue-follower-of-failed-leader-issued", "hicache_cp/io/issue.py",
           "            if leader is not None and leader.error is not None:", "            if False:",
           ("tests/test_io_issue.py",), "layers issued on a stream that may not have waited for compute"),
-    Fault("issue-counter-skipped-on-failure", "hicache_cp/io/issue.py", "            if self.counter is not None:\n",
-          "            if self.counter is not None and error is None:\n", ("tests/test_io_issue.py",),
-          "a failed job never advances the counter: a forward waiting for it on the GPU hangs"),
-    Fault("issue-jobs-share-a-number", "hicache_cp/io/issue.py", "                self._seq += 1\n", "                self._seq = 1\n",
-          ("tests/test_io_issue.py",), "every job writes 1: a forward's GPU wait for a later layer passes before it landed"),
     # ---- configuration
     Fault("env-below-toml", "hicache_cp/config.py", "        values.update(env_values)\n",
           "        values = {**env_values, **values}\n", ("tests/test_config_sources.py",),

@@ -34,10 +34,6 @@ SRC_ACCESS_ORDER_STREAM = 0x1
 MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
 #: sizeof(CUmemcpyAttributes): srcAccessOrder, two CUmemLocation, flags.
 MEMCPY_ATTRIBUTES_BYTES = 24
-#: cuStreamWaitValue64 flag: wait until (int64)(*addr - value) >= 0 (wrap-safe).
-STREAM_WAIT_VALUE_GEQ = 0x0
-#: cuStreamWriteValue64 flag: the write is fenced after the stream's prior work (system scope).
-STREAM_WRITE_VALUE_DEFAULT = 0x0
 
 _SUCCESS = 0
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
@@ -71,8 +67,6 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
 #: (dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, [failIdx,] stream): CUDA 13 dropped failIdx.
 _BATCH_13 = (c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t, c_void_p)
 _BATCH_12 = (c_void_p, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p, c_size_t, c_void_p, c_void_p)
-#: (stream, device address, value, flags): stream memory operations, optional (`has_stream_values`).
-_STREAM_VALUE = (c_void_p, c_uint64, c_uint64, c_uint)
 
 
 class Driver:
@@ -119,9 +113,6 @@ class Driver:
             self._batch, self.batch_abi = proc("cuMemcpyBatchAsync", _BATCH_12, 12080), 12
         if self._batch is None:
             self.batch_abi = 0
-        # Stream memory operations (64-bit since CUDA 12 on every GPU that has them).
-        self._wait_value = proc("cuStreamWaitValue64", _STREAM_VALUE, api)
-        self._write_value = proc("cuStreamWriteValue64", _STREAM_VALUE, api)
         self._fail_idx = np.zeros(1, dtype=np.uint64)
         # The hot path calls these directly (one Python call less each).
         fn = self._fn
@@ -189,25 +180,6 @@ class Driver:
         code = self._wait(stream, event, 0)
         if code:
             raise self.error("cuStreamWaitEvent", code)
-
-    @property
-    def has_stream_values(self) -> bool:
-        """Whether `stream_wait_value` / `stream_write_value` are available."""
-        return self._wait_value is not None and self._write_value is not None
-
-    def stream_wait_value(self, stream: int, address: int, value: int) -> None:
-        """`stream` waits, on the GPU, until the uint64 at device `address` is >= `value`
-        (wrap-safe); the host does not block."""
-        code = self._wait_value(stream, address, value, STREAM_WAIT_VALUE_GEQ)
-        if code:
-            raise self.error("cuStreamWaitValue64", code)
-
-    def stream_write_value(self, stream: int, address: int, value: int) -> None:
-        """Write `value` to the uint64 at device `address` once `stream`'s prior work is done
-        (fenced: that work's writes are visible first)."""
-        code = self._write_value(stream, address, value, STREAM_WRITE_VALUE_DEFAULT)
-        if code:
-            raise self.error("cuStreamWriteValue64", code)
 
     # -- copies and launches ------------------------------------------------------------------
 

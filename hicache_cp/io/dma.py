@@ -12,9 +12,7 @@ allocators make, milliseconds for thousands of scattered pages. The
 
 A layer of more than `WORKER_ABOVE` descriptors is issued by a worker
 thread (`io.issue`, which says what its driver-call size trades), so the
-caller pays for two event calls, not for the descriptors. The forward waits
-for such a layer on the GPU, on the worker's progress counter, never on the
-host for the worker (`device_waits`; `io.issue` says why).
+caller pays for two event calls, not for the descriptors.
 
 `staging` gathers scattered device pages into a bounded device buffer with
 torch and moves each run of consecutive host pages with one DMA.
@@ -49,13 +47,10 @@ class DeferredTicket(CopyTicket):
     """Ticket of a layer issued by an `IssueWorker`: PENDING until the worker has
     issued it, then its `done` event's state (see `hicache_cp.io.issue`)."""
 
-    def __init__(
-        self, direction: Direction, part: Part, layer: int, nbytes: int, sync: EngineSync, job: Job, counter: int | None
-    ) -> None:
+    def __init__(self, direction: Direction, part: Part, layer: int, nbytes: int, sync: EngineSync, job: Job) -> None:
         super().__init__(direction, part, layer, nbytes)
         self._sync = sync
         self._job = job
-        self._counter = counter  # the worker's progress counter (None: wait for `issued` on the host)
         self._waiting: int | None = None  # the stream last made to wait on this layer (as `CudaTicket`'s)
         self._done = False
         self._error: BaseException | None = None
@@ -89,14 +84,11 @@ class DeferredTicket(CopyTicket):
             raise CopyFailed(f"{self.describe()} failed: {error}") from error
 
     def make_compute_wait(self) -> None:
-        """The current stream waits for this layer. Not issued yet: on the GPU, until the
-        worker's counter reaches the job (a failure issuing it still advances the counter
-        and reaches the op through `query`); without a counter the host blocks until the
-        worker issued it. Issued: on its `done` event. Once per stream, as `CudaTicket`."""
+        """Blocks the host until the worker issued this layer (loads are issued long
+        before the forward needs them), then the current stream waits on it, once per
+        stream (as `CudaTicket`)."""
         job = self._job
-        use_counter = self._counter is not None and not job.issued
-        if not use_counter:
-            job.wait_issued()
+        job.wait_issued()
         error = self._error or job.error
         if error is not None:
             raise CopyFailed(f"{self.describe()} failed: {error}") from error
@@ -106,13 +98,9 @@ class DeferredTicket(CopyTicket):
         previous = sync.enter()
         try:
             stream = sync.current_stream()
-            if stream == self._waiting:
-                return
-            if use_counter:
-                sync.drv.stream_wait_value(stream, self._counter, job.seq)
-            else:
+            if stream != self._waiting:
                 sync.drv.stream_wait_event(stream, job.done)
-            self._waiting = stream
+                self._waiting = stream
         finally:
             sync.leave(previous)
 
@@ -138,10 +126,7 @@ class DirectCopyEngine(CudaCopyEngine):
     layer of more than `worker_above` descriptors is issued by a worker
     thread (`io.issue`; None: always on the caller's thread): a layer of at
     most `whole` descriptors in one driver call, a longer one in calls of
-    `chunk` (`load_chunk` for loads, when given); `device_waits` (default
-    True, where the driver has stream memory operations) makes the forward
-    wait for a layer the worker has not issued yet on the GPU instead of the
-    host. Planned ops
+    `chunk` (`load_chunk` for loads, when given). Planned ops
     (`plan` + `submit_layer`, the cache's path) sort once and reuse one
     descriptor table for every layer: both parts of a layer in one call.
     """
@@ -151,7 +136,7 @@ class DirectCopyEngine(CudaCopyEngine):
     def __init__(
         self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
         overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
-        load_chunk: int | None = None, whole: int = WHOLE, device_waits: bool = True,
+        load_chunk: int | None = None, whole: int = WHOLE,
     ) -> None:
         super().__init__(device_pool, host_pool)
         if order not in ("given", "device"):
@@ -165,18 +150,11 @@ class DirectCopyEngine(CudaCopyEngine):
         self.worker_above = worker_above if self._issuer.batch else None
         context = self._sync.context
         self.chunks = {Direction.D2H: chunk, Direction.H2D: chunk if load_chunk is None else load_chunk}
-        self.device_waits = device_waits and self.worker_above is not None and self._drv.has_stream_values
-        # One progress counter per copy stream (`io.issue`), zeroed before any stream can write it.
-        self._counters: torch.Tensor | None = None
-        if self.device_waits:
-            self._counters = torch.zeros(len(Direction), dtype=torch.int64, device=self.device)
-            torch.cuda.synchronize(self.device)
-        counters = [None if self._counters is None else self._counters.data_ptr() + 8 * i for i in range(len(Direction))]
         self._workers = tuple(
             IssueWorker(self._drv, self._issuer.attrs_ptr, self._issuer.attr_idx_ptr,
                         lambda: self._drv.set_context(context), name=f"hicache-dma-{d.value}",
-                        chunk=self.chunks[d], whole=whole, counter=counters[i])
-            for i, d in enumerate((Direction.D2H, Direction.H2D))
+                        chunk=self.chunks[d], whole=whole)
+            for d in (Direction.D2H, Direction.H2D)
         )
         #: Layer submissions handed to the issue workers (benchmarks read it).
         self.counts = {"deferred": 0}
@@ -222,7 +200,6 @@ class DirectCopyEngine(CudaCopyEngine):
         n, sync = plan.num_pages, self._sync
         nbytes = {id(p): n * self._info[id(p)].page_bytes for parts, _ in jobs for p in parts}
         handle = self._handle[0 if plan.direction is Direction.D2H else 1]
-        counter = self._worker(plan).counter
         out: list[list[CopyTicket | None]] = []
         queued: list[Job] = []
         previous = sync.enter()
@@ -238,7 +215,7 @@ class DirectCopyEngine(CudaCopyEngine):
                 own_order = order if leader is None else None
                 job = Job(handle, own_order, sync.event(), plan.prepared.get(parts, layer), sync.give_back, leader)
                 queued.append(job)
-                primary = DeferredTicket(plan.direction, parts[0], layer, nbytes[id(parts[0])], sync, job, counter)
+                primary = DeferredTicket(plan.direction, parts[0], layer, nbytes[id(parts[0])], sync, job)
                 out.append([primary, *(SharedTicket(primary, p, nbytes[id(p)]) for p in parts[1:])])
         finally:
             sync.leave(previous)
@@ -258,9 +235,6 @@ class DirectCopyEngine(CudaCopyEngine):
         for worker in self._workers:
             worker.close()
         super().close()
-        if self._counters is not None:  # a forward may not have passed its wait on them yet
-            torch.cuda.synchronize(self.device)
-            self._counters = None
 
     def _prepare_backend(self, plan: CopyPlan) -> None:
         """Sort by device page (`order`), then tabulate every layer's descriptors (`io.plans`)."""

@@ -24,37 +24,37 @@ a layer, 8 calls a layer, lost 0.75-0.90 of the copy time (its launches
 behind 450 us calls) and the caller's median submit was 400-440 us; with
 calls of 128 the same forward lost 0.051-0.069 and the median submit was
 69-122 us (calls of 256: 0.59 of that load exposed; of 64: 0.89 of the
-bidirectional peak). So a layer of up to 1024 descriptors is one call and a
-longer one goes in calls of 128. A bound on the descriptors issued and not
-yet copied (io-h200-window-6ec355a.json) fixed the 8192-page loads but left
-0.52 of a 1024-page load exposed: the forward's host waits for the worker,
-which waits for the GPU; it was removed.
+bidirectional peak). A layer of up to 1024 descriptors was one call until
+bench-io moved to DeepSeek-V3.2's 61 layers: a load of 61 layers of 1024
+scattered pages queues 62k descriptors ahead of a forward enqueued ahead of
+the GPU, the driver holds a call whose copy queue is full until the GPU
+drains it, and a call of 1024 held so keeps the forward's launches out that
+long. At fef0df1 (io-h200-fef0df1.json, 1024 scattered pages, one run):
+calls of 1024 left 0.47 of the load exposed (host enqueue 442 ms against
+the 400 ms gate), calls of 128 0.025 (backups 0.032 and 0.055), at 0.95 /
+0.96 of the link against 0.97 / 0.99. So every layer goes in calls of 128.
+A bound on the descriptors issued and not yet copied
+(io-h200-window-6ec355a.json) fixed the 8192-page loads but left 0.52 of a
+1024-page load exposed: the forward's host waits for the worker, which waits
+for the GPU; it was removed. Waiting for an unissued layer on the GPU instead
+(`cuStreamWaitValue64` on a counter the worker advances, tried at fef0df1)
+left 0.47 exposed as well, and deadlocked: a synchronous copy to the host on
+the scheduler thread held the driver while its stream waited for the worker,
+whose next call waited for the driver.
 
 Protocol of one job (the caller's side in `hicache_cp.io.dma`):
 
     caller:  record `order` on its current stream (compute so far), put the job
-             (the layers of an op submitted together: one `order`, one job each);
-             `put` numbers the worker's jobs 1, 2, 3, ... (`Job.seq`)
+             (the layers of an op submitted together: one `order`, one job each)
     worker:  copy stream waits on `order`; the chunks; record `done` on the copy
-             stream; write `seq` to the stream's progress counter (a uint64 in
-             device memory, `counter`) on the copy stream; then `issued` is set
-             (or `error`, and `issued` is set too; the counter is written anyway)
+             stream; then `issued` is set (or `error`, and `issued` is set too)
 
-A ticket of a job is PENDING until `issued`. Its `make_compute_wait` never
-waits for the worker on the host when the worker has a counter: the current
-stream waits on the GPU until the counter reaches the job's `seq`
-(`cuStreamWaitValue64`). Without a counter it blocks the host until
-`issued`, then the current stream waits on `done`. The host wait was the
-exposure of deep loads: a forward enqueued ahead of the GPU (as a server's
-is) with a load of 61 layers of 1024 scattered pages queued 62k descriptors;
-the driver blocks a call once its queue is full, so the worker waited for
-the GPU and the forward's host waited for the worker, and the GPU ran dry
-(0.69 of the load exposed at 160acc4, io-h200.json; `direct-hostwait` in
-bench-io keeps that path measurable).
+A ticket of a job is PENDING until `issued`; `make_compute_wait` blocks the
+host until then (a load's layer is waited on only when the forward needs it,
+long after its job was put), then makes the current stream wait on `done`.
 Jobs of one direction run in submission order; the caller sends a copy of a
 direction to the worker whenever that direction has jobs pending, so the
-copies of a stream keep the order they were submitted in, and its counter
-only grows.
+copies of a stream keep the order they were submitted in.
 
 Process: the prefill server's; one worker thread per engine and direction,
 started with the first job, stopped by `close()` (which waits for every job).
@@ -71,8 +71,9 @@ logger = logging.getLogger(__name__)
 
 #: Descriptors per driver call on the worker (about half a microsecond each; see above).
 CHUNK = 128
-#: A job of at most this many descriptors is one driver call (see above).
-WHOLE = 1024
+#: A job of at most this many descriptors is one driver call (see above): every layer goes
+#: in calls of CHUNK by default; bench-io's `direct-chunk1024` measures one call up to 1024.
+WHOLE = CHUNK
 _U64_BYTES = 8
 
 
@@ -88,7 +89,7 @@ class Job:
     is put: a load puts a job per layer of the model at once, and an Event and
     a Lock per job were most of the caller's time per layer."""
 
-    __slots__ = ("stream", "order", "done", "desc", "leader", "issued", "error", "seq", "_cond", "_orphan", "_release")
+    __slots__ = ("stream", "order", "done", "desc", "leader", "issued", "error", "_cond", "_orphan", "_release")
 
     def __init__(
         self, stream: int, order: int | None, done: int, desc: Any, release: Any, leader: Job | None = None
@@ -102,7 +103,6 @@ class Job:
         self.leader = leader
         self.issued = False
         self.error: BaseException | None = None
-        self.seq = 0  # the worker's number for it (from 1), bound by `IssueWorker.put`
         self._cond: threading.Condition | None = None  # the worker's, from `IssueWorker.put`
         self._orphan = False
         self._release = release  # gives an event back to the engine's pool
@@ -130,10 +130,9 @@ class Job:
             else:
                 self._orphan = True
 
-    def bind(self, cond: threading.Condition, seq: int) -> None:
-        """Put on a worker whose condition signals `issued`, as its job number `seq`."""
+    def bind(self, cond: threading.Condition) -> None:
+        """Put on a worker whose condition signals `issued`."""
         self._cond = cond
-        self.seq = seq
 
     def finish(self, error: BaseException | None) -> None:
         """Issued (or failed); the worker holds `_cond`. `order` goes back to the
@@ -153,14 +152,13 @@ class IssueWorker:
     """Issues jobs of one copy stream on its own thread, in order (see the module docstring).
 
     `drv` is the process's `cudadrv.Driver` (tests pass a double with the same
-    methods); `attrs`/`attr_idx` are the addresses of the batch's attribute
-    arrays; `counter` is the device address of the stream's progress counter
-    (a uint64 that reads 0 before the first job; None: no counter).
+    four methods); `attrs`/`attr_idx` are the addresses of the batch's
+    attribute arrays.
     """
 
     def __init__(
         self, drv: Any, attrs: int, attr_idx: int, context: Any = None, name: str = "hicache-dma", chunk: int = CHUNK,
-        whole: int = WHOLE, counter: int | None = None,
+        whole: int = WHOLE,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 descriptor, got {chunk}")
@@ -171,8 +169,6 @@ class IssueWorker:
         self._context = context  # made current on the worker thread (None: leave it)
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._pending = 0  # jobs put and not yet finished
-        self._seq = 0  # the last job number given
-        self.counter = counter
         self._progress = threading.Condition()  # a job issued; `_pending` and every job's `issued` under it
         self._thread: threading.Thread | None = None
         self._name = name
@@ -183,17 +179,16 @@ class IssueWorker:
         return self._pending
 
     def put(self, *jobs: Job) -> None:
-        """Queue `jobs`, in order; O(len(jobs)), never blocks on the driver. Numbers and
-        queues them under one lock, so the queue's order is the numbers' order."""
+        """Queue `jobs`, in order; O(len(jobs)), never blocks on the driver."""
+        with self._progress:
+            self._pending += len(jobs)
+        for job in jobs:
+            job.bind(self._progress)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
-        with self._progress:
-            self._pending += len(jobs)
-            for job in jobs:
-                self._seq += 1
-                job.bind(self._progress, self._seq)
-                self._queue.put(job)
+        for job in jobs:
+            self._queue.put(job)
 
     def drain(self) -> None:
         """Block until every job put so far is issued (or failed)."""
@@ -226,22 +221,10 @@ class IssueWorker:
                 except BaseException as exc:  # noqa: BLE001 - reported through the job's tickets
                     error = exc
                     logger.warning("DMA issue of %d descriptors failed: %s", job.desc.count if job.desc else -1, exc)
-            if self.counter is not None:
-                error = self._advance(job, error)
             with self._progress:
                 job.finish(error)
                 self._pending -= 1
                 self._progress.notify_all()
-
-    def _advance(self, job: Job, error: BaseException | None) -> BaseException | None:
-        """Write the job's number to the counter on its stream, failed jobs too: a forward
-        may wait for it on the GPU already (the failure reaches the op through the ticket)."""
-        try:
-            self.drv.stream_write_value(job.stream, self.counter, job.seq)
-        except BaseException as exc:  # noqa: BLE001
-            logger.error("DMA job %d: progress counter not written (%s); a stream waiting for it hangs", job.seq, exc)
-            return error or exc
-        return error
 
     def _issue(self, job: Job) -> None:
         drv, desc, stream = self.drv, job.desc, job.stream

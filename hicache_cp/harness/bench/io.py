@@ -50,9 +50,7 @@ Variants: the backends with their defaults (`direct`, the default on CUDA,
 `kernel-tma` (the kernel's other modes), `kernel-tma-4sm`/`-8sm` (SGLang's
 CTA counts), `direct-given` (DMA runs in the caller's order, not sorted by
 device page), `direct-inline` (every descriptor issued on the caller's
-thread, no issue worker), `direct-hostwait` (the forward's host waits
-for the issue worker before each layer, no device-side waits),
-`direct-overlap-hint` (the driver's
+thread, no issue worker), `direct-overlap-hint` (the driver's
 prefer-overlap-with-compute flag). Exposure is measured for every variant
 and every grid cap of the kernel sweep at `--overlap-pages`, and for the
 default at each `--exposure-pages`, scattered and in runs (`exposure`).
@@ -98,8 +96,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "direct-given": ("direct", {"order": "given"}),
     "direct-overlap-hint": ("direct", {"overlap_hint": True}),
     "direct-inline": ("direct", {"worker_above": None}),
-    # The forward's host waits for the issue worker before each layer (as before device waits).
-    "direct-hostwait": ("direct", {"device_waits": False}),
     # The issue worker's driver calls: fewer, larger calls cost the GPU less per
     # descriptor but hold the driver (which serialises a context's calls) longer.
     # `direct` issues a layer of up to 1024 descriptors in one call, a longer one in calls of 128.
@@ -113,7 +109,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "direct-load128": ("direct", {"chunk": 1024, "load_chunk": 128, "whole": 128}),
     "direct-256-load64": ("direct", {"chunk": 256, "load_chunk": 64, "whole": 64}),
 }
-BACKENDS = ("direct", "direct-hostwait", "direct-chunk128", "direct-chunk1024", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
+BACKENDS = ("direct", "direct-chunk128", "direct-chunk1024", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
 TARGETS = {
     "scattered_ratio_1024plus": 0.90, "scattered_ratio_64": 0.85, "runs_ratio_1024plus": 0.93, "runs_ratio_64": 0.90,
     "bidir_ratio": 0.90, "exposed_load_fraction": 0.05, "exposed_backup_fraction": 0.10,
@@ -633,7 +629,7 @@ def _make(label: str, dev: Any, host: Any) -> CopyEngine:
 
 def _describe(engine: CopyEngine) -> dict[str, Any]:
     """What ran: the backend and its options (batched DMA, kernel mode, grid, DMA-routed copies)."""
-    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "worker_above", "device_waits", "chunks", "counts")
+    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "worker_above", "chunks", "counts")
     def plain(value: Any) -> Any:  # enum keys (chunks by Direction) as their values
         return {getattr(k, "value", k): v for k, v in value.items()} if isinstance(value, dict) else value
 
