@@ -7,8 +7,8 @@ microsecond issued inline from the scheduler thread between launches (a layer
 of 1024 scattered pages: 0.8-1.0 ms). On the scheduler thread that time
 delays the forward's next launches. An `IssueWorker` takes such a layer's
 descriptors and issues them on its own thread, in order: a job of at most
-`whole` descriptors (default `WHOLE`) in one driver call, a longer one in
-calls of `chunk` (default `CHUNK`).
+`whole` descriptors (`WHOLE` for backups, `LOAD_WHOLE` for loads) in one
+driver call, a longer one in calls of `chunk` (default `CHUNK`).
 
 The sizes are a trade measured on the H200 (bench-io's exposure rows per
 variant, bench/results/io-h200-chunks-9ad6efb.json and io-h200.json at
@@ -31,8 +31,12 @@ the GPU, the driver holds a call whose copy queue is full until the GPU
 drains it, and a call of 1024 held so keeps the forward's launches out that
 long. At fef0df1 (io-h200-fef0df1.json, 1024 scattered pages, one run):
 calls of 1024 left 0.47 of the load exposed (host enqueue 442 ms against
-the 400 ms gate), calls of 128 0.025 (backups 0.032 and 0.055), at 0.95 /
-0.96 of the link against 0.97 / 0.99. So every layer goes in calls of 128.
+the 400 ms gate), calls of 128 0.025, at 0.95 / 0.96 of the link against
+0.97 / 0.99. Backups want the long calls (the forward does not wait for
+them): 1024 scattered pages, calls of 1024 against 128, exposed 0.032 /
+0.055 (fef0df1), 0.085 / 0.105 (4518922), 0.024 / 0.064 (160acc4). So a
+load's layer goes in calls of 128 (`LOAD_WHOLE`), a backup's layer of up to
+1024 descriptors in one call (`WHOLE`) and a longer one in calls of 128.
 A bound on the descriptors issued and not yet copied
 (io-h200-window-6ec355a.json) fixed the 8192-page loads but left 0.52 of a
 1024-page load exposed: the forward's host waits for the worker, which waits
@@ -71,9 +75,11 @@ logger = logging.getLogger(__name__)
 
 #: Descriptors per driver call on the worker (about half a microsecond each; see above).
 CHUNK = 128
-#: A job of at most this many descriptors is one driver call (see above): every layer goes
-#: in calls of CHUNK by default; bench-io's `direct-chunk1024` measures one call up to 1024.
-WHOLE = CHUNK
+#: A backup's layer of at most this many descriptors is one driver call (see above).
+WHOLE = 1024
+#: A load's layer of at most this many descriptors is one driver call: every load's layer
+#: goes in calls of CHUNK (the forward waits for loads; see above).
+LOAD_WHOLE = CHUNK
 _U64_BYTES = 8
 
 
