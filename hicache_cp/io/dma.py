@@ -162,12 +162,13 @@ class DirectCopyEngine(CudaCopyEngine):
         self.counts = {"deferred": 0}
 
     def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
-        """A layer of more than `worker_above` descriptors (or any while that direction's
-        worker has jobs pending: stream order) is issued by the direction's `IssueWorker`;
-        the caller pays for two event calls. Others are issued here (`CudaCopyEngine`)."""
+        """A layer of more than `worker_above` descriptors (runs x parts; or any while that
+        direction's worker has jobs pending: stream order) is issued by the direction's
+        `IssueWorker`; the caller pays for two event calls. Others are issued here
+        (`CudaCopyEngine`)."""
         if not plan.num_pages or self.worker_above is None:
             return super().submit_layer(plan, parts, layer)
-        if plan.prepared.get(parts, layer).count <= self.worker_above and not self._worker(plan).pending:
+        if len(plan.prepared.runs) * len(parts) <= self.worker_above and not self._worker(plan).pending:
             return super().submit_layer(plan, parts, layer)
         return self._defer(plan, [(parts, layer)])[0]
 
