@@ -127,9 +127,9 @@ class DirectCopyEngine(CudaCopyEngine):
     thread (`io.issue`; None: always on the caller's thread): a layer of at
     most `whole` descriptors (`load_whole` for loads) in one driver call, a
     longer one in calls of `chunk` (`load_chunk` for loads, when given).
-    Planned ops
-    (`plan` + `submit_layer`, the cache's path) sort once and reuse one
-    descriptor table for every layer: both parts of a layer in one call.
+    Planned ops (`plan` + `submit_layer`, the cache's path) sort once and
+    reuse one descriptor table for every layer: both parts of a layer in one
+    call.
     """
 
     name = "direct"
