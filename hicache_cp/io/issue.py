@@ -34,7 +34,8 @@ calls of 1024 left 0.47 of the load exposed (host enqueue 442 ms against
 the 400 ms gate), calls of 128 0.025, at 0.95 / 0.96 of the link against
 0.97 / 0.99. Backups want the long calls (the forward does not wait for
 them): 1024 scattered pages, calls of 1024 against 128, exposed 0.032 /
-0.055 (fef0df1), 0.085 / 0.105 (4518922), 0.024 / 0.064 (160acc4). So a
+0.055 (fef0df1), 0.085 / 0.105 (4518922), 0.024 and 0.060 / 0.064 (160acc4,
+two variants issuing the same calls at that size). So a
 load's layer goes in calls of 128 (`LOAD_WHOLE`), a backup's layer of up to
 1024 descriptors in one call (`WHOLE`) and a longer one in calls of 128.
 A bound on the descriptors issued and not yet copied
