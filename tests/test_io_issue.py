@@ -99,10 +99,10 @@ def test_a_chunk_below_one_descriptor_is_refused() -> None:
         IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=0)
 
 
-@pytest.mark.parametrize(("n", "calls"), [(1, 1), (CHUNK + 1, 1), (WHOLE, 1), (WHOLE + 1, -(-(WHOLE + 1) // CHUNK))])
+@pytest.mark.parametrize(("n", "calls"), [(1, 1), (WHOLE, 1), (WHOLE + 1, -(-(WHOLE + 1) // CHUNK)), (1000, 8)])
 def test_a_job_up_to_whole_is_one_call_a_longer_one_goes_in_chunks(n: int, calls: int) -> None:
-    """The default sizes (a backup's): one call for a layer of up to WHOLE descriptors (the
-    copy engines' best), calls of CHUNK beyond (the forward's launches wait behind a call)."""
+    """The default sizes: one call for a layer of up to WHOLE descriptors, calls of CHUNK
+    beyond (the forward's launches wait behind a call; `io.issue` says why WHOLE is CHUNK)."""
     drv = RecordingDriver()
     worker = IssueWorker(drv, attrs=1, attr_idx=2)
     worker.put(Job(7, 1, 2, _desc(n, 1000), lambda e: None))

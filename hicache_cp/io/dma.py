@@ -29,7 +29,7 @@ import torch
 from hicache_cp.io.base import CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, EngineSync, PartInfo, SharedTicket
 from hicache_cp.io.cudadrv import MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE, DmaIssuer
-from hicache_cp.io.issue import CHUNK, LOAD_WHOLE, WHOLE, IssueWorker, Job
+from hicache_cp.io.issue import CHUNK, WHOLE, IssueWorker, Job
 from hicache_cp.layout import Part
 from hicache_cp.io.runs import runs_of, split_at_chunks
 from hicache_cp.pools import DevicePool, HostPool
@@ -125,8 +125,8 @@ class DirectCopyEngine(CudaCopyEngine):
     CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE on every batch; a planned
     layer of more than `worker_above` descriptors is issued by a worker
     thread (`io.issue`; None: always on the caller's thread): a layer of at
-    most `whole` descriptors (`load_whole` for loads) in one driver call, a
-    longer one in calls of `chunk` (`load_chunk` for loads, when given).
+    most `whole` descriptors in one driver call, a longer one in calls of
+    `chunk` (`load_whole` and `load_chunk` for loads, when given).
     Planned ops (`plan` + `submit_layer`, the cache's path) sort once and
     reuse one descriptor table for every layer: both parts of a layer in one
     call.
@@ -137,7 +137,7 @@ class DirectCopyEngine(CudaCopyEngine):
     def __init__(
         self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
         overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
-        load_chunk: int | None = None, whole: int = WHOLE, load_whole: int = LOAD_WHOLE,
+        load_chunk: int | None = None, whole: int = WHOLE, load_whole: int | None = None,
     ) -> None:
         super().__init__(device_pool, host_pool)
         if order not in ("given", "device"):
@@ -151,7 +151,7 @@ class DirectCopyEngine(CudaCopyEngine):
         self.worker_above = worker_above if self._issuer.batch else None
         context = self._sync.context
         self.chunks = {Direction.D2H: chunk, Direction.H2D: chunk if load_chunk is None else load_chunk}
-        self.wholes = {Direction.D2H: whole, Direction.H2D: load_whole}
+        self.wholes = {Direction.D2H: whole, Direction.H2D: whole if load_whole is None else load_whole}
         self._workers = tuple(
             IssueWorker(self._drv, self._issuer.attrs_ptr, self._issuer.attr_idx_ptr,
                         lambda: self._drv.set_context(context), name=f"hicache-dma-{d.value}",

@@ -7,8 +7,8 @@ microsecond issued inline from the scheduler thread between launches (a layer
 of 1024 scattered pages: 0.8-1.0 ms). On the scheduler thread that time
 delays the forward's next launches. An `IssueWorker` takes such a layer's
 descriptors and issues them on its own thread, in order: a job of at most
-`whole` descriptors (`WHOLE` for backups, `LOAD_WHOLE` for loads) in one
-driver call, a longer one in calls of `chunk` (default `CHUNK`).
+`whole` descriptors (default `WHOLE`) in one driver call, a longer one in
+calls of `chunk` (default `CHUNK`).
 
 The sizes are a trade measured on the H200 (bench-io's exposure rows per
 variant, bench/results/io-h200-chunks-9ad6efb.json and io-h200.json at
@@ -32,12 +32,17 @@ drains it, and a call of 1024 held so keeps the forward's launches out that
 long. At fef0df1 (io-h200-fef0df1.json, 1024 scattered pages, one run):
 calls of 1024 left 0.47 of the load exposed (host enqueue 442 ms against
 the 400 ms gate), calls of 128 0.025, at 0.95 / 0.96 of the link against
-0.97 / 0.99. Backups want the long calls (the forward does not wait for
-them): 1024 scattered pages, calls of 1024 against 128, exposed 0.032 /
-0.055 (fef0df1), 0.085 / 0.105 (4518922), 0.024 and 0.060 / 0.064 (160acc4,
-two variants issuing the same calls at that size). So a
-load's layer goes in calls of 128 (`LOAD_WHOLE`), a backup's layer of up to
-1024 descriptors in one call (`WHOLE`) and a longer one in calls of 128.
+0.97 / 0.99. So every layer goes in calls of 128. Backups may want long
+calls (the forward does not wait for them): 1024 scattered pages, calls of
+1024 against 128, exposed 0.032 / 0.055 (fef0df1), 0.085 / 0.105 (4518922),
+0.024 and 0.060 / 0.064 (160acc4, two variants issuing the same calls at
+that size), within the spread between runs. And while a long call is in
+the driver, the scheduler's own event records wait for it (the layer hook
+p99 read 89 us with calls of 1024 at 160acc4 and 60 us with calls of 128 at
+4518922, but those hosts differed 1.5x in `match` time, so this does not
+separate the two). bench-io's `direct-backup1024` (a backup's layer of up to
+1024 in one call: `whole=1024, load_whole=128`) is the variant to measure
+beside the default, with bench-overhead on the same host.
 A bound on the descriptors issued and not yet copied
 (io-h200-window-6ec355a.json) fixed the 8192-page loads but left 0.52 of a
 1024-page load exposed: the forward's host waits for the worker, which waits
@@ -76,11 +81,9 @@ logger = logging.getLogger(__name__)
 
 #: Descriptors per driver call on the worker (about half a microsecond each; see above).
 CHUNK = 128
-#: A backup's layer of at most this many descriptors is one driver call (see above).
-WHOLE = 1024
-#: A load's layer of at most this many descriptors is one driver call: every load's layer
-#: goes in calls of CHUNK (the forward waits for loads; see above).
-LOAD_WHOLE = CHUNK
+#: A layer of at most this many descriptors is one driver call: every layer goes in calls
+#: of CHUNK (see above).
+WHOLE = CHUNK
 _U64_BYTES = 8
 
 
