@@ -134,6 +134,18 @@ class EngineSync:
         if previous:
             self.drv.set_context(previous if previous > 0 else 0)
 
+    def make_current_wait(self, event: int, waiting: int | None) -> int:
+        """The caller's current stream waits on `event`, unless it is `waiting` (the stream
+        that already waits on it: stream order keeps it waiting). Returns that stream."""
+        previous = self.enter()
+        try:
+            stream = self.current_stream()
+            if stream != waiting:
+                self.drv.stream_wait_event(stream, event)
+            return stream
+        finally:
+            self.leave(previous)
+
     def current_stream(self) -> int:
         """The caller's current stream on the engine's device (a CUstream handle)."""
         if self._raw_stream is not None:
@@ -205,16 +217,8 @@ class CudaTicket(CopyTicket):
             raise CopyFailed(f"{self.describe()} failed: {self._error}") from self._error
         if self._done:
             return
-        sync = self._sync
-        assert sync is not None
-        previous = sync.enter()
-        try:
-            stream = sync.current_stream()
-            if stream != self._waiting:
-                sync.drv.stream_wait_event(stream, self._event)
-                self._waiting = stream
-        finally:
-            sync.leave(previous)
+        assert self._sync is not None
+        self._waiting = self._sync.make_current_wait(self._event, self._waiting)
 
     @property
     def error(self) -> BaseException | None:

@@ -94,15 +94,7 @@ class DeferredTicket(CopyTicket):
             raise CopyFailed(f"{self.describe()} failed: {error}") from error
         if self._done:
             return
-        sync = self._sync
-        previous = sync.enter()
-        try:
-            stream = sync.current_stream()
-            if stream != self._waiting:
-                sync.drv.stream_wait_event(stream, job.done)
-                self._waiting = stream
-        finally:
-            sync.leave(previous)
+        self._waiting = self._sync.make_current_wait(job.done, self._waiting)
 
     @property
     def error(self) -> BaseException | None:
