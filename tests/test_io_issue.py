@@ -224,3 +224,22 @@ def test_a_job_carries_its_order_or_names_a_leader() -> None:
         Job(1, 2, 4, _desc(1, 20), lambda e: None, leader)
     with pytest.raises(ValueError, match="not both"):
         Job(1, None, 4, _desc(1, 20), lambda e: None)
+
+
+def test_a_job_whose_worker_records_its_order_records_it_on_the_callers_stream_first() -> None:
+    """The layer hook's job (`hook_order` "worker"): the worker records `order` on the
+    caller's stream, then its copy stream waits on it, then the copy; a job the caller
+    ordered makes no record of `order`. A follower cannot ask the worker to record."""
+    drv = RecordingDriver()
+    released: list[int] = []
+    worker = IssueWorker(drv, attrs=1, attr_idx=2)
+    worker.put(Job(9, 50, 60, _desc(3, 1000), released.append, record_on=77), Job(9, 51, 61, _desc(1, 2000), released.append))
+    worker.close()
+    assert [(c[0], c[1], c[2]) for c in drv.calls] == [
+        ("record", 77, 50), ("wait", 9, 50), ("batch", 9, 3), ("record", 9, 60),
+        ("wait", 9, 51), ("batch", 9, 1), ("record", 9, 61),
+    ]  # fmt: skip
+    assert released == [50, 51]
+    leader = Job(9, 52, 62, _desc(1, 10), released.append)
+    with pytest.raises(ValueError, match="only a job that carries its ordering event"):
+        Job(9, None, 63, _desc(1, 10), released.append, leader, record_on=77)

@@ -346,3 +346,44 @@ def test_the_parts_of_a_layer_make_a_stream_wait_once(cuda_pools, monkeypatch, w
         assert all(t.query() is TicketState.DONE for t in tickets)
     finally:
         engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("options", [{}, {"hook_order": "worker"}, {"hook_worker_above": 16}],
+                         ids=["default", "worker-order", "hook16"])  # fmt: skip
+def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, options: dict) -> None:
+    """The layer hook's path (`submit_layer`, D2H) behind a long forward: each layer's
+    backup holds the bytes compute wrote right before the hook, however the hook
+    issues it (by default every layer on the worker, its compute order recorded by the
+    hook or by the worker; inline below 16 descriptors while the worker is idle)."""
+    from hicache_cp.io.dma import DeferredTicket
+
+    layout, dev, host = cuda_pools
+    engine = make_engine("direct", dev, host, **options)
+    rng = np.random.default_rng(11)
+    try:
+        d_pages, h_pages = _pattern(rng, 12, True, dev.physical_pages, host.physical_pages)  # 2 runs
+        plan = engine.plan(Direction.D2H, d_pages, h_pages)
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        tickets = []
+        for i, (layer, parts) in enumerate(table_layers(layout)):
+            for p in parts:
+                host.torch_view(p)[layout.part(p).slot(layer)].fill_(0)
+            for _ in range(4):  # milliseconds of compute queued before the layer's write
+                a = a @ a
+                a = a / a.abs().amax().clamp(min=1)
+            for p in parts:
+                dev.buffer(p)[layout.part(p).slot(layer)].fill_(0x20 + i)
+            tickets.append(engine.submit_layer(plan, parts, layer))
+        inline = "hook_worker_above" in options  # 2 runs x at most 2 parts, the worker idle at first
+        assert isinstance(tickets[0][0], DeferredTicket) is not inline
+        for ts in tickets:
+            for t in ts:
+                t.wait()
+        for i, (layer, parts) in enumerate(table_layers(layout)):
+            for p in parts:
+                got = host.torch_view(p)[layout.part(p).slot(layer)][h_pages]
+                assert bool((got == 0x20 + i).all()), (options, p, layer)
+    finally:
+        engine.close()

@@ -7,7 +7,10 @@
 #   tests     pytest -m gpu on the copy engines (tests/test_io*.py) and the CUDA cache state machine
 #   overhead  bench-overhead on CUDA, the shared trace (.devdata/synthetic_trace.jsonl, copied from
 #             ../shared/traces), DeepSeek-V3.2 layout, OVERHEAD_LIMIT requests (default 1500)
-#             -> $DEST/overhead-h200.json
+#             -> $DEST/overhead-h200.json; then each of OVERHEAD_VARIANTS (bench-io's variant names)
+#             -> $DEST/overhead-h200-<variant>.json, on the same host
+#   profile   tools/profile_overhead.py: the same bench-overhead run under cProfile (PROFILE_VARIANT
+#             picks a variant) -> $DEST/overhead-profile.txt
 #   io        bench-io (IO_ARGS adds flags) -> $DEST/io-h200.json
 #   probe     tools/dma_probe.py: where the direct backend's exposure comes from -> $DEST/dma-probe-h200.json
 #   sweep     tools/io_sweep.py: the copy kernel's grid cap x unroll x tail -> $DEST/io-sweep.json
@@ -39,6 +42,17 @@ if want overhead; then
   step "bench-overhead (CUDA)"
   run overhead-h200 "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_cp bench-overhead --trace .devdata/synthetic_trace.jsonl \
     --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" --json "$DEST/overhead-h200.json"
+  for v in ${OVERHEAD_VARIANTS:-}; do
+    run "overhead-h200-$v" "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_cp bench-overhead --io-variant "$v" \
+      --trace .devdata/synthetic_trace.jsonl --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" \
+      --json "$DEST/overhead-h200-$v.json"
+  done
+fi
+if want profile; then
+  step "bench-overhead under cProfile"
+  run overhead-profile-run "${PROFILE_TIMEOUT:-120}" $PY tools/profile_overhead.py --out "$DEST/overhead-profile.txt" -- \
+    ${PROFILE_VARIANT:+--io-variant "$PROFILE_VARIANT"} --trace .devdata/synthetic_trace.jsonl --device cuda \
+    --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}"
 fi
 if want io; then
   step "bench-io"

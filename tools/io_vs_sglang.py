@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("io-vs-sglang: needs CUDA", file=sys.stderr)
         return 2
-    from hicache_cp.harness.bench.io import VARIANTS
+    from hicache_cp.harness.bench.io_variants import VARIANTS
 
     pool_pages = 2 * args.pages + 1
     rng = np.random.default_rng(0)

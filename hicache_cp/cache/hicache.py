@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -85,6 +86,7 @@ class HiCache:
         rank: int = 0,
         device: str = "cpu",
         l3_store: KVStore | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         layout = config.layout()
         agreement = agreement or LocalAgreement()
@@ -105,7 +107,7 @@ class HiCache:
             cp_size=config.cp_size,
             device_pool=device_pool,
             host_pool=host_pool,
-            engine=engine or make_engine(config.io_backend, device_pool, host_pool),
+            engine=engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {})),
             agreement=agreement,
             policy=make_policy(config.eviction_policy),
             tree=RadixTree(layout.page_size),

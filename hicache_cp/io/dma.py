@@ -130,6 +130,7 @@ class DirectCopyEngine(CudaCopyEngine):
         self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
         overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
         load_chunk: int | None = None, whole: int = WHOLE, load_whole: int | None = None,
+        hook_worker_above: int = 0, hook_order: str = "caller",
     ) -> None:
         super().__init__(device_pool, host_pool)
         if order not in ("given", "device"):
@@ -140,7 +141,13 @@ class DirectCopyEngine(CudaCopyEngine):
         self._issuer = DmaIssuer(self._drv, batch, flags)
         self.order = order
         self.overlap_hint = overlap_hint
+        if hook_worker_above < 0:
+            raise ValueError(f"hook_worker_above must be >= 0, got {hook_worker_above}")
+        if hook_order not in ("caller", "worker"):
+            raise ValueError(f"hook_order must be 'caller' or 'worker', got {hook_order!r}")
         self.worker_above = worker_above if self._issuer.batch else None
+        self.hook_worker_above = hook_worker_above
+        self.hook_order = hook_order
         context = self._sync.context
         self.chunks = {Direction.D2H: chunk, Direction.H2D: chunk if load_chunk is None else load_chunk}
         self.wholes = {Direction.D2H: whole, Direction.H2D: whole if load_whole is None else load_whole}
@@ -154,15 +161,17 @@ class DirectCopyEngine(CudaCopyEngine):
         self.counts = {"deferred": 0}
 
     def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
-        """A layer of more than `worker_above` descriptors (runs x parts; or any while that
-        direction's worker has jobs pending: stream order) is issued by the direction's
-        `IssueWorker`; the caller pays for two event calls. Others are issued here
-        (`CudaCopyEngine`)."""
+        """The layer hook's path (a backup's layer). With `hook_worker_above` 0 (the
+        default) every layer goes to the D2H `IssueWorker`: inline, the hook would pay for
+        four driver calls and the descriptors, deferred for at most one (`hook_order`
+        "caller": it records the compute-ordering event; "worker": the worker does, and
+        the hook makes no driver call). Otherwise a layer of at most that many
+        descriptors (runs x parts) is issued here while the worker is idle."""
         if not plan.num_pages or self.worker_above is None:
             return super().submit_layer(plan, parts, layer)
-        if len(plan.prepared.runs) * len(parts) <= self.worker_above and not self._worker(plan).pending:
+        if len(plan.prepared.runs) * len(parts) <= self.hook_worker_above and not self._worker(plan).pending:
             return super().submit_layer(plan, parts, layer)
-        return self._defer(plan, [(parts, layer)])[0]
+        return self._defer(plan, [(parts, layer)], worker_records=self.hook_order == "worker")[0]
 
     def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """The layers of one op (a load's every layer at once). Behind one ordering
@@ -189,9 +198,12 @@ class DirectCopyEngine(CudaCopyEngine):
     def _worker(self, plan: CopyPlan) -> IssueWorker:
         return self._workers[0 if plan.direction is Direction.D2H else 1]
 
-    def _defer(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+    def _defer(
+        self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]], worker_records: bool = False
+    ) -> list[list[CopyTicket | None]]:
         """Hand `jobs` (layers of `plan`) to the direction's worker: one `order` event
-        recorded on the current stream, one job and one `done` event per layer."""
+        recorded on the current stream (by the worker, before its stream waits on it,
+        when `worker_records`), one job and one `done` event per layer."""
         n, sync = plan.num_pages, self._sync
         nbytes = {id(p): n * self._info[id(p)].page_bytes for parts, _ in jobs for p in parts}
         handle = self._handle[0 if plan.direction is Direction.D2H else 1]
@@ -200,15 +212,19 @@ class DirectCopyEngine(CudaCopyEngine):
         previous = sync.enter()
         try:
             order = sync.event()
-            try:
-                self._drv.event_record(order, sync.current_stream())
-            except Exception as exc:  # noqa: BLE001 - the submit boundary
-                sync.give_back(order)
-                return self._failed(plan, jobs, exc)
+            compute = sync.current_stream()
+            if not worker_records:
+                try:
+                    self._drv.event_record(order, compute)
+                except Exception as exc:  # noqa: BLE001 - the submit boundary
+                    sync.give_back(order)
+                    return self._failed(plan, jobs, exc)
+            record_on = compute if worker_records else None
             for parts, layer in jobs:
                 leader = queued[0] if queued else None
                 own_order = order if leader is None else None
-                job = Job(handle, own_order, sync.event(), plan.prepared.get(parts, layer), sync.give_back, leader)
+                job = Job(handle, own_order, sync.event(), plan.prepared.get(parts, layer), sync.give_back, leader,
+                          record_on if leader is None else None)
                 queued.append(job)
                 primary = DeferredTicket(plan.direction, parts[0], layer, nbytes[id(parts[0])], sync, job)
                 out.append([primary, *(SharedTicket(primary, p, nbytes[id(p)]) for p in parts[1:])])

@@ -99,15 +99,19 @@ class Job:
     is put: a load puts a job per layer of the model at once, and an Event and
     a Lock per job were most of the caller's time per layer."""
 
-    __slots__ = ("stream", "order", "done", "desc", "leader", "issued", "error", "_cond", "_orphan", "_release")
+    __slots__ = ("stream", "order", "record_on", "done", "desc", "leader", "issued", "error", "_cond", "_orphan", "_release")
 
     def __init__(
-        self, stream: int, order: int | None, done: int, desc: Any, release: Any, leader: Job | None = None
+        self, stream: int, order: int | None, done: int, desc: Any, release: Any, leader: Job | None = None,
+        record_on: int | None = None,
     ) -> None:
         if (order is None) == (leader is None):
             raise ValueError("a job carries its ordering event or names the leader that does, not both")
+        if record_on is not None and order is None:
+            raise ValueError("only a job that carries its ordering event can have the worker record it")
         self.stream = stream
         self.order = order
+        self.record_on = record_on  # the caller's stream, when the worker records `order` on it
         self.done = done
         self.desc = desc  # io.plans.LayerDescriptors: kept alive until issued
         self.leader = leader
@@ -239,6 +243,8 @@ class IssueWorker:
     def _issue(self, job: Job) -> None:
         drv, desc, stream = self.drv, job.desc, job.stream
         if job.order is not None:
+            if job.record_on is not None:
+                drv.event_record(job.order, job.record_on)
             drv.stream_wait_event(stream, job.order)
         n = desc.count
         chunk = n if n <= self.whole else self.chunk

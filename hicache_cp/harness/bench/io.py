@@ -74,6 +74,7 @@ import numpy as np
 import torch
 
 from hicache_cp.config import PRESETS
+from hicache_cp.harness.bench.io_variants import VARIANTS
 from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
@@ -82,29 +83,6 @@ from hicache_cp.layout import KVLayout, Part
 
 #: Measured variants: label -> (backend name, engine options). The plain names are
 #: the backends as `make_engine` builds them (the default's row is the headline).
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "hybrid": ("hybrid", {}),
-    "kernel": ("kernel", {}),
-    "direct": ("direct", {}),
-    "staging": ("staging", {}),
-    "kernel-l2hint": ("kernel", {"mode": "l2hint"}),
-    "kernel-tma": ("kernel", {"mode": "tma"}),
-    # SGLang's CTA counts (4 for its TMA kernel, 2 for its register kernel) on our kernels:
-    # about 4 and 8 of the H200's 132 SMs.
-    "kernel-tma-4sm": ("kernel", {"mode": "tma", "sm_fraction": 0.031}),
-    "kernel-tma-8sm": ("kernel", {"mode": "tma", "sm_fraction": 0.061}),
-    "direct-given": ("direct", {"order": "given"}),
-    "direct-overlap-hint": ("direct", {"overlap_hint": True}),
-    "direct-inline": ("direct", {"worker_above": None}),
-    # The issue worker's driver calls: fewer, larger calls cost the GPU less per
-    # descriptor but hold the driver (which serialises a context's calls) longer.
-    # `direct` issues every layer in calls of 128 (`io.issue` says why).
-    "direct-chunk64": ("direct", {"chunk": 64, "whole": 64}),
-    "direct-chunk256": ("direct", {"chunk": 256, "whole": 256}),
-    "direct-chunk1024": ("direct", {"chunk": 1024, "whole": 1024}),
-    # Backups, which the forward does not wait for, in one call of up to 1024 a layer.
-    "direct-backup1024": ("direct", {"whole": 1024, "load_whole": 128}),
-}
 BACKENDS = ("direct", "direct-backup1024", "direct-chunk1024", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
 TARGETS = {
     "scattered_ratio_1024plus": 0.90, "scattered_ratio_64": 0.85, "runs_ratio_1024plus": 0.93, "runs_ratio_64": 0.90,

@@ -76,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-block", type=int, help="tokens per 512-token trace block (default: one page)")
     p.add_argument("--limit", type=int, help="only the first N requests")
     p.add_argument("--io-backend", help="io backend (default auto)")
+    p.add_argument("--io-variant", help="a named variant of bench-io's (a backend with options); sets the io backend")
     p.add_argument("--device", default="auto", help="L1 device: cpu, cuda or auto")
     p.add_argument("--seed", type=int, default=0, help="seed of the embedded workload")
     p.add_argument("--json", type=Path, help="write the results here")
@@ -200,11 +201,12 @@ def run(args: argparse.Namespace) -> int:
                         ("bounds", False), ("plot", None), ("metrics_port", None),
                         ("metrics_addr", DEFAULT_METRICS_ADDR), ("set", page_size)):  # fmt: skip
         setattr(args, name, value)
+    variant = _variant(args)
     check_args(args)
     requests = load_requests(args)
     # Every source counts (TOML, HICACHE_*, flags); these defaults only stand in for the library's.
     resolved = build_config(args, requests, defaults=DEFAULTS)[0]
-    result = measure(args, resolved.config, requests)
+    result = measure(args, resolved.config, requests, variant)
     result["config"] = resolved.report()
     _print_table(result)
     if args.json is not None:
@@ -212,7 +214,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(args: argparse.Namespace, config: Any, requests: list[Any]) -> dict[str, Any]:
+def _variant(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of `--io-variant` (its backend goes to `args.io_backend`)."""
+    if args.io_variant is None:
+        return {}
+    from hicache_cp.harness.bench.io_variants import VARIANTS
+    from hicache_cp.harness.errors import InputError
+
+    if args.io_variant not in VARIANTS:
+        raise InputError(f"--io-variant {args.io_variant!r}: unknown; known: {', '.join(VARIANTS)}")
+    if args.io_backend is not None:
+        raise InputError("--io-variant names its backend; drop --io-backend")
+    args.io_backend, options = VARIANTS[args.io_variant]
+    return options
+
+
+def measure(
+    args: argparse.Namespace, config: Any, requests: list[Any], engine_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run every request; return the result dict (see the module docstring)."""
 
     from hicache_cp.cache import HiCache
@@ -227,7 +246,7 @@ def measure(args: argparse.Namespace, config: Any, requests: list[Any]) -> dict[
     all_tokens = [request_tokens(r, tpb) for r in requests]  # harness work: before the clock
     timings = Timings()
     t_start = time.perf_counter()
-    with HiCache(config, device=device) as cache:
+    with HiCache(config, device=device, engine_options=engine_options) as cache:
         cache.host_pool.wait_ready()
         setup_s = time.perf_counter() - t_start
         t0 = time.perf_counter()
@@ -239,6 +258,7 @@ def measure(args: argparse.Namespace, config: Any, requests: list[Any]) -> dict[
         engine = cache.engine
         keys = ("name", "batch", "mode", "max_ctas", "dma_runs", "counts")
         engine_info = {k: getattr(engine, k) for k in keys if hasattr(engine, k)}
+        engine_info.update(variant=getattr(args, "io_variant", None), options=engine_options or {})
     result: dict[str, Any] = {
         "command": command_line("bench-overhead"),
         "commit": git_commit(),
