@@ -350,13 +350,14 @@ def test_the_parts_of_a_layer_make_a_stream_wait_once(cuda_pools, monkeypatch, w
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("options", [{}, {"hook_order": "worker"}, {"hook_worker_above": 16}],
-                         ids=["default", "worker-order", "hook16"])  # fmt: skip
+@pytest.mark.parametrize("options", [{}, {"hook_worker_above": 0}, {"hook_worker_above": 0, "hook_order": "worker"}],
+                         ids=["default", "hook0", "worker-order"])  # fmt: skip
 def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, options: dict) -> None:
     """The layer hook's path (`submit_layer`, D2H) behind a long forward: each layer's
     backup holds the bytes compute wrote right before the hook, however the hook
-    issues it (by default every layer on the worker, its compute order recorded by the
-    hook or by the worker; inline below 16 descriptors while the worker is idle)."""
+    issues it (by default inline up to 16 descriptors while the worker is idle; with
+    `hook_worker_above` 0 on the worker, its compute order recorded by the hook or by
+    the worker)."""
     from hicache_cp.io.dma import DeferredTicket
 
     layout, dev, host = cuda_pools
@@ -376,7 +377,7 @@ def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, opt
             for p in parts:
                 dev.buffer(p)[layout.part(p).slot(layer)].fill_(0x20 + i)
             tickets.append(engine.submit_layer(plan, parts, layer))
-        inline = "hook_worker_above" in options  # 2 runs x at most 2 parts, the worker idle at first
+        inline = options.get("hook_worker_above", 16) > 0  # 2 runs x at most 2 parts, the worker idle at first
         assert isinstance(tickets[0][0], DeferredTicket) is not inline
         for ts in tickets:
             for t in ts:

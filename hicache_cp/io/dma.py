@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 #: Descriptors of one layer above which the direct backend issues them on its worker thread
 #: (`io.issue`): inline, 16 cost about 20 us of the caller's time, 64 about 75 us (H200).
+#: The layer hook's own threshold (`hook_worker_above`) defaults to it: bench-io's variants
+#: `direct-hook0` and `direct-worker-order` hand every hook layer to the worker (issue 28,
+#: not yet measured on the H200).
 WORKER_ABOVE = 16
 #: Default device staging buffer of the staging backend, per direction.
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -118,7 +121,9 @@ class DirectCopyEngine(CudaCopyEngine):
     layer of more than `worker_above` descriptors is issued by a worker
     thread (`io.issue`; None: always on the caller's thread): a layer of at
     most `whole` descriptors in one driver call, a longer one in calls of
-    `chunk` (`load_whole` and `load_chunk` for loads, when given).
+    `chunk` (`load_whole` and `load_chunk` for loads, when given);
+    `hook_worker_above` and `hook_order` choose how the layer hook issues a
+    backup's layer (`submit_layer`).
     Planned ops (`plan` + `submit_layer`, the cache's path) sort once and
     reuse one descriptor table for every layer: both parts of a layer in one
     call.
@@ -130,7 +135,7 @@ class DirectCopyEngine(CudaCopyEngine):
         self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
         overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
         load_chunk: int | None = None, whole: int = WHOLE, load_whole: int | None = None,
-        hook_worker_above: int = 0, hook_order: str = "caller",
+        hook_worker_above: int = WORKER_ABOVE, hook_order: str = "caller",
     ) -> None:
         super().__init__(device_pool, host_pool)
         if order not in ("given", "device"):
@@ -161,12 +166,13 @@ class DirectCopyEngine(CudaCopyEngine):
         self.counts = {"deferred": 0}
 
     def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
-        """The layer hook's path (a backup's layer). With `hook_worker_above` 0 (the
-        default) every layer goes to the D2H `IssueWorker`: inline, the hook would pay for
-        four driver calls and the descriptors, deferred for at most one (`hook_order`
-        "caller": it records the compute-ordering event; "worker": the worker does, and
-        the hook makes no driver call). Otherwise a layer of at most that many
-        descriptors (runs x parts) is issued here while the worker is idle."""
+        """The layer hook's path (a backup's layer). A layer of at most `hook_worker_above`
+        descriptors (runs x parts) is issued here while the D2H worker is idle: the hook
+        pays for four driver calls and the descriptors. Others go to the `IssueWorker`:
+        the hook pays for one driver call, recording the compute-ordering event
+        (`hook_order` "caller"), or none (`hook_order` "worker": the worker records it
+        on the hook's stream before its copy stream waits on it, which orders the
+        backup after at least the compute the hook followed)."""
         if not plan.num_pages or self.worker_above is None:
             return super().submit_layer(plan, parts, layer)
         if len(plan.prepared.runs) * len(parts) <= self.hook_worker_above and not self._worker(plan).pending:
@@ -205,7 +211,7 @@ class DirectCopyEngine(CudaCopyEngine):
         recorded on the current stream (by the worker, before its stream waits on it,
         when `worker_records`), one job and one `done` event per layer."""
         n, sync = plan.num_pages, self._sync
-        nbytes = {id(p): n * self._info[id(p)].page_bytes for parts, _ in jobs for p in parts}
+        nbytes = {p: n * self._info[p].page_bytes for parts, _ in jobs for p in parts}
         handle = self._handle[0 if plan.direction is Direction.D2H else 1]
         out: list[list[CopyTicket | None]] = []
         queued: list[Job] = []
@@ -226,8 +232,8 @@ class DirectCopyEngine(CudaCopyEngine):
                 job = Job(handle, own_order, sync.event(), plan.prepared.get(parts, layer), sync.give_back, leader,
                           record_on if leader is None else None)
                 queued.append(job)
-                primary = DeferredTicket(plan.direction, parts[0], layer, nbytes[id(parts[0])], sync, job)
-                out.append([primary, *(SharedTicket(primary, p, nbytes[id(p)]) for p in parts[1:])])
+                primary = DeferredTicket(plan.direction, parts[0], layer, nbytes[parts[0]], sync, job)
+                out.append([primary, *(SharedTicket(primary, p, nbytes[p]) for p in parts[1:])])
         finally:
             sync.leave(previous)
         self._worker(plan).put(*queued)
@@ -239,7 +245,7 @@ class DirectCopyEngine(CudaCopyEngine):
     ) -> list[list[CopyTicket | None]]:
         """FAILED tickets for `jobs`, none of them issued."""
         n = plan.num_pages
-        return [[CudaTicket(plan.direction, p, layer, n * self._info[id(p)].page_bytes, None, error=error) for p in parts]
+        return [[CudaTicket(plan.direction, p, layer, n * self._info[p].page_bytes, None, error=error) for p in parts]
                 for parts, layer in jobs]  # fmt: skip
 
     def close(self) -> None:

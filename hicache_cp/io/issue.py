@@ -59,6 +59,12 @@ Protocol of one job (the caller's side in `hicache_cp.io.dma`):
     worker:  copy stream waits on `order`; the chunks; record `done` on the copy
              stream; then `issued` is set (or `error`, and `issued` is set too)
 
+A job may carry the caller's stream instead (`record_on`, the layer hook's
+`hook_order` "worker"): the worker records `order` on it first. That orders the
+copy after the compute the caller followed and perhaps some it enqueued since,
+never less, and it cannot close a cycle: nothing makes a stream wait on a job's
+`done` before the job is issued (below).
+
 A ticket of a job is PENDING until `issued`; `make_compute_wait` blocks the
 host until then (a load's layer is waited on only when the forward needs it,
 long after its job was put), then makes the current stream wait on `done`.
