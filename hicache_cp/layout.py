@@ -41,6 +41,10 @@ class Model(Enum):
     TARGET = "target"
     DRAFT = "draft"
 
+    # Members are singletons compared by identity; Enum's own __hash__ is a Python call,
+    # and the layer hooks look parts and models up in dicts several times a layer.
+    __hash__ = object.__hash__
+
 
 class Part(Enum):
     """The parts of one logical KV page, in registration order."""
@@ -49,6 +53,8 @@ class Part(Enum):
     TARGET_STATE = "target_state"
     DRAFT_KV = "draft_kv"
     DRAFT_STATE = "draft_state"
+
+    __hash__ = object.__hash__  # as Model's
 
     @property
     def model(self) -> Model:

@@ -53,6 +53,8 @@ class Direction(enum.Enum):
     D2H = "d2h"  # backup
     H2D = "h2d"  # load back
 
+    __hash__ = object.__hash__  # as layout.Model's: a dict key of the hot path
+
 
 class TicketState(enum.Enum):
     PENDING = "pending"

@@ -316,7 +316,7 @@ class CudaCopyEngine(CopyEngine):
         self._device_limit = device_pool.physical_pages
         self._host_limit = host_pool.physical_pages
         self._table_shape: TableShape | None = None
-        self._info: dict[int, PartInfo] = {}  # by id(part): enum members are singletons, and hashing one costs
+        self._info: dict[Part, PartInfo] = {}
         for p in self.layout.parts:
             arena = host_pool.arenas[p.part]
             dptr = arena.device_ptr(0)  # waits for the first chunk only
@@ -325,7 +325,7 @@ class CudaCopyEngine(CopyEngine):
                     f"{p.part.value}: pinned host memory maps to device address 0x{dptr:x}, not its host "
                     f"address 0x{arena.ptr:x}; the CUDA io backends need unified addressing"
                 )
-            self._info[id(p.part)] = PartInfo(
+            self._info[p.part] = PartInfo(
                 p.part, p.page_bytes, {layer: p.slot(layer) for layer in p.layer_ids},
                 [device_pool.layer_ptr(p.part, slot) for slot in range(p.num_slots)],
                 dptr, host_pool.physical_pages * p.page_bytes, arena, False,
@@ -340,7 +340,7 @@ class CudaCopyEngine(CopyEngine):
     def _submit(
         self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
     ) -> CudaTicket:
-        info = self._info[id(part)]
+        info = self._info[part]
         n = len(device_pages)
         if n == 0:
             return CudaTicket(direction, part, layer, 0, None)
@@ -451,7 +451,7 @@ class CudaCopyEngine(CopyEngine):
         n = plan.num_pages
         if not n:
             return [None] * len(parts)
-        infos = [self._info[id(part)] for part in parts]
+        infos = [self._info[part] for part in parts]
         direction = plan.direction
         previous = self._sync.enter()
         try:
@@ -498,7 +498,7 @@ class CudaCopyEngine(CopyEngine):
             except Exception as exc:  # noqa: BLE001 - the submit boundary
                 error = exc
             for parts, layer in jobs:
-                infos = [self._info[id(part)] for part in parts]
+                infos = [self._info[part] for part in parts]
                 if error is None:
                     event = sync.event()
                     keep: list[Any] = []
@@ -537,11 +537,11 @@ class CudaCopyEngine(CopyEngine):
 
     def device_layer_ptr(self, part: Part, slot: int) -> int:
         """Device address of page 0 of one layer of the device pool."""
-        return self._info[id(part)].device_layers[slot]
+        return self._info[part].device_layers[slot]
 
     def host_layer_ptr(self, part: Part, slot: int) -> int:
         """Device (= host, UVA) address of page 0 of one layer of the host pool."""
-        info = self._info[id(part)]
+        info = self._info[part]
         return info.host_base + info.host_layer(slot)
 
     def _dma(self, d2h: bool, info: PartInfo, slot: int, device_pages: np.ndarray, host_pages: np.ndarray, stream: int) -> None:
