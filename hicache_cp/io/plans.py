@@ -118,6 +118,16 @@ def layer_descriptors(d2h: bool, geoms: Sequence[PartGeometry], runs: Runs, laye
     return LayerDescriptors.of(dst, src, _cat(sizes))
 
 
+class _GroupArrays(NamedTuple):
+    """A group's geometry as int64 arrays that broadcast over (layers, parts, runs)."""
+
+    page_bytes: np.ndarray  # (parts, 1)
+    host_base: np.ndarray  # (parts, 1): arena address
+    chunk: np.ndarray  # (parts, 1): the arena's registration chunk
+    device_base: np.ndarray  # (layers, parts, 1): device address of page 0 of the slot
+    host_offset: np.ndarray  # (layers, parts, 1): arena offset of page 0 of the slot
+
+
 class TableShape:
     """What every op's table shares, from the layout alone (built once per engine):
     the groups of layers owned by the same parts, and where each (layer, parts)
@@ -131,17 +141,25 @@ class TableShape:
         for layer, parts in layers:
             if parts:
                 grouped.setdefault(parts, []).append(layer)
-        #: Per group: its parts, its layers, and per part the slots' device bases and arena offsets.
-        self.groups: list[tuple[tuple[Part, ...], list[int], list[tuple[PartGeometry, np.ndarray, np.ndarray]]]] = []
+        #: Per group: its parts, its layers, and its geometry as arrays broadcast over
+        #: (layers, parts, runs): each part's page bytes, the arena's base and
+        #: registration chunk, and each layer's device base and arena offset.
+        self.groups: list[tuple[tuple[Part, ...], list[int], _GroupArrays]] = []
         self.index: dict[int, list[tuple[tuple[Part, ...], int, int]]] = {}
         for g_idx, (parts, group) in enumerate(grouped.items()):
-            columns = []
-            for part in parts:
-                geom = self.geoms[part]
-                slots = np.array([geom.slots[layer] for layer in group], dtype=np.int64)
-                columns.append((geom, np.asarray(geom.device_layers, dtype=np.int64)[slots][:, None],
-                                (slots * geom.host_layer_bytes)[:, None]))
-            self.groups.append((parts, group, columns))
+            part_geoms = [self.geoms[part] for part in parts]
+            slots = [[geom.slots[layer] for geom in part_geoms] for layer in group]  # (layers, parts)
+            column = lambda values: np.array(values, dtype=np.int64)[:, None]  # noqa: E731 - (parts, 1)
+            arrays = _GroupArrays(
+                page_bytes=column([g.page_bytes for g in part_geoms]),
+                host_base=column([g.host_base for g in part_geoms]),
+                chunk=column([g.chunk for g in part_geoms]),
+                device_base=np.array([[g.device_layers[s] for g, s in zip(part_geoms, row)] for row in slots],
+                                     dtype=np.int64)[:, :, None],
+                host_offset=np.array([[g.host_offset(s) for g, s in zip(part_geoms, row)] for row in slots],
+                                     dtype=np.int64)[:, :, None],
+            )  # fmt: skip
+            self.groups.append((parts, group, arrays))
             for row, layer in enumerate(group):
                 self.index.setdefault(layer, []).append((parts, g_idx, row))
         self.descriptors_per_run = sum(len(group) * len(parts) for parts, group, _ in self.groups)
@@ -168,8 +186,8 @@ class DescriptorTable:
         #: Per group: (dst 2-D, src 2-D, sizes row, crossing rows, row bytes, dst/src/sizes addresses).
         self._groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, int, int]] = []
         if self.tabulated and len(runs):
-            for parts, layers, columns in shape.groups:
-                self._groups.append(self._build_group(columns, len(layers)))
+            for _, _, arrays in shape.groups:
+                self._groups.append(self._build_group(arrays))
 
     def get(self, parts: tuple[Part, ...], layer: int) -> LayerDescriptors:
         """The DMAs of `layer` of `parts`: table rows, or computed now when not tabulated."""
@@ -183,22 +201,19 @@ class DescriptorTable:
                     return LayerDescriptors(dst2d[row], src2d[row], sizes, len(sizes), dst0 + off, src0 + off, sizes_ptr)
         return layer_descriptors(self.d2h, [self._shape.geoms[p] for p in parts], self.runs, layer)
 
-    def _build_group(self, columns: list[tuple[PartGeometry, np.ndarray, np.ndarray]], rows: int) -> tuple[Any, ...]:
+    def _build_group(self, g: _GroupArrays) -> tuple[Any, ...]:
+        """One group's rows: every part's runs side by side, in part order, computed for all
+        layers and parts at once (a handful of numpy operations whatever the parts)."""
         runs = self.runs
-        devs, hosts, sizes = [], [], []
-        crossing = np.zeros(rows, dtype=bool)
-        for geom, dev_base, host_off in columns:
-            size = runs.lengths * geom.page_bytes
-            off = host_off + runs.host_starts * geom.page_bytes
-            crossing |= (off // geom.chunk != (off + size - 1) // geom.chunk).any(axis=1)
-            devs.append(dev_base + runs.device_starts * geom.page_bytes)
-            hosts.append(off + geom.host_base)
-            sizes.append(size)
-        dev2d = np.ascontiguousarray(devs[0] if len(devs) == 1 else np.hstack(devs), dtype=_U64)
-        host2d = np.ascontiguousarray(hosts[0] if len(hosts) == 1 else np.hstack(hosts), dtype=_U64)
-        row_sizes = _cat(sizes)
+        size = runs.lengths * g.page_bytes  # (parts, runs)
+        off = g.host_offset + runs.host_starts * g.page_bytes  # (layers, parts, runs)
+        crossing = (off // g.chunk != (off + size - 1) // g.chunk).any(axis=(1, 2))
+        rows, width = off.shape[0], size.size
+        dev2d = (g.device_base + runs.device_starts * g.page_bytes).reshape(rows, width).view(_U64)
+        host2d = (off + g.host_base).reshape(rows, width).view(_U64)
+        row_sizes = size.reshape(width).view(_U64)
         dst2d, src2d = (host2d, dev2d) if self.d2h else (dev2d, host2d)
-        row_bytes = dst2d.shape[1] * dst2d.itemsize  # C-contiguous rows: row i starts at base + i * row_bytes
+        row_bytes = width * dst2d.itemsize  # C-contiguous rows: row i starts at base + i * row_bytes
         return dst2d, src2d, row_sizes, crossing, row_bytes, dst2d.ctypes.data, src2d.ctypes.data, row_sizes.ctypes.data
 
 
