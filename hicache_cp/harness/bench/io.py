@@ -51,7 +51,8 @@ Variants: the backends with their defaults (`direct`, the default on CUDA,
 CTA counts), `direct-given` (DMA runs in the caller's order, not sorted by
 device page), `direct-inline` (every descriptor issued on the caller's
 thread, no issue worker), `direct-overlap-hint` (the driver's
-prefer-overlap-with-compute flag). Exposure is measured for every variant
+prefer-overlap-with-compute flag), and the issue worker's call sizes and
+the layer hook's paths (`io_variants` lists them all). Exposure is measured for every variant
 and every grid cap of the kernel sweep at `--overlap-pages`, and for the
 default at each `--exposure-pages`, scattered and in runs (`exposure`).
 

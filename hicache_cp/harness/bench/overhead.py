@@ -19,7 +19,8 @@ cache itself:
 It uses the model preset's layout (default: DeepSeek-V3.2, 61 layers of MLA
 KV and NSA index state plus one MTP layer, 64-token pages), on CPU (the cpu
 io backend, host tensors as L1) or on CUDA (the default CUDA backend,
-`hicache_cp.io.base.default_backend`). Pools are sized like `replay`'s
+`hicache_cp.io.base.default_backend`; `--io-variant` picks one of bench-io's
+variants, `bench.io_variants`). Pools are sized like `replay`'s
 (`--l2-gib`/`--l2-fraction`, `--l1-pages`): a small host budget works, it
 only changes the hit rate.
 
