@@ -56,8 +56,7 @@ def make_cache() -> Iterator[Callable[..., HiCache]]:
     made: list[HiCache] = []
 
     def factory(*, fault: FaultHook | None = None, agreement: Agreement | None = None, rank: int = 0, **cfg: Any) -> HiCache:
-        cache = HiCache(tiny_config(**cfg), agreement=agreement, rank=rank)
-        cache.engine.fault = fault  # type: ignore[attr-defined]
+        cache = HiCache(tiny_config(**cfg), agreement=agreement, rank=rank, engine_options={"fault": fault})
         made.append(cache)
         return cache
 

@@ -364,6 +364,24 @@ def test_bench_overhead_honours_every_source(source: str, tmp_path: Path, monkey
         assert r["config"][name]["source"].startswith(src), (name, r["config"][name])
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--io-variant", "direct-hook99"], "--io-variant 'direct-hook99': unknown; known: hybrid"),
+        (["--io-variant", "direct-hook0", "--io-backend", "cpu"], "--io-variant names its backend"),
+        (["--io-variant", "direct-hook0", "--device", "cpu"], "io_backend = direct (from cli) copies with CUDA"),
+    ],
+)
+def test_bench_overhead_refuses_a_bad_io_variant(extra: list[str], message: str, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """An unknown variant, a variant beside --io-backend and a CUDA variant on a CPU L1:
+    one error line naming the problem, exit 2, no results written."""
+    out = tmp_path / "o.json"
+    assert main(["bench-overhead", "--limit", "2", "--json", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_an_interrupt_unwinding_the_cli_imports_nothing(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """An interrupt mid-import unwinds through the CLI's except clauses: their
     expressions must not import (numpy half-loaded: "cannot load module more

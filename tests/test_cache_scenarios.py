@@ -24,6 +24,29 @@ from hicache_cp.radix import HostState
 from conftest import Faults, evict_all_l1, evict_all_l2, expected_bytes, fill_pattern, land, run_request, tokens_of
 
 
+# ---- construction ------------------------------------------------------------------------
+
+
+def test_engine_options_reach_the_io_backend_and_unknown_ones_are_refused(make_cache, monkeypatch) -> None:
+    """`engine_options` go to the backend `io_backend` names (the fault hook of the
+    cpu backend here); an option the backend lacks fails the construction, which
+    closes the host pool it made."""
+    from hicache_cp.cache import HiCache
+
+    from conftest import tiny_config
+
+    from hicache_cp.pools import HostPool
+
+    faults = Faults()
+    assert make_cache(l1_pages=8, host_pages=8, fault=faults).engine.fault is faults  # type: ignore[attr-defined]
+    closed: list[HostPool] = []
+    real_close = HostPool.close
+    monkeypatch.setattr(HostPool, "close", lambda pool: (closed.append(pool), real_close(pool)))
+    with pytest.raises(TypeError, match="worker_above"):
+        HiCache(tiny_config(l1_pages=8, host_pages=8), engine_options={"worker_above": 4})
+    assert len(closed) == 1  # the pinned pool it made is released, not left to the collector
+
+
 # ---- backup ------------------------------------------------------------------------------
 
 

@@ -94,34 +94,45 @@ class HiCache:
             # cp_size 1 with more ranks: replicas (an engine's TP ranks) that agree on every decision
             raise ValueError(f"agreement spans {agreement.world_size} ranks but cp_size is {config.cp_size}")
         device_pool = device_pool or DevicePool(layout, config.l1_pages, cp_size=config.cp_size, rank=rank, device=device)
+        own_host, own_engine = host_pool is None, engine is None
         host_pool = host_pool or HostPool(
             layout, host_budget(config, agreement, rank), cp_size=config.cp_size, rank=rank, pin=config.pin_host
         )
-        for pool in (device_pool, host_pool):
-            if pool.layout != layout or pool.cp_size != config.cp_size:
-                raise ValueError("pools were built for another layout or cp_size than the config")
-        self._state = CacheState(
-            config=config,
-            layout=layout,
-            rank=rank,
-            cp_size=config.cp_size,
-            device_pool=device_pool,
-            host_pool=host_pool,
-            engine=engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {})),
-            agreement=agreement,
-            policy=make_policy(config.eviction_policy),
-            tree=RadixTree(layout.page_size),
-        )
-        self._evictor = Evictor(self._state)
-        self._lifecycle = Lifecycle(self._state, self._evictor)
-        self._prefixes = Prefixes(self._state, self._lifecycle)
-        self._engine_l1 = EngineL1(self._state, self._lifecycle)
-        self._evictor.backup_victim = lambda node: self._lifecycle.start_backup(node) is not None
-        self._evictor.settle_backups = self._lifecycle.settle
-        self._evictor.poll = self._lifecycle.poll
-        self._tier3: Tier3 | None = None
-        if config.l3.enabled or l3_store is not None:
-            self._tier3 = self._make_tier3(l3_store)
+        try:
+            for pool in (device_pool, host_pool):
+                if pool.layout != layout or pool.cp_size != config.cp_size:
+                    raise ValueError("pools were built for another layout or cp_size than the config")
+            engine = engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {}))
+            self._state = CacheState(
+                config=config,
+                layout=layout,
+                rank=rank,
+                cp_size=config.cp_size,
+                device_pool=device_pool,
+                host_pool=host_pool,
+                engine=engine,
+                agreement=agreement,
+                policy=make_policy(config.eviction_policy),
+                tree=RadixTree(layout.page_size),
+            )
+            self._evictor = Evictor(self._state)
+            self._lifecycle = Lifecycle(self._state, self._evictor)
+            self._prefixes = Prefixes(self._state, self._lifecycle)
+            self._engine_l1 = EngineL1(self._state, self._lifecycle)
+            self._evictor.backup_victim = lambda node: self._lifecycle.start_backup(node) is not None
+            self._evictor.settle_backups = self._lifecycle.settle
+            self._evictor.poll = self._lifecycle.poll
+            self._tier3: Tier3 | None = None
+            if config.l3.enabled or l3_store is not None:
+                self._tier3 = self._make_tier3(l3_store)
+        except BaseException:
+            # A failed construction leaves nothing running: what it made, it closes (what the
+            # caller handed in stays the caller's).
+            if own_engine and engine is not None:
+                engine.close()
+            if own_host:
+                host_pool.close()
+            raise
 
     def _make_tier3(self, store: KVStore | None) -> Tier3:
         """The L3 tier over `store` (default: a Mooncake Store client per
