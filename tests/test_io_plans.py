@@ -16,6 +16,8 @@ driver failure turns every part's ticket FAILED.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -352,7 +354,7 @@ def test_the_parts_of_a_layer_make_a_stream_wait_once(cuda_pools, monkeypatch, w
 @needs_cuda
 @pytest.mark.parametrize("options", [{}, {"hook_worker_above": 0}, {"hook_worker_above": 0, "hook_order": "worker"}],
                          ids=["default", "hook0", "worker-order"])  # fmt: skip
-def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, options: dict) -> None:
+def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, monkeypatch, options: dict) -> None:
     """The layer hook's path (`submit_layer`, D2H) behind a long forward: each layer's
     backup holds the bytes compute wrote right before the hook, however the hook
     issues it (by default inline up to 16 descriptors while the worker is idle; with
@@ -363,11 +365,20 @@ def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, opt
     layout, dev, host = cuda_pools
     engine = make_engine("direct", dev, host, **options)
     rng = np.random.default_rng(11)
+    caller, records = threading.get_ident(), []
+    real_record = engine._drv.event_record
+
+    def record(event: int, stream: int) -> None:
+        if threading.get_ident() == caller:
+            records.append(stream)
+        real_record(event, stream)
+
+    monkeypatch.setattr(engine._drv, "event_record", record)
     try:
         d_pages, h_pages = _pattern(rng, 12, True, dev.physical_pages, host.physical_pages)  # 2 runs
         plan = engine.plan(Direction.D2H, d_pages, h_pages)
         a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        tickets = []
+        tickets, hook_records = [], []
         for i, (layer, parts) in enumerate(table_layers(layout)):
             for p in parts:
                 host.torch_view(p)[layout.part(p).slot(layer)].fill_(0)
@@ -376,9 +387,14 @@ def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, opt
                 a = a / a.abs().amax().clamp(min=1)
             for p in parts:
                 dev.buffer(p)[layout.part(p).slot(layer)].fill_(0x20 + i)
+            before = len(records)
             tickets.append(engine.submit_layer(plan, parts, layer))
-        inline = options.get("hook_worker_above", 16) > 0  # 2 runs x at most 2 parts, the worker idle at first
-        assert isinstance(tickets[0][0], DeferredTicket) is not inline
+            hook_records.append(len(records) - before)
+        inline = options.get("hook_worker_above", 16) > 0  # 2 runs x at most 2 parts: never deferred
+        assert all(isinstance(ts[0], DeferredTicket) is not inline for ts in tickets)
+        # The hook's driver calls that record: the order and done events inline, the order
+        # event alone when the worker issues, none when the worker records that too.
+        assert hook_records == [2 if inline else 0 if options.get("hook_order") == "worker" else 1] * len(tickets)
         for ts in tickets:
             for t in ts:
                 t.wait()

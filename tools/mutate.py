@@ -134,6 +134,14 @@ FAULTS: list[Fault] = [
     Fault("issue-follower-of-failed-leader-issued", "hicache_cp/io/issue.py",
           "            if leader is not None and leader.error is not None:", "            if False:",
           ("tests/test_io_issue.py",), "layers issued on a stream that may not have waited for compute"),
+    Fault("issue-worker-order-not-recorded", "hicache_cp/io/issue.py",
+          "            if job.record_on is not None:\n", "            if False:\n", ("tests/test_io_issue.py",),
+          "a hook's copy waits on an ordering event nobody recorded (it would not follow compute)"),
+    # ---- planned descriptors (pure numpy)
+    Fault("plans-chunk-crossing-missed", "hicache_cp/io/plans.py",
+          "        crossing = (off // g.chunk != (off + size - 1) // g.chunk).any(axis=(1, 2))\n",
+          "        crossing = np.zeros(off.shape[0], dtype=bool)\n", ("tests/test_io_plans.py",),
+          "a DMA crosses a host registration chunk (cudaErrorInvalidValue on the H200)"),
     # ---- configuration
     Fault("env-below-toml", "hicache_cp/config.py", "        values.update(env_values)\n",
           "        values = {**env_values, **values}\n", ("tests/test_config_sources.py",),
