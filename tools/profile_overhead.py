@@ -1,11 +1,12 @@
 """Where bench-overhead's scheduler-thread time goes: its calls under cProfile.
 
 bench-overhead times the cache's calls as a prefill scheduler makes them; this
-runs it (same arguments) under cProfile and writes, beside its JSON, the
+runs it (same arguments) with cProfile on during the requests and writes the
 functions of the scheduler thread by own time and what `load_back` and the
 layer hook spend their time in. cProfile slows Python calls several-fold, so
 read shares, not microseconds (bench-overhead's own numbers are the figures);
-the issue workers' threads are not profiled.
+the issue workers' threads are not profiled. A driver call (`io.cudadrv`, through
+ctypes) counts as its wrapper's own time, waits for the driver's lock included.
 
     python tools/profile_overhead.py --out profile.txt -- --device cuda --trace T --limit 1500
 """
@@ -18,12 +19,14 @@ import io
 import pstats
 import sys
 from pathlib import Path
+from typing import Any
 
-from hicache_cp.harness.bench.overhead import main as bench_overhead
+from hicache_cp.harness.bench import overhead
 
 #: The cache calls whose callees are listed (pstats matches these as regular expressions).
-FOCUS = (r"lifecycle\.py:\d+\(load_back\)", r"lifecycle\.py:\d+\(on_layer_end\)", r"dma\.py:\d+\(submit_layers\)",
-         r"dma\.py:\d+\(_defer\)")
+FOCUS = (r"lifecycle\.py:\d+\(load_back\)", r"lifecycle\.py:\d+\(_submit_all_layers\)",
+         r"lifecycle\.py:\d+\(on_layer_end\)", r"dma\.py:\d+\(submit_layers?\)", r"cuda\.py:\d+\(submit_layers?\)",
+         r"dma\.py:\d+\(_defer\)", r"cuda\.py:\d+\(_ordered\)")
 #: The cache's own modules, listed by cumulative time.
 OWN = r"(hicache|lifecycle|eviction|prefix|ops|dma|cuda|issue|plans|radix|pools)\.py"
 
@@ -36,7 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     bench_args = [a for a in args.bench_args if a != "--"]
     profile = cProfile.Profile()
-    rc = profile.runcall(bench_overhead, bench_args)
+    serve = overhead.serve
+
+    def profiled(*a: Any) -> Any:  # the requests only: not the set-up, the pinning, the report
+        profile.enable()
+        try:
+            return serve(*a)
+        finally:
+            profile.disable()
+
+    overhead.serve = profiled
+    rc = overhead.main(bench_args)
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text).strip_dirs()
     text.write(f"# bench-overhead {' '.join(bench_args)} (exit {rc}) under cProfile\n")
