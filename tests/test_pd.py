@@ -263,6 +263,38 @@ def test_a_buffer_is_registered_once_with_one_size(adapter) -> None:
         adapter.unregister(ptr)
 
 
+@needs_mooncake
+@pytest.mark.mooncake
+def test_closing_with_a_watched_wait_still_queued_ends_the_watcher_quietly(monkeypatch) -> None:
+    """Ctrl-C closes the adapter while the watcher waits on a batch whose engine wait is
+    still queued (every waiter thread busy): close() cancels it. The watcher ends
+    without a traceback (a replay printed one, test_processes), and a wait on that
+    batch raises TransferError saying the adapter closed, not a bare CancelledError."""
+    from hicache_cp.pd.engine import Batch, TransferEngineAdapter, TransferError, _EngineBatch
+
+    adapter = TransferEngineAdapter()
+    gate = threading.Event()
+    uncaught: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    monkeypatch.setattr(adapter, "_engine_wait", lambda peer, eb: gate.wait(10) and 0)
+    try:
+        busy = [adapter._waiter.submit(gate.wait, 10) for _ in range(adapter._waiter._max_workers)]
+        batch = Batch("127.0.0.1:1", [_EngineBatch(batch_id=1, transfers=3, nbytes=300)])
+        adapter.watch(batch)
+        deadline = time.monotonic() + 5
+        while batch.parts[0].future is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batch.parts[0].future is not None and not batch.parts[0].future.running()
+    finally:
+        adapter.close()
+        gate.set()
+    adapter._watcher.join(5)
+    assert not adapter._watcher.is_alive() and uncaught == []
+    assert all(f.result(5) for f in busy)
+    with pytest.raises(TransferError, match="closed before this batch's wait ran"):
+        adapter.wait(batch)
+
+
 def _mapped(addr: int) -> bool:
     """Whether `addr` lies in a mapping of this process."""
     for line in Path("/proc/self/maps").read_text().splitlines():

@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -257,8 +257,10 @@ class TransferEngineAdapter:
             for eb in batch.parts:
                 try:
                     self._wait_one(batch.peer, eb, None)
-                except RuntimeError:  # the waiter pool shut down: the adapter is closing
-                    return
+                except TransferError:
+                    if self._closed:  # close() cancelled the waits still queued
+                        return
+                    raise
 
     def drain(self, batch: Batch, timeout: float) -> bool:
         """Wait up to `timeout` s for `batch` to end, landed or failed; never
@@ -338,15 +340,22 @@ class TransferEngineAdapter:
         every waiter shares its future."""
         if eb.status is not None:
             return
+        closed = TransferError("get_batch_transfer_status", peer=peer, transfers=eb.transfers, nbytes=eb.nbytes,
+                               detail="the adapter was closed before this batch's wait ran")
         with self._lock:
             if eb.future is None:
-                eb.future = self._waiter.submit(self._engine_wait, peer, eb)
+                try:
+                    eb.future = self._waiter.submit(self._engine_wait, peer, eb)
+                except RuntimeError:  # the waiter pool shut down
+                    raise closed from None
             fut = eb.future
         try:
             fut.result(timeout=timeout)
         except FutureTimeout:
             raise TransferTimeout("get_batch_transfer_status", peer=peer, transfers=eb.transfers,
                                   nbytes=eb.nbytes, detail=f"no completion within {timeout:.3f} s") from None
+        except CancelledError:  # close() cancelled the wait before it ran
+            raise closed from None
 
     def _engine_wait(self, peer: str, eb: _EngineBatch) -> int:
         status = int(self.engine.get_batch_transfer_status([eb.batch_id]))
