@@ -127,6 +127,17 @@ class _GroupArrays(NamedTuple):
     device_base: np.ndarray  # (layers, parts, 1): device address of page 0 of the slot
     host_offset: np.ndarray  # (layers, parts, 1): arena offset of page 0 of the slot
 
+    @classmethod
+    def of(cls, geoms: Sequence[PartGeometry], layers: Sequence[int]) -> _GroupArrays:
+        """The arrays of `layers`, each owned by every part of `geoms`."""
+        per_part = [[g.page_bytes, g.host_base, g.chunk] for g in geoms]
+        page_bytes, host_base, chunk = np.array(per_part, dtype=np.int64).T[:, :, None]
+        slots = [[g.slots[layer] for g in geoms] for layer in layers]
+        device_base = [[g.device_layers[s] for g, s in zip(geoms, row)] for row in slots]
+        host_offset = [[g.host_offset(s) for g, s in zip(geoms, row)] for row in slots]
+        return cls(page_bytes, host_base, chunk, np.array(device_base, dtype=np.int64)[:, :, None],
+                   np.array(host_offset, dtype=np.int64)[:, :, None])
+
 
 class TableShape:
     """What every op's table shares, from the layout alone (built once per engine):
@@ -141,24 +152,11 @@ class TableShape:
         for layer, parts in layers:
             if parts:
                 grouped.setdefault(parts, []).append(layer)
-        #: Per group: its parts, its layers, and its geometry as arrays broadcast over
-        #: (layers, parts, runs): each part's page bytes, the arena's base and
-        #: registration chunk, and each layer's device base and arena offset.
+        #: Per group: its parts, its layers and its geometry.
         self.groups: list[tuple[tuple[Part, ...], list[int], _GroupArrays]] = []
         self.index: dict[int, list[tuple[tuple[Part, ...], int, int]]] = {}
         for g_idx, (parts, group) in enumerate(grouped.items()):
-            part_geoms = [self.geoms[part] for part in parts]
-            slots = [[geom.slots[layer] for geom in part_geoms] for layer in group]  # (layers, parts)
-            column = lambda values: np.array(values, dtype=np.int64)[:, None]  # noqa: E731 - (parts, 1)
-            arrays = _GroupArrays(
-                page_bytes=column([g.page_bytes for g in part_geoms]),
-                host_base=column([g.host_base for g in part_geoms]),
-                chunk=column([g.chunk for g in part_geoms]),
-                device_base=np.array([[g.device_layers[s] for g, s in zip(part_geoms, row)] for row in slots],
-                                     dtype=np.int64)[:, :, None],
-                host_offset=np.array([[g.host_offset(s) for g, s in zip(part_geoms, row)] for row in slots],
-                                     dtype=np.int64)[:, :, None],
-            )  # fmt: skip
+            arrays = _GroupArrays.of([self.geoms[part] for part in parts], group)
             self.groups.append((parts, group, arrays))
             for row, layer in enumerate(group):
                 self.index.setdefault(layer, []).append((parts, g_idx, row))
