@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache_cp.harness.bench import overhead
+from hicache_cp.harness.provenance import git_commit, machine
 
 #: The cache calls whose callees are listed (pstats matches these as regular expressions).
 FOCUS = (r"lifecycle\.py:\d+\(load_back\)", r"lifecycle\.py:\d+\(_submit_all_layers\)",
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     rc = overhead.main(bench_args)
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text).strip_dirs()
-    text.write(f"# bench-overhead {' '.join(bench_args)} (exit {rc}) under cProfile\n")
+    text.write(f"# bench-overhead {' '.join(bench_args)} (exit {rc}) under cProfile; commit {git_commit()}; {machine()}\n")
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(OWN, args.top)
     for pattern in FOCUS:
