@@ -48,12 +48,14 @@ def table_layers(layout: KVLayout) -> list[tuple[int, tuple[Part, ...]]]:
     ]
 
 
-def geometries(layout: KVLayout, host_pages: int, chunk: int) -> list[PartGeometry]:
+def geometries(layout: KVLayout, host_pages: int, chunk: int | list[int]) -> list[PartGeometry]:
+    """Every part's geometry; `chunk`: the registration chunk of all arenas, or of each."""
+    chunks = chunk if isinstance(chunk, list) else [chunk] * len(layout.parts)
     out, host_base = [], 1 << 44
     for i, p in enumerate(layout.parts):
         dev_layers = tuple((1 << 40) + (i << 32) + s * (1 << 24) for s in range(p.num_slots))
         out.append(PartGeometry(p.part, p.page_bytes, {layer: p.slot(layer) for layer in p.layer_ids}, dev_layers,
-                                host_base + (i << 36), host_pages * p.page_bytes, chunk))
+                                host_base + (i << 36), host_pages * p.page_bytes, chunks[i]))
     return out
 
 
@@ -66,11 +68,13 @@ def expand(desc) -> set[tuple[int, int]]:
 @given(
     pairs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=30,
                    unique_by=(lambda x: x[0], lambda x: x[1])),
-    chunk=st.sampled_from([160, 1000, 4096, 1 << 30]),
+    chunk=st.one_of(st.sampled_from([160, 1000, 4096, 1 << 30]),
+                    st.lists(st.sampled_from([160, 1000, 4096, 1 << 30]), min_size=2, max_size=2)),  # 2 parts
     d2h=st.booleans(),
     cap=st.sampled_from([0, 10**6]),
 )
-def test_table_rows_equal_the_per_layer_descriptors(pairs, chunk: int, d2h: bool, cap: int) -> None:
+def test_table_rows_equal_the_per_layer_descriptors(pairs, chunk: int | list[int], d2h: bool, cap: int) -> None:
+    """Also with arenas of different registration chunks (a list: one per part)."""
     layout = layout_with_skip()
     dev = np.array([d for d, _ in pairs], np.int64)
     host = np.array([h for _, h in pairs], np.int64)
@@ -96,7 +100,7 @@ def test_table_rows_equal_the_per_layer_descriptors(pairs, chunk: int, d2h: bool
             mine = (host_addr >= lo) & (host_addr < lo + (1 << 36))
             off = host_addr[mine].astype(np.int64) - lo
             n = got.sizes[mine].astype(np.int64)
-            assert ((off // chunk) == ((off + n - 1) // chunk)).all()
+            assert ((off // g.chunk) == ((off + n - 1) // g.chunk)).all()
             slot = g.slots[layer]
             want_pairs = {
                 (g.device_layers[slot] + d * g.page_bytes + k, lo + g.host_offset(slot) + h * g.page_bytes + k)
