@@ -65,11 +65,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class _Shape:
     """What the per-layer calls need of a layout, looked up once per layout:
-    each model's (part, layer ids) in layout order, and each part's page bytes."""
+    each model's (part, layer ids) in layout order, each part's page bytes, and
+    every (parts, layer) of both models in forward order (an all-layer op's jobs)
+    and, per model and layer, the parts that own it."""
 
     layout: KVLayout
     parts_of: dict[Model, tuple[tuple[Part, frozenset[int]], ...]]
     page_bytes: dict[Part, int]
+    all_layers: list[tuple[tuple[Part, ...], int]]
+    parts_at: dict[Model, dict[int, tuple[Part, ...]]]
 
 
 _SHAPES: dict[int, _Shape] = {}
@@ -81,11 +85,18 @@ def _shape(layout: KVLayout) -> _Shape:
     if shape is None or shape.layout is not layout:
         if len(_SHAPES) > 256:  # tests build many layouts; keep the cache bounded
             _SHAPES.clear()
-        shape = _Shape(
-            layout,
-            {m: tuple((p.part, frozenset(p.layer_ids)) for p in layout.parts_of(m)) for m in Model},
-            {p.part: p.page_bytes for p in layout.parts},
-        )
+        parts_of = {m: tuple((p.part, frozenset(p.layer_ids)) for p in layout.parts_of(m)) for m in Model}
+        all_layers = [
+            (parts, layer)
+            for model in (Model.TARGET, Model.DRAFT)
+            for layer in range(layout.num_layers(model))
+            for parts in [tuple(part for part, owned in parts_of[model] if layer in owned)]
+            if parts
+        ]
+        parts_at: dict[Model, dict[int, tuple[Part, ...]]] = {m: {} for m in Model}
+        for parts, layer in all_layers:
+            parts_at[parts[0].model][layer] = parts
+        shape = _Shape(layout, parts_of, {p.part: p.page_bytes for p in layout.parts}, all_layers, parts_at)
         _SHAPES[id(layout)] = shape
     return shape
 
@@ -184,8 +195,48 @@ class _CopyOp:
 
     def layers_to_submit(self, model: Model, layer: int) -> tuple[Part, ...]:
         """Parts of `model` that own `layer` and have not submitted it yet, in layout order."""
+        parts = self._shape.parts_at[model].get(layer, ())
         submitted = self.submitted
-        return tuple(part for part, owned in self._shape.parts_of[model] if layer in owned and layer not in submitted[part])
+        for part in parts:
+            if layer in submitted[part]:  # a repeated hook: only what is still due
+                return tuple(p for p in parts if layer not in submitted[p])
+        return parts
+
+    def all_layers(self) -> list[tuple[tuple[Part, ...], int]]:
+        """Every (parts, layer) of both models in forward order, for an op none of whose
+        layers was submitted yet (the all-layer paths)."""
+        assert not any(self.submitted.values()), (self.id, self.submitted)
+        return self._shape.all_layers
+
+    def record_layers(
+        self, jobs: list[tuple[tuple[Part, ...], int]], tickets: list[list[CopyTicket | None]]
+    ) -> None:
+        """`record_submit` for every part of every (parts, layer) of `jobs`, given one
+        ticket per part (None: this rank copies none of the pages), as `submit_layers`
+        returns them: the all-layer paths record a whole op in one call."""
+        submitted, page_bytes, local, inflight = self.submitted, self._shape.page_bytes, self.local_pages, self.inflight
+        for (parts, layer), per_part in zip(jobs, tickets):
+            if len(per_part) != len(parts):
+                self.error = self.error or ConsistencyError(
+                    f"{self.kind} {self.id}: {len(per_part)} tickets for {len(parts)} parts",
+                    part=parts[0].value, layer=layer, rank=self.rank,
+                )  # fmt: skip
+                continue
+            for part, ticket in zip(parts, per_part):
+                done = submitted[part]
+                if ticket is None or layer in done or ticket.nbytes // page_bytes[part] != local:
+                    self.record_submit(part, layer, [] if ticket is None else [ticket])  # the checks' slow path
+                    continue
+                done.add(layer)
+                inflight.append(ticket)
+                self._recorded(part, layer, ticket)
+        if len(tickets) != len(jobs):  # the layers left out stay unsubmitted: the op never lands
+            self.error = self.error or ConsistencyError(
+                f"{self.kind} {self.id}: tickets for {len(tickets)} of {len(jobs)} layers", rank=self.rank
+            )
+
+    def _recorded(self, part: Part, layer: int, ticket: CopyTicket) -> None:
+        """One ticket recorded by `record_layers` (a subclass's own bookkeeping)."""
 
     def record_submit(self, part: Part, layer: int, tickets: list[CopyTicket]) -> None:
         """Record the copies submitted for one layer of one part.
@@ -303,6 +354,9 @@ class LoadOp(_CopyOp):
     def record_submit(self, part: Part, layer: int, tickets: list[CopyTicket]) -> None:
         super().record_submit(part, layer, tickets)
         self.by_layer[(part, layer)] = tickets
+
+    def _recorded(self, part: Part, layer: int, ticket: CopyTicket) -> None:
+        self.by_layer[(part, layer)] = [ticket]
 
     def wait_layer(self, layer: int, model: Model = Model.TARGET) -> None:
         """Make the forward wait until `layer` of every part of `model` is on the device.

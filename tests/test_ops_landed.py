@@ -36,11 +36,11 @@ def _short_submissions(monkeypatch: pytest.MonkeyPatch, direction: Direction, pa
         got = dict(zip(others, real(self, op, d, others, layer))) if others else {}
         dev, host = op.device_pages[:-1], op.host_pages[:-1]
         if drop_all:
-            got[part] = []
+            got[part] = None
         elif d is Direction.D2H:
-            got[part] = [self.s.engine.submit_backup(part, layer, dev, host)]
+            got[part] = self.s.engine.submit_backup(part, layer, dev, host)
         else:
-            got[part] = [self.s.engine.submit_load(part, layer, host, dev)]
+            got[part] = self.s.engine.submit_load(part, layer, host, dev)
         return [got[p] for p in parts]
 
     def short_all(self, op, d, jobs):  # type: ignore[no-untyped-def]

@@ -11,9 +11,13 @@ Python alone costs, and what a change to it saves, on a machine without a GPU:
   nothing, and its issue workers issue on the caller's thread at once. So
   driver time, driver-lock waits and the worker's GIL share are absent by
   construction. These numbers are a lower bound for analysis, never a
-  benchmark of the GPU path.
+  benchmark of the GPU path;
+* `replay`: bench-overhead's own replay (`harness.bench.overhead.serve`, its
+  options and pool sizing) over that engine, so that its table of every call
+  compares line by line with an `overhead-<gpu>.json` of the same options.
 
     python tools/host_floor.py [--requests 300] [--hook-worker-above 16] [--json P]
+    python tools/host_floor.py replay [bench-overhead's options] [--hook-worker-above 16]
 
 Host speed matters: compare runs on one machine (bench-overhead's `match`
 time gives the ratio between hosts).
@@ -22,6 +26,7 @@ time gives the ratio between hosts).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import sys
 import threading
@@ -141,7 +146,7 @@ def _python_only_engine(cache: HiCache, options: dict[str, Any]) -> DirectCopyEn
         def put(*jobs: Any, cond: threading.Condition = cond) -> None:
             for job in jobs:
                 job.bind(cond)
-                job.finish(None)
+                job.finish(job.count)
 
         worker.put = put  # type: ignore[method-assign]
         workers.append(worker)
@@ -199,7 +204,42 @@ def cache_floor(requests: int, options: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def replay_floor(argv: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """bench-overhead's result for `argv` (its options; L1 on CPU) over the Python-only engine."""
+    from hicache_cp.harness.bench import overhead
+
+    parser = argparse.ArgumentParser(prog="host_floor.py replay")
+    overhead.add_arguments(parser)
+    args = parser.parse_args([*argv, "--device", "cpu"])
+    if args.io_backend or args.io_variant:
+        parser.error("the engine is the direct engine's Python; give --hook-worker-above instead")
+    resolved, requests, _ = overhead.prepare(args)
+    config = dataclasses.replace(resolved.config, io_backend="cpu")
+    tpb = args.tokens_per_block or config.page_size
+    from hicache_cp.harness.trace import request_tokens
+
+    all_tokens = [request_tokens(r, tpb) for r in requests]
+    timings = overhead.Timings()
+    with HiCache(config, device="cpu") as cache:
+        cpu_engine = cache.engine
+        engine = _python_only_engine(cache, options)
+        cache._state.engine = engine  # noqa: SLF001 - the point of the tool
+        try:
+            for tokens in all_tokens:
+                overhead.serve(cache, tokens, timings)
+            cache.drain()
+            stats = cache.stats()
+        finally:
+            cache._state.engine = cpu_engine  # noqa: SLF001 - closed by the cache
+    calls = {name: timings.summary(name) for name in (*overhead.REQUEST_CALLS, "own_per_request", "layer_hook")}
+    return {"argv": argv, "options": options, "requests": len(requests), "hit_rate": stats.get("hit_rate"),
+            "loads": stats.get("loads_started"), "deferred": engine.counts["deferred"], "calls": calls}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["replay"]:
+        return _main_replay(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--hook-worker-above", type=int, default=16, help="the direct engine's option (0: every hook layer deferred)")
@@ -217,6 +257,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         write_json(args.json, {"command": " ".join(["python", *sys.argv]), "commit": git_commit(), "machine": machine(),
                                "table": table, "cache": floor})  # fmt: skip
+    return 0
+
+
+def _main_replay(argv: list[str]) -> int:
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--hook-worker-above", type=int, default=16)
+    own.add_argument("--json", type=Path)
+    args, rest = own.parse_known_args(argv)
+    floor = replay_floor(rest, {"hook_worker_above": args.hook_worker_above})
+    print(f"bench-overhead's replay over the direct engine's Python (no driver), hook_worker_above="
+          f"{args.hook_worker_above}: {floor['requests']} requests, {floor['loads']} loads, hit rate {floor['hit_rate']:.4f}")
+    print(f"{'call':<18}{'count':>9}{'mean':>10}{'p50':>10}{'p99':>10}   (thread CPU time, us)")
+    for name, c in floor["calls"].items():
+        print(f"{name:<18}{c['count']:>9}{c['cpu_mean']:>10.1f}{c['cpu_p50']:>10.1f}{c['cpu_p99']:>10.1f}")
+    if args.json is not None:
+        write_json(args.json, {"command": " ".join(["python", *sys.argv]), "commit": git_commit(), "machine": machine(),
+                               "replay": floor})  # fmt: skip
     return 0
 
 

@@ -144,8 +144,7 @@ class Lifecycle:
             parts = op.layers_to_submit(model, layer)
             if not parts:
                 continue
-            for part, tickets in zip(parts, self._submit_layer(op, Direction.D2H, parts, layer)):
-                op.record_submit(part, layer, tickets)
+            op.record_layers([(parts, layer)], [self._submit_layer(op, Direction.D2H, parts, layer)])
             if op.state is _RESERVED:
                 op.transition(_WRITING)
 
@@ -400,16 +399,8 @@ class Lifecycle:
 
     def _submit_all_layers(self, op: BackupOp | LoadOp, direction: Direction) -> None:
         """Submit every layer of every part, in forward order (the all-layer paths)."""
-        jobs = [
-            (parts, layer)
-            for model in (Model.TARGET, Model.DRAFT)
-            for layer in range(self.s.layout.num_layers(model))
-            for parts in [op.layers_to_submit(model, layer)]
-            if parts
-        ]
-        for (parts, layer), per_part in zip(jobs, self._submit_layers(op, direction, jobs)):
-            for part, tickets in zip(parts, per_part):
-                op.record_submit(part, layer, tickets)
+        jobs = op.all_layers()
+        op.record_layers(jobs, self._submit_layers(op, direction, jobs))
 
     def _local_pages(self, device_pages: np.ndarray) -> int:
         """How many of these logical pages this rank owns (and copies)."""
@@ -436,18 +427,19 @@ class Lifecycle:
 
     def _submit_layer(
         self, op: BackupOp | LoadOp, direction: Direction, parts: tuple[Part, ...], layer: int
-    ) -> list[list[CopyTicket]]:
-        """Submit this rank's share of one layer of `parts` (one engine call);
-        per part, its tickets ([] where this rank owns no page of the op)."""
+    ) -> list[CopyTicket | None]:
+        """This rank's share of one layer of `parts` in one engine call; per part its
+        ticket (None where this rank owns no page of the op)."""
         plan = op.plan if op.plan is not None else self._plan(op, direction)
-        return [[t] if t is not None else [] for t in self.s.engine.submit_layer(plan, parts, layer)]
+        return self.s.engine.submit_layer(plan, parts, layer)
 
     def _submit_layers(
         self, op: BackupOp | LoadOp, direction: Direction, jobs: list[tuple[tuple[Part, ...], int]]
-    ) -> list[list[list[CopyTicket]]]:
-        """`_submit_layer` for every (parts, layer) of `jobs` in one engine call (all-layer paths)."""
+    ) -> list[list[CopyTicket | None]]:
+        """Every (parts, layer) of `jobs` in one engine call; per layer and part its
+        ticket (None where this rank owns no page of the op)."""
         plan = op.plan if op.plan is not None else self._plan(op, direction)
-        return [[[t] if t is not None else [] for t in tickets] for tickets in self.s.engine.submit_layers(plan, jobs)]
+        return self.s.engine.submit_layers(plan, jobs)
 
 
 def prefix_loads(node: Node) -> tuple[list[LoadOp], bool]:

@@ -259,6 +259,14 @@ class SharedTicket(CopyTicket):
         return self._primary.error
 
 
+def with_shared(primary: CopyTicket, parts: tuple[Part, ...], n: int, info: dict[Part, PartInfo]) -> list[CopyTicket | None]:
+    """The tickets of a layer of `parts` copied together, `n` pages each: `primary` (the
+    first part's) and a `SharedTicket` of it for every other part."""
+    if len(parts) == 1:
+        return [primary]
+    return [primary, *[SharedTicket(primary, part, n * info[part].page_bytes) for part in parts[1:]]]
+
+
 @dataclass(slots=True)
 class PartInfo:
     """Addresses and sizes of one part, looked up once per submission."""
@@ -470,9 +478,7 @@ class CudaCopyEngine(CopyEngine):
         primary = CudaTicket(direction, parts[0], layer, n * infos[0].page_bytes, self._sync, event)
         if keep:
             self._keep.append((primary, keep))
-        if len(parts) == 1:
-            return [primary]
-        return [primary, *(SharedTicket(primary, info.part, n * info.page_bytes) for info in infos[1:])]
+        return with_shared(primary, parts, n, self._info)
 
     def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """All of `jobs` behind one compute-ordering wait (they are submitted at one
@@ -515,7 +521,7 @@ class CudaCopyEngine(CopyEngine):
                 primary = CudaTicket(direction, parts[0], layer, n * infos[0].page_bytes, sync, event)
                 if keep:
                     self._keep.append((primary, keep))
-                out.append([primary, *(SharedTicket(primary, info.part, n * info.page_bytes) for info in infos[1:])])
+                out.append(with_shared(primary, parts, n, self._info))
         finally:
             sync.leave(previous)
         return out

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hicache_cp.io.base import CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
-from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, EngineSync, PartInfo, SharedTicket
+from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, EngineSync, PartInfo, with_shared
 from hicache_cp.io.cudadrv import MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE, DmaIssuer
 from hicache_cp.io.issue import CHUNK, WHOLE, IssueWorker, Job
 from hicache_cp.layout import Part
@@ -47,27 +47,29 @@ DEFAULT_STAGING_BYTES = 64 << 20
 
 
 class DeferredTicket(CopyTicket):
-    """Ticket of a layer issued by an `IssueWorker`: PENDING until the worker has
-    issued it, then its `done` event's state (see `hicache_cp.io.issue`)."""
+    """Ticket of layer `index` of a job issued by an `IssueWorker`: PENDING until the
+    worker has issued that layer, then its `done` event's state (see `hicache_cp.io.issue`)."""
 
-    def __init__(self, direction: Direction, part: Part, layer: int, nbytes: int, sync: EngineSync, job: Job) -> None:
+    def __init__(
+        self, direction: Direction, part: Part, layer: int, nbytes: int, sync: EngineSync, job: Job, index: int
+    ) -> None:
         super().__init__(direction, part, layer, nbytes)
         self._sync = sync
         self._job = job
+        self._index = index
         self._waiting: int | None = None  # the stream last made to wait on this layer (as `CudaTicket`'s)
         self._done = False
         self._error: BaseException | None = None
 
     def query(self) -> TicketState:
         if self._error is None and not self._done:
-            job = self._job
-            if not job.issued:
+            job, i = self._job, self._index
+            if job.issued <= i:
                 return TicketState.PENDING
-            if job.error is not None:
-                self._error = job.error
-            else:
+            self._error = job.error_of(i)
+            if self._error is None:
                 try:
-                    self._done = self._sync.drv.event_query(job.done)
+                    self._done = self._sync.drv.event_query(job.dones[i])
                 except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
                     self._error = exc
         if self._error is not None:
@@ -75,36 +77,37 @@ class DeferredTicket(CopyTicket):
         return TicketState.DONE if self._done else TicketState.PENDING
 
     def wait(self) -> None:
-        self._job.wait_issued()
-        if self._error is None and self._job.error is None and not self._done:
+        job, i = self._job, self._index
+        job.wait_issued(i)
+        self._error = self._error or job.error_of(i)
+        if self._error is None and not self._done:
             try:
-                self._sync.drv.event_synchronize(self._job.done)
+                self._sync.drv.event_synchronize(job.dones[i])
                 self._done = True
             except Exception as exc:  # noqa: BLE001
                 self._error = exc
-        error = self._error or self._job.error
-        if error is not None:
-            raise CopyFailed(f"{self.describe()} failed: {error}") from error
+        if self._error is not None:
+            raise CopyFailed(f"{self.describe()} failed: {self._error}") from self._error
 
     def make_compute_wait(self) -> None:
         """Blocks the host until the worker issued this layer (loads are issued long
         before the forward needs them), then the current stream waits on it, once per
         stream (as `CudaTicket`)."""
-        job = self._job
-        job.wait_issued()
-        error = self._error or job.error
+        job, i = self._job, self._index
+        job.wait_issued(i)
+        error = self._error or job.error_of(i)
         if error is not None:
             raise CopyFailed(f"{self.describe()} failed: {error}") from error
         if self._done:
             return
-        self._waiting = self._sync.make_current_wait(job.done, self._waiting)
+        self._waiting = self._sync.make_current_wait(job.dones[i], self._waiting)
 
     @property
     def error(self) -> BaseException | None:
-        return self._error or self._job.error
+        return self._error or self._job.error_of(self._index)
 
     def __del__(self) -> None:
-        self._job.drop()
+        self._job.drop(self._index)
 
 
 @register_backend("direct")
@@ -207,14 +210,13 @@ class DirectCopyEngine(CudaCopyEngine):
     def _defer(
         self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]], worker_records: bool = False
     ) -> list[list[CopyTicket | None]]:
-        """Hand `jobs` (layers of `plan`) to the direction's worker: one `order` event
-        recorded on the current stream (by the worker, before its stream waits on it,
-        when `worker_records`), one job and one `done` event per layer."""
-        n, sync = plan.num_pages, self._sync
-        nbytes = {p: n * self._info[p].page_bytes for parts, _ in jobs for p in parts}
-        handle = self._handle[0 if plan.direction is Direction.D2H else 1]
-        out: list[list[CopyTicket | None]] = []
-        queued: list[Job] = []
+        """Hand `jobs` (layers of `plan`) to the direction's worker as one `Job`: one
+        `order` event recorded on the current stream (by the worker, before its stream
+        waits on it, when `worker_records`), one `done` event per layer; the worker
+        takes each layer's descriptors from the plan's table."""
+        n, sync, direction, info = plan.num_pages, self._sync, plan.direction, self._info
+        handle = self._handle[0 if direction is Direction.D2H else 1]
+        table, layers = plan.prepared, tuple(jobs)
         previous = sync.enter()
         try:
             order = sync.event()
@@ -225,19 +227,16 @@ class DirectCopyEngine(CudaCopyEngine):
                 except Exception as exc:  # noqa: BLE001 - the submit boundary
                     sync.give_back(order)
                     return self._failed(plan, jobs, exc)
-            record_on = compute if worker_records else None
-            for parts, layer in jobs:
-                leader = queued[0] if queued else None
-                own_order = order if leader is None else None
-                job = Job(handle, own_order, sync.event(), plan.prepared.get(parts, layer), sync.give_back, leader,
-                          record_on if leader is None else None)
-                queued.append(job)
-                primary = DeferredTicket(plan.direction, parts[0], layer, nbytes[parts[0]], sync, job)
-                out.append([primary, *(SharedTicket(primary, p, nbytes[p]) for p in parts[1:])])
+            dones = [sync.event() for _ in layers]
         finally:
             sync.leave(previous)
-        self._worker(plan).put(*queued)
-        self.counts["deferred"] += len(queued)
+        job = Job(handle, order, dones, lambda i: table.get(*layers[i]), sync.give_back, compute if worker_records else None)
+        out = [
+            with_shared(DeferredTicket(direction, parts[0], layer, n * info[parts[0]].page_bytes, sync, job, i), parts, n, info)
+            for i, (parts, layer) in enumerate(layers)
+        ]
+        self._worker(plan).put(job)
+        self.counts["deferred"] += len(layers)
         return out
 
     def _failed(

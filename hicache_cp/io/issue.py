@@ -52,28 +52,28 @@ left 0.47 exposed as well, and deadlocked: a synchronous copy to the host on
 the scheduler thread held the driver while its stream waited for the worker,
 whose next call waited for the driver.
 
-Protocol of one job (the caller's side in `hicache_cp.io.dma`):
+Protocol of one job (the caller's side in `hicache_cp.io.dma`): a job is the
+layers of one op submitted together (a load's every layer, or one layer of a
+backup from the layer hook), with one `done` event per layer.
 
     caller:  record `order` on its current stream (compute so far), put the job
-             (the layers of an op submitted together: one `order`, one job each)
-    worker:  copy stream waits on `order`; the chunks; record `done` on the copy
-             stream; then `issued` is set (or `error`, and `issued` is set too)
+    worker:  copy stream waits on `order`; then per layer: its descriptors (taken
+             from the op's table now, not by the caller), in chunks; record its
+             `done` on the copy stream; `issued` counts it (or `error` is set at
+             `failed_at`: that layer and every later one fail unissued)
 
 A job may carry the caller's stream instead (`record_on`, the layer hook's
 `hook_order` "worker"): the worker records `order` on it first. That orders the
 copy after the compute the caller followed and perhaps some it enqueued since,
-never less, and it cannot close a cycle: nothing makes a stream wait on a job's
-`done` before the job is issued (below).
+never less, and it cannot close a cycle: nothing makes a stream wait on a
+layer's `done` before that layer is issued (below).
 
-A ticket of a job is PENDING until `issued`; `make_compute_wait` blocks the
-host until then (a load's layer is waited on only when the forward needs it,
-long after its job was put), then makes the current stream wait on `done`.
-Jobs of one direction run in submission order; the caller sends a copy of a
-direction to the worker whenever that direction has jobs pending, so the
-copies of a stream keep the order they were submitted in.
-
-Process: the prefill server's; one worker thread per engine and direction,
-started with the first job, stopped by `close()` (which waits for every job).
+The ticket of layer i is PENDING until `issued > i`; `make_compute_wait`
+blocks the host until then (a load's layer is waited on only when the forward
+needs it, long after its job was put), then makes the current stream wait on
+that layer's `done`. Jobs of one direction run in submission order; the caller
+sends a copy of a direction to the worker whenever that direction has jobs
+pending, so the copies of a stream keep the order they were submitted in.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -94,78 +95,93 @@ _U64_BYTES = 8
 
 
 class Job:
-    """One layer's descriptors waiting to be issued; see the module docstring.
+    """The layers of one op, issued in order behind one ordering event; see the
+    module docstring.
 
-    The layers of one op submitted together share one ordering event: the first
-    job (the leader) carries it, the others name the leader and wait on nothing
-    of their own (the stream runs in order). A follower whose leader failed
-    fails too: its stream may not have waited for compute.
+    One object for the op, not one per layer: a load puts every layer of the
+    model at once, and per-layer objects, locks and descriptor lookups were most
+    of the caller's time per layer. `issued` counts the layers issued (or
+    failed), under the worker's condition, bound when the job is put.
+    `descriptors(i)` gives layer i's `io.plans.LayerDescriptors`; the worker calls
+    it just before issuing that layer."""
 
-    `issued` is a plain flag under the worker's condition, bound when the job
-    is put: a load puts a job per layer of the model at once, and an Event and
-    a Lock per job were most of the caller's time per layer."""
-
-    __slots__ = ("stream", "order", "record_on", "done", "desc", "leader", "issued", "error", "_cond", "_orphan", "_release")
+    __slots__ = ("stream", "order", "record_on", "dones", "descriptors", "issued", "error", "failed_at", "_cond",
+                 "_orphans", "_release")  # fmt: skip
 
     def __init__(
-        self, stream: int, order: int | None, done: int, desc: Any, release: Any, leader: Job | None = None,
-        record_on: int | None = None,
-    ) -> None:
-        if (order is None) == (leader is None):
-            raise ValueError("a job carries its ordering event or names the leader that does, not both")
-        if record_on is not None and order is None:
-            raise ValueError("only a job that carries its ordering event can have the worker record it")
+        self, stream: int, order: int, dones: list[int], descriptors: Callable[[int], Any],
+        release: Callable[[int], None], record_on: int | None = None,
+    ) -> None:  # fmt: skip
+        if not dones:
+            raise ValueError("a job has at least one layer")
         self.stream = stream
         self.order = order
         self.record_on = record_on  # the caller's stream, when the worker records `order` on it
-        self.done = done
-        self.desc = desc  # io.plans.LayerDescriptors: kept alive until issued
-        self.leader = leader
-        self.issued = False
+        self.dones = dones  # per layer: recorded on the copy stream after its copies
+        self.descriptors: Callable[[int], Any] | None = descriptors  # dropped once every layer is issued
+        self.issued = 0
         self.error: BaseException | None = None
+        self.failed_at = len(dones)  # the first layer that failed (none: past the end)
         self._cond: threading.Condition | None = None  # the worker's, from `IssueWorker.put`
-        self._orphan = False
+        self._orphans: set[int] = set()  # layers whose ticket is gone before they were issued
         self._release = release  # gives an event back to the engine's pool
 
-    def wait_issued(self) -> None:
-        """Block until the worker issued the job (or failed it)."""
-        if self.issued:
+    @property
+    def count(self) -> int:
+        return len(self.dones)
+
+    def error_of(self, i: int) -> BaseException | None:
+        """Why layer i failed (None: it did not, or is not issued yet)."""
+        if i < self.failed_at or self.issued <= i:
+            return None
+        if i == self.failed_at:
+            return self.error
+        return RuntimeError(f"not issued: layer {self.failed_at} of its op failed first ({self.error})")
+
+    def wait_issued(self, i: int) -> None:
+        """Block until the worker issued layer i (or failed it)."""
+        if self.issued > i:
             return
         cond = self._cond
         if cond is None:
             raise RuntimeError("a job is waited on before it was put on a worker")
         with cond:
-            while not self.issued:
+            while self.issued <= i:
                 cond.wait()
 
-    def drop(self) -> None:
-        """The job's ticket is gone: give `done` back now, or once issued."""
+    def drop(self, i: int) -> None:
+        """Layer i's ticket is gone: give its `done` back now, or once issued."""
         cond = self._cond
         if cond is None:  # never put: nothing records `done`
-            self._release(self.done)
+            self._release(self.dones[i])
             return
         with cond:
-            if self.issued:
-                self._release(self.done)
+            if self.issued > i:
+                self._release(self.dones[i])
             else:
-                self._orphan = True
+                self._orphans.add(i)
 
     def bind(self, cond: threading.Condition) -> None:
         """Put on a worker whose condition signals `issued`."""
         self._cond = cond
 
-    def finish(self, error: BaseException | None) -> None:
-        """Issued (or failed); the worker holds `_cond`. `order` goes back to the
-        pool (the stream's wait on it is enqueued; a later record does not change
-        it), `done` too if the ticket is already gone."""
-        if self.order is not None:
+    def finish(self, upto: int) -> None:
+        """Layers before `upto` issued; the worker holds `_cond`. `order` goes back to
+        the pool with the first layer (the stream's wait on it is enqueued; a later
+        record does not change it), a layer's `done` too if its ticket is already gone."""
+        if self.issued == 0:
             self._release(self.order)
-        self.error = error
-        self.desc = None
-        self.leader = None
-        self.issued = True
-        if self._orphan:
-            self._release(self.done)
+        if self._orphans:
+            for i in self._orphans.intersection(range(self.issued, upto)):
+                self._release(self.dones[i])
+        self.issued = upto
+        if upto == self.count:
+            self.descriptors = None
+
+    def fail(self, i: int, error: BaseException) -> None:
+        """Layer i failed: it and every later layer end unissued (the worker holds `_cond`)."""
+        self.error, self.failed_at = error, i
+        self.finish(self.count)
 
 
 class IssueWorker:
@@ -230,28 +246,30 @@ class IssueWorker:
             job = self._queue.get()
             if job is None:
                 return
-            error: BaseException | None = None
-            leader = job.leader
-            if leader is not None and leader.error is not None:  # logged once, at the leader
-                error = RuntimeError(f"not issued: the op's first layer failed ({leader.error})")
-                logger.debug("%s", error)
-            else:
+            n = job.count
+            for i in range(n):
                 try:
-                    self._issue(job)
-                except BaseException as exc:  # noqa: BLE001 - reported through the job's tickets
-                    error = exc
-                    logger.warning("DMA issue of %d descriptors failed: %s", job.desc.count if job.desc else -1, exc)
+                    self._issue(job, i)
+                except BaseException as exc:  # noqa: BLE001 - reported through the layers' tickets
+                    logger.warning("DMA issue of layer %d of %d (stream %#x) failed: %s", i, n, job.stream, exc)
+                    with self._progress:  # later layers may not follow it: the op fails from here on
+                        job.fail(i, exc)
+                    break
+                with self._progress:
+                    job.finish(i + 1)
+                    if i + 1 < n:
+                        self._progress.notify_all()
             with self._progress:
-                job.finish(error)
                 self._pending -= 1
                 self._progress.notify_all()
 
-    def _issue(self, job: Job) -> None:
-        drv, desc, stream = self.drv, job.desc, job.stream
-        if job.order is not None:
+    def _issue(self, job: Job, i: int) -> None:
+        drv, stream = self.drv, job.stream
+        if i == 0:
             if job.record_on is not None:
                 drv.event_record(job.order, job.record_on)
             drv.stream_wait_event(stream, job.order)
+        desc = job.descriptors(i)  # type: ignore[misc]
         n = desc.count
         chunk = n if n <= self.whole else self.chunk
         for lo in range(0, n, chunk):
@@ -263,4 +281,4 @@ class IssueWorker:
                 drv.memcpy_batch_ptrs(
                     desc.dst_ptr + off, desc.src_ptr + off, desc.sizes_ptr + off, k, self._attrs, self._attr_idx, stream
                 )
-        drv.event_record(job.done, stream)
+        drv.event_record(job.dones[i], stream)

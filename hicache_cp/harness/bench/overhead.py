@@ -191,9 +191,20 @@ def serve(cache: Any, tokens: np.ndarray, timings: Timings) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Replay the trace through the timed protocol; print a table; write JSON if asked.
+    """Replay the trace through the timed protocol; print a table; write JSON if asked."""
+    resolved, requests, variant = prepare(args)
+    result = measure(args, resolved.config, requests, variant)
+    result["config"] = resolved.report()
+    _print_table(result)
+    if args.json is not None:
+        write_json(args.json, result)
+    return 0
 
-    The inputs are checked like the replay's (bad input: exit 2 through the CLI)."""
+
+def prepare(args: argparse.Namespace) -> tuple[Any, list[Any], dict[str, Any]]:
+    """The run's resolved configuration, its requests and its engine options.
+
+    The inputs are checked like the replay's (bad input: InputError, exit 2 through the CLI)."""
     from hicache_cp.harness.replay.setup import DEFAULT_METRICS_ADDR, build_config, check_args, load_requests
 
     # The replay's options that this benchmark fixes: one rank, the default policies, no extras.
@@ -206,13 +217,7 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     requests = load_requests(args)
     # Every source counts (TOML, HICACHE_*, flags); these defaults only stand in for the library's.
-    resolved = build_config(args, requests, defaults=DEFAULTS)[0]
-    result = measure(args, resolved.config, requests, variant)
-    result["config"] = resolved.report()
-    _print_table(result)
-    if args.json is not None:
-        write_json(args.json, result)
-    return 0
+    return build_config(args, requests, defaults=DEFAULTS)[0], requests, variant
 
 
 def _variant(args: argparse.Namespace) -> dict[str, Any]:
