@@ -40,6 +40,14 @@ def layout_with_skip(bpt: int = 40) -> KVLayout:
     return KVLayout.build(page_size=4, num_layers=4, kv_bytes_per_token=bpt, state_bytes_per_token=12, state_layers=(1, 3))
 
 
+def layout_with_draft() -> KVLayout:
+    """`layout_with_skip` plus a draft model of other page sizes whose layer 0 has one part
+    and layer 1 two: the table's groups (rows of equal part counts) mix both models."""
+    return KVLayout.build(page_size=4, num_layers=4, kv_bytes_per_token=40, state_bytes_per_token=12, state_layers=(1, 3),
+                          draft_layers=2, draft_kv_bytes_per_token=24, draft_state_bytes_per_token=8,
+                          draft_state_layers=(1,))  # fmt: skip
+
+
 def table_layers(layout: KVLayout) -> list[tuple[int, tuple[Part, ...]]]:
     return [
         (layer, tuple(p.part for p in layout.parts_of(m) if p.has_layer(layer)))
@@ -69,13 +77,14 @@ def expand(desc) -> set[tuple[int, int]]:
     pairs=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=30,
                    unique_by=(lambda x: x[0], lambda x: x[1])),
     chunk=st.one_of(st.sampled_from([160, 1000, 4096, 1 << 30]),
-                    st.lists(st.sampled_from([160, 1000, 4096, 1 << 30]), min_size=2, max_size=2)),  # 2 parts
+                    st.lists(st.sampled_from([160, 1000, 4096, 1 << 30]), min_size=4, max_size=4)),  # 4 parts
     d2h=st.booleans(),
     cap=st.sampled_from([0, 10**6]),
 )
 def test_table_rows_equal_the_per_layer_descriptors(pairs, chunk: int | list[int], d2h: bool, cap: int) -> None:
-    """Also with arenas of different registration chunks (a list: one per part)."""
-    layout = layout_with_skip()
+    """Also with arenas of different registration chunks (a list: one per part), and
+    with rows of both models in one group."""
+    layout = layout_with_draft()
     dev = np.array([d for d, _ in pairs], np.int64)
     host = np.array([h for _, h in pairs], np.int64)
     geoms = geometries(layout, 48, chunk)

@@ -144,6 +144,10 @@ FAULTS: list[Fault] = [
           "        crossing = (off // g.chunk != (off + size - 1) // g.chunk).any(axis=(1, 2))\n",
           "        crossing = np.zeros(off.shape[0], dtype=bool)\n", ("tests/test_io_plans.py",),
           "a DMA crosses a host registration chunk (cudaErrorInvalidValue on the H200)"),
+    Fault("plans-group-rows-share-sizes", "hicache_cp/io/plans.py",
+          "        size = runs.lengths * g.page_bytes  # (rows, parts, runs)\n",
+          "        size = runs.lengths * g.page_bytes[:1]  # (rows, parts, runs)\n", ("tests/test_io_plans.py",),
+          "a group's rows of another model copy with the first row's page sizes"),
     # ---- configuration
     Fault("env-below-toml", "hicache_cp/config.py", "        values.update(env_values)\n",
           "        values = {**env_values, **values}\n", ("tests/test_config_sources.py",),

@@ -119,59 +119,61 @@ def layer_descriptors(d2h: bool, geoms: Sequence[PartGeometry], runs: Runs, laye
 
 
 class _GroupArrays(NamedTuple):
-    """A group's geometry as int64 arrays that broadcast over (layers, parts, runs)."""
+    """The geometry of a group's rows, one (parts, layer) each, all with the same number
+    of parts, as int64 arrays that broadcast over (rows, parts, runs)."""
 
-    page_bytes: np.ndarray  # (parts, 1)
-    host_base: np.ndarray  # (parts, 1): arena address
-    chunk: int | np.ndarray  # the arenas' registration chunk: one int when the parts share it, else (parts, 1)
-    device_base: np.ndarray  # (layers, parts, 1): device address of page 0 of the slot
-    host_offset: np.ndarray  # (layers, parts, 1): arena offset of page 0 of the slot
+    page_bytes: np.ndarray  # (rows, parts, 1)
+    host_base: np.ndarray  # (rows, parts, 1): arena address
+    chunk: int | np.ndarray  # the arenas' registration chunk: one int when the parts share it, else (rows, parts, 1)
+    device_base: np.ndarray  # (rows, parts, 1): device address of page 0 of the slot
+    host_offset: np.ndarray  # (rows, parts, 1): arena offset of page 0 of the slot
 
     @classmethod
-    def of(cls, geoms: Sequence[PartGeometry], layers: Sequence[int]) -> _GroupArrays:
-        """The arrays of `layers`, each owned by every part of `geoms`."""
-        per_part = [[g.page_bytes, g.host_base, g.chunk] for g in geoms]
-        page_bytes, host_base, chunks = np.array(per_part, dtype=np.int64).T[:, :, None]
+    def of(cls, rows: Sequence[tuple[Sequence[PartGeometry], int]]) -> _GroupArrays:
+        """The arrays of `rows`: (the geometries of the parts, a layer every one of them owns)."""
+        a = np.array(
+            [[(g.page_bytes, g.host_base, g.chunk, g.device_layers[g.slots[layer]], g.host_offset(g.slots[layer]))
+              for g in geoms] for geoms, layer in rows],
+            dtype=np.int64,
+        )  # fmt: skip
+        page_bytes, host_base, chunks, device_base, host_offset = (a[:, :, k : k + 1] for k in range(5))
         # numpy divides by one integer much faster than by an array of them (libdivide):
         # at 1024 scattered pages the whole table built 1.25x slower with the array.
-        chunk = int(chunks[0, 0]) if (chunks == chunks[0, 0]).all() else chunks
-        slots = [[g.slots[layer] for g in geoms] for layer in layers]
-        device_base = [[g.device_layers[s] for g, s in zip(geoms, row)] for row in slots]
-        host_offset = [[g.host_offset(s) for g, s in zip(geoms, row)] for row in slots]
-        return cls(page_bytes, host_base, chunk, np.array(device_base, dtype=np.int64)[:, :, None],
-                   np.array(host_offset, dtype=np.int64)[:, :, None])
+        chunk = int(chunks.flat[0]) if (chunks == chunks.flat[0]).all() else chunks
+        return cls(page_bytes, host_base, chunk, device_base, host_offset)
 
 
 class TableShape:
     """What every op's table shares, from the layout alone (built once per engine):
-    the groups of layers owned by the same parts, and where each (layer, parts)
-    lives in them. `layers` lists the (logical layer, parts) pairs: per model,
-    the parts of that model that own the layer, in layout order (target and
-    draft layer ids overlap, so one layer id may come with two part sets)."""
+    the (parts, layer) rows grouped by their number of parts (every group is built
+    with one handful of numpy operations, so a layout of two models costs one
+    build, not two), and where each row lives. `layers` lists the (logical layer,
+    parts) pairs: per model, the parts of that model that own the layer, in layout
+    order (target and draft layer ids overlap, so one layer id may come with two
+    part sets)."""
 
     def __init__(self, geoms: Sequence[PartGeometry], layers: Sequence[tuple[int, tuple[Part, ...]]]) -> None:
         self.geoms = {g.part: g for g in geoms}
-        grouped: dict[tuple[Part, ...], list[int]] = {}
+        grouped: dict[int, list[tuple[tuple[Part, ...], int]]] = {}
         for layer, parts in layers:
             if parts:
-                grouped.setdefault(parts, []).append(layer)
-        #: Per group: its parts, its layers and its geometry.
-        self.groups: list[tuple[tuple[Part, ...], list[int], _GroupArrays]] = []
+                grouped.setdefault(len(parts), []).append((parts, layer))
+        #: Per group: its rows and their geometry.
+        self.groups: list[tuple[list[tuple[tuple[Part, ...], int]], _GroupArrays]] = []
         self.index: dict[int, list[tuple[tuple[Part, ...], int, int]]] = {}
-        for g_idx, (parts, group) in enumerate(grouped.items()):
-            arrays = _GroupArrays.of([self.geoms[part] for part in parts], group)
-            self.groups.append((parts, group, arrays))
-            for row, layer in enumerate(group):
+        for g_idx, rows in enumerate(grouped.values()):
+            self.groups.append((rows, _GroupArrays.of([([self.geoms[p] for p in parts], layer) for parts, layer in rows])))
+            for row, (parts, layer) in enumerate(rows):
                 self.index.setdefault(layer, []).append((parts, g_idx, row))
-        self.descriptors_per_run = sum(len(group) * len(parts) for parts, group, _ in self.groups)
+        self.descriptors_per_run = sum(len(parts) for rows, _ in self.groups for parts, _ in rows)
 
 
 class DescriptorTable:
     """Every layer's DMAs of one op, for the part sets of its `TableShape`.
 
-    Built once per op: per group of layers, two 2-D uint64 arrays (layers x
-    runs of all its parts) from a few vectorised operations, O(layers x runs
-    x parts). `get(parts, layer)` then costs a dict lookup and two row views;
+    Built once per op: per group of rows, three 2-D uint64 arrays (rows x runs
+    of all its parts) from a few vectorised operations, O(layers x runs x
+    parts). `get(parts, layer)` then costs a dict lookup and three row views;
     another set of parts is computed afresh (`layer_descriptors`), and so are
     the rare layers where a run crosses a registration chunk.
     """
@@ -184,10 +186,10 @@ class DescriptorTable:
         self._shape = shape
         self._index = shape.index
         self.tabulated = len(runs) * shape.descriptors_per_run <= max_descriptors
-        #: Per group: (dst 2-D, src 2-D, sizes row, crossing rows, row bytes, dst/src/sizes addresses).
+        #: Per group: (dst 2-D, src 2-D, sizes 2-D, crossing rows, row bytes, dst/src/sizes addresses).
         self._groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, int, int]] = []
         if self.tabulated and len(runs):
-            for _, _, arrays in shape.groups:
+            for _, arrays in shape.groups:
                 self._groups.append(self._build_group(arrays))
 
     def get(self, parts: tuple[Part, ...], layer: int) -> LayerDescriptors:
@@ -195,27 +197,28 @@ class DescriptorTable:
         if self._groups:
             for built, g, row in self._index.get(layer, ()):
                 if built == parts:
-                    dst2d, src2d, sizes, crossing, row_bytes, dst0, src0, sizes_ptr = self._groups[g]
+                    dst2d, src2d, sizes2d, crossing, row_bytes, dst0, src0, sizes0 = self._groups[g]
                     if crossing[row]:
                         break
                     off = row * row_bytes
-                    return LayerDescriptors(dst2d[row], src2d[row], sizes, len(sizes), dst0 + off, src0 + off, sizes_ptr)
+                    return LayerDescriptors(dst2d[row], src2d[row], sizes2d[row], sizes2d.shape[1], dst0 + off, src0 + off,
+                                            sizes0 + off)  # fmt: skip
         return layer_descriptors(self.d2h, [self._shape.geoms[p] for p in parts], self.runs, layer)
 
     def _build_group(self, g: _GroupArrays) -> tuple[Any, ...]:
         """One group's rows: every part's runs side by side, in part order, computed for all
-        layers and parts at once (a handful of numpy operations whatever the parts)."""
+        rows and parts at once (a handful of numpy operations whatever the layout)."""
         runs = self.runs
-        size = runs.lengths * g.page_bytes  # (parts, runs)
-        off = g.host_offset + runs.host_starts * g.page_bytes  # (layers, parts, runs)
+        size = runs.lengths * g.page_bytes  # (rows, parts, runs)
+        off = g.host_offset + runs.host_starts * g.page_bytes
         crossing = (off // g.chunk != (off + size - 1) // g.chunk).any(axis=(1, 2))
-        rows, width = off.shape[0], size.size
+        rows, width = off.shape[0], off.shape[1] * off.shape[2]
         dev2d = (g.device_base + runs.device_starts * g.page_bytes).reshape(rows, width).view(_U64)
         host2d = (off + g.host_base).reshape(rows, width).view(_U64)
-        row_sizes = size.reshape(width).view(_U64)
+        sizes2d = size.reshape(rows, width).view(_U64)
         dst2d, src2d = (host2d, dev2d) if self.d2h else (dev2d, host2d)
         row_bytes = width * dst2d.itemsize  # C-contiguous rows: row i starts at base + i * row_bytes
-        return dst2d, src2d, row_sizes, crossing, row_bytes, dst2d.ctypes.data, src2d.ctypes.data, row_sizes.ctypes.data
+        return dst2d, src2d, sizes2d, crossing, row_bytes, dst2d.ctypes.data, src2d.ctypes.data, sizes2d.ctypes.data
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
