@@ -9,6 +9,9 @@
 #             ../shared/traces), DeepSeek-V3.2 layout, OVERHEAD_LIMIT requests (default 1500)
 #             -> $DEST/overhead-h200.json; then each of OVERHEAD_VARIANTS (bench-io's variant names)
 #             -> $DEST/overhead-h200-<variant>.json, on the same host
+#   floor     tools/host_floor.py replay: the same replay over the direct engine's Python with a
+#             driver double, on this host's CPU (bench-overhead's time minus it is driver time and
+#             waits) -> $DEST/host-floor-h200.json (FLOOR_ARGS adds flags, e.g. --hook-worker-above 0)
 #   profile   tools/profile_overhead.py: the same bench-overhead run under cProfile (PROFILE_VARIANT
 #             picks a variant) -> $DEST/overhead-profile.txt
 #   io        bench-io (IO_ARGS adds flags) -> $DEST/io-h200.json
@@ -47,6 +50,12 @@ if want overhead; then
       --trace .devdata/synthetic_trace.jsonl --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" \
       --json "$DEST/overhead-h200-$v.json"
   done
+fi
+if want floor; then
+  step "the cache's Python floor on this host"
+  # shellcheck disable=SC2086 - FLOOR_ARGS is a list of flags
+  run host-floor-h200 "${FLOOR_TIMEOUT:-90}" $PY tools/host_floor.py replay --trace .devdata/synthetic_trace.jsonl \
+    --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" --json "$DEST/host-floor-h200.json" ${FLOOR_ARGS:-}
 fi
 if want profile; then
   step "bench-overhead under cProfile"

@@ -12,7 +12,8 @@ allocators make, milliseconds for thousands of scattered pages. The
 
 A layer of more than `WORKER_ABOVE` descriptors is issued by a worker
 thread (`io.issue`, which says what its driver-call size trades), so the
-caller pays for two event calls, not for the descriptors.
+caller pays for one event record, not for the descriptors; a load's layers
+go to the worker as one job.
 
 `staging` gathers scattered device pages into a bounded device buffer with
 torch and moves each run of consecutive host pages with one DMA.
@@ -188,9 +189,10 @@ class DirectCopyEngine(CudaCopyEngine):
         is busy (a call per layer would wait for the worker's call in flight each
         time), and every layer but the first when the op is large only in all:
         the first is issued here at once (the forward needs it first; the worker
-        would start it a thread hand-off later), the rest for about a microsecond
-        each instead of a driver call each (a DeepSeek-V3.2 load, 62 layers of 1-3
-        runs, cost 1.1-1.5 ms inline). Small ops are issued here whole."""
+        would start it a thread hand-off later), the rest as one job: an event and
+        a ticket per part a layer here instead of two driver calls (a DeepSeek-V3.2
+        load, 62 layers of 1-3 runs, cost 1.1-1.5 ms inline). Small ops are issued
+        here whole."""
         if not (plan.num_pages and self.worker_above is not None and jobs):
             return super().submit_layers(plan, jobs)
         per_layer = len(plan.prepared.runs) * max(len(parts) for parts, _ in jobs)
