@@ -20,7 +20,7 @@ from hicache_cp.config import Config
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.io.base import CopyTicket, Direction, TicketState
 from hicache_cp.layout import Model, Part
-from hicache_cp.ops import BackupOp, BackupState, LoadState
+from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
 
 PARTS = list(Part)
 
@@ -136,6 +136,33 @@ def test_a_layer_of_several_copies_lands_when_the_last_one_does() -> None:
     second.state = TicketState.DONE
     op.reap()
     assert 0 in op.landed[Part.TARGET_KV]
+
+
+@pytest.mark.parametrize("fault", ["a-part-short", "a-layer-short"])
+def test_a_whole_op_recorded_at_once_needs_one_ticket_per_part_of_every_layer(fault: str) -> None:
+    """`record_layers` (the all-layer paths): tickets for every part of every layer land
+    the op; a layer with a ticket missing for one part, or a layer missing from the
+    engine's answer, is a ConsistencyError naming it and the op never lands."""
+    layout = Config(model="tiny").layout()
+    pages = np.array([1, 2, 3], np.int64)
+    op = LoadOp(layout, pages, pages, 0)
+    jobs = op.all_layers()
+    assert [layer for _, layer in jobs] == [0, 1, 2, 3, 0]  # target layers, then the draft's
+    tickets = [[_Ticket(p, layer, 3 * layout.part(p).page_bytes) for p in parts] for parts, layer in jobs]
+    whole = LoadOp(layout, pages, pages, 0)
+    whole.record_layers(jobs, tickets)
+    assert whole.error is None and whole.all_submitted()
+    assert whole.by_layer[(Part.TARGET_STATE, 2)] == [tickets[2][1]]
+    if fault == "a-part-short":
+        tickets[2] = tickets[2][:1]  # layer 2 owns KV and state: the state's ticket is missing
+    else:
+        tickets = tickets[:-1]  # the draft layer is missing
+    op.record_layers(jobs, tickets)
+    assert isinstance(op.error, ConsistencyError)
+    assert op.error.layer == (2 if fault == "a-part-short" else None)
+    for t in (t for per_part in tickets for t in per_part):
+        t.state = TicketState.DONE
+    assert not op.local_vote().ok and not op.all_landed()
 
 
 @pytest.mark.parametrize("model", list(Model))

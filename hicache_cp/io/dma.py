@@ -257,7 +257,7 @@ class DirectCopyEngine(CudaCopyEngine):
     def _prepare_backend(self, plan: CopyPlan) -> None:
         """Sort by device page (`order`), then tabulate every layer's descriptors (`io.plans`)."""
         dev, host = plan.device_pages, plan.host_pages
-        if self.order == "device" and len(dev) > 1 and not (np.diff(dev) > 0).all():
+        if self.order == "device" and len(dev) > 1 and not (dev[1:] > dev[:-1]).all():
             by_device = np.argsort(dev, kind="stable")
             plan.device_pages, plan.host_pages = dev[by_device], host[by_device]
         plan.prepared = self.descriptor_table(plan)
@@ -270,7 +270,7 @@ class DirectCopyEngine(CudaCopyEngine):
         return self._issuer.batch
 
     def _enqueue(self, d2h, info, slot, device_pages, host_pages, stream, keep) -> None:  # type: ignore[no-untyped-def]
-        if self.order == "device" and len(device_pages) > 1 and not (np.diff(device_pages) > 0).all():
+        if self.order == "device" and len(device_pages) > 1 and not (device_pages[1:] > device_pages[:-1]).all():
             by_device = np.argsort(device_pages, kind="stable")
             device_pages, host_pages = device_pages[by_device], host_pages[by_device]
         self._dma(d2h, info, slot, device_pages, host_pages, stream)
