@@ -389,22 +389,28 @@ class CudaCopyEngine(CopyEngine):
         return ticket
 
     def _ordered(self, direction: Direction, enqueue: Callable[[int], None]) -> tuple[Any, Exception | None]:
-        """One copy behind the compute stream's work so far: record the order event on the
-        current stream, make the copy stream wait on it, `enqueue(stream)`, record the
-        completion event. Returns (event, None), or (None, the error): the submit boundary,
-        where CUDA errors become FAILED tickets. The engine's context must be current."""
-        i = 0 if direction is _D2H else 1
-        stream, sync = self._handle[i], self._sync
-        event = sync.event()
+        """One copy behind the compute stream's work so far (`_follow_compute`),
+        `enqueue(stream)`, then the completion event. Returns (event, None), or (None, the
+        error): the submit boundary, where CUDA errors become FAILED tickets. The engine's
+        context must be current."""
+        event = self._sync.event()
         try:
-            self._drv.event_record(self._order[i], sync.current_stream())
-            self._drv.stream_wait_event(stream, self._order[i])
+            stream = self._follow_compute(0 if direction is _D2H else 1)
             enqueue(stream)
             self._drv.event_record(event, stream)
         except Exception as exc:  # noqa: BLE001 - the caller turns it into FAILED tickets
-            sync.give_back(event)
+            self._sync.give_back(event)
             return None, exc
         return event, None
+
+    def _follow_compute(self, i: int) -> int:
+        """Copy stream `i` (0: D2H, 1: H2D) waits for the work on the caller's current
+        stream so far: its order event recorded there, then waited on. Returns the copy
+        stream. Raises DriverError."""
+        stream, order = self._handle[i], self._order[i]
+        self._drv.event_record(order, self._sync.current_stream())
+        self._drv.stream_wait_event(stream, order)
+        return stream
 
     def _enqueue(
         self,
@@ -455,30 +461,34 @@ class CudaCopyEngine(CopyEngine):
     def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
         """Copy `layer` of every part in `parts` with one set of stream-ordering
         calls and one completion event (their tickets complete together); no
-        per-page work here (the plan did it). Failures: FAILED tickets."""
+        per-page work here (the plan did it). Failures: FAILED tickets. The layer
+        hook's path: written out, not through `_ordered` (a tenth of its Python)."""
         n = plan.num_pages
         if not n:
             return [None] * len(parts)
-        infos = [self._info[part] for part in parts]
-        direction = plan.direction
-        previous = self._sync.enter()
+        direction, sync, info = plan.direction, self._sync, self._info
+        keep: list[Any] = []
+        event = sync.event()
+        previous = sync.enter()
         try:
             if self._keep:
                 self._prune()
-            keep: list[Any] = []
-            event, exc = self._ordered(direction, lambda stream: self._enqueue_layer(plan, parts, infos, layer, stream, keep))
-            if exc is not None:
-                logger.warning(
-                    "%s %s layer %d (%d pages): submission failed: %s",
-                    direction.value, [p.value for p in parts], layer, n, exc, exc_info=True,
-                )
-                return [CudaTicket(direction, info.part, layer, n * info.page_bytes, None, error=exc) for info in infos]
+            stream = self._follow_compute(0 if direction is _D2H else 1)
+            self._enqueue_layer(plan, parts, [info[part] for part in parts], layer, stream, keep)
+            self._drv.event_record(event, stream)
+        except Exception as exc:  # noqa: BLE001 - the submit boundary: FAILED tickets
+            sync.give_back(event)
+            logger.warning(
+                "%s %s layer %d (%d pages): submission failed: %s",
+                direction.value, [p.value for p in parts], layer, n, exc, exc_info=True,
+            )
+            return [CudaTicket(direction, part, layer, n * info[part].page_bytes, None, error=exc) for part in parts]
         finally:
-            self._sync.leave(previous)
-        primary = CudaTicket(direction, parts[0], layer, n * infos[0].page_bytes, self._sync, event)
+            sync.leave(previous)
+        primary = CudaTicket(direction, parts[0], layer, n * info[parts[0]].page_bytes, sync, event)
         if keep:
             self._keep.append((primary, keep))
-        return with_shared(primary, parts, n, self._info)
+        return with_shared(primary, parts, n, info)
 
     def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """All of `jobs` behind one compute-ordering wait (they are submitted at one
@@ -498,9 +508,7 @@ class CudaCopyEngine(CopyEngine):
                 self._prune()
             error: BaseException | None = None
             try:
-                order = self._order[i]
-                self._drv.event_record(order, sync.current_stream())
-                self._drv.stream_wait_event(stream, order)
+                self._follow_compute(i)
             except Exception as exc:  # noqa: BLE001 - the submit boundary
                 error = exc
             for parts, layer in jobs:

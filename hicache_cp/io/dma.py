@@ -263,7 +263,7 @@ class DirectCopyEngine(CudaCopyEngine):
         plan.prepared = self.descriptor_table(plan)
 
     def _enqueue_layer(self, plan, parts, infos, layer, stream, keep) -> None:  # type: ignore[no-untyped-def]
-        self._issue(plan.prepared.get(parts, layer), stream)
+        self._issuer.issue_table_row(plan.prepared.get(parts, layer), stream)
 
     @property
     def batch(self) -> bool:
