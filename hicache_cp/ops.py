@@ -211,32 +211,37 @@ class _CopyOp:
     def record_layers(
         self, jobs: list[tuple[tuple[Part, ...], int]], tickets: list[list[CopyTicket | None]]
     ) -> None:
-        """`record_submit` for every part of every (parts, layer) of `jobs`, given one
-        ticket per part (None: this rank copies none of the pages), as `submit_layers`
-        returns them: the all-layer paths record a whole op in one call."""
-        submitted, page_bytes, local, inflight = self.submitted, self._shape.page_bytes, self.local_pages, self.inflight
+        """`record_layer` for every (parts, layer) of `jobs`, as `submit_layers` returns
+        their tickets: the all-layer paths record a whole op in one call."""
         for (parts, layer), per_part in zip(jobs, tickets):
-            if len(per_part) != len(parts):
-                self.error = self.error or ConsistencyError(
-                    f"{self.kind} {self.id}: {len(per_part)} tickets for {len(parts)} parts",
-                    part=parts[0].value, layer=layer, rank=self.rank,
-                )  # fmt: skip
-                continue
-            for part, ticket in zip(parts, per_part):
-                done = submitted[part]
-                if ticket is None or layer in done or ticket.nbytes // page_bytes[part] != local:
-                    self.record_submit(part, layer, [] if ticket is None else [ticket])  # the checks' slow path
-                    continue
-                done.add(layer)
-                inflight.append(ticket)
-                self._recorded(part, layer, ticket)
+            self.record_layer(parts, layer, per_part)
         if len(tickets) != len(jobs):  # the layers left out stay unsubmitted: the op never lands
             self.error = self.error or ConsistencyError(
                 f"{self.kind} {self.id}: tickets for {len(tickets)} of {len(jobs)} layers", rank=self.rank
             )
 
+    def record_layer(self, parts: tuple[Part, ...], layer: int, tickets: list[CopyTicket | None]) -> None:
+        """`record_submit` for every part of one layer copied together, given one ticket
+        per part (None: this rank copies none of the pages), as `submit_layer` returns
+        them; the checks of `record_submit`, without its lists on the hot path."""
+        if len(tickets) != len(parts):
+            self.error = self.error or ConsistencyError(
+                f"{self.kind} {self.id}: {len(tickets)} tickets for {len(parts)} parts",
+                part=parts[0].value, layer=layer, rank=self.rank,
+            )  # fmt: skip
+            return
+        submitted, page_bytes, local = self.submitted, self._shape.page_bytes, self.local_pages
+        for part, ticket in zip(parts, tickets):
+            done = submitted[part]
+            if ticket is None or layer in done or ticket.nbytes // page_bytes[part] != local:
+                self.record_submit(part, layer, [] if ticket is None else [ticket])  # the checks' slow path
+                continue
+            done.add(layer)
+            self.inflight.append(ticket)
+            self._recorded(part, layer, ticket)
+
     def _recorded(self, part: Part, layer: int, ticket: CopyTicket) -> None:
-        """One ticket recorded by `record_layers` (a subclass's own bookkeeping)."""
+        """One ticket recorded by `record_layer` (a subclass's own bookkeeping)."""
 
     def record_submit(self, part: Part, layer: int, tickets: list[CopyTicket]) -> None:
         """Record the copies submitted for one layer of one part.

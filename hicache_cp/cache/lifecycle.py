@@ -144,7 +144,7 @@ class Lifecycle:
             parts = op.layers_to_submit(model, layer)
             if not parts:
                 continue
-            op.record_layers([(parts, layer)], [self._submit_layer(op, Direction.D2H, parts, layer)])
+            op.record_layer(parts, layer, self._submit_layer(op, Direction.D2H, parts, layer))
             if op.state is _RESERVED:
                 op.transition(_WRITING)
 
