@@ -389,10 +389,9 @@ class CudaCopyEngine(CopyEngine):
         return ticket
 
     def _ordered(self, direction: Direction, enqueue: Callable[[int], None]) -> tuple[Any, Exception | None]:
-        """One copy behind the compute stream's work so far (`_follow_compute`),
-        `enqueue(stream)`, then the completion event. Returns (event, None), or (None, the
-        error): the submit boundary, where CUDA errors become FAILED tickets. The engine's
-        context must be current."""
+        """`enqueue(stream)` behind the compute so far (`_follow_compute`), then its event:
+        (event, None), or (None, the error) at the submit boundary (FAILED tickets).
+        The engine's context must be current."""
         event = self._sync.event()
         try:
             stream = self._follow_compute(0 if direction is _D2H else 1)
@@ -404,9 +403,8 @@ class CudaCopyEngine(CopyEngine):
         return event, None
 
     def _follow_compute(self, i: int) -> int:
-        """Copy stream `i` (0: D2H, 1: H2D) waits for the work on the caller's current
-        stream so far: its order event recorded there, then waited on. Returns the copy
-        stream. Raises DriverError."""
+        """Copy stream `i` (0: D2H, 1: H2D), made to wait for the work on the caller's
+        current stream so far (its order event, recorded there). Raises DriverError."""
         stream, order = self._handle[i], self._order[i]
         self._drv.event_record(order, self._sync.current_stream())
         self._drv.stream_wait_event(stream, order)
@@ -462,22 +460,24 @@ class CudaCopyEngine(CopyEngine):
         """Copy `layer` of every part in `parts` with one set of stream-ordering
         calls and one completion event (their tickets complete together); no
         per-page work here (the plan did it). Failures: FAILED tickets. The layer
-        hook's path: written out, not through `_ordered` (a tenth of its Python)."""
+        hook's path, so written out rather than through `_ordered`."""
         n = plan.num_pages
         if not n:
             return [None] * len(parts)
         direction, sync, info = plan.direction, self._sync, self._info
         keep: list[Any] = []
-        event = sync.event()
+        event = 0
         previous = sync.enter()
         try:
+            event = sync.event()  # in the engine's context: an empty pool creates one
             if self._keep:
                 self._prune()
             stream = self._follow_compute(0 if direction is _D2H else 1)
             self._enqueue_layer(plan, parts, [info[part] for part in parts], layer, stream, keep)
             self._drv.event_record(event, stream)
         except Exception as exc:  # noqa: BLE001 - the submit boundary: FAILED tickets
-            sync.give_back(event)
+            if event:
+                sync.give_back(event)
             logger.warning(
                 "%s %s layer %d (%d pages): submission failed: %s",
                 direction.value, [p.value for p in parts], layer, n, exc, exc_info=True,

@@ -74,6 +74,9 @@ needs it, long after its job was put), then makes the current stream wait on
 that layer's `done`. Jobs of one direction run in submission order; the caller
 sends a copy of a direction to the worker whenever that direction has jobs
 pending, so the copies of a stream keep the order they were submitted in.
+
+Process: the prefill server's; one worker thread per engine and direction,
+started with the first job, stopped by `close()` (which waits for every job).
 """
 
 from __future__ import annotations
