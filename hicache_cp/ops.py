@@ -204,7 +204,8 @@ class _CopyOp:
 
     def all_layers(self) -> list[tuple[tuple[Part, ...], int]]:
         """Every (parts, layer) of both models in forward order, for an op none of whose
-        layers was submitted yet (the all-layer paths)."""
+        layers was submitted yet (the all-layer paths). One list shared by every op of
+        the layout: read it, never change it."""
         assert not any(self.submitted.values()), (self.id, self.submitted)
         return self._shape.all_layers
 
