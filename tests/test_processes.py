@@ -242,7 +242,8 @@ def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path: Path) 
         time.sleep(1.0)
         assert parent.poll() is None, "SIGUSR1 ended the run"
         stacks = err_path.read_text(errors="replace")
-        assert "Current thread 0x" in stacks and "hicache_cp/harness/replay" in stacks, stacks[-3000:]
+        assert "(the main thread, here)" in stacks and "hicache_cp/harness/replay" in stacks, stacks[-3000:]
+        assert stacks.count("\nThread 0x") >= 2, stacks[-3000:]  # the replay's worker threads too
         parent.send_signal(signal.SIGINT)
         assert _wait_or_dump_stacks(parent, err_path) == 130
     finally:

@@ -24,7 +24,9 @@ import importlib
 import logging
 import signal
 import sys
+import threading
 import traceback
+from types import FrameType
 from typing import Any, NoReturn
 
 from hicache_cp.harness import lifetime
@@ -92,9 +94,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dump_stacks_on_crash_and_sigusr1() -> None:
     """A crash (SIGSEGV, SIGABRT, ...) prints every thread's Python stack to
-    stderr, and so does `kill -USR1 <pid>` on a run that looks stuck."""
+    stderr, and so does `kill -USR1 <pid>` on a run that looks stuck.
+
+    SIGUSR1 gets a Python handler, run on the main thread between bytecodes with
+    the GIL held: faulthandler's own dump reads the other threads' frames from
+    inside the signal while they run, and can crash the process it inspects
+    (CPython gh-116008; it killed a replay here with SIGSEGV)."""
     faulthandler.enable(all_threads=True)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    signal.signal(signal.SIGUSR1, _print_every_stack)
+
+
+def _print_every_stack(signum: int, frame: FrameType | None) -> None:
+    """Every thread's Python stack to stderr, most recent call last; the run goes on."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    current = threading.get_ident()
+    out = [f"hicache-cp: signal {signum}: the Python stack of every thread\n"]
+    for ident, top in sys._current_frames().items():  # noqa: SLF001 - the documented way to see other threads
+        out.append(f"Thread {ident:#x} ({names.get(ident, 'not started by threading')})"
+                   f"{' (the main thread, here)' if ident == current else ''}:\n")  # fmt: skip
+        out.extend(traceback.format_stack(top))
+    with contextlib.suppress(OSError):
+        sys.stderr.write("".join(out))
+        sys.stderr.flush()
 
 
 def _main(argv: list[str]) -> int:
