@@ -26,8 +26,8 @@ time gives the ratio between hosts).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import collections
+import dataclasses
 import sys
 import threading
 import time
@@ -38,8 +38,12 @@ import numpy as np
 
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
+from hicache_cp.harness.bench import overhead
+from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import git_commit, machine
+from hicache_cp.harness.replay.setup import tokens_per_block
+from hicache_cp.harness.trace import request_tokens
 from hicache_cp.io.base import CopyEngine, Direction
 from hicache_cp.io.cuda import EngineSync, PartInfo
 from hicache_cp.io.dma import DirectCopyEngine
@@ -206,19 +210,17 @@ def cache_floor(requests: int, options: dict[str, Any]) -> dict[str, Any]:
 
 def replay_floor(argv: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """bench-overhead's result for `argv` (its options; L1 on CPU) over the Python-only engine."""
-    from hicache_cp.harness.bench import overhead
-
     parser = argparse.ArgumentParser(prog="host_floor.py replay")
     overhead.add_arguments(parser)
     args = parser.parse_args([*argv, "--device", "cpu"])
     if args.io_backend or args.io_variant:
         parser.error("the engine is the direct engine's Python; give --hook-worker-above instead")
-    resolved, requests, _ = overhead.prepare(args)
+    try:
+        resolved, requests, _ = overhead.prepare(args)
+    except InputError as exc:
+        parser.error(str(exc))
     config = dataclasses.replace(resolved.config, io_backend="cpu")
-    tpb = args.tokens_per_block or config.page_size
-    from hicache_cp.harness.trace import request_tokens
-
-    all_tokens = [request_tokens(r, tpb) for r in requests]
+    all_tokens = [request_tokens(r, tokens_per_block(args, config)) for r in requests]
     timings = overhead.Timings()
     with HiCache(config, device="cpu") as cache:
         cpu_engine = cache.engine
