@@ -54,7 +54,7 @@ fi
 if want floor; then
   step "the cache's Python floor on this host"
   # shellcheck disable=SC2086 - FLOOR_ARGS is a list of flags
-  run host-floor-h200 "${FLOOR_TIMEOUT:-90}" $PY tools/host_floor.py replay --trace .devdata/synthetic_trace.jsonl \
+  run host-floor-h200 "${FLOOR_TIMEOUT:-150}" $PY tools/host_floor.py replay --runs 3 --trace .devdata/synthetic_trace.jsonl \
     --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" --json "$DEST/host-floor-h200.json" ${FLOOR_ARGS:-}
 fi
 if want profile; then

@@ -17,7 +17,7 @@ Python alone costs, and what a change to it saves, on a machine without a GPU:
   compares line by line with an `overhead-<gpu>.json` of the same options.
 
     python tools/host_floor.py [--requests 300] [--hook-worker-above 16] [--json P]
-    python tools/host_floor.py replay [bench-overhead's options] [--hook-worker-above 16]
+    python tools/host_floor.py replay [bench-overhead's options] [--hook-worker-above 16] [--runs 3] [--json P]
 
 Host speed matters: compare runs on one machine (bench-overhead's `match`
 time gives the ratio between hosts).
@@ -265,17 +265,24 @@ def main(argv: list[str] | None = None) -> int:
 def _main_replay(argv: list[str]) -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--hook-worker-above", type=int, default=16)
+    own.add_argument("--runs", type=int, default=1, help="replays; the table gives each figure's median over them")
     own.add_argument("--json", type=Path)
     args, rest = own.parse_known_args(argv)
-    floor = replay_floor(rest, {"hook_worker_above": args.hook_worker_above})
+    if args.runs < 1:
+        own.error(f"--runs must be >= 1, got {args.runs}")
+    runs = [replay_floor(rest, {"hook_worker_above": args.hook_worker_above}) for _ in range(args.runs)]
+    floor = runs[0]
+    median = {name: {stat: float(np.median([r["calls"][name][stat] for r in runs])) for stat in ("cpu_mean", "cpu_p50", "cpu_p99")}
+              for name in floor["calls"]}  # fmt: skip
     print(f"bench-overhead's replay over the direct engine's Python (no driver), hook_worker_above="
-          f"{args.hook_worker_above}: {floor['requests']} requests, {floor['loads']} loads, hit rate {floor['hit_rate']:.4f}")
+          f"{args.hook_worker_above}: {floor['requests']} requests, {floor['loads']} loads, hit rate {floor['hit_rate']:.4f}, "
+          f"median of {args.runs} run(s)")
     print(f"{'call':<18}{'count':>9}{'mean':>10}{'p50':>10}{'p99':>10}   (thread CPU time, us)")
-    for name, c in floor["calls"].items():
-        print(f"{name:<18}{c['count']:>9}{c['cpu_mean']:>10.1f}{c['cpu_p50']:>10.1f}{c['cpu_p99']:>10.1f}")
+    for name, c in median.items():
+        print(f"{name:<18}{floor['calls'][name]['count']:>9}{c['cpu_mean']:>10.1f}{c['cpu_p50']:>10.1f}{c['cpu_p99']:>10.1f}")
     if args.json is not None:
         write_json(args.json, {"command": " ".join(["python", *sys.argv]), "commit": git_commit(), "machine": machine(),
-                               "replay": floor})  # fmt: skip
+                               "median": median, "runs": runs})  # fmt: skip
     return 0
 
 
