@@ -27,7 +27,7 @@ from hicache_cp.harness.provenance import git_commit, machine
 #: The cache calls whose callees are listed (pstats matches these as regular expressions).
 FOCUS = (r"lifecycle\.py:\d+\(load_back\)", r"lifecycle\.py:\d+\(_submit_all_layers\)",
          r"lifecycle\.py:\d+\(on_layer_end\)", r"dma\.py:\d+\(submit_layers?\)", r"cuda\.py:\d+\(submit_layers?\)",
-         r"dma\.py:\d+\(_defer\)", r"cuda\.py:\d+\(_ordered\)")
+         r"dma\.py:\d+\(_defer\)", r"cuda\.py:\d+\(_follow_compute\)", r"ops\.py:\d+\(record_layers?\)")
 #: The cache's own modules, listed by cumulative time.
 OWN = r"(hicache|lifecycle|eviction|prefix|ops|dma|cuda|issue|plans|radix|pools)\.py"
 
