@@ -66,7 +66,7 @@ import torch
 
 from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState
 from hicache_cp.io.cudadrv import DmaIssuer, Driver, driver
-from hicache_cp.io.plans import DescriptorTable, LayerDescriptors, PartGeometry, Runs, TableShape
+from hicache_cp.io.plans import DescriptorTable, PartGeometry, Runs, TableShape
 from hicache_cp.io.runs import coalesce_pairs, dma_plan, plan_runs, run_starts, split_at_chunks  # noqa: F401 - re-exported
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pools import DevicePool, HostPool
@@ -542,10 +542,6 @@ class CudaCopyEngine(CopyEngine):
         d2h = plan.direction is _D2H
         for info in infos:
             self._enqueue(d2h, info, info.slots[layer], plan.device_pages, plan.host_pages, stream, keep)
-
-    def _issue(self, desc: LayerDescriptors, stream: int) -> None:
-        """One layer's descriptors: one cuMemcpyAsync, or one batch."""
-        self._issuer.issue_table_row(desc, stream)
 
     # -- helpers for backends -------------------------------------------------------
 

@@ -102,7 +102,7 @@ class KernelCopyEngine(CudaCopyEngine):
                 self._launch_kernel(d2h, info, info.slots[layer], plan.device_pages, plan.host_pages, stream)
             return
         self.counts["dma"] += len(parts)
-        self._issue(table.get(parts, layer), stream)
+        self._issuer.issue_table_row(table.get(parts, layer), stream)
 
     def _dma_few(
         self, d2h: bool, info: PartInfo, slot: int, device_pages: np.ndarray, host_pages: np.ndarray, starts: list[int], stream: int
