@@ -48,7 +48,7 @@ from hicache_cp.io.base import CopyEngine, Direction
 from hicache_cp.io.cuda import EngineSync, PartInfo
 from hicache_cp.io.dma import DirectCopyEngine
 from hicache_cp.io.issue import CHUNK, IssueWorker
-from hicache_cp.io.plans import DescriptorTable, PartGeometry, Runs, TableShape
+from hicache_cp.io.plans import MAX_TABLE_DESCRIPTORS, DescriptorTable, PartGeometry, Runs, TableShape
 from hicache_cp.layout import KVLayout, Model
 
 _REPEATS = 300
@@ -94,31 +94,42 @@ def _geometries(layout: KVLayout, host_pages: int) -> list[PartGeometry]:
 
 
 def table_floor() -> list[dict[str, Any]]:
-    """Median us of `Runs.of` and `DescriptorTable` for ops of a few shapes."""
+    """Median us of `Runs.of`, of the `DescriptorTable` build, and of every layer's
+    descriptors all told (the build plus a `get` of each (parts, layer) row: what the
+    issuer pays for one op), for ops of a few shapes. A scattered 8,192-page op is
+    over `MAX_TABLE_DESCRIPTORS`, so it is also timed with a cap that tabulates it."""
     layout = _layout()
     layers = [(layer, tuple(p.part for p in layout.parts_of(m) if p.has_layer(layer)))
               for m in (Model.TARGET, Model.DRAFT) for layer in range(layout.num_layers(m))]  # fmt: skip
-    shape = TableShape(_geometries(layout, 5000), layers)
+    layers = [(layer, parts) for layer, parts in layers if parts]
+    shape = TableShape(_geometries(layout, 10000), layers)
     rng = np.random.default_rng(0)
     rows = []
-    for pages, scattered in ((35, False), (35, True), (1024, True)):
+    shapes = ((35, False, MAX_TABLE_DESCRIPTORS), (35, True, MAX_TABLE_DESCRIPTORS), (1024, True, MAX_TABLE_DESCRIPTORS),
+              (8192, True, MAX_TABLE_DESCRIPTORS), (8192, True, 1 << 21))  # fmt: skip
+    for pages, scattered, cap in shapes:
         if scattered:
-            dev, host = rng.choice(4000, pages, replace=False), rng.choice(4000, pages, replace=False)
+            dev, host = rng.choice(9000, pages, replace=False), rng.choice(9000, pages, replace=False)
         else:  # two runs, as the allocators hand out
             dev = np.concatenate([np.arange(100, 100 + pages // 2), np.arange(500, 500 + pages - pages // 2)])
             host = np.arange(7, 7 + pages)
         dev, host = dev.astype(np.int64), host.astype(np.int64)
-        runs_us, table_us = [], []
-        for _ in range(_REPEATS):
+        runs_us, table_us, all_us = [], [], []
+        for _ in range(_REPEATS if pages <= 1024 else 10):
             t0 = time.perf_counter_ns()
             runs = Runs.of(dev, host)
             t1 = time.perf_counter_ns()
-            DescriptorTable(True, shape, runs)
+            table = DescriptorTable(True, shape, runs, cap)
             t2 = time.perf_counter_ns()
+            for layer, parts in layers:
+                table.get(parts, layer)
+            t3 = time.perf_counter_ns()
             runs_us.append((t1 - t0) / 1e3)
             table_us.append((t2 - t1) / 1e3)
-        rows.append({"pages": pages, "runs": len(runs), "runs_of_us": float(np.median(runs_us)),
-                     "table_us": float(np.median(table_us))})  # fmt: skip
+            all_us.append((t3 - t1) / 1e3)
+        rows.append({"pages": pages, "runs": len(runs), "max_descriptors": cap, "tabulated": table.tabulated,
+                     "runs_of_us": float(np.median(runs_us)), "table_us": float(np.median(table_us)),
+                     "all_layers_us": float(np.median(all_us))})  # fmt: skip
     return rows
 
 
@@ -250,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     table = table_floor()
     print("plan of one op (median us):")
     for row in table:
-        print(f"  {row['pages']:5d} pages, {row['runs']:5d} runs: Runs.of {row['runs_of_us']:7.1f}  table {row['table_us']:8.1f}")
+        print(f"  {row['pages']:5d} pages, {row['runs']:5d} runs, cap {row['max_descriptors']:8d}: Runs.of "
+              f"{row['runs_of_us']:7.1f}  table {row['table_us']:8.1f} ({'built' if row['tabulated'] else 'per layer'})"
+              f"  every layer {row['all_layers_us']:9.1f}")  # fmt: skip
     floor = cache_floor(args.requests, {"hook_worker_above": args.hook_worker_above})
     print(f"cache over the direct engine's Python (no driver), hook_worker_above={args.hook_worker_above}: "
           f"{floor['loads']} loads of {floor['load_pages_mean']:.0f} pages, load_back p50 {floor['load_back_us_p50']:.0f} "
