@@ -10,7 +10,8 @@
 #                   bash tools/device_ab.sh run                 # carry [".devdata"]
 #   runs `python -P -m hicache_cp $AB_CMD --json $DEST/ab-<round>-<tree>.json` with each tree alone on
 #   PYTHONPATH (-P: the working directory's own hicache_cp is not put first), round by round (interleaved, so drift hits every tree alike); each JSON names its tree
-#   as its commit (HICACHE_COMMIT). Exit status: the first failing run's.
+#   as its commit (HICACHE_COMMIT); every run's output goes to one $DEST/ab.log (a call brings back
+#   at most 8 files: 3 trees x 2 rounds of JSON and one log fit). Exit status: the first failing run's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,10 +33,10 @@ for round in $(seq "${AB_ROUNDS:-2}"); do
   for tree in $AB_TREES; do
     name=$([ "$tree" = . ] && echo "head" || echo "$tree")
     label=$([ "$tree" = . ] && echo "$COMMIT" || echo "$tree")
-    step "round $round: $name ($(PYTHONPATH=$tree $PY -P -c 'import hicache_cp; print(hicache_cp.__file__)'))"
+    step "round $round: $name ($(PYTHONPATH=$tree $PY -P -c 'import hicache_cp; print(hicache_cp.__file__)'))"  | tee -a "$DEST/ab.log"
     # shellcheck disable=SC2086 - AB_CMD is a command line
     { HICACHE_COMMIT=$label PYTHONPATH=$tree timeout "${AB_TIMEOUT:-150}" $PY -P -m hicache_cp $AB_CMD \
-        --json "$DEST/ab-$round-$name.json" 2>&1; } | tee "$DEST/ab-$round-$name.log" | grep -E "^(exposure|overlap|targets)|rror"
+        --json "$DEST/ab-$round-$name.json" 2>&1; } | tee -a "$DEST/ab.log" | grep -E "^(exposure|overlap|targets)|rror"
     keep "${PIPESTATUS[0]}"
   done
 done
