@@ -33,7 +33,7 @@ for round in $(seq "${AB_ROUNDS:-2}"); do
   for tree in $AB_TREES; do
     name=$([ "$tree" = . ] && echo "head" || echo "$tree")
     label=$([ "$tree" = . ] && echo "$COMMIT" || echo "$tree")
-    step "round $round: $name ($(PYTHONPATH=$tree $PY -P -c 'import hicache_cp; print(hicache_cp.__file__)'))"  | tee -a "$DEST/ab.log"
+    step "round $round: $name ($(PYTHONPATH=$tree $PY -P -c 'import hicache_cp; print(hicache_cp.__file__)'))" | tee -a "$DEST/ab.log"
     # shellcheck disable=SC2086 - AB_CMD is a command line
     { HICACHE_COMMIT=$label PYTHONPATH=$tree timeout "${AB_TIMEOUT:-150}" $PY -P -m hicache_cp $AB_CMD \
         --json "$DEST/ab-$round-$name.json" 2>&1; } | tee -a "$DEST/ab.log" | grep -E "^(exposure|overlap|targets)|rror"
