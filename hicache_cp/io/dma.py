@@ -256,10 +256,8 @@ class DirectCopyEngine(CudaCopyEngine):
 
     def _prepare_backend(self, plan: CopyPlan) -> None:
         """Sort by device page (`order`), then tabulate every layer's descriptors (`io.plans`)."""
-        dev, host = plan.device_pages, plan.host_pages
-        if self.order == "device" and len(dev) > 1 and not (dev[1:] > dev[:-1]).all():
-            by_device = np.argsort(dev, kind="stable")
-            plan.device_pages, plan.host_pages = dev[by_device], host[by_device]
+        if self.order == "device":
+            plan.device_pages, plan.host_pages = _by_device(plan.device_pages, plan.host_pages)
         plan.prepared = self.descriptor_table(plan)
 
     def _enqueue_layer(self, plan, parts, infos, layer, stream, keep) -> None:  # type: ignore[no-untyped-def]
@@ -270,10 +268,18 @@ class DirectCopyEngine(CudaCopyEngine):
         return self._issuer.batch
 
     def _enqueue(self, d2h, info, slot, device_pages, host_pages, stream, keep) -> None:  # type: ignore[no-untyped-def]
-        if self.order == "device" and len(device_pages) > 1 and not (device_pages[1:] > device_pages[:-1]).all():
-            by_device = np.argsort(device_pages, kind="stable")
-            device_pages, host_pages = device_pages[by_device], host_pages[by_device]
+        if self.order == "device":
+            device_pages, host_pages = _by_device(device_pages, host_pages)
         self._dma(d2h, info, slot, device_pages, host_pages, stream)
+
+
+def _by_device(device_pages: np.ndarray, host_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs sorted by device page (stable), or as given when already ascending
+    (the common case: one comparison, no sort)."""
+    if len(device_pages) < 2 or (device_pages[1:] > device_pages[:-1]).all():
+        return device_pages, host_pages
+    by_device = np.argsort(device_pages, kind="stable")
+    return device_pages[by_device], host_pages[by_device]
 
 
 @register_backend("staging")
