@@ -8,9 +8,8 @@ order, a failing driver call fails that layer and the job's later layers
 only (the next job still runs), `order` goes back to the pool after the wait
 and a layer's `done` when its ticket is dropped (at once if issued, else
 after issue), a waiter on a layer wakes when that layer is issued,
-`drain`/`close` wait for every job, a layer of at most `whole`
-descriptors is one call, and a worker with a window keeps at most that many
-descriptors issued and not yet copied (the double's copies land when polled).
+`drain`/`close` wait for every job, and a layer of at most `whole`
+descriptors is one call.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ import pytest
 from hicache_cp.io.issue import CHUNK, WHOLE, IssueWorker, Job
 from hicache_cp.io.plans import LayerDescriptors
 
-_OWN = 10**9  # event handles the double creates (the worker's window events)
-
 
 class RecordingDriver:
     def __init__(self, fail_at: int | None = None, gate: threading.Event | None = None) -> None:
@@ -32,18 +29,7 @@ class RecordingDriver:
         self.fail_at = fail_at  # fail the batch call whose first descriptor has this dst
         self.gate = gate
         self.lock = threading.Lock()
-        self.issued = 0  # descriptors issued, and of them copied (a window event seen complete)
-        self.completed = 0
-        self.in_flight_max = 0
-        self.marks: dict[int, int] = {}  # window event -> descriptors issued when recorded
-        self.queried: set[int] = set()  # window events polled once: the next poll sees them land
-        self.created: list[int] = []
-        self.destroyed: list[int] = []
-        self.query_error: Exception | None = None
-
-    def _count(self, k: int) -> None:
-        self.issued += k
-        self.in_flight_max = max(self.in_flight_max, self.issued - self.completed)
+        self.issued = 0  # descriptors issued
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         if self.gate is not None:
@@ -58,47 +44,17 @@ class RecordingDriver:
         if self.fail_at is not None and int(d[0]) == self.fail_at:
             raise RuntimeError("injected batch failure")
         with self.lock:
-            self._count(count)
+            self.issued += count
             self.calls.append(("batch", stream, count, d.tolist(), s.tolist(), n.tolist(), attrs, idx))
 
     def memcpy_async(self, dst: int, src: int, size: int, stream: int) -> None:
         with self.lock:
-            self._count(1)
+            self.issued += 1
             self.calls.append(("batch", stream, 1, [dst], [src], [size], None, None))
 
     def event_record(self, event: int, stream: int) -> None:
         with self.lock:
-            if event >= _OWN:  # a window event: the copies issued so far
-                self.marks[event] = self.issued
-                self.queried.discard(event)
-                self.calls.append(("mark", stream, event))
-            else:
-                self.calls.append(("record", stream, event))
-
-    # The window's events: a copy lands the second time its event is polled.
-    def event_create(self) -> int:
-        with self.lock:
-            self.created.append(_OWN + len(self.created))
-            return self.created[-1]
-
-    def event_query(self, event: int) -> bool:
-        with self.lock:
-            if self.query_error is not None:
-                raise self.query_error
-            self.calls.append(("poll", event))
-            if event not in self.queried:
-                self.queried.add(event)
-                return False
-            self.completed = max(self.completed, self.marks[event])
-            return True
-
-    def event_synchronize(self, event: int) -> None:
-        with self.lock:
-            self.completed = max(self.completed, self.marks[event])
-
-    def event_destroy(self, event: int) -> None:
-        with self.lock:
-            self.destroyed.append(event)
+            self.calls.append(("record", stream, event))
 
 
 def _desc(n: int, base: int) -> LayerDescriptors:
@@ -145,56 +101,9 @@ def test_jobs_issue_in_protocol_order_and_cover_every_descriptor(chunk: int) -> 
     worker.close()
 
 
-def test_a_chunk_below_one_descriptor_or_a_window_below_one_call_is_refused() -> None:
+def test_a_chunk_below_one_descriptor_is_refused() -> None:
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=0)
-    with pytest.raises(ValueError, match=r"window must be >= one driver call \(8 descriptors\)"):
-        IssueWorker(RecordingDriver(), attrs=1, attr_idx=2, chunk=4, whole=8, window=7)
-
-
-@pytest.mark.parametrize(("chunk", "whole", "window"), [(4, 4, 8), (4, 8, 10), (7, 7, 7), (CHUNK, WHOLE, 8192)])
-def test_a_window_bounds_the_descriptors_issued_and_not_yet_copied(chunk: int, whole: int, window: int) -> None:
-    """Every descriptor is still issued once and in order, never more than `window` of
-    them uncopied; the worker polls its own events for room, and its events die
-    with it."""
-    drv = RecordingDriver()
-    worker = IssueWorker(drv, attrs=1, attr_idx=2, chunk=chunk, whole=whole, window=window)
-    sizes = [1, whole, 5 * chunk + 1, 2 * window + 3, 3]
-    jobs = [_job(7, 100 + i, [200 + i], [_desc(n, 100_000 * (i + 1))], lambda e: None) for i, n in enumerate(sizes)]
-    worker.put(*jobs)
-    worker.drain()
-    assert all(j.issued == 1 and j.error is None for j in jobs)
-    dsts = [d for c in drv.calls if c[0] == "batch" for d in c[3]]
-    assert dsts == [d for i, n in enumerate(sizes) for d in range(100_000 * (i + 1), 100_000 * (i + 1) + n)]
-    assert 0 < drv.in_flight_max <= window
-    assert any(c[0] == "poll" for c in drv.calls)
-    worker.close()
-    assert drv.created and sorted(drv.destroyed) == sorted(drv.created)
-
-
-def test_a_worker_without_a_window_never_polls_the_copies() -> None:
-    drv = RecordingDriver()
-    worker = IssueWorker(drv, attrs=1, attr_idx=2, chunk=4, whole=4)
-    worker.put(_job(7, 1, [2], [_desc(100, 1000)], lambda e: None))
-    worker.close()
-    assert drv.issued == 100 and drv.in_flight_max == 100
-    assert not drv.created and not any(c[0] in ("poll", "mark") for c in drv.calls)
-
-
-def test_a_fault_seen_while_waiting_for_room_fails_that_layer_and_the_later_ones() -> None:
-    """An async CUDA fault surfaces in the window's poll: the layer that waited for
-    room fails with it (not a hang, not a silent skip), and so do its later layers."""
-    drv = RecordingDriver()
-    worker = IssueWorker(drv, attrs=1, attr_idx=2, chunk=4, whole=4, window=4)
-    job = _job(7, 1, [2, 3, 4], [_desc(4, 1000), _desc(4, 2000), _desc(4, 3000)], lambda e: None)
-    drv.query_error = RuntimeError("injected fault: an illegal address")
-    worker.put(job)
-    worker.drain()
-    assert job.failed_at == 1 and job.error_of(0) is None
-    assert "illegal address" in str(job.error_of(1)) and "layer 1 of its op failed" in str(job.error_of(2))
-    assert {c[3][0] for c in drv.calls if c[0] == "batch"} == {1000}
-    drv.query_error = None
-    worker.close()
 
 
 @pytest.mark.parametrize(("n", "calls"), [(1, 1), (WHOLE, 1), (WHOLE + 1, -(-(WHOLE + 1) // CHUNK)), (1000, 8)])

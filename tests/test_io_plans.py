@@ -365,16 +365,14 @@ def test_the_parts_of_a_layer_make_a_stream_wait_once(cuda_pools, monkeypatch, w
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("options", [{}, {"hook_worker_above": 0}, {"hook_worker_above": 0, "hook_order": "worker"},
-                                     {"hook_worker_above": 0, "chunk": 4, "whole": 4, "backup_window": 8}],
-                         ids=["default", "hook0", "worker-order", "window"])  # fmt: skip
+@pytest.mark.parametrize("options", [{}, {"hook_worker_above": 0}, {"hook_worker_above": 0, "hook_order": "worker"}],
+                         ids=["default", "hook0", "worker-order"])  # fmt: skip
 def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, monkeypatch, options: dict) -> None:
     """The layer hook's path (`submit_layer`, D2H) behind a long forward: each layer's
     backup holds the bytes compute wrote right before the hook, however the hook
     issues it (by default inline up to 16 descriptors while the worker is idle; with
     `hook_worker_above` 0 on the worker, its compute order recorded by the hook or by
-    the worker; with a window of two layers' descriptors, the worker waiting for the
-    copies between calls)."""
+    the worker)."""
     from hicache_cp.io.dma import DeferredTicket
 
     layout, dev, host = cuda_pools

@@ -43,10 +43,6 @@ logger = logging.getLogger(__name__)
 #: `direct-hook0` and `direct-worker-order` hand every hook layer to the worker (issue 28,
 #: not yet measured on the H200).
 WORKER_ABOVE = 16
-#: Descriptors the backup worker keeps issued and not yet copied (`io.issue`, "The window"):
-#: about 6 ms of 42 KB pages at the link's speed, more than a GIL switch interval (5 ms).
-#: Loads have no window.
-BACKUP_WINDOW = 8192
 #: Default device staging buffer of the staging backend, per direction.
 DEFAULT_STAGING_BYTES = 64 << 20
 
@@ -131,8 +127,7 @@ class DirectCopyEngine(CudaCopyEngine):
     most `whole` descriptors in one driver call, a longer one in calls of
     `chunk` (`load_whole` and `load_chunk` for loads, when given);
     `hook_worker_above` and `hook_order` choose how the layer hook issues a
-    backup's layer (`submit_layer`); `backup_window` bounds the backup worker's
-    descriptors issued and not yet copied (None: no bound).
+    backup's layer (`submit_layer`).
     Planned ops (`plan` + `submit_layer`, the cache's path) sort once and
     reuse one descriptor table for every layer: both parts of a layer in one
     call.
@@ -144,7 +139,7 @@ class DirectCopyEngine(CudaCopyEngine):
         self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
         overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
         load_chunk: int | None = None, whole: int = WHOLE, load_whole: int | None = None,
-        hook_worker_above: int = WORKER_ABOVE, hook_order: str = "caller", backup_window: int | None = BACKUP_WINDOW,
+        hook_worker_above: int = WORKER_ABOVE, hook_order: str = "caller",
     ) -> None:
         super().__init__(device_pool, host_pool)
         if order not in ("given", "device"):
@@ -165,11 +160,10 @@ class DirectCopyEngine(CudaCopyEngine):
         context = self._sync.context
         self.chunks = {Direction.D2H: chunk, Direction.H2D: chunk if load_chunk is None else load_chunk}
         self.wholes = {Direction.D2H: whole, Direction.H2D: whole if load_whole is None else load_whole}
-        self.windows = {Direction.D2H: backup_window, Direction.H2D: None}
         self._workers = tuple(
             IssueWorker(self._drv, self._issuer.attrs_ptr, self._issuer.attr_idx_ptr,
                         lambda: self._drv.set_context(context), name=f"hicache-dma-{d.value}",
-                        chunk=self.chunks[d], whole=self.wholes[d], window=self.windows[d])
+                        chunk=self.chunks[d], whole=self.wholes[d])
             for d in (Direction.D2H, Direction.H2D)
         )
         #: Layer submissions handed to the issue workers (benchmarks read it).

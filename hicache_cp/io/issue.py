@@ -43,19 +43,10 @@ p99 read 89 us with calls of 1024 at 160acc4 and 60 us with calls of 128 at
 separate the two). bench-io's `direct-backup1024` (a backup's layer of up to
 1024 in one call: `whole=1024, load_whole=128`) is the variant to measure
 beside the default, with bench-overhead on the same host.
-The window. A worker may keep at most `window` descriptors issued and not yet
-copied: before a call it polls the events it recorded after its earlier
-calls until the call fits. Loads have none: a window of 8192
+A bound on the descriptors issued and not yet copied
 (io-h200-window-6ec355a.json) fixed the 8192-page loads but left 0.52 of a
-1024-page load exposed, because the forward's host waits for the load worker
-(`make_compute_wait`), which then waits for the GPU. Backups have one
-(`dma.BACKUP_WINDOW`): nothing on the forward's host waits for the backup
-worker, and without a bound a forward's backups fill the copy queue while the
-host is ahead of the GPU; the driver then holds the worker's call, and the
-forward's launches behind it, until copies drain, so the forward's host is
-paced to the GPU (with_backups_host_ms about 440 ms behind a 400 ms gate, 4 ms
-without backups, io-h100-809058d.json) and its jitter is exposed (0.08-0.13 of
-a 1024-page backup on H100s). Waiting for an unissued layer on the GPU instead
+1024-page load exposed: the forward's host waits for the worker, which waits
+for the GPU; it was removed. Waiting for an unissued layer on the GPU instead
 (`cuStreamWaitValue64` on a counter the worker advances, tried at fef0df1)
 left 0.47 exposed as well, and deadlocked: a synchronous copy to the host on
 the scheduler thread held the driver while its stream waited for the worker,
@@ -90,11 +81,9 @@ started with the first job, stopped by `close()` (which waits for every job).
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -106,7 +95,6 @@ CHUNK = 128
 #: of CHUNK (see above).
 WHOLE = CHUNK
 _U64_BYTES = 8
-_POLL_S = 20e-6  # between queries of the oldest call's event while the window is full
 
 
 class Job:
@@ -203,26 +191,19 @@ class IssueWorker:
     """Issues jobs of one copy stream on its own thread, in order (see the module docstring).
 
     `drv` is the process's `cudadrv.Driver` (tests pass a double with the same
-    methods); `attrs`/`attr_idx` are the addresses of the batch's attribute
-    arrays. `window` bounds the descriptors issued and not yet copied (None:
-    no bound; see "The window" above).
+    four methods); `attrs`/`attr_idx` are the addresses of the batch's
+    attribute arrays.
     """
 
     def __init__(
         self, drv: Any, attrs: int, attr_idx: int, context: Any = None, name: str = "hicache-dma", chunk: int = CHUNK,
-        whole: int = WHOLE, window: int | None = None,
+        whole: int = WHOLE,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 descriptor, got {chunk}")
-        if window is not None and window < max(chunk, whole):
-            raise ValueError(f"window must be >= one driver call ({max(chunk, whole)} descriptors) or None, got {window}")
         self.drv = drv
         self.chunk = chunk
         self.whole = whole
-        self.window = window
-        self._in_flight: collections.deque[tuple[int, int]] = collections.deque()  # (event, descriptors) per call
-        self._in_flight_count = 0
-        self._spare: list[int] = []  # the window's events, recorded and seen complete
         self._attrs, self._attr_idx = attrs, attr_idx
         self._context = context  # made current on the worker thread (None: leave it)
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -267,7 +248,6 @@ class IssueWorker:
         while True:
             job = self._queue.get()
             if job is None:
-                self._release_window()
                 return
             n = job.count
             for i in range(n):
@@ -297,7 +277,6 @@ class IssueWorker:
         chunk = n if n <= self.whole else self.chunk
         for lo in range(0, n, chunk):
             k = min(chunk, n - lo)
-            self._make_room(k)
             if k == 1:
                 drv.memcpy_async(int(desc.dst[lo]), int(desc.src[lo]), int(desc.sizes[lo]), stream)
             else:
@@ -305,39 +284,4 @@ class IssueWorker:
                 drv.memcpy_batch_ptrs(
                     desc.dst_ptr + off, desc.src_ptr + off, desc.sizes_ptr + off, k, self._attrs, self._attr_idx, stream
                 )
-            self._mark(k, stream)
         drv.event_record(job.dones[i], stream)
-
-    def _make_room(self, k: int) -> None:
-        """Block this thread until `k` more descriptors fit the window, polling the
-        oldest call's event: a spinning cuEventSynchronize here beside the forward's
-        launches cost it (H200, 6ec355a). The copies wait only for work enqueued
-        before them, so this ends."""
-        window = self.window
-        while window is not None and self._in_flight and self._in_flight_count + k > window:
-            event, count = self._in_flight[0]
-            while not self.drv.event_query(event):
-                time.sleep(_POLL_S)
-            self._in_flight.popleft()
-            self._in_flight_count -= count
-            self._spare.append(event)
-
-    def _mark(self, k: int, stream: int) -> None:
-        """After a call of `k` descriptors: an event on the copy stream to see them copied."""
-        if self.window is None:
-            return
-        event = self._spare.pop() if self._spare else self.drv.event_create()
-        self.drv.event_record(event, stream)
-        self._in_flight.append((event, k))
-        self._in_flight_count += k
-
-    def _release_window(self) -> None:
-        """Close: the window's events are destroyed once their copies are done."""
-        while self._in_flight:
-            event, _ = self._in_flight.popleft()
-            self.drv.event_synchronize(event)  # closing: nothing else runs beside it
-            self._spare.append(event)
-        for event in self._spare:
-            self.drv.event_destroy(event)
-        self._spare.clear()
-        self._in_flight_count = 0

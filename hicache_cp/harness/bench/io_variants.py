@@ -31,10 +31,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "direct-chunk1024": ("direct", {"chunk": 1024, "whole": 1024}),
     # Backups, which the forward does not wait for, in one call of up to 1024 a layer.
     "direct-backup1024": ("direct", {"whole": 1024, "load_whole": 128}),
-    # The backup worker's window of descriptors issued and not yet copied (`io.issue`, "The
-    # window"; `direct`: 8192): a smaller one, and none (the path before the window).
-    "direct-backup-window2048": ("direct", {"backup_window": 2048}),
-    "direct-backup-unbounded": ("direct", {"backup_window": None}),
     # The layer hook (`submit_layer`): `direct` issues a backup layer of up to 16 descriptors in
     # the hook while the issue worker is idle (four driver calls there) and hands larger ones
     # to the worker (one: the hook records the compute-ordering event). `-hook0` hands every
