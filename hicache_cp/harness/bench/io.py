@@ -141,6 +141,15 @@ class _Gate:
         end.record()
         end.synchronize()
         self.cycles_per_ms = 20_000_000 / max(start.elapsed_time(end), 1e-3)
+        self._launched: float | None = None
+        #: Host ms from the start of the last `time_ms`'s enqueue to its `mark_launched`
+        #: (its whole enqueue when it marked nothing).
+        self.launch_ms = 0.0
+
+    def mark_launched(self) -> None:
+        """An enqueue's compute launches are all in; what follows only waits for copies
+        (so a host paced by the driver shows apart from the waits at the end)."""
+        self._launched = time.perf_counter()
 
     def time_ms(self, enqueue: Callable[[], None]) -> tuple[float, float]:
         """(GPU ms, host ms of enqueue). `enqueue` must leave the current
@@ -150,9 +159,12 @@ class _Gate:
             torch.cuda._sleep(int(self.sleep_ms * self.cycles_per_ms))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            self._launched = None
             t0 = time.perf_counter()
             enqueue()
-            host_ms = (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            host_ms = (t1 - t0) * 1e3
+            self.launch_ms = ((self._launched or t1) - t0) * 1e3
             end.record()
             end.synchronize()
             if host_ms < 0.8 * self.sleep_ms:
@@ -166,10 +178,18 @@ class _Gate:
 
 
 def _median_ms(gate: _Gate, enqueue: Callable[[], None], repeats: int = _REPEATS) -> tuple[float, float]:
+    """Median (GPU ms, host ms) of `repeats` gated runs after one warm-up."""
+    return _median_timings(gate, enqueue, repeats)[:2]
+
+
+def _median_timings(gate: _Gate, enqueue: Callable[[], None], repeats: int = _REPEATS) -> tuple[float, float, float]:
+    """`_median_ms` and the median host ms to the enqueue's `mark_launched`."""
     enqueue()  # warm-up (compilation, allocator, first-touch of index buffers)
     torch.cuda.synchronize()
-    runs = [gate.time_ms(enqueue) for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    runs = []
+    for _ in range(repeats):
+        runs.append((*gate.time_ms(enqueue), gate.launch_ms))
+    return tuple(statistics.median(r[k] for r in runs) for k in range(3))  # type: ignore[return-value]
 
 
 def _gbps(nbytes: int, ms: float) -> float:
@@ -425,11 +445,12 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
             for _ in range(per_layer):
                 torch.matmul(a, b, out=c)
             tickets.append(backup(layer))
+        gate.mark_launched()
         for t in tickets:
             t.make_compute_wait()
 
     backup_copy_ms, _ = _median_ms(gate, lambda: [backup(x) for x in layers][-1].make_compute_wait())
-    backups_ms, backups_host_ms = _median_ms(gate, with_backups)
+    backups_ms, backups_host_ms, backups_launch_ms = _median_timings(gate, with_backups)
     return {
         "copy_ms": copy_ms, "compute_ms": compute_ms, "with_loads_ms": with_ms, "matmuls_per_layer": per_layer,
         # compute's headroom over the copy (matmuls come whole: 1.0-1.25) and the floor, one
@@ -442,6 +463,9 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
         # for the driver behind a long DMA call) is in the exposure, as in a server.
         "compute_host_ms": compute_host_ms, "with_loads_host_ms": with_host_ms,
         "with_backups_host_ms": backups_host_ms, "gate_ms": gate.sleep_ms,
+        # ... of which the forward's launches and backup submissions (the rest waits for the
+        # issue worker): past the gate, the driver held the forward's launches.
+        "with_backups_launch_ms": backups_launch_ms,
     }
 
 
@@ -712,7 +736,8 @@ def _print_table(r: dict[str, Any]) -> None:
                 print(
                     f"exposure {label:<17} {pattern:<9} {n:>5} pages x {o['layers']} layers: "
                     f"load {o['exposed_load_fraction']:.3f}, backup {o['exposed_backup_fraction']:.3f}"
-                    f" (host {o.get('with_loads_host_ms', 0):.0f}/{o.get('with_backups_host_ms', 0):.0f} ms, gate {o.get('gate_ms', 0):.0f})"
+                    f" (host {o.get('with_loads_host_ms', 0):.0f}/{o.get('with_backups_host_ms', 0):.0f} ms,"
+                    f" backups' launches {o.get('with_backups_launch_ms', 0):.0f}, gate {o.get('gate_ms', 0):.0f})"
                 )
     print(f"targets: {json.dumps(r['targets'])}")
 
