@@ -46,7 +46,13 @@ beside the default, with bench-overhead on the same host.
 A bound on the descriptors issued and not yet copied
 (io-h200-window-6ec355a.json) fixed the 8192-page loads but left 0.52 of a
 1024-page load exposed: the forward's host waits for the worker, which waits
-for the GPU; it was removed. Waiting for an unissued layer on the GPU instead
+for the GPU; it was removed. The same bound on backups alone (2563fa7,
+io-h100-window-2563fa7.json, one H100 run, windows of 8192 and 2048
+descriptors against none) left a backup of 1024 scattered pages as exposed
+as before (0.107 and 0.106 against 0.094) and an 8192-page one more
+exposed (0.318 against 0.074; the window of 2048 reached 0.86 of the link
+there). So a full copy queue is not what exposes backups; it was removed
+too. Waiting for an unissued layer on the GPU instead
 (`cuStreamWaitValue64` on a counter the worker advances, tried at fef0df1)
 left 0.47 exposed as well, and deadlocked: a synchronous copy to the host on
 the scheduler thread held the driver while its stream waited for the worker,
