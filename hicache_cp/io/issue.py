@@ -49,17 +49,17 @@ A bound on the descriptors issued and not yet copied
 for the GPU; it was removed. The same bound on backups alone (2563fa7,
 io-h100-window-2563fa7.json, one H100 run, windows of 8192 and 2048
 descriptors against none) left a backup of 1024 scattered pages as exposed
-as before (0.107 and 0.106 against 0.094) and an 8192-page one more
-exposed (0.318 against 0.074; the window of 2048 reached 0.86 of the link
-there). So a full copy queue does not seem to be what exposes backups;
-it was removed too. Without a window that queue does hold the forward's
-launches (453 ms behind a 400 ms gate against 9 ms, `with_backups_launch_ms`,
+as before (0.107 and 0.106 against 0.094) and an 8192-page one more exposed
+(0.318 against 0.074; the window of 2048 reached 0.86 of the link there). So
+a full copy queue does not seem to be what exposes backups; it was removed
+too. Without a window that queue does hold the forward's launches (453 ms
+behind a 400 ms gate against 9 ms, `with_backups_launch_ms`,
 io-h100-launch-ea9f652.json); the window's run predates that metric, so
-whether the window freed them is not measured. Waiting for an unissued layer on the GPU instead
-(`cuStreamWaitValue64` on a counter the worker advances, tried at fef0df1)
-left 0.47 exposed as well, and deadlocked: a synchronous copy to the host on
-the scheduler thread held the driver while its stream waited for the worker,
-whose next call waited for the driver.
+whether the window freed them is not measured. Waiting for an unissued layer
+on the GPU instead (`cuStreamWaitValue64` on a counter the worker advances,
+tried at fef0df1) left 0.47 exposed as well, and deadlocked: a synchronous
+copy to the host on the scheduler thread held the driver while its stream
+waited for the worker, whose next call waited for the driver.
 
 Protocol of one job (the caller's side in `hicache_cp.io.dma`): a job is the
 layers of one op submitted together (a load's every layer, or one layer of a

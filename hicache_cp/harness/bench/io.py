@@ -186,9 +186,7 @@ def _median_timings(gate: _Gate, enqueue: Callable[[], None], repeats: int = _RE
     """`_median_ms` and the median host ms to the enqueue's `mark_launched`."""
     enqueue()  # warm-up (compilation, allocator, first-touch of index buffers)
     torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        runs.append((*gate.time_ms(enqueue), gate.launch_ms))
+    runs = [(*gate.time_ms(enqueue), gate.launch_ms) for _ in range(repeats)]
     return tuple(statistics.median(r[k] for r in runs) for k in range(3))  # type: ignore[return-value]
 
 
