@@ -8,10 +8,11 @@
 # On the device:    AB_TREES="ab_923c177 . ab_fix" AB_ROUNDS=2 AB_TIMEOUT=150 \
 #                   AB_CMD="bench-io --backends direct --pages 64 --kernel-sm-fractions= --runs-backends= --exposure-pages 8192" \
 #                   bash tools/device_ab.sh run                 # carry [".devdata"]
-#   runs `python -P -m hicache_cp $AB_CMD --json $DEST/ab-<round>-<tree>.json` with each tree alone on
-#   PYTHONPATH (-P: the working directory's own hicache_cp is not put first), round by round (interleaved, so drift hits every tree alike); each JSON names its tree
-#   as its commit (HICACHE_COMMIT); every run's output goes to one $DEST/ab.log (a call brings back
-#   at most 8 files: 3 trees x 2 rounds of JSON and one log fit). Exit status: the first failing run's.
+#   runs `python -P -m hicache_cp $AB_CMD --json $DEST/ab-<round>-<tree>.json` with each tree alone
+#   on PYTHONPATH (-P: the working directory's own hicache_cp is not put first), round by round
+#   (interleaved, so drift hits every tree alike); each JSON names its tree as its commit
+#   (HICACHE_COMMIT); every run's output goes to one $DEST/ab.log (a call brings back at most 8
+#   files: 3 trees x 2 rounds of JSON and one log fit). Exit status: the first failing run's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

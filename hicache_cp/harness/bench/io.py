@@ -187,7 +187,8 @@ def _median_timings(gate: _Gate, enqueue: Callable[[], None], repeats: int = _RE
     enqueue()  # warm-up (compilation, allocator, first-touch of index buffers)
     torch.cuda.synchronize()
     runs = [(*gate.time_ms(enqueue), gate.launch_ms) for _ in range(repeats)]
-    return tuple(statistics.median(r[k] for r in runs) for k in range(3))  # type: ignore[return-value]
+    gpu, host, launch = zip(*runs)
+    return statistics.median(gpu), statistics.median(host), statistics.median(launch)
 
 
 def _gbps(nbytes: int, ms: float) -> float:
