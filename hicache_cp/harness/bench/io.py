@@ -142,14 +142,21 @@ class _Gate:
         end.synchronize()
         self.cycles_per_ms = 20_000_000 / max(start.elapsed_time(end), 1e-3)
         self._launched: float | None = None
+        self._computed: torch.cuda.Event | None = None
         #: Host ms from the start of the last `time_ms`'s enqueue to its `mark_launched`
         #: (its whole enqueue when it marked nothing).
         self.launch_ms = 0.0
+        #: GPU ms from the gate to the current stream's work before `mark_launched` (the
+        #: forward's own compute; the whole run when nothing was marked).
+        self.compute_ms = 0.0
 
     def mark_launched(self) -> None:
         """An enqueue's compute launches are all in; what follows only waits for copies
-        (so a host paced by the driver shows apart from the waits at the end)."""
+        (so a host paced by the driver shows apart from the waits at the end, and a
+        forward slowed by the copies apart from copies that lag behind it)."""
         self._launched = time.perf_counter()
+        self._computed = torch.cuda.Event(enable_timing=True)
+        self._computed.record()
 
     def time_ms(self, enqueue: Callable[[], None]) -> tuple[float, float]:
         """(GPU ms, host ms of enqueue). `enqueue` must leave the current
@@ -159,7 +166,7 @@ class _Gate:
             torch.cuda._sleep(int(self.sleep_ms * self.cycles_per_ms))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._launched = None
+            self._launched, self._computed = None, None
             t0 = time.perf_counter()
             enqueue()
             t1 = time.perf_counter()
@@ -167,6 +174,7 @@ class _Gate:
             self.launch_ms = ((self._launched or t1) - t0) * 1e3
             end.record()
             end.synchronize()
+            self.compute_ms = start.elapsed_time(self._computed or end)
             if host_ms < 0.8 * self.sleep_ms:
                 return start.elapsed_time(end), host_ms
             if self.sleep_ms >= _MAX_SLEEP_MS:
@@ -182,13 +190,16 @@ def _median_ms(gate: _Gate, enqueue: Callable[[], None], repeats: int = _REPEATS
     return _median_timings(gate, enqueue, repeats)[:2]
 
 
-def _median_timings(gate: _Gate, enqueue: Callable[[], None], repeats: int = _REPEATS) -> tuple[float, float, float]:
-    """`_median_ms` and the median host ms to the enqueue's `mark_launched`."""
+def _median_timings(
+    gate: _Gate, enqueue: Callable[[], None], repeats: int = _REPEATS
+) -> tuple[float, float, float, float]:
+    """`_median_ms`, then the medians of the host ms and the GPU ms to the enqueue's
+    `mark_launched`."""
     enqueue()  # warm-up (compilation, allocator, first-touch of index buffers)
     torch.cuda.synchronize()
-    runs = [(*gate.time_ms(enqueue), gate.launch_ms) for _ in range(repeats)]
-    gpu, host, launch = zip(*runs)
-    return statistics.median(gpu), statistics.median(host), statistics.median(launch)
+    runs = [(*gate.time_ms(enqueue), gate.launch_ms, gate.compute_ms) for _ in range(repeats)]
+    gpu, host, launch, compute = zip(*runs)
+    return statistics.median(gpu), statistics.median(host), statistics.median(launch), statistics.median(compute)
 
 
 def _gbps(nbytes: int, ms: float) -> float:
@@ -449,7 +460,7 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
             t.make_compute_wait()
 
     backup_copy_ms, _ = _median_ms(gate, lambda: [backup(x) for x in layers][-1].make_compute_wait())
-    backups_ms, backups_host_ms, backups_launch_ms = _median_timings(gate, with_backups)
+    backups_ms, backups_host_ms, backups_launch_ms, backups_compute_ms = _median_timings(gate, with_backups)
     return {
         "copy_ms": copy_ms, "compute_ms": compute_ms, "with_loads_ms": with_ms, "matmuls_per_layer": per_layer,
         # compute's headroom over the copy (matmuls come whole: 1.0-1.25) and the floor, one
@@ -465,6 +476,10 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
         # ... of which the forward's launches and backup submissions (the rest waits for the
         # issue worker): past the gate, the driver held the forward's launches.
         "with_backups_launch_ms": backups_launch_ms,
+        # The forward's own GPU time beside the backups, to its last matmul: above
+        # `compute_ms`, the copies slowed the compute; at it, the exposure is copies that
+        # lag behind the forward.
+        "with_backups_compute_ms": backups_compute_ms,
     }
 
 
@@ -723,7 +738,8 @@ def _print_table(r: dict[str, Any]) -> None:
         print(
             f"overlap {name:<14} copy {o['copy_ms']:.2f} ms, compute {o['compute_ms']:.2f} ms, "
             f"with loads {o['with_loads_ms']:.2f} ms -> exposed {o['exposed_load_fraction']:.3f}; "
-            f"with backups {o['with_backups_ms']:.2f} ms -> exposed {o['exposed_backup_fraction']:.3f}"
+            f"with backups {o['with_backups_ms']:.2f} ms (compute {o.get('with_backups_compute_ms', 0):.2f})"
+            f" -> exposed {o['exposed_backup_fraction']:.3f}"
         )
     by_backend = r.get("exposure_by_backend") or {r["default_backend"]: r.get("exposure", {})}
     for label, patterns in by_backend.items():
@@ -736,7 +752,8 @@ def _print_table(r: dict[str, Any]) -> None:
                     f"exposure {label:<17} {pattern:<9} {n:>5} pages x {o['layers']} layers: "
                     f"load {o['exposed_load_fraction']:.3f}, backup {o['exposed_backup_fraction']:.3f}"
                     f" (host {o.get('with_loads_host_ms', 0):.0f}/{o.get('with_backups_host_ms', 0):.0f} ms,"
-                    f" backups' launches {o.get('with_backups_launch_ms', 0):.0f}, gate {o.get('gate_ms', 0):.0f})"
+                    f" backups' launches {o.get('with_backups_launch_ms', 0):.0f}, gate {o.get('gate_ms', 0):.0f};"
+                    f" compute {o.get('compute_ms', 0):.2f} ms alone, {o.get('with_backups_compute_ms', 0):.2f} beside backups)"
                 )
     print(f"targets: {json.dumps(r['targets'])}")
 
