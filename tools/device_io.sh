@@ -8,7 +8,9 @@
 #   overhead  bench-overhead on CUDA, the shared trace (.devdata/synthetic_trace.jsonl, copied from
 #             ../shared/traces), DeepSeek-V3.2 layout, OVERHEAD_LIMIT requests (default 1500)
 #             -> $DEST/overhead-h200.json; then each of OVERHEAD_VARIANTS (bench-io's variant names)
-#             -> $DEST/overhead-h200-<variant>.json, on the same host
+#             -> $DEST/overhead-h200-<variant>.json, on the same host; OVERHEAD_ROUNDS=N (default 1)
+#             repeats the default and the variants in N interleaved rounds, round r > 1 named
+#             overhead-h200-r<r>[-<variant>].json (the spread between runs on one host)
 #   floor     tools/host_floor.py replay: the same replay over the direct engine's Python with a
 #             driver double, on this host's CPU (bench-overhead's time minus it is driver time and
 #             waits) -> $DEST/host-floor-h200.json (FLOOR_ARGS adds flags, e.g. --hook-worker-above 0)
@@ -43,12 +45,15 @@ if want tests; then
 fi
 if want overhead; then
   step "bench-overhead (CUDA)"
-  run overhead-h200 "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_cp bench-overhead --trace .devdata/synthetic_trace.jsonl \
-    --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" --json "$DEST/overhead-h200.json"
-  for v in ${OVERHEAD_VARIANTS:-}; do
-    run "overhead-h200-$v" "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_cp bench-overhead --io-variant "$v" \
-      --trace .devdata/synthetic_trace.jsonl --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" \
-      --json "$DEST/overhead-h200-$v.json"
+  for r in $(seq 1 "${OVERHEAD_ROUNDS:-1}"); do
+    name=overhead-h200$([ "$r" -gt 1 ] && echo "-r$r")
+    run "$name" "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_cp bench-overhead --trace .devdata/synthetic_trace.jsonl \
+      --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" --json "$DEST/$name.json"
+    for v in ${OVERHEAD_VARIANTS:-}; do
+      run "$name-$v" "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_cp bench-overhead --io-variant "$v" \
+        --trace .devdata/synthetic_trace.jsonl --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" \
+        --json "$DEST/$name-$v.json"
+    done
   done
 fi
 if want floor; then
