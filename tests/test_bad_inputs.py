@@ -368,8 +368,8 @@ def test_bench_overhead_honours_every_source(source: str, tmp_path: Path, monkey
     ("extra", "message"),
     [
         (["--io-variant", "direct-hook99"], "--io-variant 'direct-hook99': unknown; known: hybrid"),
-        (["--io-variant", "direct-hook0", "--io-backend", "cpu"], "--io-variant names its backend"),
-        (["--io-variant", "direct-hook0", "--device", "cpu"], "io_backend = direct (from cli) copies with CUDA"),
+        (["--io-variant", "direct-hook16", "--io-backend", "cpu"], "--io-variant names its backend"),
+        (["--io-variant", "direct-hook16", "--device", "cpu"], "io_backend = direct (from cli) copies with CUDA"),
     ],
 )
 def test_bench_overhead_refuses_a_bad_io_variant(extra: list[str], message: str, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -4,8 +4,8 @@ The tool builds the `direct` engine field by field around a driver double
 (the real constructor needs CUDA), so a new engine field would break it only
 when someone runs it. This runs its bench-overhead replay on a few requests
 and checks what it is for: every request's calls are timed, and the hook's
-path follows `hook_worker_above` (0: every backup layer of a hook goes to the
-issue worker; the default: none of these small layers does)."""
+path follows `hook_worker_above` (0, the default: every backup layer of a hook
+goes to the issue worker; 16: none of these small layers does)."""
 
 from __future__ import annotations
 

@@ -365,14 +365,14 @@ def test_the_parts_of_a_layer_make_a_stream_wait_once(cuda_pools, monkeypatch, w
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("options", [{}, {"hook_worker_above": 0}, {"hook_worker_above": 0, "hook_order": "worker"}],
-                         ids=["default", "hook0", "worker-order"])  # fmt: skip
+@pytest.mark.parametrize("options", [{}, {"hook_worker_above": 16}, {"hook_order": "worker"}],
+                         ids=["default", "hook16", "worker-order"])  # fmt: skip
 def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, monkeypatch, options: dict) -> None:
     """The layer hook's path (`submit_layer`, D2H) behind a long forward: each layer's
     backup holds the bytes compute wrote right before the hook, however the hook
-    issues it (by default inline up to 16 descriptors while the worker is idle; with
-    `hook_worker_above` 0 on the worker, its compute order recorded by the hook or by
-    the worker)."""
+    issues it (by default on the worker, its compute order recorded by the hook or, with
+    `hook_order` "worker", by the worker; with `hook_worker_above` 16 inline while the
+    worker is idle)."""
     from hicache_cp.io.dma import DeferredTicket
 
     layout, dev, host = cuda_pools
@@ -403,7 +403,7 @@ def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, mon
             before = len(records)
             tickets.append(engine.submit_layer(plan, parts, layer))
             hook_records.append(len(records) - before)
-        inline = options.get("hook_worker_above", 16) > 0  # 2 runs x at most 2 parts: never deferred
+        inline = options.get("hook_worker_above", 0) > 0  # 2 runs x at most 2 parts: never deferred
         assert all(isinstance(ts[0], DeferredTicket) is not inline for ts in tickets)
         # The hook's driver calls that record: the order and done events inline, the order
         # event alone when the worker issues, none when the worker records that too.

@@ -13,7 +13,7 @@
 #             overhead-h200-r<r>[-<variant>].json (the spread between runs on one host)
 #   floor     tools/host_floor.py replay: the same replay over the direct engine's Python with a
 #             driver double, on this host's CPU (bench-overhead's time minus it is driver time and
-#             waits) -> $DEST/host-floor-h200.json (FLOOR_ARGS adds flags, e.g. --hook-worker-above 0)
+#             waits) -> $DEST/host-floor-h200.json (FLOOR_ARGS adds flags, e.g. --hook-worker-above 16)
 #   profile   tools/profile_overhead.py: the same bench-overhead run under cProfile (PROFILE_VARIANT
 #             picks a variant) -> $DEST/overhead-profile.txt
 #   io        bench-io (IO_ARGS adds flags) -> $DEST/io-h200.json

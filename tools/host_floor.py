@@ -16,8 +16,8 @@ Python alone costs, and what a change to it saves, on a machine without a GPU:
   options and pool sizing) over that engine, so that its table of every call
   compares line by line with an `overhead-<gpu>.json` of the same options.
 
-    python tools/host_floor.py [--requests 300] [--hook-worker-above 16] [--json P]
-    python tools/host_floor.py replay [bench-overhead's options] [--hook-worker-above 16] [--runs 3] [--json P]
+    python tools/host_floor.py [--requests 300] [--hook-worker-above 0] [--json P]
+    python tools/host_floor.py replay [bench-overhead's options] [--hook-worker-above 0] [--runs 3] [--json P]
 
 Host speed matters: compare runs on one machine (bench-overhead's `match`
 time gives the ratio between hosts).
@@ -46,7 +46,7 @@ from hicache_cp.harness.replay.setup import tokens_per_block
 from hicache_cp.harness.trace import request_tokens
 from hicache_cp.io.base import CopyEngine, Direction
 from hicache_cp.io.cuda import EngineSync, PartInfo
-from hicache_cp.io.dma import DirectCopyEngine
+from hicache_cp.io.dma import HOOK_WORKER_ABOVE, WORKER_ABOVE, DirectCopyEngine
 from hicache_cp.io.issue import CHUNK, IssueWorker
 from hicache_cp.io.plans import MAX_TABLE_DESCRIPTORS, DescriptorTable, PartGeometry, Runs, TableShape
 from hicache_cp.layout import KVLayout, Model
@@ -151,8 +151,9 @@ def _python_only_engine(cache: HiCache, options: dict[str, Any]) -> DirectCopyEn
     geoms = _geometries(cache.layout, cache.host_pool.physical_pages)
     e._info = {g.part: PartInfo(g.part, g.page_bytes, g.slots, list(g.device_layers), g.host_base,
                                 g.host_layer_bytes, _Arena(), True) for g in geoms}  # type: ignore[arg-type]
-    e.order, e.overlap_hint, e.worker_above = "device", False, 16
-    e.hook_worker_above, e.hook_order = options.get("hook_worker_above", 16), options.get("hook_order", "caller")
+    e.order, e.overlap_hint, e.worker_above = "device", False, WORKER_ABOVE
+    e.hook_worker_above = options.get("hook_worker_above", HOOK_WORKER_ABOVE)
+    e.hook_order = options.get("hook_order", "caller")
     e.chunks = e.wholes = {Direction.D2H: CHUNK, Direction.H2D: CHUNK}
     e.counts = {"deferred": 0}
     workers = []
@@ -256,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return _main_replay(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--hook-worker-above", type=int, default=16, help="the direct engine's option (0: every hook layer deferred)")
+    p.add_argument("--hook-worker-above", type=int, default=HOOK_WORKER_ABOVE,
+                   help="the direct engine's option (0, the default: every hook layer deferred)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     table = table_floor()
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main_replay(argv: list[str]) -> int:
     own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--hook-worker-above", type=int, default=16)
+    own.add_argument("--hook-worker-above", type=int, default=HOOK_WORKER_ABOVE)
     own.add_argument("--runs", type=int, default=1, help="replays; the table gives each figure's median over them")
     own.add_argument("--json", type=Path)
     args, rest = own.parse_known_args(argv)

@@ -13,7 +13,8 @@ allocators make, milliseconds for thousands of scattered pages. The
 A layer of more than `WORKER_ABOVE` descriptors is issued by a worker
 thread (`io.issue`, which says what its driver-call size trades), so the
 caller pays for one event record, not for the descriptors; a load's layers
-go to the worker as one job.
+go to the worker as one job, and the layer hook hands it every backup layer
+(`HOOK_WORKER_ABOVE`).
 
 `staging` gathers scattered device pages into a bounded device buffer with
 torch and moves each run of consecutive host pages with one DMA.
@@ -39,10 +40,13 @@ logger = logging.getLogger(__name__)
 
 #: Descriptors of one layer above which the direct backend issues them on its worker thread
 #: (`io.issue`): inline, 16 cost about 20 us of the caller's time, 64 about 75 us (H200).
-#: The layer hook's own threshold (`hook_worker_above`) defaults to it: bench-io's variants
-#: `direct-hook0` and `direct-worker-order` hand every hook layer to the worker (issue 28,
-#: not yet measured on the H200).
 WORKER_ABOVE = 16
+#: The layer hook's own threshold (`hook_worker_above`): every backup layer goes to the
+#: worker, so the hook pays one event record. Issued in the hook, a layer of up to 16
+#: descriptors (bench-io's `direct-hook16`) cost the hook 14-20 us p50 and 57-75 us p99 on
+#: one H100 host in three interleaved rounds against 10-15 / 42-57 for the worker, whose
+#: backups land a few ms later (bench-overhead's `settle`; issue 28).
+HOOK_WORKER_ABOVE = 0
 #: Default device staging buffer of the staging backend, per direction.
 DEFAULT_STAGING_BYTES = 64 << 20
 
@@ -139,7 +143,7 @@ class DirectCopyEngine(CudaCopyEngine):
         self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
         overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
         load_chunk: int | None = None, whole: int = WHOLE, load_whole: int | None = None,
-        hook_worker_above: int = WORKER_ABOVE, hook_order: str = "caller",
+        hook_worker_above: int = HOOK_WORKER_ABOVE, hook_order: str = "caller",
     ) -> None:
         super().__init__(device_pool, host_pool)
         if order not in ("given", "device"):
@@ -171,9 +175,9 @@ class DirectCopyEngine(CudaCopyEngine):
 
     def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
         """The layer hook's path (a backup's layer). A layer of at most `hook_worker_above`
-        descriptors (runs x parts) is issued here while the D2H worker is idle: the hook
-        pays for four driver calls and the descriptors. Others go to the `IssueWorker`:
-        the hook pays for one driver call, recording the compute-ordering event
+        descriptors (runs x parts; default none) is issued here while the D2H worker is
+        idle: the hook pays for four driver calls and the descriptors. Others go to the
+        `IssueWorker`: the hook pays for one driver call, recording the compute-ordering event
         (`hook_order` "caller"), or none (`hook_order` "worker": the worker records it
         on the hook's stream before its copy stream waits on it, which orders the
         backup after at least the compute the hook followed)."""

@@ -31,11 +31,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "direct-chunk1024": ("direct", {"chunk": 1024, "whole": 1024}),
     # Backups, which the forward does not wait for, in one call of up to 1024 a layer.
     "direct-backup1024": ("direct", {"whole": 1024, "load_whole": 128}),
-    # The layer hook (`submit_layer`): `direct` issues a backup layer of up to 16 descriptors in
-    # the hook while the issue worker is idle (four driver calls there) and hands larger ones
-    # to the worker (one: the hook records the compute-ordering event). `-hook0` hands every
-    # layer to the worker; `-worker-order` too, and the worker records that event as well, so
-    # the hook makes no driver call.
-    "direct-hook0": ("direct", {"hook_worker_above": 0}),
-    "direct-worker-order": ("direct", {"hook_worker_above": 0, "hook_order": "worker"}),
+    # The layer hook (`submit_layer`): `direct` hands every backup layer to the issue worker
+    # (the hook records the compute-ordering event). `-hook16` issues a layer of up to 16
+    # descriptors in the hook while the worker is idle (four driver calls there; the default
+    # before 40ab0e4's measurements); `-worker-order` has the worker record that event as
+    # well, so the hook makes no driver call.
+    "direct-hook16": ("direct", {"hook_worker_above": 16}),
+    "direct-worker-order": ("direct", {"hook_order": "worker"}),
 }
