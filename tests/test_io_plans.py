@@ -249,17 +249,23 @@ def test_cuda_planned_layer_exact_bytes(cuda_pools, name: str, runs: bool, n: in
 
 @gpu
 @needs_cuda
-def test_cuda_planned_failure_fails_every_part(cuda_pools, monkeypatch) -> None:
+@pytest.mark.parametrize("hook_worker_above", [16, 0], ids=["inline", "worker"])
+def test_cuda_planned_failure_fails_every_part(cuda_pools, monkeypatch, hook_worker_above: int) -> None:
+    """A layer hook's failed driver call fails the tickets of every part of the layer,
+    issued in the hook (at once) or by the issue worker (once it has tried)."""
     layout, dev, host = cuda_pools
-    engine = make_engine("direct", dev, host)
+    engine = make_engine("direct", dev, host, hook_worker_above=hook_worker_above)
 
     try:
-        plan = engine.plan(Direction.D2H, np.array([1, 2, 5]), np.array([3, 4, 9]))
-        monkeypatch.setattr(engine._issuer, "issue_table_row", _injected_failure)
+        plan = engine.plan(Direction.D2H, np.array([1, 2, 5]), np.array([3, 4, 9]))  # 2 runs x 2 parts
+        if hook_worker_above:
+            monkeypatch.setattr(engine._issuer, "issue_table_row", _injected_failure)
+        else:
+            monkeypatch.setattr(engine._drv, "memcpy_batch_ptrs", _injected_failure)
         tickets = engine.submit_layer(plan, (Part.TARGET_KV, Part.TARGET_STATE), 1)
-        assert [t.query() for t in tickets] == [TicketState.FAILED, TicketState.FAILED]
         with pytest.raises(CopyFailed, match="injected"):
             tickets[1].wait()
+        assert [t.query() for t in tickets] == [TicketState.FAILED, TicketState.FAILED]
         with pytest.raises(ValueError, match="outside the pool"):
             engine.plan(Direction.H2D, np.array([dev.physical_pages]), np.array([1]))
     finally:
