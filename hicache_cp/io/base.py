@@ -248,12 +248,13 @@ def default_backend(device_pool: DevicePool) -> str:
     copies take no SMs from the forward (H200, 1024 scattered pages beside a
     compute-bound forward: 0.013 of a load and 0.048 of a backup exposed at
     3524bee, up to 0.05 / 0.11 in earlier runs, against 0.35 and 0.78 for the
-    SM kernels of "hybrid"/"kernel"), at 0.96-1.00 of the link. The cache plans each op once (`CopyEngine.plan`:
-    the runs and every layer's descriptors, `io.plans`), so a layer's copy is
-    one precomputed table row in one `cuMemcpyBatchAsync` for both parts of
-    the layer, issued by a worker thread (`io.issue`). The driver's price,
-    about half a microsecond per descriptor, is small for the runs the
-    allocators hand out and a fraction of a millisecond a layer for 1024 fully
-    scattered pages. bench/results/io-h200-160acc4.json has every variant.
+    SM kernels of "hybrid"/"kernel"), at 0.96-1.00 of the link. The cache
+    plans each op once (`CopyEngine.plan`: the runs and every layer's
+    descriptors, `io.plans`), so a layer's copy is one precomputed table row
+    in one `cuMemcpyBatchAsync` for both parts of the layer, issued by a
+    worker thread (`io.issue`). The driver's price, about half a microsecond
+    per descriptor, is small for the runs the allocators hand out and a
+    fraction of a millisecond a layer for 1024 fully scattered pages.
+    bench/results/io-h200-160acc4.json has every variant.
     """
     return "direct" if device_pool.is_cuda else "cpu"

@@ -34,7 +34,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # The layer hook (`submit_layer`): `direct` hands every backup layer to the issue worker
     # (the hook records the compute-ordering event). `-hook16` issues a layer of up to 16
     # descriptors in the hook while the worker is idle (four driver calls there; the default
-    # before 40ab0e4's measurements); `-worker-order` has the worker record that event as
+    # before 3524bee); `-worker-order` has the worker record that event as
     # well, so the hook makes no driver call.
     "direct-hook16": ("direct", {"hook_worker_above": 16}),
     "direct-worker-order": ("direct", {"hook_order": "worker"}),
