@@ -2,7 +2,7 @@
 
 The copy engines move scattered pages at the link's speed, but the driver
 spends about half a microsecond of host time per descriptor inside
-`cuMemcpyBatchAsync` (H200: 0.44-0.54 us, tools/dma_probe.py), and about a
+`cuMemcpyBatchAsync` (H200: 0.44-0.54 us, bench/experiments/dma_probe.py), and about a
 microsecond issued inline from the scheduler thread between launches (a layer
 of 1024 scattered pages: 0.8-1.0 ms). On the scheduler thread that time
 delays the forward's next launches. An `IssueWorker` takes such a layer's

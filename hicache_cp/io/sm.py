@@ -34,7 +34,7 @@ class KernelCopyEngine(CudaCopyEngine):
     Options: `sm_fraction` caps the grid at that share of the SMs (at least
     one CTA); `mode` picks how the kernel moves bytes (`kernels.MODES`:
     "simt", "l2hint", "tma"); `unroll` and `tail` shape the simt kernels
-    (loads in flight per thread, `kernels.TAILS`; tools/io_sweep.py found
+    (loads in flight per thread, `kernels.TAILS`; bench/experiments/io_sweep.py found
     no setting better than the defaults on the H200); `dma_runs` sends a
     copy that coalesces into at most that many runs (consecutive on both
     sides, in the given order) to the DMA engines instead (0: never). Page

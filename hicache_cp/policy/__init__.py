@@ -14,7 +14,7 @@ registry imports a built-in module only when its policy is asked for:
     reuse_lru     LRU that protects content seen twice, across evictions, and
                   first-timer classes it learns are reused (`reuse_lru`)
 
-`tools/policy_sweep.py` compares them against the Belady bound, also under
+`bench/scripts/policy_sweep.py` compares them against the Belady bound, also under
 `write_back` and with `l2_exclusive` (L1 and L2 holding disjoint pages: the
 largest gain measured on the shared trace, see README.md).
 """

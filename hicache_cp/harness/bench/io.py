@@ -27,7 +27,7 @@ One run measures, on the current GPU:
 Warm-up: before the first variant, the default backend submits copies of
 every size for `_WARMUP_S` seconds, unmeasured: the first variant measured
 was otherwise slower on the host (H200, 64 pages: 28 us per submission
-against 21 us for the same backend measured again later, tools/io_sweep.py).
+against 21 us for the same backend measured again later, bench/experiments/io_sweep.py).
 
 Timing: CUDA events around GPU work. Each timed batch is gated behind a GPU
 sleep on the compute stream, so every submission is queued before the GPU

@@ -1,7 +1,7 @@
 """The io backends' measured variants: a name for a backend with options.
 
 bench-io measures each beside a compute-bound forward, bench-overhead times the
-cache's calls with one (`--io-variant`), and tools/io_vs_sglang.py races them
+cache's calls with one (`--io-variant`), and bench/scripts/io_vs_sglang.py races them
 against SGLang's kernels. The plain backend names are their defaults.
 """
 

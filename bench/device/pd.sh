@@ -1,39 +1,37 @@
 #!/usr/bin/env bash
-# Per-layer PD on one H200 (issue 26): the time from the forward's end to the decode
-# peer holding all of a request's KV, per-layer against after-insert sending, in one
-# call of about 2-4 minutes.
+# Per-layer PD on one GPU: the time from the forward's end to the decode peer holding all of
+# a request's KV, per-layer against after-insert sending, in about 2-4 minutes.
 #
-#   overlap  $DEST/pd-overlap-h200-<layer_ms>ms.json   bench-pd --overlap: a DeepSeek-V3.2-like
+#   overlap  $DEST/pd-overlap-$GPU-<layer_ms>ms.json   bench-pd --overlap: a DeepSeek-V3.2-like
 #            layout (61 target layers with NSA state on every layer + 1 MTP draft layer,
 #            656 + 132 B a token a layer, page 64), 128 pages (8k tokens), half of them L2-only;
 #            L1 in GPU memory; a stand-in forward of LAYER_MS per layer (bf16 matmuls on the
 #            compute stream, calibrated); per_layer submits each layer from its hook once the
 #            layer's CUDA event completes, after_insert sends everything after the forward's
 #            sync. Every byte of every run verified by the decode peer.
-#   replay   $DEST/pd-replay-h200-{after-insert,per-layer}.json   replay --pd --device cuda on
+#   replay   $DEST/pd-replay-$GPU-{after-insert,per-layer}.json   replay --pd --device cuda on
 #            the embedded workload (the synthetic engine's KV generated on the GPU), per-layer
 #            off and on: 0 mismatches, every room verified, pd_ready_s_p50/p90 per room.
-#   serve    $DEST/pd-serve-h200-{after-insert,per-layer}.json   the real-width DeepSeek-V3.2
-#            server of tools/device_serve.sh (hf engine, 4 layers + MTP, 8-19k-token prompts,
+#   serve    $DEST/pd-serve-$GPU-{after-insert,per-layer}.json   the real-width DeepSeek-V3.2
+#            server of bench/device/serve.sh (hf engine, 4 layers + MTP, 8-19k-token prompts,
 #            batched and chunked) with --pd, per-layer off and on: pd_ready_s_* is the real
 #            forward's end to the decode peer holding all KV; every unit checked against digests.
 #
-# Wheels in .whl/ (git-ignored), as for tools/device_serve.sh: Mooncake's CUDA-13 build
-# (mooncake_transfer_engine_cuda13-0.3.14, cp312) and, for `serve`, transformers-5.20.2.
-# From the repository root on nvidia-h200, carry [".whl"]:
-#   HICACHE_COMMIT=<hash> bash tools/device_pd.sh                # STEPS="overlap replay serve"
+# Needs Mooncake's CUDA build (mooncake-transfer-engine-cuda13 for CUDA 13) and, for `serve`,
+# transformers 5.20: installed, or as wheels in .whl/ (not committed). From the repository root:
+#   bash bench/device/pd.sh                # STEPS="overlap replay serve"
 # The same on CPU loopback (no wheels; the venv's non-CUDA Mooncake; forward = a wait):
-#   STEPS="overlap replay" WHEELS=0 DEVICE=cpu PYTHON=.venv/bin/python OUT=/tmp/pd bash tools/device_pd.sh
+#   STEPS="overlap replay" WHEELS=0 DEVICE=cpu PYTHON=.venv/bin/python OUT=/tmp/pd bash bench/device/pd.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_STEPS="overlap replay serve"
-source tools/device_env.sh
+source bench/device/env.sh
 wheels "${WHEEL_GLOB:-.whl/*.whl}" || exit 1
 export MC_LOG_LEVEL=ERROR
 DEVICE=${DEVICE:-cuda}
-SUFFIX=${SUFFIX:-$([ "$DEVICE" = cpu ] && echo cpu || echo h200)}
+SUFFIX=${SUFFIX:-$([ "$DEVICE" = cpu ] && echo cpu || echo "$GPU")}
 PAGES=${PAGES:-128}
-LAYER_MS=${LAYER_MS:-5 28}   # 28 ms: a real-width V3.2 layer at 4k tokens on the H200 (DOMAIN.md section 6)
+LAYER_MS=${LAYER_MS:-5 28}   # 28 ms: a real-width V3.2 layer at 4k tokens on an H200 (docs/bench/pd.md)
 REPEATS=${REPEATS:-5}
 LIMIT=${LIMIT:-300}
 PD_LIMIT=${PD_LIMIT:-25}

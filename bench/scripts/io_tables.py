@@ -1,11 +1,11 @@
 """Markdown tables of the copy-engine results (issue 28), from their JSON, for the README.
 
-    python3 tools/io_tables.py [bench/results/io-h200.json] [bench/results/io-vs-sglang-h200.json]
+    python3 bench/scripts/io_tables.py [bench/results/io-h200.json] [bench/results/io-vs-sglang-h200.json]
 
 Prints, from bench-io's JSON: the default backend's exposure rows (scattered
 and in runs, per page count), every variant's exposure beside the same forward
 with its link ratios and submit times at 1024 pages, and the top-level keys;
-from tools/io_vs_sglang.py's JSON: the race table. Numbers are copied from
+from bench/scripts/io_vs_sglang.py's JSON: the race table. Numbers are copied from
 the files, never typed.
 """
 

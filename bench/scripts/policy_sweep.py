@@ -2,8 +2,8 @@
 """Eviction policies against LRU and the Belady bound: `hicache-cp replay` per
 policy x L2 size x workload, as the fraction of the way from LRU to Belady.
 
-    .venv/bin/python tools/policy_sweep.py                      # shared trace + embedded workload
-    .venv/bin/python tools/policy_sweep.py --trace T --fractions 0.05,0.1,0.25 --policies lru,reuse_lru
+    .venv/bin/python bench/scripts/policy_sweep.py                      # shared trace + embedded workload
+    .venv/bin/python bench/scripts/policy_sweep.py --trace T --fractions 0.05,0.1,0.25 --policies lru,reuse_lru
 
 Each cell is one replay (CPU, integrity verified unless --no-verify) of the
 whole workload with L2 at that fraction of its unique-block footprint (L1
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "commit": git_commit(),
         "machine": machine(),
-        "command": " ".join(["tools/policy_sweep.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["bench/scripts/policy_sweep.py", *(argv if argv is not None else sys.argv[1:])]),
         "trace": str(args.trace) if args.trace else None,
         "target": args.target,
         "gap_fraction": "(hit_rate - lru_hit_rate) / (belady_hit_rate - lru_hit_rate)",

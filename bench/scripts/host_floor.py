@@ -16,8 +16,8 @@ Python alone costs, and what a change to it saves, on a machine without a GPU:
   options and pool sizing) over that engine, so that its table of every call
   compares line by line with an `overhead-<gpu>.json` of the same options.
 
-    python tools/host_floor.py [--requests 300] [--hook-worker-above 0] [--json P]
-    python tools/host_floor.py replay [bench-overhead's options] [--hook-worker-above 0] [--runs 3] [--json P]
+    python bench/scripts/host_floor.py [--requests 300] [--hook-worker-above 0] [--json P]
+    python bench/scripts/host_floor.py replay [bench-overhead's options] [--hook-worker-above 0] [--runs 3] [--json P]
 
 Host speed matters: compare runs on one machine (bench-overhead's `match`
 time gives the ratio between hosts).

@@ -1,9 +1,9 @@
 """Copy-kernel experiments on the GPU (issue 13): what limits the kernel's H2D rate.
 
-Run on the device machine from the repository root (tools/device_io.sh STEPS=sweep
+Run on a GPU host from the repository root (bench/device/io.sh STEPS=sweep
 does, with the provenance line and the log):
 
-    python3 tools/io_sweep.py --json $OUT/io-sweep.json [--budget-s 200]
+    python3 bench/experiments/io_sweep.py --json bench/results/io-sweep-h200.json [--budget-s 200]
 
 Sections (each writes the JSON when done, so a cut-short run keeps what it has):
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.pages.split(",")]
     fractions = [float(x) for x in args.fractions.split(",")]
     unrolls = [int(x) for x in args.unrolls.split(",")]
-    res: dict[str, Any] = {"command": " ".join(["python3 tools/io_sweep.py", *sys.argv[1:]]), "commit": git_commit(), "machine": torch.cuda.get_device_name(),
+    res: dict[str, Any] = {"command": " ".join(["python3 bench/experiments/io_sweep.py", *sys.argv[1:]]), "commit": git_commit(), "machine": torch.cuda.get_device_name(),
                            "host": machine(), "page_bytes": PAGE_BYTES}
 
     def save(section: str) -> None:

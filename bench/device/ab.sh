@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# An A/B of the library on one device machine: the same bench command on several trees, interleaved.
+# An A/B of the library on one GPU host: the same bench command on several trees, interleaved.
 #
-# Here (with git):  bash tools/device_ab.sh prepare 923c177 [more commits]
-#   makes ab_<commit>/ (its hicache_cp, hostmem and pyproject.toml): untracked and not ignored,
-#   so it travels to the device with the working tree. Edit a copy by hand for a candidate fix
-#   (cp -r ab_<commit> ab_fix, then change it). Remove them after the call: rm -rf ab_*/
-# On the device:    AB_TREES="ab_923c177 . ab_fix" AB_ROUNDS=2 AB_TIMEOUT=150 \
+# With git:  bash bench/device/ab.sh prepare <commit> [more commits]
+#   makes ab_<commit>/ (its hicache_cp, hostmem and pyproject.toml) beside the working tree.
+#   Edit a copy by hand for a candidate fix (cp -r ab_<commit> ab_fix, then change it); copy the
+#   working tree with them to the GPU host if it is another machine. Remove them after: rm -rf ab_*/
+# On the GPU host:  AB_TREES="ab_<commit> . ab_fix" AB_ROUNDS=2 AB_TIMEOUT=150 \
 #                   AB_CMD="bench-io --backends direct --pages 64 --kernel-sm-fractions= --runs-backends= --exposure-pages 8192" \
-#                   bash tools/device_ab.sh run                 # carry [".devdata"]
+#                   bash bench/device/ab.sh run
 #   runs `python -P -m hicache_cp $AB_CMD --json $DEST/ab-<round>-<tree>.json` with each tree alone
 #   on PYTHONPATH (-P: the working directory's own hicache_cp is not put first), round by round
 #   (interleaved, so drift hits every tree alike); each JSON names its tree as its commit
-#   (HICACHE_COMMIT); every run's output goes to one $DEST/ab.log (a call brings back at most 8
-#   files: 3 trees x 2 rounds of JSON and one log fit). Exit status: the first failing run's.
+#   (HICACHE_COMMIT); every run's output goes to one $DEST/ab.log. Exit status: the first failing run's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +27,7 @@ fi
 [ "${1:-}" = run ] || { echo "usage: device_ab.sh prepare COMMIT... | run (see the header)" >&2; exit 2; }
 
 DEFAULT_STEPS=""
-source tools/device_env.sh
+source bench/device/env.sh
 : "${AB_TREES:?AB_TREES names the trees (. is the working tree)}" "${AB_CMD:?AB_CMD is the hicache-cp command}"
 for round in $(seq "${AB_ROUNDS:-2}"); do
   for tree in $AB_TREES; do

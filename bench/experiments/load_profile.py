@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Host time of `load_back` with the real model's layout (issue 14), and where it goes.
 
-    python tools/load_profile.py [--device cuda] [--out DIR]
+    python bench/experiments/load_profile.py [--device cuda] [--out DIR]
 
 Five 132-page prefixes (the serve's prompts) are computed and backed up, then
 loaded back in turn while L1 (300 pages) is full of older prefixes, as in
-`tools/device_serve.sh`. Prints the wall time of each `load_back` and a
+`bench/device/serve.sh`. Prints the wall time of each `load_back` and a
 cProfile of them (DIR/load-profile.txt). A development tool, not a bench.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hicache_cp.cache import HiCache  # noqa: E402

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """hicache-cp under SGLang 0.5.23 beside SGLang's own tree caches (hicache_cp.harness.bench.sglang).
 
-    .venv/bin/python tools/bench_sglang.py                       # shared trace + embedded workload
-    .venv/bin/python tools/bench_sglang.py --limit 200 --json bench/results/sglang-side-by-side.json
+    .venv/bin/python bench/scripts/bench_sglang.py                       # shared trace + embedded workload
+    .venv/bin/python bench/scripts/bench_sglang.py --limit 200 --json bench/results/sglang-side-by-side.json
 
 Prints a Markdown table per workload and writes one JSON (commit, machine, command).
 """
@@ -20,7 +20,7 @@ from hicache_cp.harness.provenance import git_commit, machine
 from hicache_cp.harness.trace import load_trace
 from hicache_cp.harness.workload import default_workload
 
-SHARED_TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "synthetic_trace.jsonl"
+SHARED_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "synthetic_trace.jsonl"
 
 
 def main() -> int:
@@ -45,7 +45,7 @@ def main() -> int:
         workloads["trace"] = load_trace(args.trace, limit=args.limit)
     else:
         print(f"note: {args.trace} not found; embedded workload only", file=sys.stderr)
-    out = {"commit": git_commit(), "machine": machine(), "command": " ".join(["tools/bench_sglang.py", *sys.argv[1:]]),
+    out = {"commit": git_commit(), "machine": machine(), "command": " ".join(["bench/scripts/bench_sglang.py", *sys.argv[1:]]),
            "sglang": "0.5.23", "workloads": {}}  # fmt: skip
     for name, reqs in workloads.items():
         print(f"-- {name}: {len(reqs)} requests", flush=True)

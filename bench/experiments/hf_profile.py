@@ -2,7 +2,7 @@
 """Where the real engine's prefill time goes (issue 14): isolated forwards, a
 torch profile of one hit forward, and a cProfile of a short serve.
 
-    python tools/hf_profile.py --out DIR [--preset dsv32-width] [--device cuda]
+    python bench/experiments/hf_profile.py --out DIR [--preset dsv32-width] [--device cuda]
 
 Writes DIR/hf-profile.json (timings), DIR/hit-forward-ops.txt (torch
 profiler, top ops by device and by host time) and DIR/serve-cprofile.txt
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from hicache_cp.harness.engines import hf_model  # noqa: E402

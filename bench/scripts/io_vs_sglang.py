@@ -3,7 +3,7 @@
 Run on a CUDA machine from the repository root, with SGLang's kernel sources
 extracted from its wheel (never committed) and apache-tvm-ffi importable:
 
-    python3 tools/io_vs_sglang.py --sglang-src .sglang_src/sglang/kernels/jit --json bench/results/io-vs-sglang-h200.json
+    python3 bench/scripts/io_vs_sglang.py --sglang-src .sglang_src/sglang/kernels/jit --json bench/results/io-vs-sglang-h200.json
 
 `.sglang_src/` holds, from the sglang 0.5.23 wheel, `sglang/kernels/jit/include/`
 and `sglang/kernels/jit/csrc/kvcacheio/hicache.cuh`, `hicache_tma.cuh`.
@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hicache_cp.harness.bench.io import _Gate, _gbps, _median_ms, measure_overlap, measure_peak  # noqa: E402
 from hicache_cp.harness.outputs import write_json  # noqa: E402
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     gate = _Gate()
     result: dict[str, Any] = {
-        "command": "python3 tools/io_vs_sglang.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python3 bench/scripts/io_vs_sglang.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": git_commit(), "machine": torch.cuda.get_device_name(), "host": machine(),
         "sglang_version": SGLANG_VERSION, "row_bytes": ROW, "page_tokens": PAGE_TOKENS,
         "page_bytes": ROW * PAGE_TOKENS, "pages": args.pages, "layers": args.layers,

@@ -16,7 +16,7 @@ behind a GPU sleep (so the host's pace is out of the GPU figures):
 * the forward alone with 24 cross-stream waits on finished events (the
   cost of waiting at all).
 
-    python tools/dma_probe.py --json bench/results/dma-probe-h200.json
+    python bench/experiments/dma_probe.py --json bench/results/dma-probe-h200.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 (issue 29, class 8): does any ordering of the policies hold beyond the two
 workloads of the README's table?
 
-    .venv/bin/python tools/policy_workloads.py [--fractions 0.05,0.1,0.25] [--policies ...]
+    .venv/bin/python bench/scripts/policy_workloads.py [--fractions 0.05,0.1,0.25] [--policies ...]
 
 The workloads come from the embedded generator (`harness.workload`), seeded:
 
@@ -18,7 +18,7 @@ L1 is the replay's default (L2 / 8, but at least three of the longest
 requests), so on small footprints L1 holds much of the working set and the
 hit rate can pass the Belady bound, which is computed at L2's capacity alone.
 
-Each cell is `tools/policy_sweep.py`'s (one verified replay, LRU with the
+Each cell is `bench/scripts/policy_sweep.py`'s (one verified replay, LRU with the
 Belady bound first). Writes bench/results/policy-workloads.json (commit,
 machine, command, every cell, and per policy whether it was ever below LRU).
 """
@@ -31,9 +31,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
 from hicache_cp.harness.trace import write_trace  # noqa: E402
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         for policy in policies
     }  # fmt: skip
     result = {"commit": git_commit(), "machine": machine(),
-              "command": " ".join(["tools/policy_workloads.py", *(argv if argv is not None else sys.argv[1:])]),
+              "command": " ".join(["bench/scripts/policy_workloads.py", *(argv if argv is not None else sys.argv[1:])]),
               "workloads": WORKLOADS, "rows": rows, "verdict": verdict}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -34,7 +34,7 @@ Requests are served one at a time, each to completion, in trace order;
 prefill chunks are 64 pages in SGLang and vLLM (the replay's server has no
 chunks).
 
-    .venv/bin/python tools/alloc_shapes.py --json bench/results/alloc-shapes-cpu.json
+    .venv/bin/python bench/scripts/alloc_shapes.py --json bench/results/alloc-shapes-cpu.json
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from hicache_cp.harness.outputs import write_json  # noqa: E402

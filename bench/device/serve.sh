@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real-model prefill server on one H200 (issue 14), in one call of about 3-4 minutes.
+# The real-model prefill server on one GPU, about 3-4 minutes on an H200.
 #
 # DeepSeek-V3.2 at its real widths (transformers 5.20, bf16, seeded random weights,
 # 4 dense layers + the MTP draft layer, index top-k above every prompt), batched and
@@ -9,26 +9,25 @@
 # of 400 pages (1.35x the longest prompt) makes L2 matter. PyTorch's allocator
 # runs with expandable segments: every request brings tensors of new sizes.
 #
-#   serve  $DEST/serve-h200.json     both oracles, TTFT p50/p90/p99, >= 90%-hit requests:
+#   serve  $DEST/serve-$GPU.json     both oracles, TTFT p50/p90/p99, >= 90%-hit requests:
 #                                    TTFT over recompute and load time over the PCIe bound,
 #                                    the same trace with L2 off (--compare-no-l2), and PROBE
 #                                    (default 8) L2-hit/L1-hit TTFT pairs and layer times
 #                                    with and without copies in flight (--ttft-probe)
-#   pd     $DEST/serve-pd-h200.json  --pd: every request's KV to a decode peer process
+#   pd     $DEST/serve-pd-$GPU.json  --pd: every request's KV to a decode peer process
 #                                    (Mooncake on GPU memory), every unit verified there
 #                                    against the digests prefill recorded
 #
-# Needs two wheels in .whl/ (git-ignored; `pip download` them as in the report),
-# carried with the call: mooncake_transfer_engine_cuda13-0.3.14 (cp312) and
-# transformers-5.20.2 (the image has 5.17, whose V3.2 cache holds expanded keys).
-# From the repository root on nvidia-h200, carry [".whl"]:
-#   HICACHE_COMMIT=<hash> bash tools/device_serve.sh            # STEPS="serve pd" by default
+# Needs transformers 5.20 (the 5.17 release keeps DeepSeek-V3.2's keys expanded, 70x the
+# bytes) and Mooncake's CUDA build (mooncake-transfer-engine-cuda13 for CUDA 13): installed,
+# or as wheels in .whl/ (not committed) for a host without network. From the repository root:
+#   bash bench/device/serve.sh            # STEPS="serve pd" by default
 # A CPU rehearsal of the script's mechanics (no wheels, the tiny model):
-#   WHEELS=0 PRESET=tiny DEVICE=cpu TPB=64 PYTHON=.venv/bin/python OUT=/tmp/serve bash tools/device_serve.sh
+#   WHEELS=0 PRESET=tiny DEVICE=cpu TPB=64 PYTHON=.venv/bin/python OUT=/tmp/serve bash bench/device/serve.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_STEPS="serve pd"
-source tools/device_env.sh
+source bench/device/env.sh
 wheels "${WHEEL_GLOB:-.whl/*.whl}" || exit 1
 export MC_LOG_LEVEL=ERROR PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 LIMIT=${LIMIT:-50}
@@ -62,17 +61,17 @@ COMMON=(--engine hf --hf-preset "$PRESET" --device "$DEVICE" --trace "$TRACE" --
 if want serve; then
   step "serve: dsv32-width with L2, then L2 off; byte and output oracles"
   timeout 330 $PY -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$LIMIT" --check-outputs 8 \
-    --recompute-samples 8 --compare-no-l2 --ttft-probe "${PROBE:-8}" --json "$DEST/serve-h200.json" 2>&1 | grep -v "hf replay:" | tail -45
+    --recompute-samples 8 --compare-no-l2 --ttft-probe "${PROBE:-8}" --json "$DEST/serve-$GPU.json" 2>&1 | grep -v "hf replay:" | tail -45
 fi
 
 if want pd; then
   step "pd: the same server shipping every request's KV to a decode peer (Mooncake, GPU memory)"
   timeout 200 $PY -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$PD_LIMIT" --pd \
-    --json "$DEST/serve-pd-h200.json" 2>&1 | grep -v "hf replay:" | tail -30
+    --json "$DEST/serve-pd-$GPU.json" 2>&1 | grep -v "hf replay:" | tail -30
 fi
 
 step summary
-$PY - "$DEST" <<'EOF2'
+$PY - "$DEST" "$GPU" <<'EOF2'
 import json, pathlib, sys
 keys = ("requests", "served_requests", "hit_rate", "l2_hit_tokens", "max_batch_requests", "ttft_p50_s", "ttft_p90_s",
         "ttft_p99_s", "prefill_tokens_per_s", "prefill_compute_saved", "hit90_requests", "ttft_hit_over_recompute",
@@ -81,7 +80,7 @@ keys = ("requests", "served_requests", "hit_rate", "l2_hit_tokens", "max_batch_r
         "outputs_max_abs_err", "outputs_mismatches", "outputs_same_argmax", "pd_rooms", "pd_failed_rooms",
         "pd_mismatches", "pd_gbps", "integrity_failures", "ttft_l2_over_l1_hit", "ttft_l2_over_l1_hit_p90",
         "ttft_probe_pairs", "ttft_probe_valid_pairs", "ttft_probe_error", "ttft_probe_wall_s", "layer_forward_ms")
-for name in ("serve-h200.json", "serve-pd-h200.json"):
+for name in (f"serve-{sys.argv[2]}.json", f"serve-pd-{sys.argv[2]}.json"):
     path = pathlib.Path(sys.argv[1]) / name
     if path.is_file():
         r = json.loads(path.read_text())

@@ -8,7 +8,7 @@ read shares, not microseconds (bench-overhead's own numbers are the figures);
 the issue workers' threads are not profiled. A driver call (`io.cudadrv`, through
 ctypes) counts as its wrapper's own time, waits for the driver's lock included.
 
-    python tools/profile_overhead.py --out profile.txt -- --device cuda --trace T --limit 1500
+    python bench/experiments/profile_overhead.py --out profile.txt -- --device cuda --trace T --limit 1500
 """
 
 from __future__ import annotations
