@@ -37,7 +37,7 @@ over the gated batches plus `_SUBMIT_SAMPLES` more; each batch's tickets are
 retired before the next is queued, as a server retires an op's tickets at its
 commit (kept all, every submission of the first direction measured created
 its events inside the timed call: D2H at 64 pages 81 us against 14 us for
-H2D, io-h200-direct-be5b46c.json). The default backend's
+H2D, bench/results/archive/io-h200-direct-be5b46c.json). The default backend's
 rows at 64, 1024 and 8192 pages are repeated under `default_numbers`. Each
 rate is the median of several repetitions. GB/s are 1e9 bytes per second.
 
