@@ -151,9 +151,8 @@ def _python_only_engine(cache: HiCache, options: dict[str, Any]) -> DirectCopyEn
     geoms = _geometries(cache.layout, cache.host_pool.physical_pages)
     e._info = {g.part: PartInfo(g.part, g.page_bytes, g.slots, list(g.device_layers), g.host_base,
                                 g.host_layer_bytes, _Arena(), True) for g in geoms}  # type: ignore[arg-type]
-    e.order, e.overlap_hint, e.worker_above = "device", False, WORKER_ABOVE
+    e.worker_above = WORKER_ABOVE
     e.hook_worker_above = options.get("hook_worker_above", HOOK_WORKER_ABOVE)
-    e.hook_order = options.get("hook_order", "caller")
     e.chunks = e.wholes = {Direction.D2H: CHUNK, Direction.H2D: CHUNK}
     e.counts = {"deferred": 0}
     workers = []

@@ -16,7 +16,7 @@ registry imports a built-in module only when its policy is asked for:
 
 `bench/scripts/policy_sweep.py` compares them against the Belady bound, also under
 `write_back` and with `l2_exclusive` (L1 and L2 holding disjoint pages: the
-largest gain measured on the shared trace, see README.md).
+largest gain measured on the shared trace, see docs/design/eviction.md).
 """
 
 from __future__ import annotations
