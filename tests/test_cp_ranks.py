@@ -5,7 +5,7 @@ rank runs a module-level worker of this file (spawn pickles it by name) with
 a real `DistributedAgreement`, and sends back what it saw; the test compares
 the ranks. Every wait has a deadline (spawn_ranks' timeout_s).
 
-Rank-uniformity is the property under test (DOMAIN.md rule 7): a copy that
+Rank-uniformity is the property under test (docs/invariants.md rule 7): a copy that
 fails or lags on one rank only must change every rank's cache state at the
 same poll, and random request streams with failures on random ranks must
 leave every rank with the same tree and allocator state after every step.

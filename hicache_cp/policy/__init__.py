@@ -3,7 +3,7 @@
 A policy maps a node to a sort key; the smallest key is evicted first. Keys
 use the cache's logical clock (one tick per `match_prefix`), never wall
 time, so every CP rank computes the same order from the same metadata
-(DOMAIN.md rule 7) and runs are reproducible. A policy may also learn from
+(docs/invariants.md rule 7) and runs are reproducible. A policy may also learn from
 hooks the cache calls on every match, insert and eviction (`base`).
 
 Policies live one per module in this package and register by name; the
