@@ -26,8 +26,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
-                                ".whl", ".devdata", ".sglang_src", "bench")
+_SKIP = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "*.egg-info",
+                               ".whl", ".devdata", ".sglang_src")
+
+
+def IGNORE(directory: str, names: list[str]) -> set[str]:
+    """What the tree copy leaves out: caches and environments, and bench/results (the
+    benchmark scripts under bench/ stay: tests import them)."""
+    skipped = set(_SKIP(directory, names))
+    if Path(directory).resolve() == (ROOT / "bench").resolve():
+        skipped.add("results")
+    return skipped
 
 
 @dataclass(frozen=True)
