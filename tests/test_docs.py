@@ -5,6 +5,7 @@ not commit hashes."""
 from __future__ import annotations
 
 import io
+import shlex
 import re
 import sys
 import tokenize
@@ -287,3 +288,46 @@ def test_prefetch_wait_false_serves_queued_requests_from_l3() -> None:
     hits = report["l1_hit_tokens"] + report["l2_hit_tokens"] + report["l3_hit_tokens"]
     assert report["hit_rate"] == pytest.approx(hits / report["prompt_tokens"])
     assert report["l3_hit_tokens"] == sum(r["l3_hit_tokens"] for r in report["per_instance"])
+
+
+# ---- the docs' commands --------------------------------------------------------------------
+
+
+def docs_commands() -> list[tuple[str, list[str], list[str]]]:
+    """(page, argv after the program, optional flags shown in brackets) of every `hicache-cp`
+    line in the docs' bash blocks (lines with an ellipsis are sketches and skipped)."""
+    out = []
+    for page in DOCS:
+        for block in _blocks(page, "bash"):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("  #", 1)[0]
+                if "..." in line:
+                    continue
+                optional = re.findall(r"\[(--[\w-]+)", line)
+                words = shlex.split(re.sub(r"\[[^\]]*\]", "", line))
+                if words and words[0].endswith("hicache-cp"):
+                    out.append((_rel(page), words[1:], optional))
+    return out
+
+
+def test_every_hicache_cp_command_of_the_docs_parses() -> None:
+    """The docs' `hicache-cp` commands are valid command lines, and every optional flag they
+    show in brackets is one of the command's (running them needs GPUs, traces or minutes;
+    the README's run in tests/test_readme.py)."""
+    import argparse
+
+    from hicache_cp.harness.cli import build_parser
+
+    commands = docs_commands()
+    assert len(commands) >= 10
+    bad = []
+    for page, argv, optional in commands:
+        parser = build_parser(argv)
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            bad.append((page, argv))
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[argv[0]]
+        known = {s for a in sub._actions for s in a.option_strings}
+        bad += [(page, flag) for flag in optional if flag not in known]
+    assert not bad, bad
