@@ -13,7 +13,7 @@
 #   (interleaved, so drift hits every tree alike); each JSON names its tree as its commit
 #   (HICACHE_COMMIT); every run's output goes to one $DEST/ab.log. Exit status: the first failing run's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 if [ "${1:-}" = prepare ]; then
   shift

@@ -16,7 +16,7 @@
 # set), named with the GPU's tag ($GPU, bench/device/env.sh): JSON with the commit, the machine
 # and the command, and one log per step starting with the same.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEFAULT_STEPS="tests replay"
 source bench/device/env.sh
 export NCCL_NVLS_ENABLE=0

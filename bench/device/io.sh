@@ -28,7 +28,7 @@
 #             its wheel in .whl/ -> $DEST/io-vs-sglang-$GPU.json
 # Each log starts with the commit, the machine and the command. Exit status: the first failing step's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEFAULT_STEPS="tests overhead io sglang"
 source bench/device/env.sh
 TRACE=${TRACE:-.devdata/synthetic_trace.jsonl}

@@ -23,7 +23,7 @@
 # The same on CPU loopback (no wheels; the venv's non-CUDA Mooncake; forward = a wait):
 #   STEPS="overlap replay" WHEELS=0 DEVICE=cpu PYTHON=.venv/bin/python OUT=/tmp/pd bash bench/device/pd.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEFAULT_STEPS="overlap replay serve"
 source bench/device/env.sh
 wheels "${WHEEL_GLOB:-.whl/*.whl}" || exit 1

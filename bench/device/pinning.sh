@@ -17,7 +17,7 @@
 # (ready + close), cudaHostAlloc ~28 s + free; at the large size warm-up, 2
 # default arenas and cudaHostAlloc ~45 s. The sweep is at 64 GiB only.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 source bench/device/env.sh
 {
   echo "=== machine ($(date +%T))"

@@ -25,7 +25,7 @@
 # A CPU rehearsal of the script's mechanics (no wheels, the tiny model):
 #   WHEELS=0 PRESET=tiny DEVICE=cpu TPB=64 PYTHON=.venv/bin/python OUT=/tmp/serve bash bench/device/serve.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEFAULT_STEPS="serve pd"
 source bench/device/env.sh
 wheels "${WHEEL_GLOB:-.whl/*.whl}" || exit 1
