@@ -133,7 +133,7 @@ class Config:
     debug_checks: bool = False
     pin_host: bool | None = None  # None: pin when CUDA is available
     l3: L3Config = field(default_factory=L3Config)  # the L3 tier ([l3] table); off by default
-    pd_timeout_s: float = 300.0  # PD: seconds a transfer room may stay unfinished (DOMAIN.md rule 9)
+    pd_timeout_s: float = 300.0  # PD: seconds a transfer room may stay unfinished (docs/invariants.md rule 9)
     pd_per_layer: bool = False  # PD: send each layer from the forward's layer hooks, not after insert
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 `ValueError`/`TypeError` are used for bad input from callers; the classes here
 are for broken consistency inside the cache: they carry the context an
 operator needs (node, pages, part, layer, rank) and are never turned into a
-silent miss or a partial hit (DOMAIN.md rule 1).
+silent miss or a partial hit (docs/invariants.md rule 1).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The logical KV object: which parts a cached page has, and their sizes.
 
-A cached page is one logical object made of up to four parts (DOMAIN.md
-section 2). Each part stores, for each of its layers, `page_bytes` opaque
+A cached page is one logical object made of up to four parts (docs/invariants.md,
+the KV object). Each part stores, for each of its layers, `page_bytes` opaque
 bytes per page:
 
     part           model   layers                          bytes/token/layer
@@ -18,7 +18,7 @@ goes through that mapping; nobody assumes slot == layer.
 Target and draft share logical page ids, so one host reservation takes the
 same number of pages from every part. The host byte budget is split so that
 every part gets the same page capacity: draft token capacity then equals
-target token capacity (DOMAIN.md rule 2), and the sum never exceeds the
+target token capacity (docs/invariants.md rule 2), and the sum never exceeds the
 budget.
 """
 

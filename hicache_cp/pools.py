@@ -12,7 +12,7 @@ shape per-layer copies and transfers coalesce on.
 Page ids are shared by all parts: one reservation yields page ids valid in
 every part's buffer, which makes "the same number of pages in every part,
 atomically" true by construction and gives every part the same page
-capacity (DOMAIN.md rule 2: one budget, draft capacity equal to target's).
+capacity (docs/invariants.md rule 2: one budget, draft capacity equal to target's).
 """
 
 from __future__ import annotations

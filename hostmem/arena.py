@@ -91,9 +91,9 @@ class TouchMode(str, enum.Enum):
 
 
 #: What ``touch="auto"`` means for a pinned arena (plain arenas always
-#: prefault with ``POPULATE``). Measured on the H200 (bench/results/pinning-h200.json,
-#: 64 GiB, THP, 4 registration threads): ``WRITE`` whole in 2.10 s, ``POPULATE``
-#: 2.38-3.07 s, ``NONE`` (cudaHostRegister faults the pages itself) 13.7 s.
+#: prefault with ``POPULATE``): the fastest to a whole pool of the three modes
+#: measured by ``hicache-cp bench-pinning`` (docs/bench/pinning.md); ``NONE``, where
+#: cudaHostRegister faults the pages itself on one thread, is several times slower.
 PINNED_AUTO_TOUCH = TouchMode.WRITE
 
 

@@ -4,7 +4,7 @@ Every CUDA runtime call made by this package goes through this module, so
 cuda-python's ``(err, *values)`` return tuples are converted to values or a
 :class:`CudaError` in exactly one place (:func:`check`).
 
-Behaviour without CUDA (facts from PLATFORM.md): ``import`` of
+Behaviour without CUDA (facts from docs/platform.md): ``import`` of
 ``cuda.bindings`` may fail outright, and when it succeeds on a machine without
 a driver every runtime call returns ``cudaErrorInsufficientDriver`` (35)
 instead of raising. :func:`cuda_available` folds both cases into ``False`` and

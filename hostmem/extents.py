@@ -4,7 +4,7 @@ The host pool is hundreds of GB cut into pages (220 GiB is about 75 thousand
 DeepSeek-V3.2 logical pages of 3.1 MB, or 5.6 million 41 KiB per-layer
 pages). Copies and transfers coalesce into one descriptor per run of adjacent
 pages, so the allocator prefers to hand out contiguous runs, and it must do so
-in microseconds on a fragmented pool (DOMAIN.md rule 6): a linear scan over a
+in microseconds on a fragmented pool (docs/invariants.md rule 6): a linear scan over a
 page bitmap costs milliseconds.
 
 Design

@@ -69,9 +69,8 @@ __all__ = [
 #: Prefault threads: the page clearing is memory-bound and stops scaling
 #: around 16 threads on an H200 host; never more than the CPUs we may use.
 MAX_TOUCH_THREADS = 16
-#: Concurrent cudaHostRegister calls. On the H200 (bench/results/pinning-h200.json,
-#: 64 GiB) one thread made the pool whole in 3.42 s, four in 2.38-3.07 s; with the
-#: prefault overlapped, more threads did not help (thp:none:r16 = r4).
+#: Concurrent cudaHostRegister calls: four beat one, and with the prefault overlapped
+#: more threads did not help (``hicache-cp bench-pinning``'s variants, docs/bench/pinning.md).
 DEFAULT_REGISTER_THREADS = 4
 #: Arenas smaller than this never show a progress bar (pinning is sub-second).
 PROGRESS_BAR_MIN_BYTES = 1 << 30

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
-  # Mooncake's TransferEngine loads libibverbs even for TCP (PLATFORM.md).
+  # Mooncake's TransferEngine loads libibverbs even for TCP (docs/platform.md).
   if [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1) >/dev/null
   else

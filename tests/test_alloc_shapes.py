@@ -1,4 +1,4 @@
-"""tools/alloc_shapes.py: the descriptor count against hand-made page lists, and
+"""bench/scripts/alloc_shapes.py: the descriptor count against hand-made page lists, and
 the recorder around a real engine (a tiny `hicache-cp replay`, CPU, about a second)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "scripts"))
 
 import alloc_shapes as A  # noqa: E402
 

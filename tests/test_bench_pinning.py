@@ -3,7 +3,7 @@
 On CPU the benchmark runs its arena parts unpinned: these tests run it for
 real at a few MiB and check the JSON it writes, the exit status on a clean
 run, on a real failure and on bad input. The CUDA parts run on the device
-(tools/device_pinning.sh).
+(bench/device/pinning.sh).
 """
 
 from __future__ import annotations

@@ -75,6 +75,7 @@ from hicache_cp.cache import HiCache
 from hicache_cp.cache.lifecycle import prefix_loads  # noqa: E402
 from hicache_cp.cp import mapping as cp_mapping  # noqa: E402
 from hicache_cp.config import WritePolicy  # noqa: E402
+from hicache_cp.harness.bench.io_variants import register_bench_backends  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 from hicache_cp.layout import Model, Part, PartLayout  # noqa: E402
 from hicache_cp.ops import BackupState, LoadState  # noqa: E402
@@ -751,6 +752,7 @@ class CudaCacheMachine(CacheMachine):
 
     @initialize(policy=st.sampled_from(list(WritePolicy)), backend=st.sampled_from(["hybrid", "kernel", "direct", "staging"]))
     def start(self, policy: WritePolicy, backend: str) -> None:  # type: ignore[override]
+        register_bench_backends()  # the benchmark-only engines too
         self.d = Driver(write_policy=policy, io_backend=backend, l1_pages=9, host_pages=16)
 
 

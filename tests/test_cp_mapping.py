@@ -1,4 +1,4 @@
-"""CP shared-KV page mapping and the lane allocator (DOMAIN.md section 3)."""
+"""CP shared-KV page mapping and the lane allocator (docs/invariants.md, CP shared KV)."""
 
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def test_model_layout_is_the_latent_cache() -> None:
     """Bytes per token per layer come from the model: MLA latent + rope key, indexer key."""
     lay = hf_model.layout_of("dsv32-width")
     assert lay.kv_bytes_per_token == (512 + 64) * 2 and lay.state_bytes_per_token == 128 * 2
-    assert lay.kv_bytes_per_token + lay.state_bytes_per_token == 1408  # PLATFORM.md, bf16
+    assert lay.kv_bytes_per_token + lay.state_bytes_per_token == 1408  # docs/platform.md, bf16
     assert lay.state_layers == (0, 1, 2, 3) and lay.draft_layers == 1
     tiny = hf_model.layout_of("tiny")
     assert tiny.kv_bytes_per_token == (32 + 16) * 4 and tiny.draft_state_bytes_per_token == 32 * 4

@@ -128,7 +128,7 @@ def _auto_budget_rank(ctx, mib_by_rank: list[int]):  # type: ignore[no-untyped-d
 
 def test_auto_host_budget_is_the_min_over_cp_ranks(monkeypatch) -> None:
     """Two real ranks that measure 96 and 64 MiB both size L2 from 64 MiB:
-    ranks replicate allocator decisions (DOMAIN.md rule 7), so capacities that
+    ranks replicate allocator decisions (docs/invariants.md rule 7), so capacities that
     differ per rank diverge the replicated state."""
     from hicache_cp.harness.launch import spawn_ranks
 

@@ -1,4 +1,4 @@
-"""`tools/host_floor.py` keeps working as the engine moves (CPU).
+"""`bench/scripts/host_floor.py` keeps working as the engine moves (CPU).
 
 The tool builds the `direct` engine field by field around a driver double
 (the real constructor needs CUDA), so a new engine field would break it only
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("host_floor", ROOT / "tools" / "host_floor.py")
+_spec = importlib.util.spec_from_file_location("host_floor", ROOT / "bench" / "scripts" / "host_floor.py")
 host_floor = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 sys.modules["host_floor"] = host_floor
 _spec.loader.exec_module(host_floor)  # type: ignore[union-attr]

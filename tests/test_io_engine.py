@@ -25,11 +25,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 import torch
 
+from hicache_cp.harness.bench.io_variants import register_bench_backends
 from hicache_cp.io import kernels
 from hicache_cp.io.base import CopyFailed, Direction, TicketState, backend_names, make_engine
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pools import DevicePool, HostPool
 
+register_bench_backends()  # the benchmark-only engines are tested too
 CUDA_BACKENDS = ("hybrid", "kernel", "direct", "staging")
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -72,6 +74,36 @@ def test_registry_has_every_backend_and_auto_picks_cpu_for_host_pools() -> None:
         engine = make_engine("auto", dev, host)
         assert engine.name == "cpu"
         engine.close()
+
+
+def test_the_settings_offer_the_product_backends_only() -> None:
+    """`cpu` and `direct` are the product: built in, and all a configuration may name
+    (with "auto"). The SM-kernel and staging engines exist for the benchmarks, which
+    register them; a process that never imported the benchmarks refuses them with the
+    supported names. (A fresh interpreter: this test module registered them here.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hicache_cp.io.base import BUILTIN
+
+    assert set(BUILTIN) == {"cpu", "direct"}
+    script = (
+        "from hicache_cp.config import Config\n"
+        "from hicache_cp.errors import ConfigError\n"
+        "for name in ('kernel', 'hybrid', 'staging'):\n"
+        "    try:\n"
+        "        Config(io_backend=name)\n"
+        "    except ConfigError as exc:\n"
+        "        print(exc)\n"
+        "    else:\n"
+        "        print('accepted', name)\n"
+        "Config(io_backend='direct'); Config(io_backend='cpu')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, env={"PYTHONPATH": str(root)},
+                         capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()  # fmt: skip
+    assert len(out) == 3 and all("unknown backend" in line and "supported: auto, cpu, direct" in line for line in out), out
 
 
 @pytest.mark.parametrize("name", CUDA_BACKENDS)

@@ -229,23 +229,6 @@ def test_a_job_has_at_least_one_layer() -> None:
         _job(1, 2, [], [], lambda e: None)
 
 
-def test_a_job_whose_worker_records_its_order_records_it_on_the_callers_stream_first() -> None:
-    """The layer hook's job (`hook_order` "worker"): the worker records `order` on the
-    caller's stream, then its copy stream waits on it, then the copy; a job the caller
-    ordered makes no record of `order`."""
-    drv = RecordingDriver()
-    released: list[int] = []
-    worker = IssueWorker(drv, attrs=1, attr_idx=2)
-    worker.put(_job(9, 50, [60], [_desc(3, 1000)], released.append, record_on=77),
-               _job(9, 51, [61], [_desc(1, 2000)], released.append))  # fmt: skip
-    worker.close()
-    assert [(c[0], c[1], c[2]) for c in drv.calls] == [
-        ("record", 77, 50), ("wait", 9, 50), ("batch", 9, 3), ("record", 9, 60),
-        ("wait", 9, 51), ("batch", 9, 1), ("record", 9, 61),
-    ]  # fmt: skip
-    assert released == [50, 51]
-
-
 def test_a_deferred_ticket_follows_its_own_layer_of_the_job() -> None:
     """`io.dma.DeferredTicket`, the cache's view of one layer of a job (CPU, driver
     double): PENDING until its layer is issued, then its own `done` event's state;

@@ -1,4 +1,4 @@
-"""PD faults: each test fails on one fault of the transfer rules (DOMAIN.md 8-9).
+"""PD faults: each test fails on one fault of the transfer rules (docs/invariants.md rules 8-9).
 
 Real Mooncake TransferEngine between processes on 127.0.0.1 (a decode peer
 process per module, its own for the kill tests). What each asserts:

@@ -1,15 +1,22 @@
-"""The README's protocol sketch is runnable code: keep it true."""
+"""The README proves what it shows: its snippet runs, every command of its bash blocks
+runs here or is the engines' example whose flags tests/test_examples.py parses with the
+engines' own parsers, its configuration keys are fields, and its performance rows are
+the numbers of the files they link."""
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
+import tomllib
+from pathlib import Path
 
 import pytest
 
-from conftest import mooncake_store_available
-from pathlib import Path
+from test_examples import EXAMPLES, exec_argv
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def test_readme_protocol_sketch_runs() -> None:
@@ -23,47 +30,166 @@ def test_readme_protocol_sketch_runs() -> None:
     assert cache.metrics.backups_committed == 1  # type: ignore[attr-defined]
 
 
-# ---- the README's commands and configuration sentences (issue 29, class 4) -----------------
+def test_readme_sketch_is_the_example_programs_protocol() -> None:
+    """The README's sketch and examples/library.py's `serve` make the same calls in the same order."""
+    calls = re.compile(r"(?:cache|load)\.(\w+)\(")
+    sketch = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
+    example = (EXAMPLES / "library.py").read_text()
+    serve = example[example.index("def serve") : example.index("def main")]
+    assert calls.findall(sketch) == calls.findall(serve)
 
 
-def _bash_commands() -> list[list[str]]:
-    """`hicache-cp ...` invocations in the README's bash blocks, as argv after the program."""
-    import shlex
+# ---- the bash blocks: every line is proven ------------------------------------------------
 
+
+def _bash_lines() -> list[str]:
     out = []
     for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
         for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("#", 1)[0]
-            if "hicache-cp" not in line:
-                continue
-            for part in line.split("&&"):
-                words = shlex.split(part)
-                if words and words[0].endswith("hicache-cp"):
-                    out.append(words[1:])
+            line = line.split("  #", 1)[0].strip()
+            if line:
+                out.append(line)
     return out
+
+
+def _hicache_commands() -> list[list[str]]:
+    """`hicache-cp ...` invocations in the README's bash blocks, as argv after the program."""
+    out = []
+    for line in _bash_lines():
+        for part in line.split("&&"):
+            words = shlex.split(part)
+            if words and words[0].endswith("hicache-cp"):
+                out.append(words[1:])
+    return out
+
+
+def test_every_bash_line_is_one_this_module_proves() -> None:
+    """A command added to the README must be added to a proof here."""
+    kinds = []
+    for line in _bash_lines():
+        words = shlex.split(line.split("&&")[-1])
+        if "hicache-cp" in line and ("setup.sh" in line or words[0].endswith("hicache-cp")):
+            kinds.append("hicache-cp")
+        elif "setup.sh" in line and "pytest" in line or words[:3] == [".venv/bin/python", "-m", "pytest"]:
+            kinds.append("pytest")
+        elif words[:1] == ["./scripts/setup.sh"]:
+            kinds.append("setup")
+        elif words[:3] == ["pip", "install", "-e"]:
+            kinds.append("pip")
+        elif words[0].startswith("HICACHE_CP_CONFIG=") and "sglang.launch_server" in words:
+            kinds.append("sglang")
+        elif words[:2] == ["vllm", "serve"]:
+            kinds.append("vllm")
+        elif words[:2] == ["python", "examples/library.py"]:
+            kinds.append("library")
+        else:
+            pytest.fail(f"the README shows a command no test proves: {line}")
+    assert {"hicache-cp", "pytest", "pip", "sglang", "vllm", "library"} <= set(kinds), kinds
 
 
 def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """Every `hicache-cp` command in the README's bash blocks exits 0 here."""
     from hicache_cp.harness.cli import main
 
-    commands = _bash_commands()
+    commands = _hicache_commands()
     assert ["replay"] in commands, commands
     monkeypatch.chdir(tmp_path)
     for argv in commands:
         assert main(argv) == 0, (argv, capsys.readouterr().err[-2000:])
 
 
+def test_readme_setup_and_test_commands_name_what_exists() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = set(pyproject["project"]["optional-dependencies"])
+    markers = {m.split(":")[0] for m in pyproject["tool"]["pytest"]["ini_options"]["markers"]}
+    assert (ROOT / "scripts" / "setup.sh").stat().st_mode & 0o111
+    for line in _bash_lines():
+        words = shlex.split(line.split("&&")[-1])
+        if words[:3] == ["pip", "install", "-e"]:
+            spec = words[3]
+            assert spec.startswith("."), spec
+            wanted = set(re.findall(r"\[([\w,-]+)\]", spec)[0].split(",")) if "[" in spec else set()
+            assert wanted <= extras, (spec, extras)
+        if "pytest" in words:
+            rest = words[words.index("pytest") + 1 :]
+            for w in rest:
+                if w.startswith("tests/"):
+                    assert (ROOT / w).is_file(), w
+            if "-m" in rest:
+                assert rest[rest.index("-m") + 1] in markers
+
+
+def test_readme_engine_launches_are_the_examples() -> None:
+    """The SGLang and vLLM lines are examples/sglang/launch.sh's and examples/vllm/serve.sh's
+    commands (whose flags tests/test_examples.py parses with SGLang's and vLLM's parsers)."""
+    lines = _bash_lines()
+    sglang = shlex.split(next(ln for ln in lines if "sglang.launch_server" in ln))
+    env, argv = sglang[0], sglang[1:]
+    assert env == "HICACHE_CP_CONFIG=examples/sglang/hicache.toml" and (ROOT / env.split("=", 1)[1]).is_file()
+    assert argv == exec_argv(EXAMPLES / "sglang" / "launch.sh")
+    vllm = shlex.split(next(ln for ln in lines if ln.startswith("vllm serve")))
+    assert vllm == exec_argv(EXAMPLES / "vllm" / "serve.sh")
+
+
+def test_readme_library_command_runs(capsys) -> None:  # type: ignore[no-untyped-def]
+    import runpy
+
+    assert "python examples/library.py" in _bash_lines()[-1] or any(
+        ln.startswith("python examples/library.py") for ln in _bash_lines())  # fmt: skip
+    runpy.run_path(str(EXAMPLES / "library.py"), run_name="__main__")
+    assert "L2 hit (0, 10)" in capsys.readouterr().out
+
+
+def test_every_hicache_cp_command_the_readme_names_exists() -> None:
+    from hicache_cp.harness.cli import COMMANDS
+
+    text = README.read_text()
+    named = set(re.findall(r"`(?:\.venv/bin/)?hicache-cp ([a-z][a-z0-9-]+)", text)) | set(re.findall(r"`(bench-[a-z0-9]+)`", text))
+    named |= {argv[0] for argv in _hicache_commands()}
+    assert named and named <= set(COMMANDS), named - set(COMMANDS)
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+def _config_table_keys() -> list[str]:
+    text = README.read_text()
+    table = text[text.index("| key | meaning | default |") :].split("\n\n", 1)[0]
+    keys = []
+    for row in table.splitlines()[2:]:
+        keys += re.findall(r"`\[?(\w+)\]?`", row.split("|")[1])
+    return keys
+
+
+def test_readme_configuration_keys_are_fields() -> None:
+    import dataclasses
+
+    from hicache_cp.config import Config
+
+    fields = {f.name for f in dataclasses.fields(Config)}
+    keys = _config_table_keys()
+    assert len(keys) >= 8 and set(keys) <= fields, set(keys) - fields
+
+
+def test_readme_defaults_are_the_codes() -> None:
+    from hicache_cp.config import Config
+
+    c = Config()
+    assert c.host_budget_bytes == 64 << 20 and c.l2_free_room == c.l1_free_room == 0.02
+    assert c.eviction_policy == "lru" and c.write_policy.value == "write_through" and c.io_backend == "auto"
+    assert c.cp_size == 1 and not c.l3.enabled and c.pd_timeout_s == 300 and c.pd_per_layer is False
+    assert c.debug_checks is False
+
+
 def test_readme_l3_enabled_means_the_mooncake_backend(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The README's `[l3] enabled = true` is accepted and turns the tier on."""
     from hicache_cp.config import Config
 
-    assert "[l3] enabled = true" in README.read_text()
+    assert "`[l3] enabled = true`" in README.read_text()
     toml = tmp_path / "c.toml"
     toml.write_text("[l3]\nenabled = true\n")
     resolved = Config.resolve(toml, env={})
     assert resolved.config.l3.enabled and resolved.config.l3.backend == "mooncake"
-    assert resolved.sources["l3.backend"] == f"toml:{toml}"
 
 
 def _field_values() -> dict[str, tuple[str, object]]:
@@ -79,11 +205,9 @@ def _field_values() -> dict[str, tuple[str, object]]:
 @pytest.mark.parametrize("source", ["toml", "env", "set"])
 @pytest.mark.parametrize("name", sorted(_field_values()))
 def test_readme_every_field_from_every_source(name: str, source: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """"`HICACHE_<FIELD>` environment variables, then the command line (`--set
-    FIELD=VALUE` for any field)": each field takes effect from each source, and
-    the source is recorded."""
-    import json
-
+    """"from defaults, a TOML file, `HICACHE_<FIELD>` environment variables, then the command
+    line (`--set FIELD=VALUE`)": each field takes effect from each source, and the source is
+    recorded."""
     from hicache_cp.config import Config
 
     raw, typed = _field_values()[name]
@@ -121,65 +245,42 @@ def test_readme_l3_fields_from_every_source(source: str, tmp_path) -> None:  # t
     assert report["sources"]["pages_per_object"] != "default" and report["sources"]["master"] == "default"
 
 
+# ---- performance at a glance ---------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not mooncake_store_available(), reason="mooncake (store and master) not installed")
-@pytest.mark.parametrize("how", ["flag", "toml", "set", "env"])
-def test_report_config_l3_is_what_ran(how: str, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """"the replay's JSON records each effective value with its source": with L3
-    on (by --l3 or by the README's `[l3] enabled = true`), `config.l3` is the
-    tier that ran, not the defaults."""
-    import argparse
-
-    from hicache_cp.harness.replay import command
-
-    p = argparse.ArgumentParser()
-    command.add_arguments(p)
-    if how == "flag":
-        args = p.parse_args(["--limit", "20", "--device", "cpu", "--l3", "mooncake", "--l3-pages-per-object", "2"])
-    elif how == "set":
-        args = p.parse_args(["--limit", "20", "--device", "cpu", "--l3", "mooncake", "--set", "l3.pages_per_object=2"])
-    elif how == "env":
-        monkeypatch.setenv("HICACHE_L3_PAGES_PER_OBJECT", "2")
-        args = p.parse_args(["--limit", "20", "--device", "cpu", "--l3", "mooncake"])
-    else:
-        toml = tmp_path / "c.toml"
-        toml.write_text("[l3]\nenabled = true\npages_per_object = 2\n")
-        args = p.parse_args(["--limit", "20", "--device", "cpu", "--config", str(toml)])
-    report = command.replay(args)
-    l3 = report["config"]["l3"]
-    assert report["l3"] == "mooncake"
-    assert l3["value"]["backend"] == "mooncake" and l3["value"]["pages_per_object"] == 2
-    assert l3["value"]["master"] != "127.0.0.1:50051"  # the master started for the run, not the default
-    want = {"flag": "cli:--l3-pages-per-object", "toml": f"toml:{tmp_path / 'c.toml'}", "set": "cli",
-            "env": "env:HICACHE_L3_PAGES_PER_OBJECT"}[how]
-    assert l3["sources"]["pages_per_object"] == want
-    assert l3["sources"]["master"].startswith("derived:")
+def _perf_rows() -> dict[str, str]:
+    """file name -> its row of the performance table."""
+    text = README.read_text()
+    table = text[text.index("| what | result | page | file |") :].split("\n\n", 1)[0]
+    rows = {}
+    for row in table.splitlines()[2:]:
+        (target,) = re.findall(r"\[json\]\(bench/results/([\w.\-]+)\)", row)
+        rows[target] = row
+    return rows
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not mooncake_store_available(), reason="mooncake (store and master) not installed")
-def test_prefetch_wait_false_serves_queued_requests_from_l3() -> None:
-    """README, L3: "`prefetch_wait = false` ... the engine prefetches a request
-    while it is queued, and what landed by its turn is an L3 hit". Two
-    instances share the store and L2 is small, so later requests find pages
-    in L3; before issue 29 this mode reported 0 L3 hits (every fetched page
-    was surplus: the request had computed it already)."""
-    import argparse
-
-    from hicache_cp.harness.replay import command
-
-    p = argparse.ArgumentParser()
-    command.add_arguments(p)
-    args = p.parse_args(["--limit", "300", "--device", "cpu", "--l3", "mooncake", "--instances", "2",
-                         "--l2-fraction", "0.05", "--set", "l3.prefetch_wait=false"])  # fmt: skip
-    report = command.replay(args)
-    assert report["config"]["l3"]["value"]["prefetch_wait"] is False
-    assert report["l3_hit_tokens"] > 0 and report["l3_hit_pages"] > 0
-    assert report["integrity_mismatches"] == 0
-    assert report["integrity_checked_units"] == report["integrity_expected_units"] > 0
-    # the report's hit rate counts the L3 hits, from the same counters the instances report
-    hits = report["l1_hit_tokens"] + report["l2_hit_tokens"] + report["l3_hit_tokens"]
-    assert report["hit_rate"] == pytest.approx(hits / report["prompt_tokens"])
-    assert report["l3_hit_tokens"] == sum(r["l3_hit_tokens"] for r in report["per_instance"])
+def test_readme_performance_rows_are_their_files_numbers() -> None:
+    rows = _perf_rows()
+    assert 1 <= len(rows) <= 5
+    data = {name: json.loads((ROOT / "bench" / "results" / name).read_text()) for name in rows}
+    for name, row in rows.items():
+        assert re.search(r"\]\(docs/bench/[\w-]+\.md\)", row), row
+        d = data[name]
+        if "integrity_checked_units" in d and "ttft_p50_s" not in d:  # the replay
+            assert f"{d['hit_rate']:.2f}" in row and f"{d['integrity_checked_units']:,}" in row
+            assert f"{d['integrity_mismatches']} byte mismatches" in row and f"{d['wall_s']:.1f} s" in row
+        elif "exposed_load_fraction" in d:  # bench-io
+            assert f"{d['exposed_load_fraction']:.3f} of a load" in row and f"{d['exposed_backup_fraction']:.3f} of a backup" in row
+            n = d["default_numbers"]["1024"]
+            assert f"{n['d2h_ratio']:.2f} / {n['h2d_ratio']:.2f} of PCIe" in row
+        elif "layer_hook_us_p50" in d:  # bench-overhead
+            assert f"{d['layer_hook_us_p50']:.1f} / {d['layer_hook_us_p99']:.1f} us" in row
+        elif "ttft_l2_over_l1_hit" in d:  # serve
+            assert f"{d['ttft_l2_over_l1_hit']:.3f}" in row
+            assert f"{d['ttft_p50_s']:.2f} s against {d['no_l2']['ttft_p50_s']:.2f} s" in row
+        elif "sizes" in d:  # bench-pinning
+            size = next(s for s in d["sizes"] if s["gib"] == 64.0)
+            assert f"about {round(size['default_ready_s'])} s" in row, size["default_ready_s"]
+            assert f"{size['cuda_host_alloc']['alloc_s']:.1f} s for `cudaHostAlloc`" in row
+        else:
+            pytest.fail(f"no check for the row of {name}")

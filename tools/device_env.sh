@@ -1,32 +1,4 @@
-# Sourced by the tools/device_*.sh scripts (never run on its own): what every device call
-# shares. After `source tools/device_env.sh` from the repository root:
-#
-#   PY       the Python to run (PYTHON, else python3)
-#   DEST     where results go: $OUT on the device machine, else bench/results
-#   COMMIT   the commit every JSON and log names (HICACHE_COMMIT, else git; the device copy
-#            has no .git), exported as HICACHE_COMMIT
-#   STEPS    the steps to run (the script sets DEFAULT_STEPS before sourcing)
-#   want S   true when step S is in STEPS;  step TEXT  a section heading with the time
-#   keep RC  remember the first failing status in rc (the script exits "$rc")
-#   header CMD   the provenance line a log starts with: commit, machine, command
-#   wheels GLOB  pip-install carried wheels into /tmp/site (no index, no deps) and put it
-#                on PYTHONPATH; WHEELS=0 skips it (CPU rehearsals)
-PY=${PYTHON:-python3}
-DEST=${OUT:-bench/results}
-COMMIT=${HICACHE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-STEPS=${STEPS:-${DEFAULT_STEPS:-}}
-export HICACHE_COMMIT=$COMMIT PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-mkdir -p "$DEST"
-rc=0
-want() { [[ " $STEPS " == *" $1 "* ]]; }
-step() { echo; echo "=== $* ($(date +%T))"; }
-keep() { [ "$rc" -eq 0 ] && rc=$1; return 0; }
-header() {
-  echo "# commit $COMMIT; machine $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs), $(nproc) cpus; command: $*"
-}
-wheels() {
-  [ "${WHEELS:-1}" = 1 ] || return 0
-  # shellcheck disable=SC2068 - the glob expands here
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $@ || return 1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-}
+# Moved to bench/device/env.sh. tools/device_vllm.sh (and any tools/device_*.sh not yet moved
+# to bench/device/) still source this path; it goes when they move.
+# shellcheck source=bench/device/env.sh
+source bench/device/env.sh

@@ -2,7 +2,7 @@
 
 L1 pages are handed to requests (`alloc_device`) and L2 pages to backups
 (`reserve_host`); both evict first when the tier is under its free-room
-target. Eviction goes down to the target, not only the deficit (DOMAIN.md
+target. Eviction goes down to the target, not only the deficit (docs/invariants.md
 rule 5): evicting just the deficit keeps the cache at the cliff and repeats
 evict/allocate on every request. Victims are the tree's evictable leaves in
 the policy's order; a node whose eviction empties its parent makes the

@@ -22,7 +22,7 @@ rank with the same calls):
     cache.release(node)                       # the request's lock
     cache.ensure_free()                       # back to the free-room targets
 
-Visibility (DOMAIN.md rule 3): a host copy becomes visible to `match_prefix`
+Visibility (docs/invariants.md rule 3): a host copy becomes visible to `match_prefix`
 only when its backup commits, i.e. every layer of every part landed on every
 rank. A failed copy aborts the whole backup and releases its reservation;
 nothing is ever returned as a partial hit.
@@ -471,7 +471,7 @@ class HiCache:
     def ensure_free(self) -> None:
         """Evict each tier back up to its free-room target when under it.
 
-        Evicts until the target is reached, not just the deficit (DOMAIN.md
+        Evicts until the target is reached, not just the deficit (docs/invariants.md
         rule 5), or until nothing more is evictable.
         """
         self._evictor.ensure_free()

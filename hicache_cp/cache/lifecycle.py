@@ -8,7 +8,7 @@
     settle(), drain()           wait for copies, then decide (end of forward, shutdown)
 
 Every decision goes through `poll`, which condenses each op in flight into a
-vote and reduces the votes over the CP group in one collective (DOMAIN.md
+vote and reduces the votes over the CP group in one collective (docs/invariants.md
 rule 7): all ranks commit, wait or abort the same op at the same step. A
 backup's host copy turns visible only at its commit (rule 3); a failed copy
 aborts the whole op and releases its reservation (nothing partial is ever

@@ -1,4 +1,4 @@
-"""Rank-uniform decisions for in-flight ops (DOMAIN.md rule 7).
+"""Rank-uniform decisions for in-flight ops (docs/invariants.md rule 7).
 
 Each `poll()` condenses every in-flight op into a `Vote` per rank (`ok`: no
 failure seen; `settled`: nothing in flight and either fully landed or

@@ -20,7 +20,7 @@ before the group is created (NCCL_NVLS_ENABLE=0): the agreement moves a few
 bytes per poll, for which multicast buys nothing, and NVLS setup reserves
 GPU memory and fails on hosts where it is not provisioned.
 
-The rank-uniform decision rule (DOMAIN.md rule 7): every rank makes the same
+The rank-uniform decision rule (docs/invariants.md rule 7): every rank makes the same
 cache calls in the same order (the radix tree, both page allocators and the
 op lists are replicated metadata), and the only rank-local facts - whether
 this rank's share of a copy landed or failed - are condensed into votes that

@@ -1,4 +1,4 @@
-"""Context-parallel shared-KV page mapping (DOMAIN.md section 3).
+"""Context-parallel shared-KV page mapping (docs/invariants.md, CP shared KV).
 
 Logical page 0 is a dummy page that no rank owns. For p >= 1:
 

@@ -13,7 +13,7 @@ when the block exits.
 
 Note: the store *clients* (Mooncake's transfer engine inside every
 `MooncakeStore`) listen on all interfaces whatever they are given; that is
-Mooncake's (see ../shared/PLATFORM.md), and nothing here sends traffic to
+Mooncake's (see docs/platform.md), and nothing here sends traffic to
 anything but 127.0.0.1.
 
     python -m hicache_cp.harness.l3_master      # run a master until Ctrl-C

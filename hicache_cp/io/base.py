@@ -198,15 +198,14 @@ class CopyEngine(abc.ABC):
 EngineFactory = Callable[..., CopyEngine]
 _BACKENDS: dict[str, EngineFactory] = {}
 
-# Built-in backends: name -> module that registers it. Imported only when a
-# backend is asked for, so the CPU path never imports cuda-python code and
-# the backends (which import this module) are never imported by it.
+# Built-in backends, the product: name -> module that registers it. Imported only
+# when a backend is asked for, so the CPU path never imports cuda-python code and
+# the backends (which import this module) are never imported by it. Other engines
+# (the benchmark's SM-kernel and staging variants, or a third party's) join the
+# registry with `register_backend` once their module is imported.
 BUILTIN: dict[str, str] = {
     "cpu": "hicache_cp.io.cpu",
-    "kernel": "hicache_cp.io.sm",
-    "hybrid": "hicache_cp.io.sm",
     "direct": "hicache_cp.io.dma",
-    "staging": "hicache_cp.io.dma",
 }
 
 
@@ -241,20 +240,14 @@ def make_engine(name: str, device_pool: DevicePool, host_pool: HostPool, **optio
 
 
 def default_backend(device_pool: DevicePool) -> str:
-    """The backend measured best for the pools' placement (bench-io, issues 13 and 28).
+    """The backend "auto" means for the pools' placement: "direct" on CUDA, "cpu" otherwise.
 
-    CUDA: "direct" (hicache_cp.io.dma): the GPU's copy engines move every
-    byte, one descriptor per run of pages consecutive on both sides, so the
-    copies take no SMs from the forward (H200, 1024 scattered pages beside a
-    compute-bound forward: 0.013 of a load and 0.048 of a backup exposed at
-    3524bee, up to 0.05 / 0.11 in earlier runs, against 0.35 and 0.78 for the
-    SM kernels of "hybrid"/"kernel"), at 0.96-1.00 of the link. The cache
-    plans each op once (`CopyEngine.plan`: the runs and every layer's
-    descriptors, `io.plans`), so a layer's copy is one precomputed table row
-    in one `cuMemcpyBatchAsync` for both parts of the layer, issued by a
-    worker thread (`io.issue`). The driver's price, about half a microsecond
-    per descriptor, is small for the runs the allocators hand out and a
-    fraction of a millisecond a layer for 1024 fully scattered pages.
-    bench/results/io-h200-160acc4.json has every variant.
+    "direct" (`hicache_cp.io.dma`) moves every byte with the GPU's copy engines, one
+    descriptor per run of pages consecutive on both sides, so its copies take no SMs
+    from the forward; the cache plans each op once (`CopyEngine.plan`) and submits a
+    layer of all its parts as one precomputed descriptor-table row. Its host cost is
+    O(runs) driver work per layer, issued off the caller's thread for large layers
+    (`hicache_cp.io.issue`). docs/design/copy-engines.md records why this is the
+    default and what the other engines measured.
     """
     return "direct" if device_pool.is_cuda else "cpu"

@@ -55,7 +55,7 @@ class CpuCopyEngine(CopyEngine):
     def __init__(self, device_pool: DevicePool, host_pool: HostPool, fault: FaultHook | None = None) -> None:
         super().__init__(device_pool, host_pool)
         if device_pool.is_cuda:
-            raise ValueError("the cpu io backend needs a host-memory device pool; use 'kernel', 'direct' or 'staging'")
+            raise ValueError("the cpu io backend needs a host-memory device pool; use 'direct' (or 'auto')")
         self.fault = fault
         self._workers = {
             d: cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hicache-{d.value}") for d in Direction

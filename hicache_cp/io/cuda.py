@@ -2,9 +2,9 @@
 
 Process: the prefill server's, on the thread that drives the forward pass.
 The contract is `hicache_cp.io.base`'s; this module adds how it holds on CUDA
-(the shared machinery; `hicache_cp.io.sm` holds the SM-kernel backends
-`kernel` and `hybrid`, `hicache_cp.io.dma` the DMA-only backends `direct`
-and `staging`):
+(the shared machinery; `hicache_cp.io.dma` holds the product backend `direct`,
+and the benchmark variants `staging`, `hicache_cp.io.sm` the SM-kernel ones
+`kernel` and `hybrid`):
 
 * Streams. One D2H stream (backups) and one H2D stream (loads) per engine,
   so the two directions overlap each other and the compute stream.
@@ -19,10 +19,9 @@ and `staging`):
 * Host cost. The submit path makes a constant number of driver calls
   through `hicache_cp.io.cudadrv` (ctypes, no per-page Python objects),
   takes events from a pool, looks nothing up by enum, and allocates no
-  per-page memory: the `kernel` backend submits one layer's copy in tens of
-  microseconds for any page count (`hicache-cp bench-io` measures it,
-  `submit_us`). DMA costs about a microsecond of driver time per
-  descriptor, so a backend that issues DMAs pays per run of pages.
+  per-page memory; a DMA backend adds driver work per descriptor (one per
+  run of pages), an SM-kernel backend one launch whatever the page count
+  (`hicache-cp bench-io` measures both, `submit_us`).
 * Lifetime. Every tensor a copy uses beyond the pools (the staging
   backend's index arrays) stays referenced until its copy completed.
 * Failure. A CUDA error while enqueueing gives a FAILED ticket carrying the
@@ -31,22 +30,23 @@ and `staging`):
 * No host syncs on the submit path (no `.item()`, `.tolist()` of device
   tensors, no synchronize); page lists are CPU numpy int64 arrays.
 
-Backends (registered with `register_backend`):
+Backends:
 
+    direct   (io.dma) the product and the default on CUDA (`io.base.default_backend`):
+             one DMA per run of pages consecutive on both sides, a layer's runs in
+             cudaMemcpyBatchAsync calls, large layers issued by a worker thread.
+    staging  (io.dma) device-side gather into a bounded staging buffer, then
+             one DMA per run of consecutive host pages. Benchmark variant.
     kernel   (io.sm) NVRTC gather/scatter kernel (`kernels`): the SMs (or their bulk
              copy units, mode "tma") read/write pinned host pages through
              their mapped device address, page ids inside the launch
-             parameters. Host cost independent of the page pattern; the
-             grid is capped to `sm_fraction` of the SMs. With `dma_runs=R`
-             a copy that coalesces into at most R runs (both sides
-             consecutive) goes to the DMA engines instead: no SMs, full
-             link speed, R microseconds of driver time at most.
-    hybrid   (io.sm) the kernel backend with `dma_runs=HYBRID_DMA_RUNS`: the default
-             on CUDA (`io.base.default_backend`).
-    direct   (io.dma) one DMA per run of pages consecutive on both sides,
-             all of a layer in one cudaMemcpyBatchAsync.
-    staging  (io.dma) device-side gather into a bounded staging buffer, then
-             one DMA per run of consecutive host pages.
+             parameters; the grid is capped to `sm_fraction` of the SMs.
+             Benchmark variant.
+    hybrid   (io.sm) the kernel backend with `dma_runs=HYBRID_DMA_RUNS`: a copy
+             of few runs goes to the DMA engines. Benchmark variant.
+
+Only `direct` (and `cpu`, `io.cpu`) are built in; the benchmark variants join the
+registry when `hicache_cp.harness.bench.io_variants` registers them.
 
 Host memory must be pinned (HostPool(pin=True)) and mapped at the same
 address on the device (UVA, every 64-bit Linux CUDA host); the engine checks

@@ -9,7 +9,7 @@ and release the GIL while the driver works (ctypes `CFUNCTYPE`).
 Every entry point is looked up once with `cuGetProcAddress` for the ABI of
 the running driver (CUDA 13 changed `cuMemcpyBatchAsync`; several calls have
 `_v2` variants), and every `CUresult` is converted here, once, into
-`DriverError` naming the call (STYLE.md rule 5).
+`DriverError` naming the call (docs/contributing.md, conventions).
 
 Handles (streams, events, contexts, functions) and device pointers are plain
 `int`s; torch's `Stream.cuda_stream` is a valid `CUstream`.
@@ -235,8 +235,8 @@ class DmaIssuer:
     descriptors, or one cuMemcpyAsync each where the driver lacks the batch
     call (or refused it once: then for good, with a WARNING).
 
-    Host cost: about a microsecond of driver time per descriptor on an H200
-    (bench-io, `direct`), so callers keep descriptor counts small or accept it.
+    Host cost: driver time linear in the descriptors, on the calling thread, so
+    callers keep descriptor counts small or issue them off the hot thread (`io.issue`).
     """
 
     #: Descriptors per cuMemcpyBatchAsync call (bounds one call's argument arrays).

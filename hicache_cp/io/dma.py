@@ -1,23 +1,25 @@
-"""DMA-only io backends: the GPU's copy engines move every byte (`direct`, `staging`).
+"""DMA-only io backends: the GPU's copy engines move every byte (`direct`; `staging`).
 
-`direct` turns one layer's copy into one descriptor per run of pages
-consecutive on both sides (`runs.dma_plan`) and hands all of them to the
-driver in one `cuMemcpyBatchAsync` (numpy arrays through ctypes, no Python
-object per page). The copy engines reach 0.98-0.99 of the link for loads of
-42 KB pages even fully scattered and take no SMs from the forward, but the
-driver spends about a microsecond per descriptor on the caller's thread
-(bench-io, `direct`): cheap for the few runs the contiguous-preferring
-allocators make, milliseconds for thousands of scattered pages. The
-`kernel` backend's `dma_runs` option uses this path exactly when it is cheap.
+`direct`, the default on CUDA, turns one layer's copy into one descriptor per
+run of pages consecutive on both sides (`runs.dma_plan`) and hands them to the
+driver in `cuMemcpyBatchAsync` calls (numpy arrays through ctypes, no Python
+object per page). The copy engines take no SMs from the forward. The driver
+spends host time per descriptor, so a copy costs O(runs) on whichever thread
+issues it: cheap for the few runs the contiguous-preferring allocators make,
+a fraction of a millisecond a layer for a thousand scattered pages.
 
-A layer of more than `WORKER_ABOVE` descriptors is issued by a worker
-thread (`io.issue`, which says what its driver-call size trades), so the
-caller pays for one event record, not for the descriptors; a load's layers
-go to the worker as one job, and the layer hook hands it every backup layer
-(`HOOK_WORKER_ABOVE`).
+A layer of more than `WORKER_ABOVE` descriptors is issued by a worker thread
+(`io.issue`, which states its driver-call sizes), so the caller pays for one
+event record, not for the descriptors; a load's layers go to the worker as one
+job, and the layer hook hands it every backup layer (`HOOK_WORKER_ABOVE`).
+Descriptors are issued sorted by device page (a stable sort, skipped when the
+pages already ascend).
 
 `staging` gathers scattered device pages into a bounded device buffer with
-torch and moves each run of consecutive host pages with one DMA.
+torch and moves each run of consecutive host pages with one DMA. It is a
+benchmark variant, not a product setting (see `StagingCopyEngine`).
+
+docs/design/copy-engines.md records the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from hicache_cp.io.base import CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, EngineSync, PartInfo, with_shared
-from hicache_cp.io.cudadrv import MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE, DmaIssuer
+from hicache_cp.io.cudadrv import DmaIssuer
 from hicache_cp.io.issue import CHUNK, WHOLE, IssueWorker, Job
 from hicache_cp.layout import Part
 from hicache_cp.io.runs import runs_of, split_at_chunks
@@ -39,13 +41,11 @@ from hicache_cp.pools import DevicePool, HostPool
 logger = logging.getLogger(__name__)
 
 #: Descriptors of one layer above which the direct backend issues them on its worker thread
-#: (`io.issue`): inline, 16 cost about 20 us of the caller's time, 64 about 75 us (H200).
+#: (`io.issue`) instead of the caller's: below it the driver work inline is smaller than the
+#: hand-off to the worker.
 WORKER_ABOVE = 16
-#: The layer hook's own threshold (`hook_worker_above`): every backup layer goes to the
-#: worker, so the hook pays one event record. Issued in the hook, a layer of up to 16
-#: descriptors (bench-io's `direct-hook16`) cost the hook 14-20 us p50 and 57-75 us p99 on
-#: one H100 host in three interleaved rounds against 10-15 / 42-57 for the worker, whose
-#: backups land a few ms later (bench-overhead's `settle`; issue 28).
+#: The layer hook's own threshold (`hook_worker_above`): 0, every backup layer goes to the
+#: worker, so the hook pays one event record whatever the layer's runs.
 HOOK_WORKER_ABOVE = 0
 #: Default device staging buffer of the staging backend, per direction.
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -119,50 +119,34 @@ class DeferredTicket(CopyTicket):
 class DirectCopyEngine(CudaCopyEngine):
     """One DMA per run of pages consecutive on both sides; see the module docstring.
 
-    Options: `batch` (default True) issues all runs in one cuMemcpyBatchAsync
-    (else one cuMemcpyAsync each: about 9 GB/s for scattered 42 KB pages);
-    `order` "device" (default) sorts the pairs by device page first when they
-    are not already (backups of scattered pages then reach 0.98 of the link
-    instead of 0.93, bench-io `direct` vs `direct-given`; O(n log n)),
-    "given" keeps the caller's order; `overlap_hint` sets the driver's
-    CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE on every batch; a planned
-    layer of more than `worker_above` descriptors is issued by a worker
-    thread (`io.issue`; None: always on the caller's thread): a layer of at
-    most `whole` descriptors in one driver call, a longer one in calls of
-    `chunk` (`load_whole` and `load_chunk` for loads, when given);
-    `hook_worker_above` and `hook_order` choose how the layer hook issues a
-    backup's layer (`submit_layer`).
-    Planned ops (`plan` + `submit_layer`, the cache's path) sort once and
-    reuse one descriptor table for every layer: both parts of a layer in one
-    call.
+    Options, each one the benchmarks still measure against the default
+    (`hicache_cp.harness.bench.io_variants`): a planned layer of more than
+    `worker_above` descriptors is issued by a worker thread (`io.issue`; None:
+    always on the caller's thread); the worker issues a layer of at most `whole`
+    descriptors (`load_whole` for loads, when given) in one driver call, a longer
+    one in calls of `chunk`; `hook_worker_above` is the layer hook's threshold
+    (`submit_layer`). Planned ops (`plan` + `submit_layer`, the cache's path) sort
+    by device page once and reuse one descriptor table for every layer: the parts
+    of a layer in one call. Without the driver's batch call (`Driver.has_batch`)
+    every run is its own cuMemcpyAsync and nothing goes to the worker.
     """
 
     name = "direct"
 
     def __init__(
-        self, device_pool: DevicePool, host_pool: HostPool, *, batch: bool = True, order: str = "device",
-        overlap_hint: bool = False, worker_above: int | None = WORKER_ABOVE, chunk: int = CHUNK,
-        load_chunk: int | None = None, whole: int = WHOLE, load_whole: int | None = None,
-        hook_worker_above: int = HOOK_WORKER_ABOVE, hook_order: str = "caller",
+        self, device_pool: DevicePool, host_pool: HostPool, *, worker_above: int | None = WORKER_ABOVE,
+        chunk: int = CHUNK, whole: int = WHOLE, load_whole: int | None = None, hook_worker_above: int = HOOK_WORKER_ABOVE,
     ) -> None:
         super().__init__(device_pool, host_pool)
-        if order not in ("given", "device"):
-            raise ValueError(f"order must be 'given' or 'device', got {order!r}")
         if worker_above is not None and worker_above < 0:
             raise ValueError(f"worker_above must be >= 0 or None, got {worker_above}")
-        flags = MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE if overlap_hint else 0
-        self._issuer = DmaIssuer(self._drv, batch, flags)
-        self.order = order
-        self.overlap_hint = overlap_hint
         if hook_worker_above < 0:
             raise ValueError(f"hook_worker_above must be >= 0, got {hook_worker_above}")
-        if hook_order not in ("caller", "worker"):
-            raise ValueError(f"hook_order must be 'caller' or 'worker', got {hook_order!r}")
+        self._issuer = DmaIssuer(self._drv)
         self.worker_above = worker_above if self._issuer.batch else None
         self.hook_worker_above = hook_worker_above
-        self.hook_order = hook_order
         context = self._sync.context
-        self.chunks = {Direction.D2H: chunk, Direction.H2D: chunk if load_chunk is None else load_chunk}
+        self.chunks = {Direction.D2H: chunk, Direction.H2D: chunk}
         self.wholes = {Direction.D2H: whole, Direction.H2D: whole if load_whole is None else load_whole}
         self._workers = tuple(
             IssueWorker(self._drv, self._issuer.attrs_ptr, self._issuer.attr_idx_ptr,
@@ -176,16 +160,14 @@ class DirectCopyEngine(CudaCopyEngine):
     def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
         """The layer hook's path (a backup's layer). A layer of at most `hook_worker_above`
         descriptors (runs x parts; default none) is issued here while the D2H worker is
-        idle: the hook pays for four driver calls and the descriptors. Others go to the
-        `IssueWorker`: the hook pays for one driver call, recording the compute-ordering event
-        (`hook_order` "caller"), or none (`hook_order` "worker": the worker records it
-        on the hook's stream before its copy stream waits on it, which orders the
-        backup after at least the compute the hook followed)."""
+        idle: the hook pays for its driver calls and the descriptors. Others go to the
+        `IssueWorker`: the hook pays for one driver call, recording the compute-ordering
+        event the worker's copy stream waits on."""
         if not plan.num_pages or self.worker_above is None:
             return super().submit_layer(plan, parts, layer)
         if len(plan.prepared.runs) * len(parts) <= self.hook_worker_above and not self._worker(plan).pending:
             return super().submit_layer(plan, parts, layer)
-        return self._defer(plan, [(parts, layer)], worker_records=self.hook_order == "worker")[0]
+        return self._defer(plan, [(parts, layer)])[0]
 
     def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """The layers of one op (a load's every layer at once). Behind one ordering
@@ -213,30 +195,25 @@ class DirectCopyEngine(CudaCopyEngine):
     def _worker(self, plan: CopyPlan) -> IssueWorker:
         return self._workers[0 if plan.direction is Direction.D2H else 1]
 
-    def _defer(
-        self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]], worker_records: bool = False
-    ) -> list[list[CopyTicket | None]]:
+    def _defer(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """Hand `jobs` (layers of `plan`) to the direction's worker as one `Job`: one
-        `order` event recorded on the current stream (by the worker, before its stream
-        waits on it, when `worker_records`), one `done` event per layer; the worker
-        takes each layer's descriptors from the plan's table."""
+        `order` event recorded on the current stream, one `done` event per layer; the
+        worker takes each layer's descriptors from the plan's table."""
         n, sync, direction, info = plan.num_pages, self._sync, plan.direction, self._info
         handle = self._handle[0 if direction is Direction.D2H else 1]
         table, layers = plan.prepared, tuple(jobs)
         previous = sync.enter()
         try:
             order = sync.event()
-            compute = sync.current_stream()
-            if not worker_records:
-                try:
-                    self._drv.event_record(order, compute)
-                except Exception as exc:  # noqa: BLE001 - the submit boundary
-                    sync.give_back(order)
-                    return self._failed(plan, jobs, exc)
+            try:
+                self._drv.event_record(order, sync.current_stream())
+            except Exception as exc:  # noqa: BLE001 - the submit boundary
+                sync.give_back(order)
+                return self._failed(plan, jobs, exc)
             dones = [sync.event() for _ in layers]
         finally:
             sync.leave(previous)
-        job = Job(handle, order, dones, lambda i: table.get(*layers[i]), sync.give_back, compute if worker_records else None)
+        job = Job(handle, order, dones, lambda i: table.get(*layers[i]), sync.give_back)
         out = [
             with_shared(DeferredTicket(direction, parts[0], layer, n * info[parts[0]].page_bytes, sync, job, i), parts, n, info)
             for i, (parts, layer) in enumerate(layers)
@@ -259,9 +236,8 @@ class DirectCopyEngine(CudaCopyEngine):
         super().close()
 
     def _prepare_backend(self, plan: CopyPlan) -> None:
-        """Sort by device page (`order`), then tabulate every layer's descriptors (`io.plans`)."""
-        if self.order == "device":
-            plan.device_pages, plan.host_pages = _by_device(plan.device_pages, plan.host_pages)
+        """Sort by device page, then tabulate every layer's descriptors (`io.plans`)."""
+        plan.device_pages, plan.host_pages = _by_device(plan.device_pages, plan.host_pages)
         plan.prepared = self.descriptor_table(plan)
 
     def _enqueue_layer(self, plan, parts, infos, layer, stream, keep) -> None:  # type: ignore[no-untyped-def]
@@ -272,8 +248,7 @@ class DirectCopyEngine(CudaCopyEngine):
         return self._issuer.batch
 
     def _enqueue(self, d2h, info, slot, device_pages, host_pages, stream, keep) -> None:  # type: ignore[no-untyped-def]
-        if self.order == "device":
-            device_pages, host_pages = _by_device(device_pages, host_pages)
+        device_pages, host_pages = _by_device(device_pages, host_pages)
         self._dma(d2h, info, slot, device_pages, host_pages, stream)
 
 
@@ -286,9 +261,11 @@ def _by_device(device_pages: np.ndarray, host_pages: np.ndarray) -> tuple[np.nda
     return device_pages[by_device], host_pages[by_device]
 
 
-@register_backend("staging")
 class StagingCopyEngine(CudaCopyEngine):
     """Device gather/scatter through a bounded device staging buffer + DMA per host run.
+
+    A benchmark variant, not a product setting: not in the built-in registry
+    (`hicache_cp.harness.bench.io_variants` registers it).
 
     Backup: pairs sorted by host page; `index_select` of the device pages into
     staging (HBM speed), then one DMA per run of consecutive host pages.

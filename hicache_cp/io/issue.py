@@ -1,65 +1,22 @@
 """DMA descriptors issued off the caller's thread: the scheduler pays for few of them.
 
 The copy engines move scattered pages at the link's speed, but the driver
-spends about half a microsecond of host time per descriptor inside
-`cuMemcpyBatchAsync` (H200: 0.44-0.54 us, tools/dma_probe.py), and about a
-microsecond issued inline from the scheduler thread between launches (a layer
-of 1024 scattered pages: 0.8-1.0 ms). On the scheduler thread that time
-delays the forward's next launches. An `IssueWorker` takes such a layer's
-descriptors and issues them on its own thread, in order: a job of at most
-`whole` descriptors (default `WHOLE`) in one driver call, a longer one in
-calls of `chunk` (default `CHUNK`).
+spends host time per descriptor inside `cuMemcpyBatchAsync` (about half a
+microsecond on current GPUs), and on the scheduler thread that time delays the
+forward's next launches. An `IssueWorker` takes a layer's descriptors and
+issues them on its own thread, in order: a job's layer of at most `whole`
+descriptors (default `WHOLE`) in one driver call, a longer one in calls of
+`chunk` (default `CHUNK`).
 
-The sizes are a trade measured on the H200 (bench-io's exposure rows per
-variant, bench/results/io-h200-chunks-9ad6efb.json and io-h200.json at
-1a04382; 24 layers of scattered 41,984 B pages beside a compute-bound
-forward). The copy engines pay per call, so longer calls reach more of the
-link (calls of 64 / 128 / 256 / 1024: 0.93 / 0.96 / 0.97 / 0.98 at 1024
-pages) and, on both H200s measured, leave less of a 1024-page backup exposed
-(calls of 1024: 0.073 and 0.117; of 128: 0.094 and 0.137). But the driver
-serialises a context's calls: while the worker is inside a call, the
-forward's kernel launches and the caller's own event calls wait for it (half
-a microsecond a descriptor). With calls of 1024 a forward loading 8192 pages
-a layer, 8 calls a layer, lost 0.75-0.90 of the copy time (its launches
-behind 450 us calls) and the caller's median submit was 400-440 us; with
-calls of 128 the same forward lost 0.051-0.069 and the median submit was
-69-122 us (calls of 256: 0.59 of that load exposed; of 64: 0.89 of the
-bidirectional peak). A layer of up to 1024 descriptors was one call until
-bench-io moved to DeepSeek-V3.2's 61 layers: a load of 61 layers of 1024
-scattered pages queues 62k descriptors ahead of a forward enqueued ahead of
-the GPU, the driver holds a call whose copy queue is full until the GPU
-drains it, and a call of 1024 held so keeps the forward's launches out that
-long. At fef0df1 (io-h200-fef0df1.json, 1024 scattered pages, one run):
-calls of 1024 left 0.47 of the load exposed (host enqueue 442 ms against
-the 400 ms gate), calls of 128 0.025, at 0.95 / 0.96 of the link against
-0.97 / 0.99. So every layer goes in calls of 128. Backups may want long
-calls (the forward does not wait for them): 1024 scattered pages, calls of
-1024 against 128, exposed 0.032 / 0.055 (fef0df1), 0.085 / 0.105 (4518922),
-0.024 and 0.060 / 0.064 (160acc4, two variants issuing the same calls at
-that size), within the spread between runs. And while a long call is in
-the driver, the scheduler's own event records wait for it (the layer hook
-p99 read 89 us with calls of 1024 at 160acc4 and 60 us with calls of 128 at
-4518922, but those hosts differed 1.5x in `match` time, so this does not
-separate the two). bench-io's `direct-backup1024` (a backup's layer of up to
-1024 in one call: `whole=1024, load_whole=128`) is the variant to measure
-beside the default, with bench-overhead on the same host.
-A bound on the descriptors issued and not yet copied
-(io-h200-window-6ec355a.json) fixed the 8192-page loads but left 0.52 of a
-1024-page load exposed: the forward's host waits for the worker, which waits
-for the GPU; it was removed. The same bound on backups alone (2563fa7,
-io-h100-window-2563fa7.json, one H100 run, windows of 8192 and 2048
-descriptors against none) left a backup of 1024 scattered pages as exposed
-as before (0.107 and 0.106 against 0.094) and an 8192-page one more exposed
-(0.318 against 0.074; the window of 2048 reached 0.86 of the link there). So
-a full copy queue does not seem to be what exposes backups; it was removed
-too. Without a window that queue does hold the forward's launches (453 ms
-behind a 400 ms gate against 9 ms, `with_backups_launch_ms`,
-io-h100-launch-ea9f652.json); the window's run predates that metric, so
-whether the window freed them is not measured. Waiting for an unissued layer
-on the GPU instead (`cuStreamWaitValue64` on a counter the worker advances,
-tried at fef0df1) left 0.47 exposed as well, and deadlocked: a synchronous
-copy to the host on the scheduler thread held the driver while its stream
-waited for the worker, whose next call waited for the driver.
+Why calls of `CHUNK`: the driver serialises a context's calls, so while the
+worker is inside one, the forward's kernel launches and the scheduler's own
+event calls wait for it; and the driver holds a call whose copy queue is full
+until the GPU drains it. Long calls reach slightly more of the link but let a
+large load keep the forward's launches out for the length of a call; calls of
+`CHUNK` keep that wait short at a small cost in link rate. No bound is kept on
+the descriptors issued and not yet copied: both bounds tried (on loads and on
+backups) exposed more of the copy, not less. docs/design/copy-engines.md has the
+measurements and the variants that lost.
 
 Protocol of one job (the caller's side in `hicache_cp.io.dma`): a job is the
 layers of one op submitted together (a load's every layer, or one layer of a
@@ -71,18 +28,17 @@ backup from the layer hook), with one `done` event per layer.
              `done` on the copy stream; `issued` counts it (or `error` is set at
              `failed_at`: that layer and every later one fail unissued)
 
-A job may carry the caller's stream instead (`record_on`, the layer hook's
-`hook_order` "worker"): the worker records `order` on it first. That orders the
-copy after the compute the caller followed and perhaps some it enqueued since,
-never less, and it cannot close a cycle: nothing makes a stream wait on a
-layer's `done` before that layer is issued (below).
-
 The ticket of layer i is PENDING until `issued > i`; `make_compute_wait`
 blocks the host until then (a load's layer is waited on only when the forward
 needs it, long after its job was put), then makes the current stream wait on
-that layer's `done`. Jobs of one direction run in submission order; the caller
-sends a copy of a direction to the worker whenever that direction has jobs
-pending, so the copies of a stream keep the order they were submitted in.
+that layer's `done`. Nothing makes a stream wait on a layer's `done` before that
+layer is issued, so the worker can never wait on a stream that waits on it.
+Jobs of one direction run in submission order; the caller sends a copy of a
+direction to the worker whenever that direction has jobs pending, so the copies
+of a stream keep the order they were submitted in.
+
+Complexity: `put` is O(jobs) and never blocks on the driver; the worker spends
+O(descriptors / chunk) driver calls a layer.
 
 Process: the prefill server's; one worker thread per engine and direction,
 started with the first job, stopped by `close()` (which waits for every job).
@@ -98,10 +54,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: Descriptors per driver call on the worker (about half a microsecond each; see above).
+#: Descriptors per driver call on the worker (see the module docstring).
 CHUNK = 128
-#: A layer of at most this many descriptors is one driver call: every layer goes in calls
-#: of CHUNK (see above).
+#: A layer of at most this many descriptors is one driver call: by default every layer
+#: goes in calls of CHUNK.
 WHOLE = CHUNK
 _U64_BYTES = 8
 
@@ -111,24 +67,23 @@ class Job:
     module docstring.
 
     One object for the op, not one per layer: a load puts every layer of the
-    model at once, and per-layer objects, locks and descriptor lookups were most
-    of the caller's time per layer. `issued` counts the layers issued (or
+    model at once, so per-layer objects, locks and descriptor lookups would cost
+    the caller per layer. `issued` counts the layers issued (or
     failed), under the worker's condition, bound when the job is put.
     `descriptors(i)` gives layer i's `io.plans.LayerDescriptors`; the worker calls
     it just before issuing that layer."""
 
-    __slots__ = ("stream", "order", "record_on", "dones", "descriptors", "issued", "error", "failed_at", "_cond",
+    __slots__ = ("stream", "order", "dones", "descriptors", "issued", "error", "failed_at", "_cond",
                  "_orphans", "_release")  # fmt: skip
 
     def __init__(
         self, stream: int, order: int, dones: list[int], descriptors: Callable[[int], Any],
-        release: Callable[[int], None], record_on: int | None = None,
+        release: Callable[[int], None],
     ) -> None:  # fmt: skip
         if not dones:
             raise ValueError("a job has at least one layer")
         self.stream = stream
         self.order = order
-        self.record_on = record_on  # the caller's stream, when the worker records `order` on it
         self.dones = dones  # per layer: recorded on the copy stream after its copies
         self.descriptors: Callable[[int], Any] | None = descriptors  # dropped once every layer is issued
         self.issued = 0
@@ -278,8 +233,6 @@ class IssueWorker:
     def _issue(self, job: Job, i: int) -> None:
         drv, stream = self.drv, job.stream
         if i == 0:
-            if job.record_on is not None:
-                drv.event_record(job.order, job.record_on)
             drv.stream_wait_event(stream, job.order)
         desc = job.descriptors(i)  # type: ignore[misc]
         n = desc.count

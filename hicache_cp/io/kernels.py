@@ -17,12 +17,7 @@ Three ways to move the bytes (`MODES`):
   only many requests in flight fill the link. The tail (`TAILS`): "loop"
   finishes the last `< unroll` strides one load at a time; "pred" runs
   every pass unrolled with predicated loads, so the tail also keeps all of
-  a thread's loads in flight (a small copy is mostly tail). Measured on
-  the H200 (bench/results/io-sweep-h200.json): grid caps of 0.25-1.0 of
-  the SMs, unroll 4-16 and either tail move the H2D rate by about 0.01 of
-  the link at most (unroll 16 with "loop" loses 0.05 at 64 pages); SM reads
-  of host memory stream at about 0.93 of the DMA peak, contiguous pages or
-  scattered, plus about 4 us per copy (2 us D2H). So the defaults stay.
+  a thread's loads in flight (a small copy is mostly tail).
 * `l2hint`: the same, with 16-byte loads that ask L2 to fetch 256-byte
   blocks (`ld.global.L2::256B`), so reads of host memory may go out as
   fewer, larger PCIe requests.

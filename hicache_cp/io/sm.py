@@ -1,10 +1,12 @@
-"""SM-kernel io backends: `kernel` and `hybrid` (see `hicache_cp.io.cuda` for the contract on CUDA).
+"""SM-kernel copy engines `kernel` and `hybrid`: benchmark variants, not product settings.
 
 The SMs (or their bulk-copy units) read and write pinned host pages through
 their mapped device address: one launch per layer and part whatever the page
-pattern, at the price of SMs taken from the forward while the copy runs
-(bench-io's exposure rows). `hybrid` sends copies of few runs to the DMA
-engines instead.
+pattern, at the price of SMs taken from the forward while the copy runs.
+`hybrid` sends copies of few runs to the DMA engines instead. They follow the
+contract of `hicache_cp.io.cuda` but are not in the built-in registry: the
+benchmarks register them (`hicache_cp.harness.bench.io_variants`) to measure
+them beside the `direct` default (docs/design/copy-engines.md has why they lost).
 """
 
 from __future__ import annotations
@@ -14,28 +16,26 @@ from typing import Any
 import numpy as np
 
 from hicache_cp.io import kernels
-from hicache_cp.io.base import CopyPlan, Direction, register_backend
+from hicache_cp.io.base import CopyPlan, Direction
 from hicache_cp.io.cuda import CudaCopyEngine, PartInfo
 from hicache_cp.io.runs import plan_runs, run_starts
 from hicache_cp.pools import DevicePool, HostPool
 
 #: Default share of the SMs the copy kernel may occupy (compute keeps the rest).
 DEFAULT_SM_FRACTION = 0.25
-#: Runs at most of a copy the hybrid backend sends to the DMA engines (about
-#: a microsecond of driver time each on an H200).
+#: Runs at most of a copy the hybrid backend sends to the DMA engines (each costs
+#: driver time on the caller's thread, so the bound keeps the submit cost bounded).
 HYBRID_DMA_RUNS = 16
 _D2H = Direction.D2H
 
 
-@register_backend("kernel")
 class KernelCopyEngine(CudaCopyEngine):
     """Gather/scatter kernel writing/reading pinned host pages through their device address.
 
     Options: `sm_fraction` caps the grid at that share of the SMs (at least
     one CTA); `mode` picks how the kernel moves bytes (`kernels.MODES`:
     "simt", "l2hint", "tma"); `unroll` and `tail` shape the simt kernels
-    (loads in flight per thread, `kernels.TAILS`; tools/io_sweep.py found
-    no setting better than the defaults on the H200); `dma_runs` sends a
+    (loads in flight per thread, `kernels.TAILS`); `dma_runs` sends a
     copy that coalesces into at most that many runs (consecutive on both
     sides, in the given order) to the DMA engines instead (0: never). Page
     ids go inside the launch parameters (`kernels.PageCopyLauncher`).
@@ -120,13 +120,12 @@ class KernelCopyEngine(CudaCopyEngine):
         self._issuer.issue(d2h, np.array(devs, dtype=u64), np.array(hosts, dtype=u64), np.array(sizes, dtype=u64), stream)
 
 
-@register_backend("hybrid")
 class HybridCopyEngine(KernelCopyEngine):
     """The kernel backend that sends copies of few runs to the DMA engines.
 
     A copy that coalesces into at most `dma_runs` runs (consecutive on both
-    sides) is one DMA per run: no SMs taken from the forward, the link's full
-    speed, about a microsecond of driver time per run. Any other copy is one
+    sides) is one DMA per run: no SMs taken from the forward, O(runs) driver
+    time on the caller's thread. Any other copy is one
     kernel launch (two past `kernels.LARGE_PAGES` pages), whatever the
     pattern: the caller's host time stays bounded by the run threshold.
     """

@@ -278,7 +278,7 @@ class L3Client:
 
 #: Chunks (transfers) per store call. Mooncake's TCP transport rejects a
 #: batch of more than about 2,000 transfers to one peer (TRANSFER_FAIL, which
-#: would quarantine the pages for `unsafe_hold_s`), see ../shared/PLATFORM.md: stay well under.
+#: would quarantine the pages for `unsafe_hold_s`), see docs/platform.md: stay well under.
 MAX_CHUNKS_PER_CALL = 1000
 
 

@@ -42,7 +42,7 @@ FORMAT_VERSION = 1
 #: ceil(512 / page_size) pages). The store's master handles every key of
 #: every lookup, get and put: at one page per object and page 64 a request
 #: costs it about 600 item operations, 6 M/s for 100 nodes at 100 requests/s;
-#: objects of 512 tokens keep it under 1 M/s (README "L3").
+#: objects of 512 tokens keep it under 1 M/s (docs/integrations/l3.md, object size).
 MIN_OBJECT_TOKENS = 512
 
 

@@ -4,7 +4,7 @@ Mooncake's Python binding never raises: every call returns an int (0 ok, -1
 failure) and batch submission returns a batch id (0 = failure). This module
 is the only place that reads those codes; everything above it sees a typed
 :class:`TransferError` carrying the peer, the operation and the counts
-(STYLE.md rule 5).
+(docs/contributing.md, conventions).
 
 Runs in: any process that moves PD bytes (the prefill sender and the decode
 peer each own one adapter, hence one engine).
@@ -18,7 +18,7 @@ Protocol::
     eng.abandon(batch)                            # give up on a batch (room aborted)
     eng.close()                                   # unregister everything registered here
 
-In-flight cap (PLATFORM.md pitfall): more than ~2,000 transfers queued to one
+In-flight cap (docs/platform.md pitfall): more than ~2,000 transfers queued to one
 peer are rejected and past ~3,000 the engine can no longer reach that peer.
 The adapter keeps at most ``max_in_flight`` (default 1,000) transfers in
 flight per peer: it splits a submission into engine batches of at most that

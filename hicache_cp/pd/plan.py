@@ -4,7 +4,7 @@
 1 = L2), the logical page id in that tier's pool and the page's prefix hash
 (for verification). `plan_transfer` keeps the positions this rank owns
 (``position % cp_size == rank``: those pages live on its lane by
-construction), checks the exact contract (DOMAIN.md rule 8) and builds one
+construction), checks the exact contract (docs/invariants.md rule 8) and builds one
 run per stretch where source and destination pages are both consecutive
 (and the tier is the same), for every (part, layer) asked for.
 

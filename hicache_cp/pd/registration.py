@@ -2,7 +2,7 @@
 
 A :class:`RegistrationDescriptor` describes one set of buffers: an L1 device
 pool, an L2 host pool, or the decode peer's destination buffers. It lists
-the parts in registration order (DOMAIN.md rule 8)::
+the parts in registration order (docs/invariants.md rule 8)::
 
     kv buffers     target KV layers 0..L-1, then draft KV layers (draft_kv_start)
     state buffers  target NSA state (logical layer ids, compacted), then draft

@@ -2,7 +2,7 @@
 
 `room_result(room)` builds the `RoomResult` that `PdSender.finish` returns:
 state, failure, bytes / descriptors / pages per part actually submitted
-(DOMAIN.md rule 10), transfer time and rate, the decode peer's mismatches,
+(docs/invariants.md rule 10), transfer time and rate, the decode peer's mismatches,
 and ``ready_s`` (the forward's end to every batch landed, when measured).
 
 `dump_partition` logs, when the logger ``hicache_cp.pd.partition`` is at

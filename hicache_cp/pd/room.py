@@ -9,7 +9,7 @@ States and the only transitions (`Room.transition` performs and checks them)::
 
 SUCCESS and FAILED are final. A FAILED room refuses every later chunk
 (`Room.require_open` raises :class:`RoomFailed`): the pages it would write
-may already be reused (DOMAIN.md rule 9).
+may already be reused (docs/invariants.md rule 9).
 
 Liveness: every room has a deadline (``timeout_s``, 300 s by default,
 `Config.pd_timeout_s`). `RoomTable.poll()` aborts rooms past it: state
@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_DRAIN_S", "DEFAULT_TIMEOUT_S", "Room", "RoomFailed", "RoomState", "RoomTable"]
 
-#: Seconds a room may stay unfinished before it is aborted (DOMAIN.md rule 9).
+#: Seconds a room may stay unfinished before it is aborted (docs/invariants.md rule 9).
 DEFAULT_TIMEOUT_S = 300.0
 #: Seconds an abort waits inline for the room's submitted batches before it
 #: leaves them to the reaper (the pages stay quarantined until they end).

@@ -20,7 +20,7 @@ API (what the reference server calls, per request)::
 Positions are request-absolute (`plan.PageHomes`); with cp_size > 1 every
 rank may be given the whole request and sends only the positions it owns.
 
-Contracts (DOMAIN.md rules 8-10):
+Contracts (docs/invariants.md rules 8-10):
 
 * Exact counts: a room takes exactly its pages. A send that breaks the
   contract (positions outside the room, a chunk-local 0, pages not owned,

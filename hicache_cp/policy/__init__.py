@@ -3,7 +3,7 @@
 A policy maps a node to a sort key; the smallest key is evicted first. Keys
 use the cache's logical clock (one tick per `match_prefix`), never wall
 time, so every CP rank computes the same order from the same metadata
-(DOMAIN.md rule 7) and runs are reproducible. A policy may also learn from
+(docs/invariants.md rule 7) and runs are reproducible. A policy may also learn from
 hooks the cache calls on every match, insert and eviction (`base`).
 
 Policies live one per module in this package and register by name; the
@@ -14,9 +14,9 @@ registry imports a built-in module only when its policy is asked for:
     reuse_lru     LRU that protects content seen twice, across evictions, and
                   first-timer classes it learns are reused (`reuse_lru`)
 
-`tools/policy_sweep.py` compares them against the Belady bound, also under
+`bench/scripts/policy_sweep.py` compares them against the Belady bound, also under
 `write_back` and with `l2_exclusive` (L1 and L2 holding disjoint pages: the
-largest gain measured on the shared trace, see README.md).
+largest gain measured on the shared trace, see docs/design/eviction.md).
 """
 
 from __future__ import annotations

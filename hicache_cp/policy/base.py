@@ -12,7 +12,7 @@ the same arguments:
 
 Hooks carry only replicated state (the logical clock, node metadata, request
 positions and tokens), so a policy that learns from them still decides the
-same on every rank (DOMAIN.md rule 7). A policy may write one thing into a
+same on every rank (docs/invariants.md rule 7). A policy may write one thing into a
 node: `Node.reuse_hint`, at `on_insert`. Every hook defaults to nothing, so
 a policy that needs only `key` (LRU) overrides nothing else. Hooks run on
 the request path: they must cost O(pages of the request) at most, in numpy

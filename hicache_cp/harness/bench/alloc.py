@@ -1,6 +1,6 @@
 """Allocator microbenchmark: ``hicache-cp bench-alloc`` (or ``python -m hicache_cp.harness.bench.alloc``).
 
-Measures what DOMAIN.md rule 6 asks to keep visible, the metadata cost of
+Measures what docs/invariants.md rule 6 asks to keep visible, the metadata cost of
 the host page allocator on a pool of realistic size, against its peers, and
 what each allocator's pages are worth to the copies (runs per reserve).
 Nothing but the allocators' own metadata is allocated.

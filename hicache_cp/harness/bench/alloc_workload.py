@@ -10,7 +10,7 @@ allocator sees the same reserves and frees in the same order:
   trace's ``input_length`` (1 to about 3,000 pages of 64 tokens).
 * Eviction: entries are evicted least recently used first when a reserve
   would leave less than ``free_room`` of the pool free, down to that target
-  (DOMAIN.md rule 5), so the pool runs full and fragments.
+  (docs/invariants.md rule 5), so the pool runs full and fragments.
 * Hits: each request touches ``hits`` random live entries on average
   (Poisson), which moves them to the most recently used end: eviction is
   not FIFO. With probability ``split`` a hit splits its entry at a random

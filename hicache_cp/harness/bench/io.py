@@ -27,7 +27,7 @@ One run measures, on the current GPU:
 Warm-up: before the first variant, the default backend submits copies of
 every size for `_WARMUP_S` seconds, unmeasured: the first variant measured
 was otherwise slower on the host (H200, 64 pages: 28 us per submission
-against 21 us for the same backend measured again later, tools/io_sweep.py).
+against 21 us for the same backend measured again later, bench/experiments/io_sweep.py).
 
 Timing: CUDA events around GPU work. Each timed batch is gated behind a GPU
 sleep on the compute stream, so every submission is queued before the GPU
@@ -37,7 +37,7 @@ over the gated batches plus `_SUBMIT_SAMPLES` more; each batch's tickets are
 retired before the next is queued, as a server retires an op's tickets at its
 commit (kept all, every submission of the first direction measured created
 its events inside the timed call: D2H at 64 pages 81 us against 14 us for
-H2D, io-h200-direct-be5b46c.json). The default backend's
+H2D, bench/results/archive/io-h200-direct-be5b46c.json). The default backend's
 rows at 64, 1024 and 8192 pages are repeated under `default_numbers`. Each
 rate is the median of several repetitions. GB/s are 1e9 bytes per second.
 
@@ -45,16 +45,15 @@ Submissions take the cache's path: each page set is planned once
 (`CopyEngine.plan`, timed apart as `plan_us`) and submitted per layer
 (`submit_layer`).
 
-Variants: the backends with their defaults (`direct`, the default on CUDA,
-`hybrid`, `kernel`, `staging`) and experiments: `kernel-l2hint`,
-`kernel-tma` (the kernel's other modes), `kernel-tma-4sm`/`-8sm` (SGLang's
-CTA counts), `direct-given` (DMA runs in the caller's order, not sorted by
-device page), `direct-inline` (every descriptor issued on the caller's
-thread, no issue worker), `direct-overlap-hint` (the driver's
-prefer-overlap-with-compute flag), and the issue worker's call sizes and
-the layer hook's paths (`io_variants` lists them all). Exposure is measured for every variant
-and every grid cap of the kernel sweep at `--overlap-pages`, and for the
-default at each `--exposure-pages`, scattered and in runs (`exposure`).
+Variants: the product's backend with its defaults (`direct`, the default on
+CUDA), the benchmark-only engines (`hybrid`, `kernel`, `staging`, registered by
+`io_variants`) and experiments: `kernel-l2hint`, `kernel-tma` (the kernel's other
+modes), `kernel-tma-4sm`/`-8sm` (SGLang's CTA counts), `direct-inline` (every
+descriptor issued on the caller's thread, no issue worker), and the issue
+worker's call sizes and the layer hook's paths (`io_variants` lists them all).
+Exposure is measured for every variant and every grid cap of the kernel sweep at
+`--overlap-pages`, and for the default at each `--exposure-pages`, scattered and
+in runs (`exposure`).
 
 Without CUDA it prints one error line and exits with status 2.
 """
@@ -84,7 +83,7 @@ from hicache_cp.layout import KVLayout, Part
 
 #: Measured variants: label -> (backend name, engine options). The plain names are
 #: the backends as `make_engine` builds them (the default's row is the headline).
-BACKENDS = ("direct", "direct-backup1024", "direct-chunk1024", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm", "direct-overlap-hint")
+BACKENDS = ("direct", "direct-backup1024", "direct-chunk1024", "direct-inline", "hybrid", "kernel", "kernel-tma", "kernel-tma-4sm", "kernel-tma-8sm")
 TARGETS = {
     "scattered_ratio_1024plus": 0.90, "scattered_ratio_64": 0.85, "runs_ratio_1024plus": 0.93, "runs_ratio_64": 0.90,
     "bidir_ratio": 0.90, "exposed_load_fraction": 0.05, "exposed_backup_fraction": 0.10,
@@ -642,7 +641,7 @@ def _make(label: str, dev: Any, host: Any) -> CopyEngine:
 
 def _describe(engine: CopyEngine) -> dict[str, Any]:
     """What ran: the backend and its options (batched DMA, kernel mode, grid, DMA-routed copies)."""
-    keys = ("name", "batch", "order", "mode", "max_ctas", "unroll", "tail", "dma_runs", "worker_above", "chunks", "wholes", "counts")
+    keys = ("name", "batch", "mode", "max_ctas", "unroll", "tail", "dma_runs", "worker_above", "chunks", "wholes", "counts")
     def plain(value: Any) -> Any:  # enum keys (chunks by Direction) as their values
         return {getattr(k, "value", k): v for k, v in value.items()} if isinstance(value, dict) else value
 

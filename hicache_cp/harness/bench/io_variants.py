@@ -1,13 +1,21 @@
 """The io backends' measured variants: a name for a backend with options.
 
 bench-io measures each beside a compute-bound forward, bench-overhead times the
-cache's calls with one (`--io-variant`), and tools/io_vs_sglang.py races them
-against SGLang's kernels. The plain backend names are their defaults.
+cache's calls with one (`--io-variant`), and bench/scripts/io_vs_sglang.py races
+them against SGLang's kernels. The plain backend names are their defaults.
+
+The product's backends are `cpu` and `direct` (`hicache_cp.io.base.BUILTIN`).
+The SM-kernel engines (`kernel`, `hybrid`) and `staging` are measured here only:
+importing this module registers them (`register_bench_backends`), so a benchmark
+(and a test of those engines) can build them by name while a user's configuration
+cannot. docs/design/copy-engines.md records what each variant measured.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from hicache_cp.io.base import backend_names, register_backend
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "hybrid": ("hybrid", {}),
@@ -20,8 +28,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # about 4 and 8 of the H200's 132 SMs.
     "kernel-tma-4sm": ("kernel", {"mode": "tma", "sm_fraction": 0.031}),
     "kernel-tma-8sm": ("kernel", {"mode": "tma", "sm_fraction": 0.061}),
-    "direct-given": ("direct", {"order": "given"}),
-    "direct-overlap-hint": ("direct", {"overlap_hint": True}),
     "direct-inline": ("direct", {"worker_above": None}),
     # The issue worker's driver calls: fewer, larger calls cost the GPU less per
     # descriptor but hold the driver (which serialises a context's calls) longer.
@@ -32,10 +38,21 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Backups, which the forward does not wait for, in one call of up to 1024 a layer.
     "direct-backup1024": ("direct", {"whole": 1024, "load_whole": 128}),
     # The layer hook (`submit_layer`): `direct` hands every backup layer to the issue worker
-    # (the hook records the compute-ordering event). `-hook16` issues a layer of up to 16
-    # descriptors in the hook while the worker is idle (four driver calls there; the default
-    # before 3524bee); `-worker-order` has the worker record that event as
-    # well, so the hook makes no driver call.
+    # (the hook records the compute-ordering event); `-hook16` issues a layer of up to 16
+    # descriptors in the hook while the worker is idle (the hook's earlier path).
     "direct-hook16": ("direct", {"hook_worker_above": 16}),
-    "direct-worker-order": ("direct", {"hook_order": "worker"}),
 }
+
+
+def register_bench_backends() -> None:
+    """Add `kernel`, `hybrid` and `staging` to the io registry (idempotent)."""
+    from hicache_cp.io.dma import StagingCopyEngine
+    from hicache_cp.io.sm import HybridCopyEngine, KernelCopyEngine
+
+    known = set(backend_names())
+    for name, engine in (("kernel", KernelCopyEngine), ("hybrid", HybridCopyEngine), ("staging", StagingCopyEngine)):
+        if name not in known:
+            register_backend(name)(engine)
+
+
+register_bench_backends()

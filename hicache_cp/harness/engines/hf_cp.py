@@ -1,6 +1,6 @@
 """The real model under CP shared KV: each rank holds its own pages, a forward reads all of them.
 
-Under CP (DOMAIN.md section 3) rank r's L1 and L2 hold only the pages it
+Under CP (docs/invariants.md, CP shared KV) rank r's L1 and L2 hold only the pages it
 owns (page position i of a request lives on lane i mod cp_size); it computes,
 backs up, loads back and byte-checks those alone. The forward is replicated:
 every rank runs the whole model over the whole batch, so each needs the full

@@ -35,7 +35,7 @@ its own [1, chunk] queries and [prefix | chunk] keys, as a varlen attention
 kernel would see it. Padding sequences to one [B, longest chunk] tensor with
 the longest prefix costs B x longest chunk x (longest prefix + chunk) of
 attention and indexer work: on an H200 a 512-token hit beside a 2,048-token
-chunk took 0.43 s padded against 0.07 + 0.04 s apart (tools/hf_profile.py).
+chunk took 0.43 s padded against 0.07 + 0.04 s apart (bench/experiments/hf_profile.py).
 The hooks still fire once per layer for the whole batch.
 
 On CUDA the attention runs on PyTorch's memory-efficient SDPA kernel, not
@@ -43,7 +43,7 @@ cuDNN's: cuDNN builds an execution plan for every (query, key) length it has
 not seen, and a serving batch is made of such shapes. On an H200 a hit
 forward of a new shape took 0.8-2.3 s with the default choice and 36-45 ms
 with the memory-efficient kernel, against 20-33 ms for either once warm
-(`tools/hf_profile.py --only-shapes`).
+(`bench/experiments/hf_profile.py --only-shapes`).
 
 Each sequence's index arrays (`SeqPlan`) are built on the CPU once per
 forward (numpy, vectorised) and moved to the device once; every layer and
@@ -152,7 +152,7 @@ class SeqPlan:
 
         The padding bounds the shapes the model's kernels see: cuBLAS picks a
         GEMM algorithm per new shape on the host, about 17 ms for one hit
-        forward of the real widths on an H200 (`tools/hf_profile.py
+        forward of the real widths on an H200 (`bench/experiments/hf_profile.py
         --only-shapes`), more than a hit's compute. Filler queries come after
         every real one, so under the causal mask no real query sees them;
         their KV is never stored and their logits never read."""

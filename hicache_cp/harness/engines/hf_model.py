@@ -7,7 +7,7 @@ DeepSeek decoder layer over `eh_proj(enorm(embed(next token)), hnorm(target
 hidden))`), run over the same tokens as the target.
 
 What the cache stores comes from the model (transformers >= 5.20 keeps the
-MLA latent in its cache, see ../shared/PLATFORM.md):
+MLA latent in its cache, see docs/platform.md):
 
     part          per token, per layer                 from the cache layer's
     target_kv     kv_lora_rank latent + rope key       `keys` [b,1,T,rank] + `values` [b,1,T,rope]
@@ -30,7 +30,7 @@ Presets:
 
 `index_topk` is set above any prompt length in both presets, so the indexer's
 selection keeps every token and a recompute is comparable with a restored
-prefix (with a small top-k the selection itself changes, PLATFORM.md).
+prefix (with a small top-k the selection itself changes, docs/platform.md).
 """
 
 from __future__ import annotations

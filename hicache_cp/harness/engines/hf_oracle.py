@@ -190,7 +190,7 @@ class RestoreGuard:
 
     Runs on every rank over the pages it owns; one host sync per call. A
     failed check sets the load's error, as a failed copy does: the next
-    agreed poll aborts the load on every rank (DOMAIN.md rule 7: nothing here
+    agreed poll aborts the load on every rank (docs/invariants.md rule 7: nothing here
     decides alone)."""
 
     def __init__(self, digester: Digester, book: DigestBook, tally: IntegrityTally, *, rank: int, cp_size: int) -> None:
@@ -276,7 +276,7 @@ def recompute_logits(model: Any, ids: np.ndarray, chunk_tokens: int | None = Non
     """Last-token logits of a prompt computed from scratch by the model's own
     forward (transformers' cache object, no paging, no hicache): float32 [vocab]
     on the CPU. `chunk_tokens` prefills in chunks through `past_key_values`
-    (exact against one forward, PLATFORM.md) to bound the indexer's
+    (exact against one forward, docs/platform.md) to bound the indexer's
     [tokens, heads, tokens] scores on long prompts."""
     from transformers import DynamicCache
 

@@ -1,7 +1,7 @@
 """The replay on several processes: CP ranks, and the decode peer for `--pd`.
 
 `run_ranks` is what `hicache-cp replay --cp-size N` (or `--pd`) calls: every
-rank replays the same requests with the same calls (DOMAIN.md rule 7, see
+rank replays the same requests with the same calls (docs/invariants.md rule 7, see
 `hicache_cp.cp`) and the parent checks that the replicated decisions (hit
 tokens, commits, evictions) agree on every rank - a divergence is a bug and
 raises `ConsistencyError` with both values - and sums the per-rank byte and
@@ -130,7 +130,7 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, wall_s: float) -> dict
     for k in HF_PER_RANK_SUM_KEYS:
         if k in base:
             out[k] = sum(int(rep.get(k, 0)) for rep in reports)
-    for k in base:  # PD transfer bytes are counted per sending rank (DOMAIN.md rule 10)
+    for k in base:  # PD transfer bytes are counted per sending rank (docs/invariants.md rule 10)
         if k.startswith("pd_") and k.endswith("bytes"):
             out[k] = sum(int(rep.get(k, 0)) for rep in reports)
     out["mismatch_examples"] = [m for rep in reports for m in rep.get("mismatch_examples", [])][:10]

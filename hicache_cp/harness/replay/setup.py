@@ -229,7 +229,7 @@ def size(args: argparse.Namespace, resolved: ResolvedConfig, requests: list[Trac
     elif sources["l1_pages"] != "default":
         l1, l1_source = (config.l1_pages - 1) * cp, sources["l1_pages"]
     else:
-        # L2 is typically 5-20x L1 (DOMAIN.md); L1 must still hold a few requests.
+        # L2 is typically 5-20x L1 (docs/invariants.md, the setting); L1 must still hold a few requests.
         l1, l1_source = max(l2 // L2_TO_L1, 3 * longest), "derived:L2/8, at least 3 longest requests"
     if l1 < longest + cp:
         raise InputError(f"L1 of {l1} logical pages ({l1_source}) cannot hold the longest request ({longest} pages)")

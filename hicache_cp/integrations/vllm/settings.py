@@ -11,7 +11,7 @@ Keys (all optional except the budget):
     host_budget_gib / host_budget_bytes  L2 bytes per worker (GPU), all parts together (one of them)
     eviction_policy                      "lru" (default), "hit_weighted" or "reuse_lru"
     l2_free_room                         fraction (float) or pages (int) kept free in L2; default 0.02
-    io_backend                           "auto" (default: "direct" on CUDA, "cpu" otherwise), "kernel", ...
+    io_backend                           "auto" (default: "direct" on CUDA, "cpu" otherwise), "direct", "cpu"
     pin_host                             pin L2 for CUDA; default: when CUDA is available
     debug_checks                         check the cache's invariants after every operation (tests)
 
