@@ -68,6 +68,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from hicache_cp import Agreement, BackupOp, HiCache, LoadOp, LoadState, Model
 from hicache_cp import MatchResult as HostMatch
+from hicache_cp.integrations.sglang.events import recorder_log
 from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies, LayerHooks
 from hicache_cp.integrations.sglang.pools import SGLangKV
 from hicache_cp.integrations.sglang.settings import resolve
@@ -125,6 +126,7 @@ class HiCacheCpRadixCache(RadixCache):
         self.kv = SGLangKV.from_pools(target, draft_pools)
         self.resolved = resolve(self.kv, env)
         self._agreement = agreement
+        self._events = recorder_log(self.kv_events)  # L2/L3 events into SGLang's recorder, when it has one on
         self.cache = self._make_cache()
         self.copies = ForwardCopies(self.cache)
         self.stats = PluginStats()
@@ -146,7 +148,7 @@ class HiCacheCpRadixCache(RadixCache):
     def _make_cache(self) -> HiCache:
         config = self.resolved.config
         device_pool = DevicePool(config.layout(), self.kv.num_pages, buffers=self.kv.buffers())
-        return HiCache(config, device_pool=device_pool, agreement=self._agreement)
+        return HiCache(config, device_pool=device_pool, agreement=self._agreement, events=self._events)
 
     # ---- match and load ------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache_cp.integrations.vllm.events import VLLMEncoder, connector_log
 from hicache_cp.integrations.vllm.metadata import HiCacheMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.scheduler import SchedulerSide
@@ -51,6 +52,7 @@ from hicache_cp.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -75,8 +77,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         plan = KVPlan.from_kv_cache_config(kv_cache_config, layers)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self._events = VLLMEncoder(clear_as_removals=True)  # a clear must not wipe vLLM's GPU blocks
         if role is KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(plan, settings, parallel.world_size)
+            self.scheduler_side = SchedulerSide(plan, settings, parallel.world_size, connector_log(vllm_config))
         else:
             self.worker_side = WorkerSide(plan, settings)
 
@@ -108,6 +111,16 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """L2/L3 KV events since the last step, in vLLM's format (vLLM publishes them with its own)."""
+        side = self.scheduler_side
+        if side is None or side.events is None:
+            return []
+        return self._events.encode_all(side.events.take())
+
+    def reset_cache(self) -> bool:
+        return self._sched().reset()
 
     # ---- worker role ------------------------------------------------------------------
 
