@@ -43,6 +43,7 @@ class EngineFormat:
     batch: Callable[[float, list[Any]], Any]  # (timestamp, events) -> the engine's KVEventBatch
     wire_key: Callable[[Any], Any]  # a key as the engine's events carry it
     media: dict[Medium, str]
+    batch_type: type  # the engine's KVEventBatch (its decoder's type)
 
 
 def engine_format(name: str) -> EngineFormat:
@@ -54,7 +55,7 @@ def engine_format(name: str) -> EngineFormat:
 
         enc = SGLangEncoder()
         return EngineFormat(name, SGLangKeyer(), enc.encode_all, lambda ts, evs: KVEventBatch(ts=ts, events=evs),
-                            lambda key: key[0], MEDIUM)  # fmt: skip
+                            lambda key: key[0], MEDIUM, KVEventBatch)  # fmt: skip
     if name == "vllm":
         from vllm.distributed.kv_events import KVEventBatch
         from vllm.v1.core.kv_cache_utils import init_none_hash, maybe_convert_block_hash
@@ -65,7 +66,7 @@ def engine_format(name: str) -> EngineFormat:
         init_none_hash(keyer.hash_fn)  # as vLLM's engine core does before hashing
         vllm_enc = VLLMEncoder()
         return EngineFormat(name, keyer, vllm_enc.encode_all, lambda ts, evs: KVEventBatch(ts=ts, events=evs),
-                            maybe_convert_block_hash, MEDIUM)  # fmt: skip
+                            maybe_convert_block_hash, MEDIUM, KVEventBatch)  # fmt: skip
     raise InputError(f"--kv-events-format {name!r}: expected one of {', '.join(FORMATS)}")
 
 
