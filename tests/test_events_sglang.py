@@ -138,3 +138,14 @@ def test_sglang_reset_clears_every_tier_and_l2_blocks_come_back_after_it(served)
     replay = WireReplay().apply_batches(sub.drain())
     assert replay.cleared >= 2  # at start and at the reset (SGLang's own and hicache-cp's)
     assert replay.of(CPU) == want and want
+
+
+def test_the_keyer_gives_sglangs_hashes_and_their_int64() -> None:
+    from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
+
+    tokens = np.arange(5 * PAGE, dtype=np.int64) * 7 % 911
+    keys = SGLangKeyer().chain(None, tokens, PAGE)
+    assert [h for _, h in keys] == get_hash_str(tokens.tolist(), None, page_size=PAGE)
+    assert [i for i, _ in keys] == [hash_str_to_int64(h) for _, h in keys]
+    tail = SGLangKeyer().chain(keys[1], tokens[2 * PAGE :], PAGE)
+    assert tail == keys[2:]  # chained on the parent's key, as SGLang chains a child node on its parent

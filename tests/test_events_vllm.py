@@ -117,3 +117,13 @@ def test_vllm_reset_with_the_connector_clears_the_l2_blocks(events_bench) -> Non
     replay = WireReplay().apply_batches(sub.drain())
     assert replay.cleared == 1  # vLLM's block pool: AllBlocksCleared
     assert replay.of(MEDIUM_CPU) == want and want
+
+
+@pytest.mark.parametrize("ints", ["0", "1"])
+def test_the_encoder_converts_hashes_as_vllm_does(ints: str, monkeypatch) -> None:
+    from hicache_cp.integrations.vllm.events import VLLMEncoder
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", ints)
+    keys = VLLMKeyer("sha256").chain(None, np.arange(3 * H.BLOCK, dtype=np.int64), H.BLOCK)
+    enc = VLLMEncoder()
+    assert [enc.wire_key(k) for k in keys] == [maybe_convert_block_hash(k) for k in keys]

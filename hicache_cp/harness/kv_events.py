@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from hicache_cp.cache import HiCache
 from hicache_cp.events import BlockKeyer, Event, EventLog, Medium
 from hicache_cp.harness.errors import InputError
@@ -47,7 +49,14 @@ class EngineFormat:
 
 
 def engine_format(name: str) -> EngineFormat:
-    """The format `--kv-events-format` names (imports that engine)."""
+    """The format `--kv-events-format` names (imports that engine, and hashes one page so
+    that its hash code is loaded before the run)."""
+    fmt = _engine_format(name)
+    fmt.keyer.chain(None, np.zeros(1, dtype=np.int64), 1)
+    return fmt
+
+
+def _engine_format(name: str) -> EngineFormat:
     if name == "sglang":
         from sglang.srt.disaggregation.kv_events import KVEventBatch
 
@@ -58,7 +67,7 @@ def engine_format(name: str) -> EngineFormat:
                             lambda key: key[0], MEDIUM, KVEventBatch)  # fmt: skip
     if name == "vllm":
         from vllm.distributed.kv_events import KVEventBatch
-        from vllm.v1.core.kv_cache_utils import init_none_hash, maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import init_none_hash
 
         from hicache_cp.integrations.vllm.events import MEDIUM, VLLMEncoder, VLLMKeyer
 
@@ -66,7 +75,7 @@ def engine_format(name: str) -> EngineFormat:
         init_none_hash(keyer.hash_fn)  # as vLLM's engine core does before hashing
         vllm_enc = VLLMEncoder()
         return EngineFormat(name, keyer, vllm_enc.encode_all, lambda ts, evs: KVEventBatch(ts=ts, events=evs),
-                            maybe_convert_block_hash, MEDIUM, KVEventBatch)  # fmt: skip
+                            vllm_enc.wire_key, MEDIUM, KVEventBatch)  # fmt: skip
     raise InputError(f"--kv-events-format {name!r}: expected one of {', '.join(FORMATS)}")
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, StorageMedium
-from sglang.srt.mem_cache.utils import get_hash_str, hash_str_to_int64
+from sglang.srt.mem_cache.utils import get_hash_str
 
 from hicache_cp.events import AllCleared, Event, EventLog, Key, Medium
 from hicache_cp.events import BlockStored as Stored
@@ -47,7 +47,10 @@ class SGLangKeyer:
         ids.frombytes(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
         prior = parent[1] if isinstance(parent, tuple) else None
         out = get_hash_str(ids, prior, page_size=page_size)
-        return [(hash_str_to_int64(h), h) for h in (out if isinstance(out, list) else [out])]
+        hexes = out if isinstance(out, list) else [out]
+        # hash_str_to_int64 of each, in one pass: the first 16 hex digits, big-endian, signed
+        ints = np.frombuffer(bytes.fromhex("".join(h[:16] for h in hexes)), dtype=">i8").tolist()
+        return list(zip(ints, hexes))
 
 
 class SGLangEncoder:

@@ -5,8 +5,8 @@
                  `NONE_HASH` (read when hashing, so it is the one the engine core set)
     VLLMEncoder  library events (`hicache_cp.events`) -> vLLM's `BlockStored`,
                  `BlockRemoved`, `AllBlocksCleared` (`vllm.distributed.kv_events`), the
-                 hashes through `maybe_convert_block_hash` as vLLM's block pool sends
-                 its GPU tier's (bytes, or ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+                 hashes converted as vLLM's `maybe_convert_block_hash` converts its GPU
+                 tier's (ints, or the bytes when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES is 0)
 
 Media: L2 is `CPU`, L3 `STORAGE`, the reference server's L1 `GPU`; group 0
 (the connector serves one KV cache group). Only requests whose KV is a
@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from vllm import envs
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -36,11 +37,12 @@ from vllm.distributed.kv_events import (
     BlockStored,
 )
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
 from hicache_cp.events import AllCleared, Event, EventLog, Key, Medium
 from hicache_cp.events import BlockStored as Stored
 
+_LOW64 = (1 << 64) - 1
 MEDIUM = {Medium.DEVICE: MEDIUM_GPU, Medium.HOST: MEDIUM_CPU, Medium.STORE: MEDIUM_STORAGE}
 
 
@@ -66,24 +68,34 @@ class VLLMEncoder:
     def __init__(self, *, clear_as_removals: bool = False) -> None:
         self.clear_as_removals = clear_as_removals
         self._held: dict[Medium, set[Key]] = {m: set() for m in Medium}  # kept only with clear_as_removals
+        # vLLM's maybe_convert_block_hash reads this from the environment on every call (microseconds
+        # a block); read once here, the same conversion is applied below (tests check they agree)
+        self._ints = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+
+    def wire_key(self, key: Key) -> Any:
+        """`maybe_convert_block_hash(key)`: the low 64 bits as an int, or the bytes."""
+        return int.from_bytes(key, "big") & _LOW64 if self._ints else key  # type: ignore[arg-type]
+
+    def _wire(self, keys: list[Key] | set[Key]) -> list[Any]:
+        return [int.from_bytes(k, "big") & _LOW64 for k in keys] if self._ints else list(keys)  # type: ignore[arg-type]
 
     def encode(self, event: Event) -> list[Any]:
         if isinstance(event, AllCleared):
             if not self.clear_as_removals:
                 return [AllBlocksCleared()]
-            out = [BlockRemoved(block_hashes=[maybe_convert_block_hash(k) for k in held], medium=MEDIUM[m],  # type: ignore[arg-type]
-                                group_idx=0) for m, held in self._held.items() if held]  # fmt: skip
+            out = [BlockRemoved(block_hashes=self._wire(held), medium=MEDIUM[m], group_idx=0)
+                   for m, held in self._held.items() if held]  # fmt: skip
             for held in self._held.values():
                 held.clear()
             return out
         medium = MEDIUM[event.medium]
-        hashes = [maybe_convert_block_hash(k) for k in event.keys]  # type: ignore[arg-type]
+        hashes = self._wire(event.keys)
         if isinstance(event, Stored):
             if self.clear_as_removals:
                 self._held[event.medium].update(event.keys)
             return [BlockStored(
                 block_hashes=hashes,
-                parent_block_hash=None if event.parent is None else maybe_convert_block_hash(event.parent),  # type: ignore[arg-type]
+                parent_block_hash=None if event.parent is None else self._wire([event.parent])[0],
                 token_ids=event.tokens.tolist(),
                 block_size=len(event.tokens) // len(event.keys),
                 lora_id=None,
