@@ -7,13 +7,12 @@ stream must name exactly those pages, keyed like the cache's other tiers.
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import pytest
 
 from conftest import PAGE, tiny_config
 from test_events import Replay, resident
+from test_l3_stateful import _l3 as l3_settings  # the [l3] settings of the MemoryStore tests
+from test_l3_stateful import _tokens as tokens_of  # one token id repeated per page
 from test_l3_support import MemoryStore
 
 from hicache_cp.cache import HiCache
@@ -22,17 +21,6 @@ from hicache_cp.harness.engines.synthetic import ReferenceServer
 from hicache_cp.l3.keys import PositionHashes
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 17, 18], [9, 10, 11, 19]]
-
-
-def tokens_of(ids: list[int]) -> np.ndarray:
-    return np.concatenate([np.full(PAGE, i, dtype=np.int64) for i in ids])
-
-
-def l3_settings(**kw: Any) -> dict[str, Any]:
-    values: dict[str, Any] = dict(backend="mooncake", prefetch_timeout_s=5.0, lookup_timeout_s=5.0,
-                                  retry_interval_s=0.001, close_timeout_s=5.0, pages_per_object=1)  # fmt: skip
-    values.update(kw)
-    return values
 
 
 def in_store(cache: HiCache, store: MemoryStore, prompts: list[list[int]]) -> set:
