@@ -324,6 +324,7 @@ class RadixTree:
             assert n.first_position == p.end_position, f"{n}: position {n.first_position} != parent end {p.end_position}"
             for name, arr in (("device", n.device_pages), ("host", n.host_pages)):
                 assert arr is None or len(arr) == n.num_pages, f"{n}: {name} pages {len(arr)} != {n.num_pages}"
+            assert n.event_keys is None or len(n.event_keys) == n.num_pages, f"{n}: {len(n.event_keys)} event keys"
             if n.on_device:
                 assert p.on_device, f"{n}: on device but parent {p} is not"
             assert n.lock_ref >= 0 and p.lock_ref >= n.lock_ref or p is self.root, f"{n}: lock counts {p.lock_ref} < {n.lock_ref}"

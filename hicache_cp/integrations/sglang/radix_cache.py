@@ -40,6 +40,11 @@ that refuses the submission) is no hit: `init_load_back` returns 0 and
 SGLang recomputes. A committed host copy lacking a part raises
 `ConsistencyError` from `match_prefix` (never a target-only hit).
 
+KV events: with SGLang's `--kv-events-config`, every L2 (and L3) block that
+becomes visible or leaves is handed, in SGLang's format and keyed with its
+hashes, to this radix cache's own recorder, which SGLang's scheduler
+publishes with its GPU events (`events.py`, docs/events.md).
+
 Ranks: each TP rank runs this scheduler on the same requests in the same
 order and keeps the L2 of what its pools hold; every decision (commit,
 abort, load outcome) is agreed with one MIN all-reduce per poll over the TP

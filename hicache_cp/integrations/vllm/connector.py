@@ -23,6 +23,10 @@ The protocol of one engine step:
                -> wait_for_save -> get_block_ids_with_load_errors, build_connector_worker_meta
     scheduler  update_connector_output (verdicts -> commits / aborts) ... request_finished
 
+KV events: with vLLM's `--kv-events-config`, the scheduler side's L2 (and
+L3) blocks go out through `take_events`, in vLLM's format and keyed with its
+block hashes (`events.py`, docs/events.md).
+
 vLLM's `KVCacheBlocks` and block hashes stay vLLM's: the cache keys pages by
 their tokens (page size == block size), so requests whose KV is not a
 function of their tokens (LoRA, multimodal, cache salt, prompt embeddings)
