@@ -1,5 +1,7 @@
 """Shared helpers of the KV event tests (no tests here).
 
+- `SHARED_TRACE`: the public trace, or None (the tests that replay it skip).
+
 - `Subscriber`: a ZMQ SUB socket on a thread, decoding every batch with the
   engine's own decoder (`msgspec.msgpack.Decoder(<engine>.KVEventBatch)`),
   checking the sequence numbers run from 0 without a gap.
@@ -11,16 +13,32 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-import msgspec
-import zmq
+
+
+def shared_trace() -> Path | None:
+    """The public trace beside the checkout (`../shared/traces`, as test_replay finds it), or
+    beside the main checkout when this is a worktree of it; None when neither has it."""
+    name = Path("shared") / "traces" / "synthetic_trace.jsonl"
+    here = Path(__file__).resolve().parents[2]
+    for base in (here, here.parent):
+        if (base / name).is_file():
+            return base / name
+    return None
+
+
+SHARED_TRACE = shared_trace()
 
 
 class Subscriber:
     """Collects the batches published on `endpoint` (connects; the publisher binds)."""
 
     def __init__(self, endpoint: str, batch_type: Any, *, bind: bool = False) -> None:
+        import msgspec
+        import zmq
+
         self._decoder = msgspec.msgpack.Decoder(type=batch_type)
         self._sock = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -38,6 +56,8 @@ class Subscriber:
         time.sleep(0.3)  # ZMQ's slow joiner: the subscription reaches the publisher before it sends
 
     def _run(self) -> None:
+        import zmq
+
         while not self._stop.is_set():
             if self._sock.poll(50):
                 topic, seq, payload = self._sock.recv_multipart()

@@ -75,7 +75,8 @@ def served(tmp_path: Path):
     yield factory
     for server, publisher in made:
         server.close()
-        publisher.kv_event_publisher.shutdown()
+        if publisher.kv_event_publisher._running:  # not shut down by the test already
+            publisher.kv_event_publisher.shutdown()
 
 
 def serve_all(server: SGLangPrefillServer, publisher: SchedulerKvEventsPublisher, prompts: list[list[int]]) -> None:

@@ -23,6 +23,7 @@ trace replays on a CPU in minutes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,11 @@ def _check_kv_events(args: argparse.Namespace) -> None:
     from hicache_cp.harness.kv_events import check_endpoint
 
     host, port = check_endpoint("--kv-events", endpoint)
+    require("zmq", "events", "--kv-events")
+    require("msgspec", "events", "--kv-events")
+    fmt = getattr(args, "kv_events_format", None) or "sglang"
+    if importlib.util.find_spec(fmt) is None:  # its keys and event classes are the engine's own
+        raise InputError(f"--kv-events-format {fmt} needs {fmt} installed (scripts/install_{fmt}.sh)")
     if (getattr(args, "instances", 1) or 1) > 1:
         raise InputError("--kv-events publishes one cache's events: it does not take --instances")
     checks.ports_free("--kv-events", host, range(port, port + 1))
