@@ -229,3 +229,46 @@ def test_no_host_block_is_announced_before_its_copy_is_committed() -> None:
         assert seen > 0
     finally:
         cache.close()
+
+
+def test_cp_ranks_announce_the_same_stream() -> None:
+    """Every CP rank applies the same decisions at the same step, so each rank's
+    log is the same (the harness publishes rank 0's)."""
+    import threading
+
+    from conftest import TwoRankAgreement
+
+    ags = TwoRankAgreement.pair()
+    logs = [EventLog(), EventLog()]
+    caches = [HiCache(tiny_config(l1_pages=48, host_pages=48, cp_size=2), agreement=ags[r], rank=r, events=logs[r])
+              for r in range(2)]  # fmt: skip
+    streams: list[list[tuple]] = [[], []]
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            serve_all(caches[r], embedded(40),
+                      after=lambda: streams[r].extend(_comparable(e) for e in logs[r].take()))
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+        assert caches[0].stats()["evictions_l2"] > 0
+        assert streams[0] == streams[1] and len(streams[0]) > 10
+    finally:
+        for c in caches:
+            c.close()
+
+
+def _comparable(ev: Event) -> tuple:
+    if isinstance(ev, BlockStored):
+        return ("stored", ev.medium, tuple(ev.keys), ev.parent, ev.tokens.tobytes())
+    if isinstance(ev, BlockRemoved):
+        return ("removed", ev.medium, tuple(ev.keys))
+    return ("cleared",)
