@@ -20,6 +20,8 @@ Each node covers a run of pages and records where they live:
                   below them for good; a stale node is no device hit, is never
                   backed up, and is replaced by a fresh insert or dropped
     lock_ref      requests using the node (counted on the whole root path)
+    event_keys    the per-page keys an event log gave the node (`hicache_cp.events`),
+                  computed once, split with the node
 
 Invariants (`RadixTree.check_invariants`): device residency is closed
 towards the root (a node with device pages has an ancestor chain of device
@@ -77,6 +79,7 @@ class Node:
     hit_count: int = 0
     last_access: int = 0
     reuse_hint: int = 0  # the eviction policy's evidence of reuse, set at insert (hicache_cp.policy)
+    event_keys: list | None = None  # the event log's per-page keys, once computed (hicache_cp.events)
     id: int = field(default_factory=lambda: next(_node_ids))
 
     def head(self) -> PageKey:
@@ -169,8 +172,11 @@ class RadixTree:
             hit_count=node.hit_count,
             last_access=node.last_access,
             reuse_hint=node.reuse_hint,
+            event_keys=None if node.event_keys is None else node.event_keys[:n],
         )
         node.tokens = node.tokens[cut:]
+        if node.event_keys is not None:
+            node.event_keys = node.event_keys[n:]
         node.num_pages -= n
         node.first_position += n
         if node.device_pages is not None:
@@ -318,6 +324,7 @@ class RadixTree:
             assert n.first_position == p.end_position, f"{n}: position {n.first_position} != parent end {p.end_position}"
             for name, arr in (("device", n.device_pages), ("host", n.host_pages)):
                 assert arr is None or len(arr) == n.num_pages, f"{n}: {name} pages {len(arr)} != {n.num_pages}"
+            assert n.event_keys is None or len(n.event_keys) == n.num_pages, f"{n}: {len(n.event_keys)} event keys"
             if n.on_device:
                 assert p.on_device, f"{n}: on device but parent {p} is not"
             assert n.lock_ref >= 0 and p.lock_ref >= n.lock_ref or p is self.root, f"{n}: lock counts {p.lock_ref} < {n.lock_ref}"

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hicache_cp.radix", "hicache_cp.pools", "hicache_cp.metrics"),
     ("hicache_cp.io",),
     ("hicache_cp.ops", "hicache_cp.policy"),
-    ("hicache_cp.config", "hicache_cp.l3", "hicache_cp.match"),
+    ("hicache_cp.config", "hicache_cp.l3", "hicache_cp.match", "hicache_cp.events"),
     ("hicache_cp.cache",),
     ("hicache_cp", "hicache_cp.prometheus", "hicache_cp.pd"),
     ("hicache_cp.integrations",),

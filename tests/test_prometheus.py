@@ -43,7 +43,9 @@ def test_scrape_matches_the_cache() -> None:
         assert got[("hicache_prompt_tokens_total", (r,))] == stats["prompt_tokens"] > 0
         assert got[("hicache_hit_tokens_total", (r, ("tier", "l2")))] == stats["l2_hit_tokens"] > 0
         assert got[("hicache_hit_tokens_total", (r, ("tier", "l1")))] == stats["l1_hit_tokens"]
-        assert got[("hicache_bytes_total", (("direction", "d2h"), r))] == stats["bytes_d2h"] > 0
+        assert got[("hicache_bytes_total", (("direction", "d2h"), r, ("tier", "l2")))] == stats["bytes_d2h"] > 0
+        assert got[("hicache_bytes_total", (("direction", "h2d"), r, ("tier", "l2")))] == stats["bytes_h2d"] > 0
+        assert got[("hicache_evicted_pages_total", (r, ("tier", "l2")))] == stats["evictions_l2"]
         assert got[("hicache_backups_total", (("outcome", "committed"), r))] == stats["backups_committed"]
         assert got[("hicache_pool_pages", (r, ("state", "capacity"), ("tier", "l2")))] == stats["l2_capacity_pages"]
         assert got[("hicache_inflight_ops", (("kind", "backup"), r))] == 0
@@ -98,3 +100,46 @@ def test_replay_serves_metrics_on_loopback(monkeypatch) -> None:
     monkeypatch.setattr(prometheus, "start_exporter", start_and_keep)
     assert main(["replay", "--limit", "30", "--metrics-port", str(port)]) == 0
     assert scraped and scraped[0][("hicache_prompt_tokens_total", (("rank", "0"),))] > 0
+
+
+def test_every_family_is_served_under_each_engines_naming(monkeypatch) -> None:
+    """Per-tier families, events and the integrity counters (once the cache reports
+    them) are all served, named after the engine's convention."""
+    from hicache_cp.events import EventLog
+    from hicache_cp.prometheus import NAMINGS, metric_names
+
+    cache = HiCache(tiny_config(l1_pages=32, host_pages=16, debug_checks=False), events=EventLog())
+    server = ReferenceServer(cache)
+    for req in default_workload(seed=2)[:30]:
+        server.serve(req.index, request_tokens(req, 16))
+    cache.drain()
+    real_stats = cache.stats
+    integrity = {"checked_pages": {"l2": 40, "l3": 3}, "failures": {"l2": {"draft_kv": 1}}}
+    monkeypatch.setattr(cache, "stats", lambda: {**real_stats(), "integrity": integrity})
+    try:
+        for naming, prefix in NAMINGS.items():
+            exporter = start_exporter(cache, port=0, naming=naming)
+            try:
+                got = _scrape(exporter.port)
+            finally:
+                exporter.stop()
+            assert {name for name, _ in got} == set(metric_names(naming))
+            r = ("rank", "0")
+            assert got[(f"{prefix}kv_events_blocks_total", (("kind", "stored"), ("medium", "host"), r))] == \
+                cache.events.blocks[("host", "stored")] > 0
+            assert got[(f"{prefix}evicted_pages_total", (r, ("tier", "l1")))] == cache.stats()["evictions_l1"] > 0
+            assert got[(f"{prefix}integrity_failures_total", (("part", "draft_kv"), r, ("tier", "l2")))] == 1
+            assert got[(f"{prefix}integrity_checked_pages_total", (r, ("tier", "l3")))] == 3
+    finally:
+        cache.close()
+
+
+def test_an_unknown_naming_is_refused() -> None:
+    from hicache_cp.errors import ConfigError
+
+    cache = HiCache(tiny_config())
+    try:
+        with pytest.raises(ConfigError, match="naming"):
+            start_exporter(cache, port=0, naming="trtllm")
+    finally:
+        cache.close()

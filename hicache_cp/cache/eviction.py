@@ -32,6 +32,7 @@ import numpy as np
 
 from hicache_cp.cache.state import CacheState
 from hicache_cp.config import WritePolicy
+from hicache_cp.events import Removal
 from hicache_cp.radix import HostState, Node
 
 logger = logging.getLogger(__name__)
@@ -117,14 +118,7 @@ class Evictor:
             if node.lock_ref > 0:
                 keep.append(node)
                 continue
-            pages: np.ndarray = node.host_pages  # type: ignore[assignment]
-            node.host_pages = None
-            node.host_state = HostState.NONE
-            node.host_parts = frozenset()
-            if s.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
-                pages = s.l3.on_evict_l2(pages)
-            s.free_host_pages(pages)
-            s.tree.refresh_family(node)
+            s.drop_host_copy(node, Removal.EXCLUSIVE)
         self.loaded = keep
 
     def make_room(self, tier: str, need: int, first_position: int) -> bool:
@@ -191,6 +185,7 @@ class Evictor:
                 return None  # evictable once the backup commits
         pages = node.device_pages
         assert pages is not None
+        s.device_changed(node, stored=False)
         node.device_pages = None
         node.stale_load = None
         s.free_device_pages(pages)
@@ -203,17 +198,9 @@ class Evictor:
 
     def _evict_l2(self, node: Node) -> Node | None:
         s = self.s
-        pages = node.host_pages
-        assert pages is not None and node.host_state is HostState.COMMITTED
-        node.host_pages = None
-        node.host_state = HostState.NONE
-        node.host_parts = frozenset()
-        s.metrics.evictions_l2 += len(pages)
+        s.metrics.evictions_l2 += node.num_pages
         s.policy.on_evict(node, "l2", s.clock)
-        if s.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
-            pages = s.l3.on_evict_l2(pages)
-        s.free_host_pages(pages)
-        s.tree.refresh_family(node)
+        s.drop_host_copy(node, Removal.EVICTED)
         parent = node.parent
         s.tree.prune(node)
         return parent

@@ -51,9 +51,11 @@ from hicache_cp.cache.lifecycle import Lifecycle
 from hicache_cp.match import MatchResult
 from hicache_cp.cache.prefix import Prefixes
 from hicache_cp.cache.state import CacheState
+from hicache_cp.cache.store_events import StoreEvents
 from hicache_cp.cache.tier3 import Tier3
 from hicache_cp.config import Config
 from hicache_cp.errors import ConfigError
+from hicache_cp.events import EventLog
 from hicache_cp.cp.agreement import Agreement, LocalAgreement
 from hicache_cp.io.base import CopyEngine, make_engine
 from hicache_cp.l3.client import L3Client, Region
@@ -87,6 +89,7 @@ class HiCache:
         device: str = "cpu",
         l3_store: KVStore | None = None,
         engine_options: Mapping[str, Any] | None = None,
+        events: EventLog | None = None,
     ) -> None:
         layout = config.layout()
         agreement = agreement or LocalAgreement()
@@ -125,6 +128,8 @@ class HiCache:
             self._tier3: Tier3 | None = None
             if config.l3.enabled or l3_store is not None:
                 self._tier3 = self._make_tier3(l3_store)
+            if events is not None:
+                self.attach_events(events)
         except BaseException:
             # A failed construction leaves nothing running: what it made, it closes (what the
             # caller handed in stays the caller's).
@@ -200,6 +205,26 @@ class HiCache:
     @property
     def metrics(self) -> CacheMetrics:
         return self._state.metrics
+
+    @property
+    def events(self) -> EventLog | None:
+        """The KV cache event log (`hicache_cp.events`), if one is attached."""
+        return self._state.events
+
+    def attach_events(self, log: EventLog) -> None:
+        """Announce this cache's blocks to `log` from now on (see `hicache_cp.events`).
+
+        Only on a cache that holds nothing yet (right after construction): the
+        log first gets AllCleared, so a router drops whatever this server (or a
+        cache before it on the same log) announced. ValueError otherwise."""
+        s = self._state
+        if s.events is not None or s.tree.root.children or s.backups or s.loads:
+            raise ValueError("attach_events: the cache already has an event log or holds blocks")
+        log.bind(s.layout.page_size)
+        s.events = log
+        if self._tier3 is not None:
+            self._tier3.events = StoreEvents(log)
+        log.cleared()
 
     @property
     def l3(self) -> Tier3 | None:

@@ -79,6 +79,7 @@ class Lifecycle:
             op.nodes.append(node)
             offset += node.num_pages
             s.tree.refresh_family(node)
+            s.device_changed(node, stored=True)
         self._submit_all_layers(op, Direction.H2D)
         op.transition(LoadState.LOADING)
         s.loads.append(op)
@@ -307,10 +308,7 @@ class Lifecycle:
                 return  # the prefix is still loading: its outcome decides this copy's
             op.transition(BackupState.COMMITTED)
             for node in op.nodes:
-                node.host_state = HostState.COMMITTED
-                node.host_parts = s.all_parts
-                node.backup = None
-                s.tree.refresh_family(node)
+                s.commit_host_copy(node)  # visible now, and announced (never before this)
             if len(op.spare_host_pages):  # trimmed at insert: no copy writes them any more
                 s.free_host_pages(op.spare_host_pages)
                 op.spare_host_pages = op.spare_host_pages[:0]

@@ -146,6 +146,7 @@ class Prefixes:
                 node.device_pages = mine.copy()
                 took.append((node, lo))
                 s.tree.refresh_family(node)
+                s.device_changed(node, stored=True)
         if surplus:
             s.free_device_pages(np.concatenate(surplus))
         dup = max(0, covered - start)
@@ -155,6 +156,7 @@ class Prefixes:
             new_node = s.tree.add_child(parent, match.tokens[covered * ps : (covered + len(rest)) * ps], rest)
             new_node.last_access = s.clock
             s.policy.on_insert(match.tokens[: new_node.end_position * ps], new_node, s.clock)
+            s.device_changed(new_node, stored=True)
             took.append((new_node, dup))
         if backup is not None:
             self._attach_backup(backup, new_node, took)

@@ -17,6 +17,7 @@ import numpy as np
 
 from hicache_cp.config import Config
 from hicache_cp.cp.agreement import Agreement, Vote
+from hicache_cp.events import EventLog, Medium, Removal
 from hicache_cp.io.base import CopyEngine
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.metrics import CacheMetrics
@@ -78,6 +79,7 @@ class CacheState:
     loose_device_pages: int = 0  # handed out by alloc_device, not yet in the tree
     all_parts: frozenset[Part] = frozenset()
     l3: L3Hooks | None = None  # the L3 tier, when configured (cache.tier3)
+    events: EventLog | None = None  # KV cache events for routers, when asked for (hicache_cp.events)
 
     def __post_init__(self) -> None:
         self.all_parts = frozenset(p.part for p in self.layout.parts)
@@ -95,6 +97,46 @@ class CacheState:
         if self.config.debug_checks:
             self.host_pool.poison(pages)
         self.host_pool.allocator.free(pages)
+
+    def commit_host_copy(self, node: Node, host_pages: np.ndarray | None = None) -> None:
+        """`node`'s host copy (its pages, or `host_pages`) holds every part on every
+        rank: it becomes visible to `match_prefix` and is announced (HOST stored).
+        The one place an L2 copy turns visible."""
+        if host_pages is not None:
+            node.host_pages = host_pages
+        node.host_state = HostState.COMMITTED
+        node.host_parts = self.all_parts
+        node.backup = None
+        self.tree.refresh_family(node)
+        if self.events is not None:
+            self.events.stored(Medium.HOST, node)
+
+    def drop_host_copy(self, node: Node, reason: Removal) -> None:
+        """The one place a committed L2 copy is removed (eviction, `l2_exclusive`, a
+        failed integrity check): the node forgets it, it is announced (HOST
+        removed) and its pages are freed (those an L3 write-back still reads once
+        it is done). The caller counts it and prunes the node if it may now hold
+        nothing (`RadixTree.prune`)."""
+        pages = node.host_pages
+        assert pages is not None and node.host_state is HostState.COMMITTED, f"{node}: no committed host copy to drop"
+        if self.events is not None:
+            self.events.removed(Medium.HOST, node, reason)
+        node.host_pages = None
+        node.host_state = HostState.NONE
+        node.host_parts = frozenset()
+        if self.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
+            pages = self.l3.on_evict_l2(pages)
+        self.free_host_pages(pages)
+        self.tree.refresh_family(node)
+
+    def device_changed(self, node: Node, stored: bool) -> None:
+        """`node` got L1 pages (`stored`) or lost them: announced (DEVICE) when the
+        cache owns L1 and a log is attached."""
+        if self.events is not None:
+            if stored:
+                self.events.stored(Medium.DEVICE, node)
+            else:
+                self.events.removed(Medium.DEVICE, node, Removal.EVICTED)
 
     def debug_check(self) -> None:
         """`check_invariants` after an operation, when `debug_checks` asks for it."""

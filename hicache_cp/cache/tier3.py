@@ -55,10 +55,12 @@ import numpy as np
 
 from hicache_cp.cache.eviction import Evictor
 from hicache_cp.cache.l3_hits import L3Hits
+from hicache_cp.cache.store_events import StoreEvents
 from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
 from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.cp.agreement import Vote
+from hicache_cp.events import Medium
 from hicache_cp.l3.client import L3Client, PutOutcome
 from hicache_cp.l3.config import L3Config
 from hicache_cp.l3.keys import KeyScheme, L3Object, PositionHashes, chain_hashes
@@ -99,6 +101,7 @@ class Tier3:
         self.config = config
         self.metrics: L3Metrics = client.metrics
         self.observer: L3Observer | None = None
+        self.events: StoreEvents | None = None  # STORE events, when the cache has an event log
         self.prefetches: list[PrefetchOp] = []  # active, creation order (the agreement's order)
         self.writes: list[WriteJob] = []  # active, creation order
         capacity = state.host_pool.allocator.capacity
@@ -159,6 +162,8 @@ class Tier3:
         hashes = self._request_hashes(m, s0, groups.stop * g)
         objects = self.scheme.objects(hashes, groups)
         found = self.client.lookup(objects)
+        if self.events is not None and found is not None:
+            self.events.looked_up(objects, found)
         local = self._leading_present(objects, found, s0, groups.stop * g)
         agreed = s.agreement.min_int(local) if s.cp_size > 1 else local
         end = s0 + agreed // g * g
@@ -298,17 +303,16 @@ class Tier3:
             if node.first_position < op.start or node.host_state is not HostState.NONE or node.load is not None:
                 continue  # the request's cached prefix, or a node with a host copy already
             lo, hi = node.first_position - op.first_position, node.end_position - op.first_position
-            node.host_pages = op.host_pages[lo:hi].copy()
-            node.host_state = HostState.COMMITTED
-            node.host_parts = s.all_parts
-            s.tree.refresh_family(node)
+            s.commit_host_copy(node, op.host_pages[lo:hi].copy())
             attached[lo:hi] = True
         reach = path[-1].end_position if path else 0
         if partial is None and op.start <= reach < op.end:  # past the tree's end: a new host-only node
             parent = path[-1] if path else s.tree.root
             ps = s.layout.page_size
-            s.tree.add_host_child(parent, op.tokens[reach * ps :], op.host_pages[reach - op.first_position :],
-                                  s.all_parts)  # fmt: skip
+            child = s.tree.add_host_child(parent, op.tokens[reach * ps :], op.host_pages[reach - op.first_position :],
+                                          s.all_parts)  # fmt: skip
+            if s.events is not None:
+                s.events.stored(Medium.HOST, child)
             attached[reach - op.first_position :] = True
         self.hits.mark(op, attached, self.observer)
         if not attached.all():  # the cached head of a group, copies the tree has, a prefix evicted meanwhile
@@ -418,6 +422,8 @@ class Tier3:
         self.queued_pages += len(held)
         if objects and self.client.up:
             job.future = self.client.submit_put(objects, physical)
+            if self.events is not None:
+                self.events.queued(job, node, k_lo * g, k_hi * g)
             self.metrics.l3_put_jobs += 1
             if self.observer is not None:
                 self.observer.on_l3_put_started([o.key for o in objects])
@@ -469,9 +475,11 @@ class Tier3:
             self.client.failed(err)
             logger.warning("rank %d: write-back job %d: %d of its keys not stored, e.g. %s",
                            s.rank, job.id, len(out.errors), err)  # fmt: skip
-        self._observe_put(job, out.put_keys)
+        self._observe_put(job, out.put_keys, clean=not out.errors)
 
-    def _observe_put(self, job: WriteJob, stored: list[str]) -> None:
+    def _observe_put(self, job: WriteJob, stored: list[str], clean: bool = False) -> None:
+        if self.events is not None:
+            self.events.retired(job, clean)
         if self.observer is not None:
             self.observer.on_l3_put([o.key for o in job.objects], stored)
 

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on this port during the run (rank r uses port + r)")
     p.add_argument("--metrics-addr", default="127.0.0.1", help="address the metrics endpoint binds (default loopback)")
+    p.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="publish KV cache events (BlockStored/BlockRemoved per tier) over ZMQ, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--kv-events-format", choices=["sglang", "vllm"],
+                   help="the engine whose keys and event format to use (default sglang; see docs/events.md)")
     add_engine_arguments(p)
     add_l3_arguments(p)
 

@@ -65,9 +65,14 @@ def replay_rank(
         exporter = _start_metrics(args, cache, rank)
         if exporter is not None:
             stops.callback(exporter.stop)
+        publisher = _start_events(args, cache, rank)
+        if publisher is not None:
+            stops.callback(publisher.close)
         every = max(1, len(requests) // 200)
 
         def on_request(i: int) -> None:
+            if publisher is not None:
+                publisher.flush()  # this request's events, one batch
             if i % every == 0 or i == len(requests) - 1:
                 samples.append(_sample(i, cache))
 
@@ -76,6 +81,7 @@ def replay_rank(
         cache.drain()
         cache.check_invariants()
         stats = cache.stats()
+        events = _events_report(publisher, cache) if publisher is not None else None
         if sink is not None:
             stats.update(sink.totals.as_dict())  # type: ignore[attr-defined]
     wall = time.perf_counter() - t0
@@ -99,6 +105,9 @@ def replay_rank(
         **_run_info(args, config, tpb),
     )
     report.update(run.extra)
+    if events is not None:
+        events["fraction_of_wall"] = round(events["publish_s"] / max(wall, 1e-9), 5)
+        report["kv_events"] = events
     if args.plot and rank == 0 and config.cp_size == 1:
         from hicache_cp.harness.plot import plot_replay
 
@@ -113,6 +122,34 @@ def _start_metrics(args: argparse.Namespace, cache: HiCache, rank: int) -> Any:
     from hicache_cp.prometheus import start_exporter
 
     return start_exporter(cache, args.metrics_port + rank, args.metrics_addr)
+
+
+def _start_events(args: argparse.Namespace, cache: HiCache, rank: int) -> Any:
+    """The KV event publisher, when `--kv-events` asks for one (rank 0: every CP rank's tree is the same)."""
+    if getattr(args, "kv_events", None) is None or rank != 0:
+        return None
+    from hicache_cp.events import EventLog
+    from hicache_cp.harness.kv_events import KVEventPublisher, engine_format
+
+    fmt = engine_format(args.kv_events_format or "sglang")
+    log = EventLog(fmt.keyer)
+    cache.attach_events(log)
+    return KVEventPublisher(args.kv_events, fmt, log)
+
+
+def _events_report(publisher: Any, cache: HiCache) -> dict[str, Any]:
+    """What was published and what the cache holds at the end (per medium: blocks and a digest of
+    their sorted wire keys, keyed from the tree: a subscriber's rebuilt sets must match)."""
+    from hicache_cp.harness.kv_events import digest, residency
+
+    publisher.flush()
+    held = residency(cache, publisher.fmt)
+    return {
+        "endpoint": publisher.endpoint, "format": publisher.fmt.name, "batches": publisher.stats.batches,
+        "events": publisher.stats.events, "publish_s": round(publisher.stats.seconds + publisher.log.seconds, 4),
+        "emit_s": round(publisher.log.seconds, 4), "encode_send_s": round(publisher.stats.seconds, 4),
+        "resident": {m: {"blocks": len(keys), "digest": digest(keys)} for m, keys in held.items()},
+    }  # fmt: skip
 
 
 def _sample(i: int, cache: HiCache) -> dict[str, Any]:

@@ -23,6 +23,7 @@ trace replays on a CPU in minutes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -92,10 +93,30 @@ def check_args(args: argparse.Namespace) -> None:
         checks.ports_free("--metrics-port", args.metrics_addr, range(args.metrics_port, args.metrics_port + ranks))
     elif args.metrics_addr != DEFAULT_METRICS_ADDR:
         raise InputError(f"--metrics-addr {args.metrics_addr} needs --metrics-port")
+    _check_kv_events(args)
     for item in args.set or ():
         if "=" not in item or not item.partition("=")[0].strip():
             raise InputError(f"--set {item!r}: expected FIELD=VALUE")
     run_timeout_s()
+
+
+def _check_kv_events(args: argparse.Namespace) -> None:
+    endpoint = getattr(args, "kv_events", None)
+    if endpoint is None:
+        if getattr(args, "kv_events_format", None) is not None:
+            raise InputError("--kv-events-format needs --kv-events")
+        return
+    from hicache_cp.harness.kv_events import check_endpoint
+
+    host, port = check_endpoint("--kv-events", endpoint)
+    require("zmq", "events", "--kv-events")
+    require("msgspec", "events", "--kv-events")
+    fmt = getattr(args, "kv_events_format", None) or "sglang"
+    if importlib.util.find_spec(fmt) is None:  # its keys and event classes are the engine's own
+        raise InputError(f"--kv-events-format {fmt} needs {fmt} installed (scripts/install_{fmt}.sh)")
+    if (getattr(args, "instances", 1) or 1) > 1:
+        raise InputError("--kv-events publishes one cache's events: it does not take --instances")
+    checks.ports_free("--kv-events", host, range(port, port + 1))
 
 
 def load_requests(args: argparse.Namespace) -> list[TraceRequest]:

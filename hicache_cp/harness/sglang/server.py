@@ -63,6 +63,7 @@ class ServerSpec:
     check_bytes: bool = True
     schedule_policy: str = "lpm"  # SGLang's --schedule-policy (lpm matches every waiting request first)
     overlap: bool = False  # event_loop_overlap's order (results of batch N after batch N+1's forward)
+    kv_events: bool = False  # SGLang's enable_kv_cache_events: its radix cache records KV events (take_events)
 
 
 @dataclass
@@ -196,7 +197,7 @@ def build_pools(spec: ServerSpec) -> Pools:
                                   enable_memory_saver=False)  # fmt: skip
     allocator = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", target, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator,
-                             page_size=ps, mtp_draft_device_pools=drafts)  # fmt: skip
+                             page_size=ps, mtp_draft_device_pools=drafts, enable_kv_cache_events=spec.kv_events)  # fmt: skip
     return Pools(target, drafts, params)
 
 

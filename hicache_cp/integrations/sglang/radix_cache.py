@@ -40,6 +40,11 @@ that refuses the submission) is no hit: `init_load_back` returns 0 and
 SGLang recomputes. A committed host copy lacking a part raises
 `ConsistencyError` from `match_prefix` (never a target-only hit).
 
+KV events: with SGLang's `--kv-events-config`, every L2 (and L3) block that
+becomes visible or leaves is handed, in SGLang's format and keyed with its
+hashes, to this radix cache's own recorder, which SGLang's scheduler
+publishes with its GPU events (`events.py`, docs/events.md).
+
 Ranks: each TP rank runs this scheduler on the same requests in the same
 order and keeps the L2 of what its pools hold; every decision (commit,
 abort, load outcome) is agreed with one MIN all-reduce per poll over the TP
@@ -68,6 +73,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 
 from hicache_cp import Agreement, BackupOp, HiCache, LoadOp, LoadState, Model
 from hicache_cp import MatchResult as HostMatch
+from hicache_cp.integrations.sglang.events import recorder_log
 from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies, LayerHooks
 from hicache_cp.integrations.sglang.pools import SGLangKV
 from hicache_cp.integrations.sglang.settings import resolve
@@ -125,6 +131,7 @@ class HiCacheCpRadixCache(RadixCache):
         self.kv = SGLangKV.from_pools(target, draft_pools)
         self.resolved = resolve(self.kv, env)
         self._agreement = agreement
+        self._events = recorder_log(self.kv_events)  # L2/L3 events into SGLang's recorder, when it has one on
         self.cache = self._make_cache()
         self.copies = ForwardCopies(self.cache)
         self.stats = PluginStats()
@@ -146,7 +153,7 @@ class HiCacheCpRadixCache(RadixCache):
     def _make_cache(self) -> HiCache:
         config = self.resolved.config
         device_pool = DevicePool(config.layout(), self.kv.num_pages, buffers=self.kv.buffers())
-        return HiCache(config, device_pool=device_pool, agreement=self._agreement)
+        return HiCache(config, device_pool=device_pool, agreement=self._agreement, events=self._events)
 
     # ---- match and load ------------------------------------------------------------------
 

@@ -23,6 +23,10 @@ The protocol of one engine step:
                -> wait_for_save -> get_block_ids_with_load_errors, build_connector_worker_meta
     scheduler  update_connector_output (verdicts -> commits / aborts) ... request_finished
 
+KV events: with vLLM's `--kv-events-config`, the scheduler side's L2 (and
+L3) blocks go out through `take_events`, in vLLM's format and keyed with its
+block hashes (`events.py`, docs/events.md).
+
 vLLM's `KVCacheBlocks` and block hashes stay vLLM's: the cache keys pages by
 their tokens (page size == block size), so requests whose KV is not a
 function of their tokens (LoRA, multimodal, cache salt, prompt embeddings)
@@ -43,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hicache_cp.integrations.vllm.events import VLLMEncoder, connector_log
 from hicache_cp.integrations.vllm.metadata import HiCacheMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.scheduler import SchedulerSide
@@ -51,6 +56,7 @@ from hicache_cp.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -75,8 +81,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         plan = KVPlan.from_kv_cache_config(kv_cache_config, layers)
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
+        self._events = VLLMEncoder(clear_as_removals=True)  # a clear must not wipe vLLM's GPU blocks
         if role is KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(plan, settings, parallel.world_size)
+            self.scheduler_side = SchedulerSide(plan, settings, parallel.world_size, connector_log(vllm_config))
         else:
             self.worker_side = WorkerSide(plan, settings)
 
@@ -108,6 +115,16 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """L2/L3 KV events since the last step, in vLLM's format (vLLM publishes them with its own)."""
+        side = self.scheduler_side
+        if side is None or side.events is None:
+            return []
+        return self._events.encode_all(side.events.take())
+
+    def reset_cache(self) -> bool:
+        return self._sched().reset()
 
     # ---- worker role ------------------------------------------------------------------
 

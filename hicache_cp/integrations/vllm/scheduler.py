@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache_cp import BackupOp, DevicePool, HiCache, HostPool, LoadOp, LoadState, MatchResult, Model
+from hicache_cp.events import EventLog
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.remote import RemoteCopyEngine, resolve_op
@@ -82,16 +83,13 @@ class SchedulerStats:
 class SchedulerSide:
     """The scheduler role of `HiCacheConnector`; see the module docstring."""
 
-    def __init__(self, plan: KVPlan, settings: ConnectorSettings, world_size: int) -> None:
-        config = settings.cache_config(plan.layout)
-        layout = config.layout()
-        device_pool = DevicePool(layout, 2)  # unused: vLLM owns the device pages
-        host_pool = HostPool(layout, settings.host_budget_bytes, memory=False)
-        self.cache = HiCache(
-            config, device_pool=device_pool, host_pool=host_pool, engine=RemoteCopyEngine(device_pool, host_pool)
-        )
+    def __init__(self, plan: KVPlan, settings: ConnectorSettings, world_size: int,
+                 events: EventLog | None = None) -> None:  # fmt: skip
+        self.settings = settings
+        self.events = events  # L2/L3 KV events for vLLM's publisher (`take_events`), when it publishes
+        self.cache = self._make_cache(plan)
         self.plan = plan
-        self._layout = layout.describe()
+        self._layout = self.cache.layout.describe()
         self.world_size = world_size
         self.stats = SchedulerStats()
         self._reqs: dict[str, _Req] = {}
@@ -216,7 +214,25 @@ class SchedulerSide:
     def close(self) -> None:
         self.cache.close()
 
+    def reset(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`: a new, empty cache (its
+        event log announces the old one's blocks gone). False while copies or
+        requests are in flight (vLLM then reports the reset failed)."""
+        if self._jobs or self._reqs:
+            return False
+        self.cache.close()
+        self.cache = self._make_cache(self.plan)
+        return True
+
     # ---- helpers ------------------------------------------------------------------------
+
+    def _make_cache(self, plan: KVPlan) -> HiCache:
+        config = self.settings.cache_config(plan.layout)
+        layout = config.layout()
+        device_pool = DevicePool(layout, 2)  # unused: vLLM owns the device pages
+        host_pool = HostPool(layout, self.settings.host_budget_bytes, memory=False)
+        return HiCache(config, device_pool=device_pool, host_pool=host_pool,
+                       engine=RemoteCopyEngine(device_pool, host_pool), events=self.events)  # fmt: skip
 
     def _release(self, st: _Req) -> None:
         if st.match is not None:
