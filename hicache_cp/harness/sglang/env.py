@@ -40,6 +40,12 @@ TINY_MODEL = {
     "max_position_embeddings": 65536, "torch_dtype": "bfloat16", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
 }  # fmt: skip
 
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000,
+    "max_position_embeddings": 65536, "torch_dtype": "bfloat16", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
 
 class _Unavailable:
     """An attribute of the torchvision stand-in: usable as a name, raises when called."""
@@ -87,16 +93,20 @@ def import_sglang() -> None:
             sys.modules.pop(name, None)
 
 
-def publish_server_args(workdir: Path, **server_args: Any) -> Any:
-    """Publish SGLang's runtime context for a tiny model under `workdir`; returns the ServerArgs."""
+def publish_server_args(workdir: Path, model: dict[str, Any] | None = None, **server_args: Any) -> Any:
+    """Publish SGLang's runtime context for a tiny model (`model`: its config.json, the
+    DeepSeek-V3 one by default) under `workdir`; returns the ServerArgs. The server
+    arguments name the CPU device whatever device the harness's pools use: nothing here
+    runs SGLang's model runner, and a CUDA device would have SGLang resolve GPU-only
+    arguments (attention backends by compute capability) for a model it never builds."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import_sglang()
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
-    model = workdir / "tiny-model"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(TINY_MODEL))
-    args = ServerArgs(model_path=str(model), device="cpu", skip_server_warmup=True, **server_args)
+    path = workdir / "tiny-model"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model or TINY_MODEL))
+    args = ServerArgs(model_path=str(path), device="cpu", skip_server_warmup=True, **server_args)
     publish(args, role="scheduler")
     return args
