@@ -84,6 +84,15 @@ def make_server(request: pytest.FixtureRequest, tmp_path: Path):
 
 
 @pytest.fixture
+def make_cuda_server(tmp_path: Path):
+    """Servers on CUDA only (tests marked gpu)."""
+    made, factory = _servers(tmp_path, "cuda")
+    yield factory
+    for s in made:
+        s.close()
+
+
+@pytest.fixture
 def make_cpu_server(tmp_path: Path):
     """Servers on the CPU only: the scenarios whose faults need the CPU copy engine's hook."""
     made, factory = _servers(tmp_path, "cpu")

@@ -23,6 +23,12 @@ forward, so the host can run ahead of the GPU as SGLang's does. With
 (`torch.cuda._sleep`), so copies ordered against the wrong stream read or
 write before the forward did.
 
+With `full_graph` the forward is a full prefill CUDA-graph replay as SGLang's
+`PrefillCudaGraphRunner` runs one: before the replay, if the target pool's
+counter has loads (`consumer_index >= 0`), one `wait_until(last layer)`
+(`_wait_for_layer_loads`); inside it no pool accessor runs its hook (the
+layers read the buffers directly).
+
 A token's bytes are a function of its prefix, its request's extra key
 (a LoRA adapter's KV differs from the base model's), the model, the layer
 and the part; KV of one adapter served to another shows as mismatched bytes.
@@ -68,9 +74,16 @@ class KVForward:
     """The stand-in forward over SGLang's pools (see the module docstring)."""
 
     def __init__(
-        self, target: Any, drafts: Sequence[Any], req_to_token: torch.Tensor, check: bool, delay_cycles: int = 0
+        self,
+        target: Any,
+        drafts: Sequence[Any],
+        req_to_token: torch.Tensor,
+        check: bool,
+        delay_cycles: int = 0,
+        full_graph: bool = False,
     ) -> None:
         self.pools = [("target", target), *(("draft", p) for p in drafts)]
+        self.full_graph = full_graph
         self.req_to_token = req_to_token
         self.check = check
         self.device = req_to_token.device
@@ -95,6 +108,10 @@ class KVForward:
             torch.cuda._sleep(self.delay_cycles)
         plans = [self._plan(r) for r in reqs]
         self._report.computed_tokens += sum(p[2].stop - p[2].start for p in plans)
+        if self.full_graph:  # PrefillCudaGraphRunner._wait_for_layer_loads, then a replay without hooks
+            counter = self.pools[0][1].layer_transfer_counter
+            if counter is not None and counter.consumer_index >= 0:
+                counter.wait_until(counter.num_layers - 1)
         for model, pool in self.pools:
             index = getattr(pool, "index_k_with_scale_buffer", None)
             mha = hasattr(pool, "k_buffer")
@@ -119,7 +136,8 @@ class KVForward:
         width = buf[0].numel() * buf.element_size()
         for req, slots, new, hashes in plans:
             buf.view(torch.uint8).view(buf.shape[0], width)[slots[new]] = self._bytes(hashes[new], salt, width)
-        got = fetch().view(torch.uint8).view(buf.shape[0], width)  # runs the hook, as attention does
+        fetched = buf if self.full_graph else fetch()  # the accessor runs the hook, as attention's does
+        got = fetched.view(torch.uint8).view(buf.shape[0], width)
         for req, slots, new, hashes in plans:
             self._compare(req, what, got[slots[: req.prefix_len]], hashes[: req.prefix_len], salt, width)
 

@@ -31,6 +31,7 @@ SGLang's `tp_worker.model_runner.forward_stream`. The forward itself is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from array import array
@@ -70,6 +71,7 @@ class ServerSpec:
     schedule_policy: str = "lpm"  # SGLang's --schedule-policy (lpm matches every waiting request first)
     overlap: bool = False  # event_loop_overlap's order (results of batch N after batch N+1's forward)
     forward_delay_cycles: int = 0  # CUDA: each forward first keeps its stream busy this long
+    full_graph: bool = False  # forwards replay as a full prefill CUDA graph (forward.KVForward)
 
     @property
     def token_bytes(self) -> int:
@@ -185,8 +187,18 @@ TIMED_CALLS = ("match_prefix", "init_load_back", "maybe_hand_to_session", "check
 class SGLangPrefillServer:
     """SGLang's pools, tree cache and scheduling functions, driven in the scheduler's order."""
 
-    def __init__(self, spec: ServerSpec, workdir: Path, *, tree_cache_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        spec: ServerSpec,
+        workdir: Path,
+        *,
+        tree_cache_kwargs: dict[str, Any] | None = None,
+        groups: tuple[Any, Any] | None = None,
+    ) -> None:
+        """`groups`: (SGLang's TP group coordinator, its DP-aware cache group) of this rank,
+        for multi-rank harnesses; one rank without."""
         self.spec = spec
+        self.groups = groups
         model = TINY_LLAMA if spec.attention == "mha" else TINY_MODEL
         self.server_args = publish_server_args(workdir, model=model, page_size=spec.page_size)
         from sglang.srt.configs.model_config import ModelConfig
@@ -196,13 +208,17 @@ class SGLangPrefillServer:
         self.schedule_stream = torch.cuda.Stream() if cuda else None
         self.forward_stream = torch.cuda.Stream() if cuda else None
         self.pools = build_pools(spec)
+        if groups is not None:
+            self.pools = dataclasses.replace(
+                self.pools, params=dataclasses.replace(self.pools.params, tp_cache_group=groups[1])
+            )
         self.target, self.drafts, self.params = self.pools.target, self.pools.drafts, self.pools.params
         self.req_to_token_pool, self.allocator = self.params.req_to_token_pool, self.params.token_to_kv_pool_allocator
         self.model_config = ModelConfig.from_server_args(self.server_args)
         self.worker = TpWorkerHooks(self.forward_stream)
         self.tree_cache = self._tree_cache(tree_cache_kwargs or {})
         self.forward = KVForward(self.target, self.drafts, self.req_to_token_pool.req_to_token, spec.check_bytes,
-                                 spec.forward_delay_cycles)  # fmt: skip
+                                 spec.forward_delay_cycles, spec.full_graph)  # fmt: skip
         self.times = CallTimes()
         for name in TIMED_CALLS:
             setattr(self.tree_cache, name, self.times.timed(name, getattr(self.tree_cache, name)))
@@ -228,9 +244,17 @@ class SGLangPrefillServer:
         ctx = TreeCacheBuildContext(
             server_args=self.server_args, params=self.params, is_hybrid_swa=False, is_hybrid_ssm=False,
             enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=self.worker,
-            model_config=self.model_config, tp_size=1, tp_rank=0, tp_group=None, is_dsa=self.spec.attention == "dsa",
+            model_config=self.model_config, tp_size=self._tp_size(), tp_rank=0,
+            tp_group=self.groups[0] if self.groups else None, is_dsa=self.spec.attention == "dsa",
         )  # fmt: skip
         return factory(ctx, **kwargs)  # kwargs (env, agreement): what SGLang's call leaves to the process
+
+    def _tp_size(self) -> int:
+        if self.groups is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.groups[0].cpu_group)
 
     # ---- requests -----------------------------------------------------------------------
 
@@ -270,9 +294,9 @@ class SGLangPrefillServer:
                 continue
             reqs = self.prepare_batch()
             if reqs:
-                self._forward(reqs)
+                self.run_forward(reqs)
             if pending:
-                self._results(pending)
+                self.process_results(pending)
                 self.tree_cache.flush_pending_backups()
             pending = reqs
         raise RuntimeError(f"requests still waiting after {max_steps} steps")
@@ -317,13 +341,15 @@ class SGLangPrefillServer:
         return reqs
 
     @_scheduler_thread
-    def run_batch(self, reqs: list[Any]) -> None:
-        """The forward of the prepared batch, its results and the after-batch flush."""
-        self._forward(reqs)
-        self._results(reqs)
+    def run_batch(self, reqs: list[Any], results_order: Sequence[Any] | None = None) -> None:
+        """The forward of the prepared batch, its results (in `results_order`, the batch's
+        by default) and the after-batch flush."""
+        self.run_forward(reqs)
+        self.process_results(list(results_order) if results_order is not None else reqs)
         self.tree_cache.flush_pending_backups()
 
-    def _forward(self, reqs: list[Any]) -> None:
+    @_scheduler_thread
+    def run_forward(self, reqs: list[Any]) -> None:
         """The TP worker's forward: set_hicache_consumer at its start, then the layers; under
         overlap on the forward stream after it waited for the schedule stream (run_batch)."""
         stream = self.forward_stream if self.spec.overlap else None
@@ -390,7 +416,8 @@ class SGLangPrefillServer:
             self.chunked_req = adder.new_chunked_req
         return list(adder.can_run_list)
 
-    def _results(self, reqs: list[Any]) -> None:
+    @_scheduler_thread
+    def process_results(self, reqs: list[Any]) -> None:
         from sglang.srt.mem_cache.common import release_kv_cache
 
         for req in reqs:
