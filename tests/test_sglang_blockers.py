@@ -133,6 +133,7 @@ def test_a_load_waits_for_the_forward_still_writing_its_slots(make_cuda_server) 
     a = in_l2_only(s, 63)
     stream = s.forward_stream
     free = s.allocator.get_all_free_pages().clone()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # the forward in flight, still writing slots it gave back
         torch.cuda._sleep(200_000_000)
         for part in s.tree_cache.kv.parts:

@@ -95,6 +95,8 @@ class KVForward:
     def report(self) -> ForwardReport:
         """The counts so far (reads the device-side counts: one host sync on CUDA)."""
         pending, self._pending = self._pending, []
+        if pending and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the counts were computed on the forward's stream
         for p in pending:
             bad = int(p.bad_bytes.item())
             if bad:

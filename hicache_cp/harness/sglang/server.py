@@ -19,8 +19,8 @@ scheduling functions, called in the order of
 
 The pools live on `ServerSpec.device`: "cpu", or "cuda" (SGLang's allocator
 then runs its Triton kernels, and every byte is checked on the GPU). On CUDA
-the streams are SGLang's: the scheduler works on a schedule stream, and the
-forward runs on the model runner's forward stream (under `overlap`, after
+the streams are SGLang's: the scheduler works on a schedule stream (here the
+default stream), and the forward runs on the model runner's forward stream (under `overlap`, after
 the forward stream waited for the schedule stream, as `run_batch` does;
 otherwise on the schedule stream, as `event_loop_normal` does). The TP
 worker stand-in exposes that forward stream to the tree-cache factory as
@@ -205,7 +205,9 @@ class SGLangPrefillServer:
         from sglang.srt.managers.schedule_policy import SchedulePolicy
 
         cuda = spec.device == "cuda"
-        self.schedule_stream = torch.cuda.Stream() if cuda else None
+        # The scheduler's stream is the process's default one, so whatever a test calls
+        # outside the server's methods (an eviction, a flush) runs on it too.
+        self.schedule_stream = torch.cuda.default_stream() if cuda else None
         self.forward_stream = torch.cuda.Stream() if cuda else None
         self.pools = build_pools(spec)
         if groups is not None:
