@@ -62,6 +62,7 @@ def server_env(l2_pages: int, spec: ServerSpec) -> dict[str, str]:
 
 
 def _servers(tmp_path: Path, device: str):
+    """Yield a server factory for pools on `device`; close every server made afterwards."""
     made: list[SGLangPrefillServer] = []
 
     def factory(l2_pages: int = 64, **fields: object) -> SGLangPrefillServer:
@@ -71,34 +72,27 @@ def _servers(tmp_path: Path, device: str):
         made.append(server)
         return server
 
-    return made, factory
+    yield factory
+    for s in made:
+        s.close()
 
 
 @pytest.fixture(params=["cpu", CUDA])
 def make_server(request: pytest.FixtureRequest, tmp_path: Path):
     """Servers with SGLang's pools on the CPU, and (marked gpu) on CUDA."""
-    made, factory = _servers(tmp_path, request.param)
-    yield factory
-    for s in made:
-        s.close()
+    yield from _servers(tmp_path, request.param)
 
 
 @pytest.fixture
 def make_cuda_server(tmp_path: Path):
     """Servers on CUDA only (tests marked gpu)."""
-    made, factory = _servers(tmp_path, "cuda")
-    yield factory
-    for s in made:
-        s.close()
+    yield from _servers(tmp_path, "cuda")
 
 
 @pytest.fixture
 def make_cpu_server(tmp_path: Path):
     """Servers on the CPU only: the scenarios whose faults need the CPU copy engine's hook."""
-    made, factory = _servers(tmp_path, "cpu")
-    yield factory
-    for s in made:
-        s.close()
+    yield from _servers(tmp_path, "cpu")
 
 
 def prompt(seed: int, pages: int, tail: int = 9) -> list[int]:
