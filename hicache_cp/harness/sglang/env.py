@@ -14,9 +14,10 @@ Two things stand between SGLang's scheduler-side modules and a CPU machine:
 - Its process-wide runtime context (`sglang.srt.runtime_context.publish`)
   must hold a `ServerArgs` before pools are built. `publish_server_args`
   publishes a real `ServerArgs` for a tiny model directory (a DeepSeek-V3
-  `config.json`: SGLang resolves DSA models' server arguments through
+  `config.json` for MLA/DSA pools, a Llama one for MHA/GQA pools: SGLang
+  resolves DSA models' server arguments through
   `torch.cuda.get_device_capability`, which a CPU torch cannot answer; the
-  DSA pools themselves are built directly and are SGLang's own classes).
+  pools themselves are built directly and are SGLang's own classes).
 """
 
 from __future__ import annotations
