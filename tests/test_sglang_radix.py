@@ -1,17 +1,23 @@
-"""`--radix-cache-backend hicache-cp` against SGLang 0.5.23's real classes, on CPU.
+"""`--radix-cache-backend hicache-cp` against SGLang 0.5.23's real classes, on CPU and CUDA.
 
-SGLang's own request objects, request-to-token pool, paged allocator, DSA KV
-pools (target with index skip, MTP draft), registry and scheduling functions
-(`PrefillAdder`, `ScheduleBatch.prepare_for_extend`, `checkpoint_kv_cache`,
+SGLang's own request objects, request-to-token pool, paged allocator, KV
+pools (DSA: target with index skip and MTP draft; MHA: K and V per layer,
+GQA heads), registry and scheduling functions (`PrefillAdder`,
+`ScheduleBatch.prepare_for_extend`, `checkpoint_kv_cache`,
 `release_kv_cache`, `release_req`) drive the plug-in in the scheduler's
 order (`hicache_cp.harness.sglang.server`). A stand-in forward writes each
 new token's deterministic bytes and checks every byte of every prefix token
-each layer reads (MLA latent, indexer keys, draft), so a wrong load, a late
-wait or a partial hit shows as mismatched bytes.
+each layer reads (MLA latent, indexer keys, K and V, draft), so a wrong
+load, a late wait or a partial hit shows as mismatched bytes.
 
-Per token and layer the pools hold 160 latent bytes (kv_lora 64 + rope 16,
+Every scenario whose faults need no CPU copy-engine hook runs twice: with
+SGLang's pools on the CPU, and (marked `gpu`) on CUDA, where the copy
+engine is the CUDA default and every byte is compared on the GPU.
+
+DSA pools, per token and layer: 160 latent bytes (kv_lora 64 + rope 16,
 bf16) and, on target layers 0 and 2 and the draft layer, 132 indexer bytes:
-1,196 bytes a token in all, 76,544 a 64-token page.
+1,196 bytes a token in all, 76,544 a 64-token page. MHA pools: 2 KV heads
+of 32 (bf16) for K and for V, 256 bytes a token and layer, 1,280 a token.
 """
 
 from __future__ import annotations
@@ -36,29 +42,57 @@ from hicache_cp.io.base import CopyFailed, Direction  # noqa: E402
 pytestmark = pytest.mark.slow  # importing SGLang costs ~10 s once per process
 
 PAGE = 64
-TOKEN_BYTES = 4 * 160 + 2 * 132 + 160 + 132  # what one prefix token costs the checks
+TOKEN_BYTES = ServerSpec().token_bytes  # DSA pools: what one prefix token costs the checks
+HAS_CUDA = torch.cuda.is_available()
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")])
 
 
-def budget(pages: int) -> int:
-    return (pages + 1) * TOKEN_BYTES * PAGE
+def budget(pages: int, token_bytes: int = TOKEN_BYTES) -> int:
+    return (pages + 1) * token_bytes * PAGE
 
 
-@pytest.fixture
-def make_server(tmp_path: Path):
+def server_env(l2_pages: int, spec: ServerSpec) -> dict[str, str]:
+    """The plug-in's settings: L2 of `l2_pages` pages, invariant checks on; the CPU copy
+    engine on CPU pools, the CUDA default (pinned host memory) on CUDA ones."""
+    env = {"HICACHE_HOST_BUDGET_BYTES": str(budget(l2_pages, spec.token_bytes)), "HICACHE_DEBUG_CHECKS": "true",
+           "HICACHE_L2_FREE_ROOM": "0"}  # fmt: skip
+    if spec.device == "cpu":
+        env.update({"HICACHE_IO_BACKEND": "cpu", "HICACHE_PIN_HOST": "false"})
+    return env
+
+
+def _servers(tmp_path: Path, device: str):
+    """Yield a server factory for pools on `device`; close every server made afterwards."""
     made: list[SGLangPrefillServer] = []
 
-    def factory(l2_pages: int = 64, **spec: object) -> SGLangPrefillServer:
-        env = {
-            "HICACHE_HOST_BUDGET_BYTES": str(budget(l2_pages)), "HICACHE_IO_BACKEND": "cpu",
-            "HICACHE_DEBUG_CHECKS": "true", "HICACHE_PIN_HOST": "false", "HICACHE_L2_FREE_ROOM": "0",
-        }  # fmt: skip
-        server = SGLangPrefillServer(ServerSpec(**spec), tmp_path / f"s{len(made)}", tree_cache_kwargs={"env": env})
+    def factory(l2_pages: int = 64, **fields: object) -> SGLangPrefillServer:
+        spec = ServerSpec(**{"device": device, **fields})  # type: ignore[arg-type]
+        env = server_env(l2_pages, spec)
+        server = SGLangPrefillServer(spec, tmp_path / f"s{len(made)}", tree_cache_kwargs={"env": env})
         made.append(server)
         return server
 
     yield factory
     for s in made:
         s.close()
+
+
+@pytest.fixture(params=["cpu", CUDA])
+def make_server(request: pytest.FixtureRequest, tmp_path: Path):
+    """Servers with SGLang's pools on the CPU, and (marked gpu) on CUDA."""
+    yield from _servers(tmp_path, request.param)
+
+
+@pytest.fixture
+def make_cuda_server(tmp_path: Path):
+    """Servers on CUDA only (tests marked gpu)."""
+    yield from _servers(tmp_path, "cuda")
+
+
+@pytest.fixture
+def make_cpu_server(tmp_path: Path):
+    """Servers on the CPU only: the scenarios whose faults need the CPU copy engine's hook."""
+    yield from _servers(tmp_path, "cpu")
 
 
 def prompt(seed: int, pages: int, tail: int = 9) -> list[int]:
@@ -103,32 +137,37 @@ def clean(server: SGLangPrefillServer) -> None:
 # ---- scenarios -------------------------------------------------------------------------------
 
 
-def test_miss_backs_up_every_whole_page_and_a_repeat_is_a_device_hit(make_server) -> None:
-    s = make_server()
+@pytest.mark.parametrize("attention", ["dsa", "mha"])
+def test_miss_backs_up_every_whole_page_and_a_repeat_is_a_device_hit(make_server, attention: str) -> None:
+    s = make_server(attention=attention)
+    tb = s.spec.token_bytes
     a = prompt(1, 5)
     r1 = serve(s, a)
-    # A miss: all 329 tokens computed; the 5 whole pages reserved before the forward, committed after.
+    # A miss: all 329 tokens computed; the 5 whole pages reserved at the forward's start, committed after.
     assert r1.prefix_len == 0 or r1.host_hit_length == 0
     assert s.forward.report.computed_tokens == len(a) and s.forward.report.checked_bytes == 0
     assert s.tree_cache.stats.reserved_pages == 5
     stats = s.tree_cache.cache.stats()
-    assert stats["backups_committed"] == 1 and stats["bytes_d2h"] == 5 * PAGE * TOKEN_BYTES
+    assert stats["backups_committed"] == 1 and stats["bytes_d2h"] == 5 * PAGE * tb
     # The same prompt again: SGLang's own device tree serves it; L2 offers nothing past it.
     r2 = serve(s, a)
     assert r2.host_hit_length == 0 and s.tree_cache.stats.offered_tokens == 0
-    assert s.forward.report.checked_bytes == 5 * PAGE * TOKEN_BYTES
+    assert s.forward.report.checked_bytes == 5 * PAGE * tb
     clean(s)
 
 
-def test_l2_hit_after_device_eviction_loads_every_part(make_server) -> None:
-    s = make_server()
+@pytest.mark.parametrize("attention", ["dsa", "mha"])
+def test_l2_hit_after_device_eviction_loads_every_part(make_server, attention: str) -> None:
+    s = make_server(attention=attention)
+    tb = s.spec.token_bytes
     a = in_l2_only(s, 2)
     r = serve(s, a)
     # SGLang's device tree is empty: the whole-page prefix (5 pages) comes back from L2,
-    # every part: latent, indexer keys of layers 0 and 2, the draft's latent and keys.
+    # every part: DSA latent, indexer keys of layers 0 and 2, the draft's latent and keys;
+    # MHA K and V of every layer, the draft's K and V.
     assert r.host_hit_length == 5 * PAGE and s.tree_cache.stats.loaded_tokens == 5 * PAGE
-    assert s.tree_cache.cache.stats()["bytes_h2d"] == 5 * PAGE * TOKEN_BYTES
-    assert s.forward.report.checked_bytes == 5 * PAGE * TOKEN_BYTES
+    assert s.tree_cache.cache.stats()["bytes_h2d"] == 5 * PAGE * tb
+    assert s.forward.report.checked_bytes == 5 * PAGE * tb
     assert s.forward.report.computed_tokens == 2 * len(a) - 5 * PAGE
     clean(s)
     # The loaded pages joined SGLang's device tree at the checkpoint: a third run is a device hit.
@@ -137,7 +176,7 @@ def test_l2_hit_after_device_eviction_loads_every_part(make_server) -> None:
     clean(s)
 
 
-def test_parts_read_before_their_layers_hook_are_waited_for_earlier(make_server) -> None:
+def test_parts_read_before_their_layers_hook_are_waited_for_earlier(make_cpu_server) -> None:
     """The indexer reads layer l's keys before layer l's attention runs the hook, and the
     MTP draft reads its own keys before its hook: a slow copy of those parts is waited
     for at the hook before (layer l-1's, the last target layer's), never read early."""
@@ -147,7 +186,7 @@ def test_parts_read_before_their_layers_hook_are_waited_for_earlier(make_server)
         if (direction, part, layer) in slow:
             time.sleep(0.2)
 
-    s = make_server()
+    s = make_cpu_server()
     a = in_l2_only(s, 14)
     for pool in (s.target, *s.drafts):  # what L1 held is gone: only the load brings the bytes back
         for buf in (*pool.kv_buffer, *getattr(pool, "index_k_with_scale_buffer", ())):
@@ -162,8 +201,9 @@ def test_parts_read_before_their_layers_hook_are_waited_for_earlier(make_server)
     clean(s)  # no byte mismatched: every part was loaded before it was read
 
 
-def test_partial_hit_continues_sglangs_device_prefix(make_server) -> None:
-    s = make_server()
+@pytest.mark.parametrize("attention", ["dsa", "mha"])
+def test_partial_hit_continues_sglangs_device_prefix(make_server, attention: str) -> None:
+    s = make_server(attention=attention)
     a = prompt(3, 5)
     serve(s, a)
     evict_device(s)
@@ -192,10 +232,10 @@ def test_l2_eviction_between_two_requests(make_server) -> None:
     clean(s)
 
 
-def test_abort_while_the_load_is_in_flight_frees_slots_only_after_it_returned(make_server) -> None:
+def test_abort_while_the_load_is_in_flight_frees_slots_only_after_it_returned(make_cpu_server) -> None:
     from conftest import Faults
 
-    s = make_server()
+    s = make_cpu_server()
     a = in_l2_only(s, 6)
     faults = Faults()
     s.tree_cache.cache.engine.fault = faults
@@ -203,6 +243,7 @@ def test_abort_while_the_load_is_in_flight_frees_slots_only_after_it_returned(ma
     s.submit(a)
     reqs = s.prepare_batch()
     assert len(reqs) == 1 and reqs[0].host_hit_length == 5 * PAGE
+    s.worker.set_hicache_consumer(-1)  # the forward's start submits the staged load
     free_before = s.allocator.available_size()
     aborter = threading.Thread(target=s.abort, args=(reqs[0],))
     aborter.start()
@@ -231,8 +272,11 @@ def test_a_request_aborted_before_its_forward_gives_its_host_reservation_back(ma
     tokens = prompt(13, 5)
     req = s.submit(tokens)
     assert s.prepare_batch() == [req]
-    assert cache.host_pool.allocator.free_pages == free_before - 5  # write-through reserved, PENDING
-    s.abort(req)  # before the forward: no layer of the reserved copy was ever written
+    assert cache.host_pool.allocator.free_pages == free_before  # staged for the forward's start
+    with s.scheduling():
+        s.worker.set_hicache_consumer(-1)  # the forward's start: write-through reserved, PENDING
+    assert cache.host_pool.allocator.free_pages == free_before - 5
+    s.abort(req)  # before any layer: no layer of the reserved copy was ever written
     s.tree_cache.flush_pending_backups()  # the after-batch flush decides it
     assert cache.metrics.backups_aborted == 1
     assert cache.host_pool.allocator.free_pages == free_before
@@ -242,11 +286,11 @@ def test_a_request_aborted_before_its_forward_gives_its_host_reservation_back(ma
     clean(s)
 
 
-def test_a_load_that_fails_in_flight_fails_its_request_and_caches_nothing(make_server) -> None:
+def test_a_load_that_fails_in_flight_fails_its_request_and_caches_nothing(make_cpu_server) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
     from conftest import Faults
 
-    s = make_server()
+    s = make_cpu_server()
     a = in_l2_only(s, 7)
     faults = Faults()
     faults.fail_on.add((Direction.H2D, Part.TARGET_KV, 2))
@@ -264,8 +308,14 @@ def test_a_load_that_fails_in_flight_fails_its_request_and_caches_nothing(make_s
     clean(s)
 
 
-def test_a_load_that_cannot_start_is_recomputed_by_sglang(make_server) -> None:
-    s = make_server()
+def test_a_load_the_copy_engine_refuses_at_the_forwards_start_fails_its_request(make_cpu_server) -> None:
+    """The load is submitted at the forward's start, after SGLang built the batch with the
+    host tokens as its prefix: a refusal then is a failed load. The request fails loudly,
+    nothing of it is cached (no reservation either: its forward computes on pages that
+    never landed), and the host copy serves the next request."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    s = make_cpu_server()
     a = in_l2_only(s, 8)
     engine = s.tree_cache.cache.engine
     real, loads = engine.submit_layer, []
@@ -278,17 +328,22 @@ def test_a_load_that_cannot_start_is_recomputed_by_sglang(make_server) -> None:
         return real(plan, parts, layer)
 
     engine.submit_layer = refusing
-    computed = s.forward.report.computed_tokens
+    reserved = s.tree_cache.stats.reserved_pages
     r = serve(s, a)
     engine.submit_layer = real
-    # No hit: SGLang's admission falls back to computing the whole prompt; bytes all fresh.
-    assert s.tree_cache.stats.refused_loads == 1 and s.tree_cache.stats.loaded_tokens == 0
-    assert r.finished_reason is not None and s.forward.report.computed_tokens - computed == len(a)
+    assert isinstance(r.finished_reason, FINISH_ABORT) and "refused" in str(r.finished_reason.message)
+    assert s.tree_cache.stats.failed_loads == 1 and s.tree_cache.stats.loaded_tokens == 0
+    assert s.tree_cache.stats.reserved_pages == reserved and s.tree_cache.evictable_size() == 0
+    s.forward.report.mismatched_bytes = 0  # that forward read pages that never landed, and failed
+    s.forward.report.mismatches.clear()
+    r2 = serve(s, a)
+    assert r2.host_hit_length == 5 * PAGE and not isinstance(r2.finished_reason, FINISH_ABORT)
     clean(s)
 
 
-def test_chunked_prefill_backs_up_each_chunk_and_a_later_hit_verifies(make_server) -> None:
-    s = make_server(chunk_tokens=2 * PAGE)
+@pytest.mark.parametrize("attention", ["dsa", "mha"])
+def test_chunked_prefill_backs_up_each_chunk_and_a_later_hit_verifies(make_server, attention: str) -> None:
+    s = make_server(chunk_tokens=2 * PAGE, attention=attention)
     a = prompt(9, 5)
     serve(s, a)
     assert s.forward.report.forwards == 3  # 128 + 128 + 73 tokens
@@ -315,7 +370,7 @@ def test_a_retracted_request_comes_back_from_l2(make_server) -> None:
     # The committed chunks (pages 0-3 reserved by the two forwards) come back from L2.
     assert req.host_hit_length == 4 * PAGE and req.finished_reason is not None
     # Read and checked: chunk 0 by the second forward, then the 4 loaded pages.
-    assert s.forward.report.checked_bytes == (2 + 4) * PAGE * TOKEN_BYTES
+    assert s.forward.report.checked_bytes == (2 + 4) * PAGE * s.spec.token_bytes
     clean(s)
 
 
@@ -461,7 +516,7 @@ ACTIONS = st.lists(
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions=ACTIONS)
-def test_random_sequences_keep_every_byte_and_every_invariant(make_server, actions) -> None:
+def test_random_sequences_keep_every_byte_and_every_invariant(make_cpu_server, actions) -> None:
     """Prompts 0-3 share a 2-page system prefix; L2 holds 12 pages (evictions happen), chunks of
     2 pages. After every action: the cache's invariants, no byte read that prefill did not
     compute (except the one forward a failed load fed, which is failed), SGLang's allocator
@@ -469,7 +524,7 @@ def test_random_sequences_keep_every_byte_and_every_invariant(make_server, actio
     from conftest import Faults
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    s = make_server(l2_pages=12, chunk_tokens=2 * PAGE)
+    s = make_cpu_server(l2_pages=12, chunk_tokens=2 * PAGE)
     system = prompt(99, 2, tail=0)
     prompts = [system + prompt(100 + i, 2 + i % 2) for i in range(4)]
     capacity = s.allocator.available_size()
@@ -499,11 +554,13 @@ def test_random_sequences_keep_every_byte_and_every_invariant(make_server, actio
         assert s.allocator.available_size() + s.tree_cache.evictable_size() == capacity
 
 
-def test_overlap_scheduling_order_keeps_every_byte(make_server) -> None:
+@pytest.mark.parametrize("attention", ["dsa", "mha"])
+def test_overlap_scheduling_order_keeps_every_byte(make_server, attention: str) -> None:
     """event_loop_overlap: batch N+1 is scheduled, allocated and run before batch N's results
     (checkpoints) are processed. Two prompts sharing a system prefix, chunked, with a device
-    eviction in between: every read byte still verifies, and the L2 hit comes back whole."""
-    s = make_server(chunk_tokens=2 * PAGE, overlap=True)
+    eviction in between: every read byte still verifies, and the L2 hit comes back whole.
+    On CUDA the forward runs on its own stream and first sleeps, so the host is ahead of it."""
+    s = make_server(chunk_tokens=2 * PAGE, overlap=True, attention=attention, forward_delay_cycles=20_000_000)
     system = prompt(30, 2, tail=0)
     a, b = system + prompt(31, 3), system + prompt(32, 3)
     s.submit(a)

@@ -14,9 +14,10 @@ Two things stand between SGLang's scheduler-side modules and a CPU machine:
 - Its process-wide runtime context (`sglang.srt.runtime_context.publish`)
   must hold a `ServerArgs` before pools are built. `publish_server_args`
   publishes a real `ServerArgs` for a tiny model directory (a DeepSeek-V3
-  `config.json`: SGLang resolves DSA models' server arguments through
+  `config.json` for MLA/DSA pools, a Llama one for MHA/GQA pools: SGLang
+  resolves DSA models' server arguments through
   `torch.cuda.get_device_capability`, which a CPU torch cannot answer; the
-  DSA pools themselves are built directly and are SGLang's own classes).
+  pools themselves are built directly and are SGLang's own classes).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ TINY_MODEL = {
     "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 1,
     "num_experts_per_tok": 2, "first_k_dense_replace": 4, "kv_lora_rank": 512, "q_lora_rank": 64,
     "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64, "vocab_size": 1000,
+    "max_position_embeddings": 65536, "torch_dtype": "bfloat16", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+}  # fmt: skip
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000,
     "max_position_embeddings": 65536, "torch_dtype": "bfloat16", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
 }  # fmt: skip
 
@@ -87,16 +94,20 @@ def import_sglang() -> None:
             sys.modules.pop(name, None)
 
 
-def publish_server_args(workdir: Path, **server_args: Any) -> Any:
-    """Publish SGLang's runtime context for a tiny model under `workdir`; returns the ServerArgs."""
+def publish_server_args(workdir: Path, model: dict[str, Any] | None = None, **server_args: Any) -> Any:
+    """Publish SGLang's runtime context for a tiny model (`model`: its config.json, the
+    DeepSeek-V3 one by default) under `workdir`; returns the ServerArgs. The server
+    arguments name the CPU device whatever device the harness's pools use: nothing here
+    runs SGLang's model runner, and a CUDA device would have SGLang resolve GPU-only
+    arguments (attention backends by compute capability) for a model it never builds."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import_sglang()
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
-    model = workdir / "tiny-model"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(TINY_MODEL))
-    args = ServerArgs(model_path=str(model), device="cpu", skip_server_warmup=True, **server_args)
+    path = workdir / "tiny-model"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model or TINY_MODEL))
+    args = ServerArgs(model_path=str(path), device="cpu", skip_server_warmup=True, **server_args)
     publish(args, role="scheduler")
     return args

@@ -1,11 +1,12 @@
-"""An SGLang 0.5.23 prefill server on CPU: its real scheduler functions, a stand-in forward.
+"""An SGLang 0.5.23 prefill server: its real scheduler functions, a stand-in forward.
 
 What is SGLang's own here: the request objects (`Req`), the request-to-token
-pool, the paged token-to-KV allocator, the DSA KV pool (MLA latent plus the
-indexer's key-with-scale buffer, with index skip) for the target and for
-the MTP draft, the tree cache chosen by name through SGLang's registry
-(`--radix-cache-backend hicache-cp` builds ours; `radix` is SGLang's plain
-`RadixCache`), and the scheduling functions, called in the order of
+pool, the paged token-to-KV allocator, the KV pools (the DSA pool, MLA
+latent plus the indexer's key-with-scale buffer with index skip, or the MHA
+pool, K and V per layer, for the target and for the MTP draft), the tree
+cache chosen by name through SGLang's registry (`--radix-cache-backend
+hicache-cp` builds ours; `radix` is SGLang's plain `RadixCache`), and the
+scheduling functions, called in the order of
 `Scheduler.get_new_batch_prefill` / `event_loop_normal`:
 
     stash the chunked request (checkpoint_kv_cache)
@@ -16,32 +17,33 @@ the MTP draft, the tree cache chosen by name through SGLang's registry
     results: release_kv_cache (finished) or the chunk stays for the next step
     flush_pending_backups
 
-What stands in for SGLang's GPU model runner (which cannot be installed on
-these machines) is `KVForward`: per layer it writes the deterministic bytes
-of the batch's new tokens where attention writes KV (`kv_bytes`), fetches
-the layer through the pool's own accessor (`get_key_buffer`, which runs the
-pool's `layer_transfer_counter` hook exactly as attention does), and checks
-every byte of every prefix token the layer reads: MLA latent of every layer,
-the indexer keys of every layer that owns them (read before attention, as
-the DSA indexer does), and the draft's.
+The pools live on `ServerSpec.device`: "cpu", or "cuda" (SGLang's allocator
+then runs its Triton kernels, and every byte is checked on the GPU). On CUDA
+the streams are SGLang's: the scheduler works on a schedule stream (here the
+default stream), and the forward runs on the model runner's forward stream (under `overlap`, after
+the forward stream waited for the schedule stream, as `run_batch` does;
+otherwise on the schedule stream, as `event_loop_normal` does). The TP
+worker stand-in exposes that forward stream to the tree-cache factory as
+SGLang's `tp_worker.model_runner.forward_stream`. The forward itself is
+`forward.KVForward`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from hicache_cp.harness.sglang.env import publish_server_args
-from hicache_cp.harness.sglang.kv_bytes import prefix_hashes, token_bytes
-
-INDEX_BYTES = 132  # the DSA indexer's key (128 fp8) and scale (4) bytes per token
+from hicache_cp.harness.sglang.env import TINY_LLAMA, TINY_MODEL, publish_server_args
+from hicache_cp.harness.sglang.forward import INDEX_BYTES, ForwardReport, KVForward  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
@@ -49,13 +51,18 @@ class ServerSpec:
     """The pools and scheduling knobs of one harness server."""
 
     backend: str = "hicache-cp"  # a registered --radix-cache-backend name, or "radix"
+    device: str = "cpu"  # where SGLang's pools live: "cpu" or "cuda"
+    attention: str = "dsa"  # the pools' kind: "dsa" (MLA latent + indexer keys) or "mha" (K and V)
     page_size: int = 64
     device_pages: int = 64  # KV pool capacity in pages (page 0 is SGLang's padding)
     layers: int = 4
-    skip_topk: tuple[bool, ...] = (False, True, False, True)  # index skip: layers without index keys
+    skip_topk: tuple[bool, ...] = (False, True, False, True)  # DSA index skip: layers without index keys
     draft_layers: int = 1  # MTP layers (0: no draft)
     kv_lora_rank: int = 64
     rope_dim: int = 16
+    kv_heads: int = 2  # MHA/GQA: the KV heads the pool keeps
+    head_dim: int = 32
+    v_head_dim: int | None = None  # MHA: V's head dim when it differs from K's (two allocations)
     max_prefill_tokens: int = 16384
     chunk_tokens: int | None = None  # SGLang's --chunked-prefill-size
     max_requests: int = 32
@@ -64,24 +71,27 @@ class ServerSpec:
     schedule_policy: str = "lpm"  # SGLang's --schedule-policy (lpm matches every waiting request first)
     overlap: bool = False  # event_loop_overlap's order (results of batch N after batch N+1's forward)
     kv_events: bool = False  # SGLang's enable_kv_cache_events: its radix cache records KV events (take_events)
+    forward_delay_cycles: int = 0  # CUDA: each forward first keeps its stream busy this long
+    full_graph: bool = False  # forwards replay as a full prefill CUDA graph (forward.KVForward)
 
-
-@dataclass
-class ForwardReport:
-    """What the stand-in forwards read and checked."""
-
-    checked_bytes: int = 0
-    mismatched_bytes: int = 0
-    mismatches: list[str] = field(default_factory=list)
-    forwards: int = 0
-    computed_tokens: int = 0
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token over every layer of every part of the pools."""
+        if self.attention == "mha":
+            per_layer = 2 * self.kv_heads * (self.head_dim + (self.v_head_dim or self.head_dim))
+            return per_layer * (self.layers + self.draft_layers)
+        latent = 2 * (self.kv_lora_rank + self.rope_dim)
+        index = INDEX_BYTES * (sum(not s for s in self.skip_topk) + self.draft_layers)
+        return latent * (self.layers + self.draft_layers) + index
 
 
 class TpWorkerHooks:
-    """The two calls SGLang's TpModelWorker makes on the counter registered with it."""
+    """What SGLang's TpModelWorker offers the tree cache: the counter registered with it,
+    `set_hicache_consumer` at each forward's start, and its model runner's forward stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, forward_stream: Any = None) -> None:
         self.hicache_layer_transfer_counter: Any = None
+        self.model_runner = _ModelRunnerStreams(forward_stream)
 
     def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
         self.hicache_layer_transfer_counter = counter
@@ -91,83 +101,16 @@ class TpWorkerHooks:
             self.hicache_layer_transfer_counter.set_consumer(consumer_index)
 
 
-class KVForward:
-    """The stand-in forward over SGLang's pools (see the module docstring)."""
+@dataclass
+class _ModelRunnerStreams:
+    """The one attribute of SGLang's ModelRunner the tree-cache factory reads."""
 
-    def __init__(self, target: Any, drafts: Sequence[Any], req_to_token: torch.Tensor, check: bool) -> None:
-        self.pools = [("target", target), *(("draft", p) for p in drafts)]
-        self.req_to_token = req_to_token
-        self.check = check
-        self.report = ForwardReport()
-
-    def run(self, reqs: Sequence[Any]) -> None:
-        self.report.forwards += 1
-        plans = [self._plan(r) for r in reqs]
-        self.report.computed_tokens += sum(p[2].stop - p[2].start for p in plans)
-        for model, pool in self.pools:
-            index = getattr(pool, "index_k_with_scale_buffer", None)
-            for layer in range(pool.layer_num):
-                salt = _salt(model, layer)
-                owns_index = index is not None and index[layer].shape[0] > 0
-                if owns_index:
-                    for req, slots, new, hashes in plans:
-                        self._write_index(index[layer], slots[new], hashes[new], salt, pool.page_size)
-                    for req, slots, new, hashes in plans:  # the indexer reads its keys before attention
-                        self._check_index(req, model, layer, index[layer], slots, hashes, salt, pool.page_size)
-                kv = pool.kv_buffer[layer]
-                width = kv[0].numel() * kv.element_size()
-                for req, slots, new, hashes in plans:
-                    kv.view(torch.uint8).view(kv.shape[0], width)[slots[new]] = torch.from_numpy(
-                        token_bytes(hashes[new], salt, width)
-                    )
-                got = pool.get_key_buffer(layer).view(torch.uint8).view(kv.shape[0], width)  # runs the hook
-                for req, slots, new, hashes in plans:
-                    self._compare(req, f"{model} kv layer {layer}", got[slots[: req.prefix_len]],
-                                  hashes[: req.prefix_len], salt, width)  # fmt: skip
-
-    def _plan(self, req: Any) -> tuple[Any, torch.Tensor, slice, np.ndarray]:
-        slots = self.req_to_token[req.kv.req_pool_idx, : req.extend_end].to(torch.int64)
-        hashes = prefix_hashes(np.frombuffer(req.full_untruncated_fill_ids[: req.extend_end], dtype=np.int64))
-        return req, slots, slice(req.prefix_len, req.extend_end), hashes
-
-    @staticmethod
-    def _write_index(buf: torch.Tensor, slots: torch.Tensor, hashes: np.ndarray, salt: int, ps: int) -> None:
-        data = torch.from_numpy(token_bytes(hashes, salt + 7, INDEX_BYTES))
-        page, off = slots // ps, slots % ps
-        for col, (lo, width) in enumerate(((0, 128), (ps * 128, 4))):
-            idx = page[:, None] * buf.shape[1] + lo + off[:, None] * width + torch.arange(width)[None, :]
-            buf.view(-1)[idx] = data[:, :128] if col == 0 else data[:, 128:]
-
-    def _check_index(self, req: Any, model: str, layer: int, buf: torch.Tensor, slots: torch.Tensor,
-                     hashes: np.ndarray, salt: int, ps: int) -> None:  # fmt: skip
-        n = req.prefix_len
-        if not self.check or n == 0:
-            return
-        page, off = slots[:n] // ps, slots[:n] % ps
-        keys = buf.view(-1)[page[:, None] * buf.shape[1] + off[:, None] * 128 + torch.arange(128)[None, :]]
-        scales = buf.view(-1)[page[:, None] * buf.shape[1] + ps * 128 + off[:, None] * 4 + torch.arange(4)[None, :]]
-        self._compare(req, f"{model} index layer {layer}", torch.cat([keys, scales], dim=1), hashes[:n], salt + 7,
-                      INDEX_BYTES)  # fmt: skip
-
-    def _compare(self, req: Any, what: str, got: torch.Tensor, hashes: np.ndarray, salt: int, width: int) -> None:
-        if not self.check or len(hashes) == 0:
-            return
-        want = token_bytes(hashes, salt, width)
-        bad = got.numpy() != want
-        self.report.checked_bytes += want.size
-        if bad.any():
-            rows = np.nonzero(bad.any(axis=1))[0]
-            self.report.mismatched_bytes += int(bad.sum())
-            self.report.mismatches.append(f"{req.rid}: {what}: {len(rows)} prefix tokens differ, first at {rows[0]}")
-
-
-def _salt(model: str, layer: int) -> int:
-    return (0 if model == "target" else 1000) + 17 * layer
+    forward_stream: Any
 
 
 @dataclass(frozen=True)
 class Pools:
-    """SGLang's pools of one server: the target and draft DSA KV pools and the cache params."""
+    """SGLang's pools of one server: the target and draft KV pools and the cache params."""
 
     target: Any
     drafts: tuple[Any, ...]
@@ -175,30 +118,48 @@ class Pools:
 
 
 def build_pools(spec: ServerSpec) -> Pools:
-    """SGLang's request-to-token pool, paged allocator and DSA pools (CPU) for `spec`
-    (its runtime context must be published: `env.publish_server_args`)."""
+    """SGLang's request-to-token pool, paged allocator and KV pools on `spec.device` (its
+    runtime context must be published: `env.publish_server_args`)."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool, ReqToTokenPool
 
-    ps = spec.page_size
+    ps, device = spec.page_size, spec.device
     size = (spec.device_pages - 1) * ps
 
-    def dsa(layers: int, skip: tuple[bool, ...]) -> Any:
+    def pool(layers: int, skip: tuple[bool, ...]) -> Any:
+        if spec.attention == "mha":
+            return MHATokenToKVPool(
+                size=size, page_size=ps, dtype=torch.bfloat16, head_num=spec.kv_heads, head_dim=spec.head_dim,
+                layer_num=layers, device=device, enable_memory_saver=False, v_head_dim=spec.v_head_dim,
+            )  # fmt: skip
+        if spec.attention != "dsa":
+            raise ValueError(f"attention {spec.attention!r}: the harness builds 'dsa' or 'mha' pools")
         return DSATokenToKVPool(
             size=size, page_size=ps, kv_lora_rank=spec.kv_lora_rank, dtype=torch.bfloat16,
-            qk_rope_head_dim=spec.rope_dim, layer_num=layers, device="cpu", index_head_dim=128,
+            qk_rope_head_dim=spec.rope_dim, layer_num=layers, device=device, index_head_dim=128,
             enable_memory_saver=False, kv_cache_dim=spec.kv_lora_rank + spec.rope_dim, skip_topk_layers=list(skip),
         )  # fmt: skip
 
-    target = dsa(spec.layers, spec.skip_topk)
-    drafts = (dsa(spec.draft_layers, (False,) * spec.draft_layers),) if spec.draft_layers else ()
-    req_to_token = ReqToTokenPool(size=spec.max_requests, max_context_len=spec.context_len, device="cpu",
+    target = pool(spec.layers, spec.skip_topk)
+    drafts = (pool(spec.draft_layers, (False,) * spec.draft_layers),) if spec.draft_layers else ()
+    req_to_token = ReqToTokenPool(size=spec.max_requests, max_context_len=spec.context_len, device=device,
                                   enable_memory_saver=False)  # fmt: skip
-    allocator = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", target, need_sort=False)
+    allocator = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, device, target, need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=req_to_token, token_to_kv_pool_allocator=allocator,
                              page_size=ps, mtp_draft_device_pools=drafts, enable_kv_cache_events=spec.kv_events)  # fmt: skip
     return Pools(target, drafts, params)
+
+
+def _scheduler_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a server method on the scheduler thread's stream (`SGLangPrefillServer.scheduling`)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: SGLangPrefillServer, *args: Any, **kwargs: Any) -> Any:
+        with self.scheduling():
+            return fn(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -227,19 +188,40 @@ TIMED_CALLS = ("match_prefix", "init_load_back", "maybe_hand_to_session", "check
 class SGLangPrefillServer:
     """SGLang's pools, tree cache and scheduling functions, driven in the scheduler's order."""
 
-    def __init__(self, spec: ServerSpec, workdir: Path, *, tree_cache_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        spec: ServerSpec,
+        workdir: Path,
+        *,
+        tree_cache_kwargs: dict[str, Any] | None = None,
+        groups: tuple[Any, Any] | None = None,
+    ) -> None:
+        """`groups`: (SGLang's TP group coordinator, its DP-aware cache group) of this rank,
+        for multi-rank harnesses; one rank without."""
         self.spec = spec
-        self.server_args = publish_server_args(workdir, page_size=spec.page_size)
+        self.groups = groups
+        model = TINY_LLAMA if spec.attention == "mha" else TINY_MODEL
+        self.server_args = publish_server_args(workdir, model=model, page_size=spec.page_size)
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.managers.schedule_policy import SchedulePolicy
 
+        cuda = spec.device == "cuda"
+        # The scheduler's stream is the process's default one, so whatever a test calls
+        # outside the server's methods (an eviction, a flush) runs on it too.
+        self.schedule_stream = torch.cuda.default_stream() if cuda else None
+        self.forward_stream = torch.cuda.Stream() if cuda else None
         self.pools = build_pools(spec)
+        if groups is not None:
+            self.pools = dataclasses.replace(
+                self.pools, params=dataclasses.replace(self.pools.params, tp_cache_group=groups[1])
+            )
         self.target, self.drafts, self.params = self.pools.target, self.pools.drafts, self.pools.params
         self.req_to_token_pool, self.allocator = self.params.req_to_token_pool, self.params.token_to_kv_pool_allocator
         self.model_config = ModelConfig.from_server_args(self.server_args)
-        self.worker = TpWorkerHooks()
+        self.worker = TpWorkerHooks(self.forward_stream)
         self.tree_cache = self._tree_cache(tree_cache_kwargs or {})
-        self.forward = KVForward(self.target, self.drafts, self.req_to_token_pool.req_to_token, spec.check_bytes)
+        self.forward = KVForward(self.target, self.drafts, self.req_to_token_pool.req_to_token, spec.check_bytes,
+                                 spec.forward_delay_cycles, spec.full_graph)  # fmt: skip
         self.times = CallTimes()
         for name in TIMED_CALLS:
             setattr(self.tree_cache, name, self.times.timed(name, getattr(self.tree_cache, name)))
@@ -265,23 +247,43 @@ class SGLangPrefillServer:
         ctx = TreeCacheBuildContext(
             server_args=self.server_args, params=self.params, is_hybrid_swa=False, is_hybrid_ssm=False,
             enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=self.worker,
-            model_config=self.model_config, tp_size=1, tp_rank=0, tp_group=None, is_dsa=True,
+            model_config=self.model_config, tp_size=self._tp_size(), tp_rank=0,
+            tp_group=self.groups[0] if self.groups else None, is_dsa=self.spec.attention == "dsa",
         )  # fmt: skip
         return factory(ctx, **kwargs)  # kwargs (env, agreement): what SGLang's call leaves to the process
 
+    def _tp_size(self) -> int:
+        if self.groups is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.groups[0].cpu_group)
+
     # ---- requests -----------------------------------------------------------------------
 
-    def submit(self, tokens: Sequence[int], rid: str | None = None) -> Any:
+    def submit(self, tokens: Sequence[int], rid: str | None = None, *, lora_id: str | None = None,
+               extra_key: str | None = None) -> Any:  # fmt: skip
+        """Queue a request (`lora_id`, `extra_key`: SGLang's; both key its device prefix)."""
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         self._rid += 1
         params = SamplingParams(max_new_tokens=1)
         params.normalize(None)  # what the tokenizer manager does: stop strings resolved (none here)
-        req = Req(rid or f"r{self._rid}", "", array("q", tokens), params)
+        req = Req(rid or f"r{self._rid}", "", array("q", tokens), params, lora_id=lora_id, extra_key=extra_key)
         self.waiting.append(req)
         return req
 
+    @contextlib.contextmanager
+    def scheduling(self) -> Iterator[None]:
+        """The scheduler thread's stream (CUDA: the schedule stream) for what runs inside."""
+        if self.schedule_stream is None:
+            yield
+        else:
+            with torch.cuda.stream(self.schedule_stream):
+                yield
+
+    @_scheduler_thread
     def run_until_idle(self, max_steps: int = 10_000) -> None:
         """Serve until no request waits: `event_loop_normal`'s order, or with `spec.overlap`
         `event_loop_overlap`'s (batch N+1 is scheduled and its forward launched before the
@@ -295,9 +297,9 @@ class SGLangPrefillServer:
                 continue
             reqs = self.prepare_batch()
             if reqs:
-                self._forward(reqs)
+                self.run_forward(reqs)
             if pending:
-                self._results(pending)
+                self.process_results(pending)
                 self.tree_cache.flush_pending_backups()
             pending = reqs
         raise RuntimeError(f"requests still waiting after {max_steps} steps")
@@ -308,9 +310,11 @@ class SGLangPrefillServer:
         flush_pending_backups after every batch and never waits)."""
         settle = getattr(getattr(self.tree_cache, "cache", None), "settle", None)
         if settle is not None:
-            settle()
-            self.tree_cache.flush_pending_backups()
+            with self.scheduling():
+                settle()
+                self.tree_cache.flush_pending_backups()
 
+    @_scheduler_thread
     def step(self) -> list[Any]:
         """One scheduler iteration: schedule, allocate, forward, process results."""
         reqs = self.prepare_batch()
@@ -318,6 +322,7 @@ class SGLangPrefillServer:
             self.run_batch(reqs)
         return reqs
 
+    @_scheduler_thread
     def prepare_batch(self) -> list[Any]:
         """Stash the chunked request, schedule (match, admission, load-back) and allocate."""
         from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -338,16 +343,29 @@ class SGLangPrefillServer:
         self._batch.prepare_for_extend()
         return reqs
 
-    def run_batch(self, reqs: list[Any]) -> None:
-        """The forward of the prepared batch, its results and the after-batch flush."""
-        self._forward(reqs)
-        self._results(reqs)
+    @_scheduler_thread
+    def run_batch(self, reqs: list[Any], results_order: Sequence[Any] | None = None) -> None:
+        """The forward of the prepared batch, its results (in `results_order`, the batch's
+        by default) and the after-batch flush."""
+        self.run_forward(reqs)
+        self.process_results(list(results_order) if results_order is not None else reqs)
         self.tree_cache.flush_pending_backups()
 
-    def _forward(self, reqs: list[Any]) -> None:
-        self.worker.set_hicache_consumer(self._batch.hicache_consumer_index)  # the TP worker, at forward start
-        self.forward.run(reqs)
+    @_scheduler_thread
+    def run_forward(self, reqs: list[Any]) -> None:
+        """The TP worker's forward: set_hicache_consumer at its start, then the layers; under
+        overlap on the forward stream after it waited for the schedule stream (run_batch)."""
+        stream = self.forward_stream if self.spec.overlap else None
+        if stream is None:
+            self.worker.set_hicache_consumer(self._batch.hicache_consumer_index)
+            self.forward.run(reqs)
+            return
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.worker.set_hicache_consumer(self._batch.hicache_consumer_index)
+            self.forward.run(reqs)
 
+    @_scheduler_thread
     def abort(self, req: Any) -> None:
         """Abort a request as the scheduler does for a running one (release without caching)."""
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
@@ -361,6 +379,7 @@ class SGLangPrefillServer:
             release_kv_cache(req, self.tree_cache, checkpoint=False)
         self.tree_cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
 
+    @_scheduler_thread
     def retract(self, req: Any) -> None:
         """SGLang's retraction (`release_req`): the request goes back to the waiting queue."""
         from sglang.srt.managers.schedule_batch import release_req
@@ -400,7 +419,8 @@ class SGLangPrefillServer:
             self.chunked_req = adder.new_chunked_req
         return list(adder.can_run_list)
 
-    def _results(self, reqs: list[Any]) -> None:
+    @_scheduler_thread
+    def process_results(self, reqs: list[Any]) -> None:
         from sglang.srt.mem_cache.common import release_kv_cache
 
         for req in reqs:

@@ -7,32 +7,46 @@ it at the start of every forward. `LayerHooks` is that counter, one per
 model (the target's pool and the MTP draft's pools each get their own), and
 `ForwardCopies` is what one forward owes:
 
-    stage_load(op) / stage_backups(ops)    from init_load_back / maybe_hand_to_session,
-                                           before the forward: staged for the next forward
-    set_consumer (target, forward start)   staged -> current; the previous forward's
-                                           remaining backup layers are submitted (its kernels
-                                           are all enqueued by now); target state layer 0 waited
+    stage_load(op) / stage_backups(ops)    staged for the next forward
+    set_consumer (target, forward start)   the previous forward's remaining backup layers
+                                           are submitted (its kernels are all enqueued by
+                                           now); `prepare` submits what the scheduler staged
+                                           (the radix cache's loads and reservations, on the
+                                           forward's stream, behind the forward before it);
+                                           staged -> current; read-ahead parts' layer 0 waited
     wait_until(l) (model m)                loads: the forward waits for layer l of every part
                                            of m (on CUDA the compute stream waits on the
-                                           layer's events; the host does not block), and for
-                                           the target indexer's layer l+1 (the indexer reads it
-                                           before layer l+1's attention asks for its KV); at the
-                                           last target layer, every draft layer. Backups: layers
-                                           [cursor, l) of m are written, so their D2H is
-                                           submitted now, overlapped with layer l
+                                           layer's events; the host does not block), for the
+                                           read-ahead parts' layer l+1 (the DSA indexer reads
+                                           its keys before layer l+1's attention asks for KV),
+                                           and, at the last target layer, for every draft
+                                           layer. Backups: when layer l follows layer l-1 in
+                                           order, layers [cursor, l) of m are written, so
+                                           their D2H is submitted now, overlapped with layer l
     finish()                               the layers no hook reported (the last one of each
-                                           model, or all under full CUDA-graph replay) are
+                                           model, or all under a full CUDA-graph replay) are
                                            submitted after the forward
+
+Only hooks that arrive in layer order are evidence that earlier layers were
+written. SGLang's full prefill CUDA-graph replay calls `wait_until(last
+layer)` once before the replay, when `consumer_index >= 0`, and no hook
+inside it: that call waits for every load and submits no backup (they all
+go after the forward, from `finish`). Hooks that fire while a CUDA graph is
+being captured belong to no forward and are ignored.
 
 `consumer_index` is 0 while the current forward has loads (SGLang's CUDA
 graph runner then waits for the last layer before a full replay) and -1
-otherwise. Nothing here synchronises the host.
+otherwise; the index SGLang passes to `set_consumer` is not used: every
+forward start is a boundary. Nothing here synchronises the host.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from hicache_cp import BackupOp, HiCache, LoadOp, Model, Part
 
@@ -41,23 +55,39 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Forward:
-    """One forward's copies: its loads to wait for, its backups and their per-model cursor."""
+    """One forward's copies: its loads to wait for, its backups, and per model the backup
+    cursor and the last layer whose hook arrived in order."""
 
     loads: list[LoadOp] = field(default_factory=list)
     backups: list[BackupOp] = field(default_factory=list)
     submitted: dict[Model, int] = field(default_factory=lambda: {Model.TARGET: 0, Model.DRAFT: 0})
+    in_order: dict[Model, int] = field(default_factory=lambda: {Model.TARGET: -1, Model.DRAFT: -1})
     finished: bool = False
 
 
 class ForwardCopies:
-    """The copies of the forward SGLang is running, and of the one being scheduled."""
+    """The copies of the forward SGLang is running, and of the one being scheduled.
 
-    def __init__(self, cache: HiCache) -> None:
+    `read_ahead`: parts read before their layer's hook (the DSA indexer's keys).
+    `prepare`: called at each forward's start, before the swap, to stage what
+    the scheduler deferred to it (the radix cache's loads and reservations)."""
+
+    def __init__(
+        self,
+        cache: HiCache,
+        read_ahead: frozenset[Part] = frozenset(),
+        prepare: Callable[[], None] | None = None,
+        cuda: bool = False,
+    ) -> None:
         self.cache = cache
         self.layout = cache.layout
+        self.read_ahead = read_ahead
+        self.prepare = prepare
+        self._capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing if cuda else _never
         self._staged = _Forward()
         self._current: _Forward | None = None
         self.fallback_layers = 0  # backup layers no hook reported (submitted after the forward)
+        self.forwards = 0
 
     # ---- before the forward --------------------------------------------------------------
 
@@ -77,8 +107,11 @@ class ForwardCopies:
 
     def begin(self) -> None:
         self.finish()
+        if self.prepare is not None:
+            self.prepare()
         self._current, self._staged = self._staged, _Forward()
-        if self._current.loads:
+        self.forwards += 1
+        if self._current.loads and Part.TARGET_STATE in self.read_ahead:
             self._wait(Part.TARGET_STATE, 0)
 
     @property
@@ -88,21 +121,25 @@ class ForwardCopies:
     def reached(self, model: Model, layer: int) -> None:
         """Attention of `layer` of `model` fetches its KV (see the module docstring)."""
         fwd = self._current
-        if fwd is None:
+        if fwd is None or self._capturing():
             return
         for op in fwd.loads:
             op.wait_layer(layer, model)
-        if fwd.loads:
-            if model is Model.TARGET:
+        if fwd.loads and model is Model.TARGET:
+            if Part.TARGET_STATE in self.read_ahead:
                 self._wait(Part.TARGET_STATE, layer + 1)
-                if layer == self.layout.num_target_layers - 1:
-                    for d in range(self.layout.num_draft_layers):
-                        for op in fwd.loads:
-                            op.wait_layer(d, Model.DRAFT)
-        self._submit(fwd, model, min(layer, self.layout.num_layers(model)))
+            if layer == self.layout.num_target_layers - 1:
+                for d in range(self.layout.num_draft_layers):
+                    for op in fwd.loads:
+                        op.wait_layer(d, Model.DRAFT)
+        if layer <= fwd.in_order[model] + 1:  # in order: every layer below `layer` was written
+            fwd.in_order[model] = max(fwd.in_order[model], layer)
+            self._submit(fwd, model, min(layer, self.layout.num_layers(model)))
 
     def finish(self) -> None:
-        """Submit what the hooks did not (after the forward; idempotent)."""
+        """Submit what the hooks did not (after the forward; idempotent). On CUDA the
+        caller's current stream must follow the forward (the next forward's start, or
+        `fence.ForwardFence.behind_forward` on the scheduler thread)."""
         fwd = self._current
         if fwd is None or fwd.finished:
             return
@@ -113,6 +150,12 @@ class ForwardCopies:
             logger.debug("hicache-cp: %d backup layers submitted after the forward", missing)
         for model in Model:
             self._submit(fwd, model, self.layout.num_layers(model))
+
+    @property
+    def unfinished(self) -> bool:
+        """The current forward still has backup layers to submit after it."""
+        fwd = self._current
+        return fwd is not None and not fwd.finished and bool(fwd.backups)
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -132,6 +175,10 @@ class ForwardCopies:
             return
         for op in self._current.loads:
             op.wait_part(part, layer)
+
+
+def _never() -> bool:
+    return False
 
 
 class LayerHooks:

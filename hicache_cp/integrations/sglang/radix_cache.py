@@ -14,20 +14,26 @@ scheduler calls (the model is FlexKV's tree cache, `storage/flexkv/`):
                                  (locked); whole pages of it past the device prefix become
                                  `host_hit_length`; every round replaces the last offer
     init_load_back(req)          admission: device slots for those pages from SGLang's
-                                 allocator, H2D of every layer of every part submitted
-                                 (`load_into`), staged for the next forward; the slots
-                                 belong to the request (`load_back_is_cache_owned` is False)
-                                 until its checkpoint inserts them like computed KV
+                                 allocator; the load is staged for the next forward; the
+                                 slots belong to the request (`load_back_is_cache_owned` is
+                                 False) until its checkpoint inserts them like computed KV
     prefix_device_indices(req)   the device path plus the loaded slots
-    maybe_hand_to_session(req)   after allocation, before the forward: write-through
-                                 reservations for the whole pages this forward completes
-                                 that L2 lacks (PENDING, invisible)
+    maybe_hand_to_session(req)   after allocation, before the forward: the whole pages this
+                                 forward completes are staged for a write-through reservation
+    -- forward start --          (the TP worker's set_hicache_consumer) the step's page ids
+                                 are read on the host once (`page_ids`), then each staged
+                                 load submits H2D of every layer of every part (`load_into`)
+                                 and each staged reservation reserves L2 for the pages L2
+                                 lacks (PENDING, invisible), on the forward's stream, so
+                                 both follow the forward before (`fence`)
     -- forward --                layer hooks: waits per layer, D2H per layer (`layer_hooks`)
-    checkpoint(req, up_to)       the forward's remaining layers submitted; the request's
-                                 load decided (poll): landed -> SGLang's insert; failed ->
-                                 nothing of the request enters either tree and it finishes
-                                 with an error (its forward read the failed pages); the
-                                 inserted path stays locked until its backups are decided
+    checkpoint(req, up_to)       the forward's remaining layers submitted (behind the
+                                 forward); the request's load decided (poll): landed ->
+                                 SGLang's insert; failed, or refused at the forward's start
+                                 -> nothing of the request enters either tree and it
+                                 finishes with an error (its forward read the failed
+                                 pages); the inserted path stays locked until its backups
+                                 are decided
     flush_pending_backups()      after each batch: poll (commit: visible to match_prefix;
                                  abort: released), unlock decided paths, L2 free room
     free_kv_row / on_release     slots go back to SGLang only once no copy into or out of
@@ -35,10 +41,14 @@ scheduler calls (the model is FlexKV's tree cache, `storage/flexkv/`):
     release_aborted_request      an aborted attempt drops its offer and its locks
 
 All-or-nothing, visibility on commit, free room and eviction are hicache-cp's
-rules (`HiCache`). A load that cannot start (no device room, a copy engine
-that refuses the submission) is no hit: `init_load_back` returns 0 and
-SGLang recomputes. A committed host copy lacking a part raises
-`ConsistencyError` from `match_prefix` (never a target-only hit).
+rules (`HiCache`). A load with no device room is no hit: `init_load_back`
+returns 0 and SGLang recomputes. A load the copy engine refuses at the
+forward's start fails its request like a load that fails in flight. A
+committed host copy lacking a part raises `ConsistencyError` from
+`match_prefix` (never a target-only hit).
+
+The scheduler thread never reads a device tensor per request: page ids
+reach the host in one batched read per forward (`page_ids.HostIndices`).
 
 KV events: with SGLang's `--kv-events-config`, every L2 (and L3) block that
 becomes visible or leaves is handed, in SGLang's format and keyed with its
@@ -47,9 +57,10 @@ publishes with its GPU events (`events.py`, docs/events.md).
 
 Ranks: each TP rank runs this scheduler on the same requests in the same
 order and keeps the L2 of what its pools hold; every decision (commit,
-abort, load outcome) is agreed with one MIN all-reduce per poll over the TP
-group SGLang hands the factory (`DistributedAgreement`), so all ranks apply
-the same decision at the same step.
+abort, load outcome) is agreed with one MIN all-reduce per poll over the
+ranks that run one DP rank's batch (SGLang's `tp_cache_group`, handed to the
+factory; `DistributedAgreement`), so all of them apply the same decision at
+the same step.
 """
 
 from __future__ import annotations
@@ -74,7 +85,9 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from hicache_cp import Agreement, BackupOp, HiCache, LoadOp, LoadState, Model
 from hicache_cp import MatchResult as HostMatch
 from hicache_cp.integrations.sglang.events import recorder_log
+from hicache_cp.integrations.sglang.fence import ForwardFence
 from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies, LayerHooks
+from hicache_cp.integrations.sglang.page_ids import HostIndices
 from hicache_cp.integrations.sglang.pools import SGLangKV
 from hicache_cp.integrations.sglang.settings import resolve
 from hicache_cp.io.base import CopyFailed
@@ -95,11 +108,28 @@ class _Flow:
     device_len: int = 0  # SGLang's device prefix (tokens) when it was offered
     host_tokens: int = 0  # tokens offered from L2 past the device prefix
     load: LoadOp | None = None
+    load_staged: bool = False  # admitted; its copies are submitted at the next forward's start
+    load_error: str | None = None  # the copy engine refused the submission at the forward's start
     loaded_slots: torch.Tensor | None = None  # request-owned slots the load writes, until checkpoint
     kv: Any = None  # the request's ReqKvInfo (its row), to find the flow when SGLang frees slots
     backups: list[BackupOp] = field(default_factory=list)
     locks: list[tuple[TreeLock, list[BackupOp]]] = field(default_factory=list)
     freed: list[tuple[int, int]] = field(default_factory=list)  # row positions SGLang's insert freed
+
+    @property
+    def admitted(self) -> bool:
+        """init_load_back took the offer: the host tokens are the request's prefix."""
+        return self.load_staged or self.load is not None or self.load_error is not None
+
+
+@dataclass(eq=False)
+class _Staged:
+    """A load or a reservation deferred to the next forward's start, with its page ids'
+    handle in `HostIndices` (`tokens`: a reservation's whole pages of tokens)."""
+
+    flow: _Flow
+    handle: int
+    tokens: np.ndarray | None = None
 
 
 @dataclass
@@ -108,8 +138,8 @@ class PluginStats:
 
     offered_tokens: int = 0  # host_hit_length handed to SGLang
     loaded_tokens: int = 0  # tokens whose load landed
-    failed_loads: int = 0  # loads that aborted after admission (the request failed)
-    refused_loads: int = 0  # loads that could not start (SGLang recomputed)
+    failed_loads: int = 0  # loads that aborted or were refused after admission (the request failed)
+    refused_loads: int = 0  # offers without device room (SGLang recomputed)
     reserved_pages: int = 0  # write-through reservations
     duplicate_waits: int = 0  # backups whose source slots SGLang freed as duplicates (waited for)
 
@@ -124,7 +154,10 @@ class HiCacheCpRadixCache(RadixCache):
         draft_pools: tuple[Any, ...] = (),
         agreement: Agreement | None = None,
         env: dict[str, str] | None = None,
+        forward_stream: Any = None,
     ) -> None:
+        """`forward_stream`: the model runner's forward stream (the fence of copies the
+        scheduler thread submits); None where there is none (CPU)."""
         self._flows: dict[CacheRequestHandle, _Flow] = {}
         super().__init__(params)
         target = params.token_to_kv_pool_allocator.get_kvcache()
@@ -133,7 +166,12 @@ class HiCacheCpRadixCache(RadixCache):
         self._agreement = agreement
         self._events = recorder_log(self.kv_events)  # L2/L3 events into SGLang's recorder, when it has one on
         self.cache = self._make_cache()
-        self.copies = ForwardCopies(self.cache)
+        self.fence = ForwardFence(forward_stream)
+        self.indices = HostIndices()
+        self._staged: list[_Staged] = []
+        self.copies = ForwardCopies(
+            self.cache, self.kv.read_ahead, prepare=self._start_staged, cuda=self.cache.device_pool.is_cuda
+        )
         self.stats = PluginStats()
         self.hooks = {Model.TARGET: LayerHooks(self.copies, Model.TARGET)}
         target.register_layer_transfer_counter(self.hooks[Model.TARGET])
@@ -144,8 +182,9 @@ class HiCacheCpRadixCache(RadixCache):
             self.hooks.setdefault(Model.DRAFT, hooks)
             first += pool.layer_num
         logger.info(
-            "hicache-cp: L2 of %s under SGLang: %d device pages of %d tokens, L2 %d pages (%.1f MiB, %s), io %s",
-            self.cache.layout.describe(), self.kv.num_pages, self.page_size, self.cache.host_pool.physical_pages,
+            "hicache-cp: L2 of %s (%s) under SGLang: %d device pages of %d tokens, L2 %d pages (%.1f MiB, %s), io %s",
+            self.cache.layout.describe(), self.kv.describe(), self.kv.num_pages, self.page_size,
+            self.cache.host_pool.physical_pages,
             self.cache.host_pool.split.used_bytes / 2**20, "pinned" if self.cache.host_pool.pinned else "plain",
             self.cache.engine.name,
         )
@@ -164,7 +203,7 @@ class HiCacheCpRadixCache(RadixCache):
             return base
         handle = req.cache_request_handle
         flow = self._flows.get(handle)
-        if flow is not None and flow.load is not None:
+        if flow is not None and flow.admitted:
             return base  # admitted already: the load is the request's prefix
         self._drop_offer(handle)
         if not _eligible(req):
@@ -187,7 +226,7 @@ class HiCacheCpRadixCache(RadixCache):
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any]:  # type: ignore[override]
         req, node = params.req, params.best_match_node
         flow = self._flows.get(req.cache_request_handle) if req is not None else None
-        if flow is None or flow.match is None or flow.load is not None or params.host_hit_length <= 0:
+        if flow is None or flow.match is None or flow.admitted or params.host_hit_length <= 0:
             return 0, node
         if params.host_hit_length != flow.host_tokens:
             raise ValueError(
@@ -198,15 +237,8 @@ class HiCacheCpRadixCache(RadixCache):
         if slots is None:
             self._refuse(req, flow, "no device slots")
             return 0, node
-        pages = slots[:: self.page_size].cpu().numpy() // self.page_size  # one small copy per admitted load
-        try:
-            load = self.cache.load_into(flow.match, pages, flow.device_len // self.page_size)
-        except CopyFailed as exc:
-            self.token_to_kv_pool_allocator.free(slots)
-            self._refuse(req, flow, str(exc))
-            return 0, node
-        flow.load, flow.loaded_slots, flow.kv = load, slots, req.kv
-        self.copies.stage_load(load)
+        flow.load_staged, flow.loaded_slots, flow.kv = True, slots, req.kv
+        self._staged.append(_Staged(flow, self.indices.add(slots[:: self.page_size])))
         return flow.host_tokens, node
 
     def load_back_is_cache_owned(self) -> bool:
@@ -231,21 +263,60 @@ class HiCacheCpRadixCache(RadixCache):
         if whole <= req.prefix_len - req.prefix_len % self.page_size:
             return
         flow = self._flows.setdefault(req.cache_request_handle, _Flow())
+        flow.kv = req.kv
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :whole : self.page_size]
-        device_pages = row.cpu().numpy() // self.page_size
-        tokens = np.frombuffer(req.full_untruncated_fill_ids[:whole], dtype=np.int64)
+        tokens = np.frombuffer(req.full_untruncated_fill_ids[:whole], dtype=np.int64).copy()
+        self._staged.append(_Staged(flow, self.indices.add(row), tokens))
+
+    def _start_staged(self) -> None:
+        """At the forward's start (`ForwardCopies.begin`, on the forward's stream): the
+        step's page ids read once, then the staged loads submitted and the staged
+        reservations made, in the order SGLang staged them."""
+        staged, self._staged = self._staged, []
+        if not staged:
+            return
+        slots = self.indices.resolve()
+        for item in staged:
+            pages = slots[item.handle] // self.page_size
+            if item.tokens is None:
+                self._start_load(item.flow, pages)
+            else:
+                self._reserve(item.flow, item.tokens, pages)
+
+    def _start_load(self, flow: _Flow, pages: np.ndarray) -> None:
+        """Submit an admitted load (every layer of every part). A refusal fails the request
+        at its checkpoint: its forward is about to read those pages."""
+        assert flow.match is not None and flow.load_staged
+        flow.load_staged = False
+        try:
+            flow.load = self.cache.load_into(flow.match, pages, flow.device_len // self.page_size)
+        except CopyFailed as exc:
+            flow.load_error = f"the copy engine refused the load at the forward's start: {exc}"
+            logger.warning("hicache-cp: %s", flow.load_error)
+            return
+        self.copies.stage_load(flow.load)
+
+    def _reserve(self, flow: _Flow, tokens: np.ndarray, device_pages: np.ndarray) -> None:
+        """Write-through reservations for the whole pages L2 lacks (none for a request
+        whose load was refused: its forward computes from pages that never landed)."""
+        if flow.load_error is not None:
+            return
         after = [flow.load] if flow.load is not None and flow.load.state is not LoadState.DONE else []
         ops = self.cache.reserve_host_copy(tokens, device_pages, after=after)
         if ops:
-            flow.kv = req.kv
             flow.backups.extend(ops)
             self.stats.reserved_pages += sum(len(op.device_pages) for op in ops)
             self.copies.stage_backups(ops)
 
     def checkpoint(self, req: Req, *, up_to: int, **kwargs: Any) -> None:  # type: ignore[override]
-        self.copies.finish()
+        self._finish_forward()
         flow = self._flows.get(req.cache_request_handle)
-        if flow is not None and flow.load is not None and flow.match is not None and not self._load_ok(req, flow):
+        if flow is not None and flow.load_staged:
+            raise AssertionError(
+                f"hicache-cp: request {req.rid} reached its checkpoint with its load never submitted: its forward "
+                "did not start through the TP worker's set_hicache_consumer"
+            )
+        if flow is not None and flow.match is not None and flow.admitted and not self._load_ok(req, flow):
             return
         super().checkpoint(req, up_to=up_to)
         if flow is None:
@@ -258,7 +329,7 @@ class HiCacheCpRadixCache(RadixCache):
 
     def flush_pending_backups(self) -> None:
         """After every batch: commit or abort what landed, unlock decided paths, free room."""
-        self.copies.finish()
+        self._finish_forward()
         self.cache.poll()
         for flow in list(self._flows.values()):
             flow.backups = [op for op in flow.backups if op.active]
@@ -279,6 +350,7 @@ class HiCacheCpRadixCache(RadixCache):
         reading those slots is waited for first (only on abort paths do any remain)."""
         for flow in self._flows.values():
             if flow.kv is kv:
+                self._unstage(flow)
                 _wait_copies([op for op in (flow.load, *flow.backups) if op is not None and self._touches(op, ranges)])
         super().free_kv_row(kv, ranges)
 
@@ -293,12 +365,14 @@ class HiCacheCpRadixCache(RadixCache):
         if flow is None:
             return
         flow.kv = None
+        self._unstage(flow)
         self._drop_offer(req.cache_request_handle)
-        if not checkpointed and flow.load is not None and flow.match is not None:
+        if not checkpointed and flow.match is not None and flow.admitted:
             # Released before its checkpoint (an abort): its copies returned in free_kv_row;
             # decide the load on every rank, then its L2 source pages may be evicted.
-            _wait_copies([flow.load])
-            self.cache.poll()
+            if flow.load is not None:
+                _wait_copies([flow.load])
+                self.cache.poll()
             self.cache.release(flow.match.last_node)
             flow.match = None
         if not checkpointed:
@@ -308,7 +382,11 @@ class HiCacheCpRadixCache(RadixCache):
         flow = self._flows.get(handle)
         if flow is None:
             return
-        if flow.load is None:
+        if flow.load_staged:  # never submitted: nothing writes its slots
+            self._unstage(flow)
+            self.cache.release(flow.match.last_node)
+            flow.match = None
+        if not flow.admitted:
             self._drop_offer(handle)
         self._abort_unwritten(flow)
 
@@ -320,6 +398,8 @@ class HiCacheCpRadixCache(RadixCache):
         for handle in list(self._flows):
             self._drop_offer(handle)
         self._flows.clear()
+        self._staged.clear()
+        self.indices.resolve()
         self.cache.drain()
         self.cache.close()
         self.cache = self._make_cache()
@@ -339,24 +419,35 @@ class HiCacheCpRadixCache(RadixCache):
             self.evict(EvictParams(num_tokens=n - allocator.available_size()))
         return allocator.alloc(n)
 
+    def _finish_forward(self) -> None:
+        """The finished forward's remaining backup layers, from the scheduler thread:
+        ordered behind the forward stream (`fence`)."""
+        if self.copies.unfinished:
+            with self.fence.behind_forward():
+                self.copies.finish()
+        else:
+            self.copies.finish()
+
     def _load_ok(self, req: Req, flow: _Flow) -> bool:
         """Decide the request's load (its forward waited for it); False: the request fails."""
         load = flow.load
-        assert load is not None
-        _wait_copies([load])
-        self.cache.poll()
-        if load.active:
-            raise AssertionError(f"hicache-cp: load {load.id} of {req.rid} undecided after its copies returned")
+        if load is not None:
+            _wait_copies([load])
+            self.cache.poll()
+            if load.active:
+                raise AssertionError(f"hicache-cp: load {load.id} of {req.rid} undecided after its copies returned")
+        assert flow.match is not None
         self.cache.release(flow.match.last_node)
         flow.match = None
-        if load.state is LoadState.DONE:
+        if load is not None and load.state is LoadState.DONE:
             self.stats.loaded_tokens += flow.host_tokens
             flow.loaded_slots = None
             return True
         self.stats.failed_loads += 1
+        why = flow.load_error if load is None else load.error
         message = (
             f"hicache-cp: the host-to-device load of {flow.host_tokens} tokens at token {flow.device_len} failed "
-            f"after the forward read them ({load.error}); the request is failed, nothing of it is cached"
+            f"after the forward read them ({why}); the request is failed, nothing of it is cached"
         )
         logger.warning("%s (request %s)", message, req.rid)
         req.skip_radix_cache_insert = True
@@ -378,6 +469,12 @@ class HiCacheCpRadixCache(RadixCache):
         for op in unwritten:
             self.cache.abort_backup(op)
 
+    def _unstage(self, flow: _Flow) -> None:
+        """Drop `flow`'s staged load and reservations (its slots go back before its forward)."""
+        if any(item.flow is flow for item in self._staged):
+            self._staged = [item for item in self._staged if item.flow is not flow]
+        flow.load_staged = False
+
     def _refuse(self, req: Req, flow: _Flow, why: str) -> None:
         self.stats.refused_loads += 1
         logger.warning("hicache-cp: load for %s not started (%s); SGLang recomputes it", req.rid, why)
@@ -385,7 +482,7 @@ class HiCacheCpRadixCache(RadixCache):
 
     def _drop_offer(self, handle: CacheRequestHandle) -> None:
         flow = self._flows.get(handle)
-        if flow is not None and flow.match is not None and flow.load is None:
+        if flow is not None and flow.match is not None and not flow.admitted:
             self.cache.release(flow.match.last_node)
             flow.match = None
             flow.host_tokens = 0
@@ -411,7 +508,7 @@ class HiCacheCpRadixCache(RadixCache):
 
     def _forget_idle(self) -> None:
         for handle, flow in list(self._flows.items()):
-            idle = flow.kv is None and flow.match is None and not flow.locks and not flow.backups
+            idle = flow.kv is None and flow.match is None and not flow.locks and not flow.backups and not flow.load_staged
             if idle and (flow.load is None or not flow.load.active):
                 del self._flows[handle]
 

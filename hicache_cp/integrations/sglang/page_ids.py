@@ -1,0 +1,71 @@
+"""Device page ids read on the host once per forward, never once per request.
+
+SGLang keeps a request's token slots on the device (its allocator's free
+list, the request-to-token table), while hicache-cp's copy engines take
+CPU page lists. Reading a device index tensor on the host (`.cpu()`,
+`.tolist()`) synchronises the scheduler thread with the GPU: one such read
+per admitted request stalls scheduling behind every forward in flight.
+`HostIndices` batches them:
+
+    add(slots)      scheduling (init_load_back, maybe_hand_to_session): a
+                    non-blocking copy into pinned host memory on the caller's
+                    current stream (SGLang's schedule stream) and an event
+                    after it; no host wait. Returns a handle.
+    resolve()       once per forward, where the staged copies are submitted
+                    (the forward's start): one host wait on the last event
+                    (the schedule stream's work up to the last `add`, i.e.
+                    the allocation kernels of this step), then every handle's
+                    values as int64 numpy arrays.
+
+On a CPU device the tensors are cloned (no synchronisation exists). The
+counters say how often the host waited (`waits`), how many tensors it
+read (`reads`) and how many batched reads there were (`resolves`), for the
+tests and the logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class HostIndices:
+    """Index tensors staged for one host read per forward (see the module docstring)."""
+
+    _staged: list[torch.Tensor] = field(default_factory=list)
+    _event: Any = None  # torch.cuda.Event after the last staged copy
+    waits: int = 0  # host waits on the GPU (CUDA only)
+    reads: int = 0  # tensors read
+    resolves: int = 0  # batched reads (at most one a forward)
+
+    def add(self, values: torch.Tensor) -> int:
+        """Stage a 1-D index tensor for the next `resolve`; returns its handle. No host sync."""
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values.contiguous(), non_blocking=True)
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(values.device))
+        else:
+            host = values.clone()
+        self._staged.append(host)
+        return len(self._staged) - 1
+
+    def __len__(self) -> int:
+        return len(self._staged)
+
+    def resolve(self) -> list[np.ndarray]:
+        """Every staged tensor's values (int64), after at most one host wait; clears the stage."""
+        staged, self._staged = self._staged, []
+        if not staged:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+            self.waits += 1
+        self.resolves += 1
+        self.reads += len(staged)
+        return [t.numpy().astype(np.int64, copy=False) for t in staged]
