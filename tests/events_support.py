@@ -19,7 +19,7 @@ from typing import Any
 
 
 def shared_trace() -> Path | None:
-    """The public trace beside the checkout (`../shared/traces`, as test_replay finds it), or
+    """The public trace beside the checkout (`shared/traces` beside it, as test_replay finds it), or
     beside the main checkout when this is a worktree of it; None when neither has it."""
     name = Path("shared") / "traces" / "synthetic_trace.jsonl"
     here = Path(__file__).resolve().parents[2]

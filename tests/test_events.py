@@ -78,7 +78,7 @@ def embedded(n: int | None = None) -> list[np.ndarray]:
 
 def trace(n: int | None) -> list[np.ndarray]:
     if SHARED_TRACE is None:
-        pytest.skip("the public trace (../shared/traces/synthetic_trace.jsonl) is not here")
+        pytest.skip("the public trace (shared/traces/synthetic_trace.jsonl beside the checkout) is not here")
     return [request_tokens(r, PAGE) for r in load_trace(SHARED_TRACE, limit=n)]
 
 

@@ -56,7 +56,7 @@ def test_replay_stream_rebuilds_every_tier_exactly(fmt: str, workload: str, tmp_
     argv = ["replay", "--kv-events", endpoint, "--kv-events-format", fmt, "--json", str(out)]
     if workload == "trace":
         if SHARED_TRACE is None:
-            pytest.skip("the public trace (../shared/traces/synthetic_trace.jsonl) is not here")
+            pytest.skip("the public trace (shared/traces/synthetic_trace.jsonl beside the checkout) is not here")
         argv += ["--trace", str(SHARED_TRACE)]
     assert main(argv) == 0
     report = json.loads(out.read_text())

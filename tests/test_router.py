@@ -36,7 +36,7 @@ def test_host_tier_events_route_to_more_host_hits(workload: str, fmt: str) -> No
     from hicache_cp.harness.kv_events import engine_format
 
     if workload == "trace" and SHARED_TRACE is None:
-        pytest.skip("the public trace (../shared/traces/synthetic_trace.jsonl) is not here")
+        pytest.skip("the public trace (shared/traces/synthetic_trace.jsonl beside the checkout) is not here")
     requests = load_trace(SHARED_TRACE) if workload == "trace" else default_workload(seed=0)
     config = sized(requests, 0.1, 3.0 if workload == "trace" else 1.2)  # the embedded prompts are longer
     out = compare([request_tokens(r, PAGE) for r in requests], config, engine_format(fmt))
