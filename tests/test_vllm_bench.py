@@ -310,6 +310,27 @@ def offloading_worker(connector) -> HostCopyOffloadingWorker:
 # ---- the bench ------------------------------------------------------------------------------
 
 
+class _HookedContext:
+    """The forward context `start_load_kv` sees in an eager or piecewise step: attention
+    metadata present, no full-graph replay (vLLM then calls the per-layer hooks)."""
+
+    attn_metadata: dict = {"bench": None}
+    cudagraph_runtime_mode = None
+
+
+def wait_worker_saves(connector) -> None:
+    """Test double for "the device finished the step's copies before the host asked":
+    wait for every save copy the worker has in flight, so the step's report holds
+    their verdicts (the connector itself never waits for a save)."""
+    side = getattr(connector, "worker_side", None)
+    for _, op in list(side._saves.values()) if side is not None else ():
+        for t in op.inflight:
+            try:
+                t.wait()
+            except Exception:  # noqa: BLE001 - a failed copy: its verdict reports it
+                pass
+
+
 def copy_jobs(meta) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
     """(loads, saves) of one step's connector metadata, each (req id, first page, pages)."""
     if isinstance(meta, OffloadingConnectorMetadata):
@@ -346,6 +367,8 @@ class Bench:
     mismatches: list[tuple[str, str, int]] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     held: dict[int, list[KVConnectorOutput]] = field(default_factory=dict)  # worker -> reports not yet delivered
+    settle_saves: bool = True  # the GPU finished the step's saves before the host reports (deterministic)
+    defer_finalize: bool = False  # vLLM's step order with a speculative draft model
     _n: int = 0
 
     def __post_init__(self) -> None:
@@ -424,13 +447,42 @@ class Bench:
         return rec
 
     def _forward(self, w, kv, meta, so, work, ids) -> ModelRunnerOutput:
-        """One worker's forward, as vLLM's model runner calls the connector."""
+        """One worker's forward, as vLLM 0.33's V2 model runner calls the connector
+        (`vllm/v1/worker/gpu/kv_connector.py`): handle_preemptions and bind before the
+        forward, sync loads started before it, the per-layer hooks inside it, then
+        `post_forward`. With `defer_finalize` (a speculative model), `post_forward`
+        reports before the draft (MTP) layers run and `wait_for_save` comes after them."""
+        w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
-        if so.preempted_req_ids:
-            w.handle_preemptions(meta)
         if so.has_sync_kv_loads:
-            w.start_load_kv(None)
-        for spec in self.specs:
+            w.start_load_kv(_HookedContext())
+        draft = [s for s in self.specs if s.layer >= TARGET_LAYERS]
+        target = [s for s in self.specs if s.layer < TARGET_LAYERS]
+        self._layers(w, kv, target, work)
+        if not so.has_sync_kv_loads:
+            w.start_load_kv(_HookedContext())
+        if self.defer_finalize:
+            out = self._post_forward(w, so)
+            self._layers(w, kv, draft, work)
+            w.wait_for_save()
+        else:
+            self._layers(w, kv, draft, work)
+            w.wait_for_save()
+            if self.settle_saves:
+                wait_worker_saves(w)
+            out = self._post_forward(w, so)
+        w.clear_connector_metadata()
+        sampled = []
+        for rid in ids:
+            req = self.sched.requests.get(rid)
+            done_prefill = req is not None and req.num_computed_tokens >= req.num_tokens
+            sampled.append([SAMPLED] if done_prefill else [])
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled, kv_connector_output=out)
+
+    def _layers(self, w, kv, specs, work) -> None:
+        """Run `specs` in forward order: check what each reads, write, call the hooks."""
+        for spec in specs:
             if not spec.indexer:
                 w.wait_for_layer_load(spec.name)  # vLLM's attention wrapper; the indexer runs before it, unwaited
             t = kv[spec.name]
@@ -441,31 +493,26 @@ class Bench:
                     t[self._index(blocks, pos)] = kv_rows(tokens, pos, spec).to(t.device)
             if not spec.indexer:
                 w.save_kv_layer(spec.name, t, None)
-        if not so.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
+
+    @staticmethod
+    def _post_forward(w, so) -> KVConnectorOutput:
         results = w.get_transfer_results(so.finished_req_ids)
-        out = KVConnectorOutput(
+        return KVConnectorOutput(
             finished_sending=results.finished_sending, finished_recving=results.finished_recving,
             failed_recving=results.failed_recving, invalid_block_ids=set(w.get_block_ids_with_load_errors()),
             kv_connector_stats=w.get_kv_connector_stats(), kv_connector_worker_meta=w.build_connector_worker_meta(),
         )
-        w.clear_connector_metadata()
-        sampled = []
-        for rid in ids:
-            req = self.sched.requests.get(rid)
-            done_prefill = req is not None and req.num_computed_tokens >= req.num_tokens
-            sampled.append([SAMPLED] if done_prefill else [])
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled, kv_connector_output=out)
 
     def run(self, max_steps: int = 50) -> list[StepRecord]:
-        """Step until every request finished."""
+        """Step until every request finished and vLLM freed its blocks; returns the steps
+        that scheduled tokens (a step that only carries reports is in `steps` alone)."""
         records = []
         for _ in range(max_steps):
             if not self.sched.requests:
                 return records
-            records.append(self.step())
+            rec = self.step()
+            if rec.scheduled:
+                records.append(rec)
         raise AssertionError(f"requests still unfinished after {max_steps} steps: {list(self.sched.requests)}")
 
     def _index(self, blocks, pos: np.ndarray):

@@ -278,7 +278,7 @@ def test_vllm_load_waits_are_per_layer(new_bench):
     seen = []
     b.set_fault(lambda d, part, layer: seen.append((d, layer)))  # an observer: no copy fails
     b.worker.bind_connector_metadata(so.kv_connector_metadata)
-    b.worker.start_load_kv(None)
+    b.worker.start_load_kv(H._HookedContext())
     (_, op), = w._loads
     assert op.state is LoadState.LOADING
     b.worker.wait_for_layer_load(H.LAYERS[0])
@@ -286,6 +286,7 @@ def test_vllm_load_waits_are_per_layer(new_bench):
         torch.cuda.current_stream().synchronize()
     assert op.by_layer[(Part.TARGET_KV, 0)][0].query().value == "done"
     b.worker.wait_for_save()
+    assert b.worker.get_block_ids_with_load_errors() == set()  # the step's end waits for its loads
     assert seen == [(Direction.H2D, 0), (Direction.H2D, 1)]  # layer order, one copy per layer
 
 
