@@ -434,12 +434,14 @@ class Bench:
                 inject_fault(engine, hook)
 
     def add(
-        self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None, cache_salt: str | None = None
+        self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None, cache_salt: str | None = None,
+        lora=None,
     ) -> str:
         self._n += 1
         rid = req_id or f"r{self._n}"
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(rid, list(prompt), params, None, block_hasher=self.hasher, cache_salt=cache_salt)
+        request = Request(rid, list(prompt), params, None, block_hasher=self.hasher, cache_salt=cache_salt,
+                          lora_request=lora)
         self.sched.add_request(request)
         return rid
 

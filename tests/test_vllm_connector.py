@@ -564,3 +564,97 @@ def test_vllm_preempted_requests_saves_are_waited_for_before_the_step(model_dir)
         assert count == 1 and error is None
     finally:
         b.close()
+
+
+# ---- the tests issue 48 found missing -----------------------------------------------------
+
+
+def test_vllm_tp_save_failed_by_the_worker_that_reports_first_still_aborts(model_dir):
+    """Worker 1 fails a save and reports at once; worker 0 landed it and reports a step
+    later. The job is decided on both reports together: aborted, never visible."""
+    b = H.make_bench(model_dir, workers=2)
+    try:
+        b.set_fault(lambda d, part, layer: (_ for _ in ()).throw(RuntimeError("worker 1 D2H"))
+                    if d is Direction.D2H else None, worker=1)
+        b.add(P)
+        s = b.step(hold={0})  # worker 1's failure arrives now, worker 0's success next step
+        assert s.saves == [("r1", 0, 5)]
+        assert b.side.in_flight_jobs() == 1 and b.cache.metrics.backups_aborted == 0
+        b.set_fault(None)
+        b.run()
+        assert b.cache.metrics.backups_aborted == 1 and b.cache.metrics.backups_committed == 0
+        assert host_hit_pages(b, P) == 0
+        settled(b)
+    finally:
+        b.close()
+
+
+def test_vllm_v32_mtp_indexer_sees_loaded_bytes_under_a_slow_copy(new_bench):
+    """The MTP draft layer's indexer reads its keys before the draft attention's hook:
+    a slow H2D of them is waited for at the last target layer's hook, never read early."""
+    b = new_bench(shape="v32")
+    if b.device != "cpu":
+        pytest.skip("the fault hook slows a copy only on the CPU engine")
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+    for kv in b.kv:
+        for t in kv.values():
+            t.view(torch.uint8).fill_(0x5A)
+
+    def slow(direction, part, layer):
+        if (direction, part, layer) == (Direction.H2D, Part.DRAFT_STATE, 0):
+            time.sleep(0.2)
+
+    b.set_fault(slow)
+    b.add(P)
+    (s,) = b.run()
+    assert s.loads == [("r2", 0, 5)] and b.mismatches == []
+    settled(b)
+
+
+def test_vllm_defer_finalize_reports_a_failed_load_in_its_own_step(new_bench):
+    """vLLM's step order with a draft model: post_forward (load errors, reports) runs before
+    the draft layers and wait_for_save. A failing load's blocks are still reported
+    invalid in the step that ran it, and vLLM recomputes them."""
+    b = new_bench(shape="v32")
+    b.defer_finalize = True
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+
+    def fault(direction, part, layer):
+        if direction is Direction.H2D and part is Part.DRAFT_KV:
+            raise RuntimeError("injected draft H2D fault")
+
+    b.set_fault(fault)
+    b.add(P)
+    s = b.step()
+    assert s.loads == [("r2", 0, 5)]
+    assert s.invalid_blocks == set(b.sched.kv_cache_manager.get_block_ids("r2")[0][:5])
+    assert b.sched.requests["r2"].num_computed_tokens == 0
+    b.mismatches.clear()
+    b.set_fault(None)
+    steps = b.run()
+    assert steps[0].scheduled == {"r2": (0, 85)} and b.side.stats.loads_failed == 1 and b.mismatches == []
+    settled(b)
+
+
+def test_vllm_lora_and_extra_keys_make_a_request_ineligible(new_bench):
+    """vLLM puts a request's LoRA adapter (and any extra key) in its block hashes: equal
+    tokens, other KV. Such a request neither loads nor saves; its twin without them does."""
+    from vllm.lora.request import LoRARequest
+
+    b = new_bench()
+    rid = b.add(P, lora=LoRARequest("adapter-a", 1, "/nonexistent/adapter-a"))
+    (s,) = b.run()
+    assert s.scheduled == {rid: (0, 85)} and s.saves == [] and b.side.stats.lookups == 0
+    b.add(P)
+    (s,) = b.run()
+    assert s.saves == [("r2", 0, 5)]
+    b.drop_vllm_prefix_cache()
+    rid = b.add(P, lora=LoRARequest("adapter-a", 1, "/nonexistent/adapter-a"))
+    (s,) = b.run()
+    assert s.scheduled == {rid: (0, 85)} and s.loads == []  # r2's pages are not offered to it
+    assert b.side.stats.lookups == 1  # r2's only
+    settled(b)

@@ -67,6 +67,7 @@ class WorkerSide:
         self._saves: dict[int, tuple[CopyJob, BackupOp]] = {}  # submitted, verdict not recorded yet
         self._sealed: set[int] = set()  # saves whose every layer was submitted (`wait_for_save` ran)
         self._delayed: set[str] = set()  # finished requests vLLM keeps the blocks of for us
+        self._absorbed: HiCacheMetadata | None = None  # the step metadata whose `delayed` is in
         self._results: dict[int, tuple[int, str | None]] = {}
         self._load_errors: set[int] = set()
         self._warned_fallback = False
@@ -88,6 +89,7 @@ class WorkerSide:
     def handle_preemptions(self, meta: HiCacheMetadata) -> None:
         """Wait (host) for the saves of requests preempted this step: vLLM freed their
         blocks at scheduling and this step's writes may reuse them. Rare."""
+        self._absorb(meta)
         if not meta.preempted or not self._saves:
             return
         preempted = set(meta.preempted)
@@ -102,7 +104,7 @@ class WorkerSide:
         `wait_for_layer_load` per layer; when it will not (a full CUDA-graph replay),
         the compute stream waits for every layer of every load here."""
         engine = self._engine(meta)
-        self._delayed.update(meta.delayed)
+        self._absorb(meta)
         for job in meta.loads:
             op = LoadOp(self.layout, job.device_pages, job.host_pages, job.first_position)
             for model in (Model.TARGET, Model.DRAFT):
@@ -187,6 +189,12 @@ class WorkerSide:
                     self._submit_save(job, model, layer)
         if meta is not None:
             self._sealed.update(job.job_id for job in meta.saves)
+            self._absorb(meta)
+
+    def _absorb(self, meta: HiCacheMetadata) -> None:
+        """Take the step's delayed requests, once per step (several calls see its metadata)."""
+        if meta is not self._absorbed:
+            self._absorbed = meta
             self._delayed.update(meta.delayed)
 
     def _collect_saves(self) -> None:
