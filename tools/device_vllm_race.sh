@@ -10,8 +10,8 @@
 # Steps (each logged to $OUT/vllm-race.log, which starts with commit, machine and command):
 #   setup   .vllm/whl into $SITE (pip --no-index --no-deps), vllm-src.tar.gz over it
 #   ops     tools/vllm_ops/build.py: vLLM's own ops from the sdist's csrc -> $SITE/vllm (-> vllm-ops.json)
-#   smoke   tools/vllm_race.py --quick --eager: a small Llama, eager, ours and no connector
-#           (-> vllm-smoke.json): vLLM's runner starts, loads and saves run, outputs equal
+#   smoke   tools/vllm_race.py --quick --eager: a small Llama, eager, with our connector
+#           (-> vllm-smoke.json): vLLM's runner starts, saves commit, pass 2 loads from host
 #   race    tools/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json)
 # Every step has its own timeout; a failed step does not stop the next. Exit: the first failure.
 set -uo pipefail
@@ -32,22 +32,22 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 
 if want ops; then
   step "vLLM's ops from the sdist's csrc (tools/vllm_ops/build.py)"
-  timeout "${OPS_TIMEOUT:-330}" $PY tools/vllm_ops/build.py --csrc .vllm/csrc --site "$SITE" \
+  timeout "${OPS_TIMEOUT:-300}" $PY tools/vllm_ops/build.py --csrc .vllm/csrc --site "$SITE" \
     --json "$DEST/vllm-ops.json" 2>&1 | grep -v "^\[[0-9]*/[0-9]*\] " | tail -40
   keep "${PIPESTATUS[0]}"
 fi
 
 if want smoke; then
-  step "vllm.LLM eager, a small Llama: ours and no connector"
-  timeout "${SMOKE_TIMEOUT:-200}" $PY tools/vllm_race.py --quick --eager --configs hicache,none \
-    --timeout 95 --json "$DEST/vllm-smoke.json" 2>&1 | tail -60
+  step "vllm.LLM eager, a small Llama, our connector"
+  timeout "${SMOKE_TIMEOUT:-100}" $PY tools/vllm_race.py --quick --eager --configs hicache \
+    --timeout 90 --json "$DEST/vllm-smoke.json" 2>&1 | tail -60
   keep "${PIPESTATUS[0]}"
 fi
 
 if want race; then
   step "the race: ours, vLLM's OffloadingConnector, no connector (CUDA graphs)"
-  timeout "${RACE_TIMEOUT:-420}" $PY tools/vllm_race.py --configs hicache,offloading,none \
-    --timeout "${RUN_TIMEOUT:-135}" --json "$DEST/vllm-race.json" 2>&1 | tail -80
+  timeout "${RACE_TIMEOUT:-340}" $PY tools/vllm_race.py --configs hicache,offloading,none \
+    --timeout "${RUN_TIMEOUT:-110}" --json "$DEST/vllm-race.json" 2>&1 | tail -80
   keep "${PIPESTATUS[0]}"
 fi
 echo "exit $rc"

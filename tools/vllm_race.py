@@ -189,6 +189,8 @@ def run_one(args: argparse.Namespace) -> dict:
                            "generated_per_s": round(sum(len(o) for o in outputs["batch"]) / wall, 1)}
         report["ttft_ms"] = {k: {"p50": _ms(_pct(v, 50)), "p90": _ms(_pct(v, 90)), "n": len(v)} for k, v in ttft.items()}
         report["prompt_tokens"] = prompt_token_counters(llm)
+        by_source = report["prompt_tokens"].get("prompt_tokens_by_source", {})
+        report["host_tokens"] = by_source.get("external_kv_transfer", 0)
         report["connector_host_time_per_step"] = timer.summary() if args.one != "none" else None
         report["outputs"] = outputs
         report["ok"] = True
@@ -272,7 +274,7 @@ def main() -> int:
     ap.add_argument("--host-bytes", type=int, default=4 << 30, help="host bytes for either connector")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per configuration")
     args = ap.parse_args()
-    if args.quick:
+    if args.quick and not args.one:
         args.docs, args.doc_len, args.gpu_blocks, args.host_bytes = 6, 512, 160, 1 << 30
     if args.one:
         report = run_one(args)
@@ -284,28 +286,28 @@ def main() -> int:
     runs: dict[str, dict] = {}
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k in ("docs", "doc_len", "suffix_len", "gen", "gpu_blocks", "host_bytes")]
+    result = {"commit": os.environ.get("HICACHE_COMMIT") or git_commit(), "machine": machine(),
+              "command": " ".join(["python3", "tools/vllm_race.py", *sys.argv[1:]]),
+              "params": {k: v for k, v in vars(args).items() if k not in ("json", "one", "out")},
+              "model": QUICK if args.quick else LLAMA, "runs": runs}
     for name in args.configs.split(","):
         out = Path(tempfile.mkdtemp()) / f"{name}.json"
         cmd = [sys.executable, __file__, "--one", name, "--out", str(out), *passthrough]
         cmd += ["--eager"] if args.eager else []
+        cmd += ["--quick"] if args.quick else []
         print(f"=== {name}: {' '.join(cmd[1:])}", flush=True)
         try:
             subprocess.run(cmd, timeout=args.timeout, check=False)
+            runs[name] = json.loads(out.read_text()) if out.exists() else {
+                "config": name, "ok": False, "error": "no report written"}
         except subprocess.TimeoutExpired:
             runs[name] = {"config": name, "ok": False, "error": f"timed out after {args.timeout} s"}
-            continue
-        runs[name] = json.loads(out.read_text()) if out.exists() else {"config": name, "ok": False,
-                                                                         "error": "no report written"}
-    result = {"commit": os.environ.get("HICACHE_COMMIT") or git_commit(), "machine": machine(),
-              "command": " ".join(["python3", "tools/vllm_race.py", *sys.argv[1:]]),
-              "params": {k: v for k, v in vars(args).items() if k not in ("json", "one", "out")},
-              "model": QUICK if args.quick else LLAMA, "runs": runs, "identity": compare(runs)}
-    text = table(runs)
-    result["table"] = text
-    print(text)
+        result["identity"] = compare(runs)
+        result["table"] = table(runs)
+        if args.json:  # after every configuration: a run cut short keeps what finished
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(result["table"])
     print(json.dumps(result["identity"], indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if all(r.get("ok") for r in runs.values()) else 1
 
 
