@@ -1,6 +1,6 @@
 """hicache-cp as the host tier of a vLLM 0.33 server: a KV connector.
 
-Loaded by vLLM from `--kv-transfer-config` (see `connector.py` and docs/vllm.md):
+Loaded by vLLM from `--kv-transfer-config` (see `connector.py` and docs/integrations/vllm.md):
 
     {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache_cp.integrations.vllm",
      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
