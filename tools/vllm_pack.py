@@ -22,11 +22,8 @@ venv (scripts/install_vllm.sh):
                             never committed): the vLLM sdist's csrc files that
                             tools/vllm_ops/build.py compiles on the device (`SOURCES` there)
                             and every header they include from it, and the headers
-                            `cutlass/cutlass.h` needs from the nvidia-cutlass wheel:
-        pip download --no-deps nvidia-cutlass==4.2.0.0 -d /tmp/cutlass
-        pip download --no-deps --no-binary :all: vllm==0.33.0 -d /tmp/vllm-sdist
-        (pip's metadata step needs vLLM's build requirements; with VLLM_TARGET_DEVICE=empty
-        and --no-build-isolation it runs, and the file URL it prints downloads as is)
+                            `cutlass/cutlass.h` needs from the nvidia-cutlass wheel;
+                            --fetch DIR downloads both there with pip first (see `fetch`)
 
 Run where pip reaches the package index. Idempotent: wheels already in
 .vllm/whl are kept. The total must stay well inside the device call's 64 MiB.
@@ -195,6 +192,30 @@ def pack_csrc(dest: Path, sdist: Path, cutlass_wheel: Path) -> dict:
     return out
 
 
+SDIST = "vllm==0.33.0"
+CUTLASS = "nvidia-cutlass==4.2.0.0"
+
+
+def fetch(where: Path) -> tuple[Path, Path]:
+    """Download the vLLM sdist and the nvidia-cutlass wheel into `where` with pip. pip
+    prepares an sdist's metadata before saving it: vLLM's setup.py then needs
+    setuptools-rust and setuptools-scm (installed into `where`/buildreqs, not the venv),
+    `VLLM_TARGET_DEVICE=empty` (no compiler run) and `VLLM_VERSION_OVERRIDE` (else its
+    version carries "+empty" and pip discards it as inconsistent)."""
+    where.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip"]
+    reqs = where / "buildreqs"
+    subprocess.run([*pip, "install", "-q", "--target", str(reqs), "setuptools-rust", "setuptools-scm"], check=True)
+    env = {**__import__("os").environ, "PYTHONPATH": str(reqs), "VLLM_TARGET_DEVICE": "empty",
+           "VLLM_VERSION_OVERRIDE": SDIST.split("==")[1]}
+    subprocess.run([*pip, "download", "-q", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+                    "-d", str(where), SDIST], check=True, env=env)
+    subprocess.run([*pip, "download", "-q", "--no-deps", "-d", str(where), CUTLASS], check=True)
+    sdist = where / f"vllm-{SDIST.split('==')[1]}.tar.gz"
+    wheel = next(where.glob("nvidia_cutlass-*.whl"))
+    return sdist, wheel
+
+
 def download_wheels(dest: Path) -> list[str]:
     whl = dest / "whl"
     whl.mkdir(parents=True, exist_ok=True)
@@ -220,9 +241,12 @@ def main() -> int:
     ap.add_argument("--dest", type=Path, default=REPO / ".vllm")
     ap.add_argument("--sdist", type=Path, help="vllm-0.33.0.tar.gz: pack the csrc the device build compiles")
     ap.add_argument("--cutlass", type=Path, help="the nvidia-cutlass wheel (with --sdist)")
+    ap.add_argument("--fetch", type=Path, help="download the sdist and the cutlass wheel here, then pack them")
     args = ap.parse_args()
     if (args.sdist is None) != (args.cutlass is None):
         ap.error("--sdist and --cutlass go together")
+    if args.fetch:
+        args.sdist, args.cutlass = fetch(args.fetch)
     args.dest.mkdir(parents=True, exist_ok=True)
     sources = pack_sources(args.dest)
     wheels = download_wheels(args.dest)

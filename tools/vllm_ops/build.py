@@ -58,17 +58,27 @@ CUDA_FLAGS = [*CXX_FLAGS, "-DENABLE_FP8", "--expt-relaxed-constexpr", "--expt-ex
               "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
 
 
-def blas_include_dirs() -> list[str]:
-    """Folders holding cublas_v2.h (vLLM's torch_utils.h includes it for one handle type):
-    the CUDA toolkit's, else the nvidia pip packages' beside torch."""
+def blas_include_dirs(build_dir: Path, report: dict) -> list[str]:
+    """Folders holding cublas_v2.h (vLLM's torch_utils.h includes it for the type of one
+    inline helper, `get_current_cuda_blas_handle`, that none of the built ops calls): the
+    CUDA toolkit's, else the nvidia pip packages' beside torch, else a one-line
+    declaration of that opaque handle type written into the build folder (recorded in
+    the report: it declares a type, it runs nothing)."""
     import torch.utils.cpp_extension as ext
 
     roots = [Path(ext.CUDA_HOME or "/usr/local/cuda") / "include"]
     import torch
 
     site = Path(torch.__file__).resolve().parent.parent
-    roots += sorted(site.glob("nvidia/*/include")) + sorted(site.glob("nvidia/cu*/include"))
-    return [str(r) for r in roots if (r / "cublas_v2.h").exists()]
+    roots += sorted(site.glob("nvidia/*/include"))
+    found = [str(r) for r in roots if (r / "cublas_v2.h").exists()]
+    report["cublas_header"] = found[0] if found else "declaration of cublasHandle_t (no cuBLAS headers here)"
+    if found:
+        return found[:1]
+    decl = build_dir / "cublas-decl"
+    decl.mkdir(parents=True, exist_ok=True)
+    (decl / "cublas_v2.h").write_text("#pragma once\ntypedef struct cublasContext* cublasHandle_t;\n")
+    return [str(decl)]
 
 
 def driver_link_flags() -> list[str]:
@@ -87,15 +97,13 @@ def driver_link_flags() -> list[str]:
     return [f"-L{dirs[0]}", "-l:libcuda.so.1"]
 
 
-def build(csrc: Path, build_dir: Path, jobs: int) -> Path:
+def build(csrc: Path, build_dir: Path, jobs: int, report: dict) -> Path:
     import torch.utils.cpp_extension as ext
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     os.environ["MAX_JOBS"] = str(jobs)
-    includes = [str(csrc), str(csrc.parent / "cutlass" / "include"), *blas_include_dirs()]
-    if len(includes) == 2:
-        raise RuntimeError("cublas_v2.h is in neither the CUDA toolkit nor the nvidia pip packages")
     build_dir.mkdir(parents=True, exist_ok=True)
+    includes = [str(csrc), str(csrc.parent / "cutlass" / "include"), *blas_include_dirs(build_dir, report)]
     sources = [str(HERE / "bindings.cpp"), *(str(csrc / s) for s in SOURCES)]
     return Path(ext.load(
         name="_C_stable_libtorch", sources=sources, extra_cflags=CXX_FLAGS, extra_cuda_cflags=CUDA_FLAGS,
@@ -128,7 +136,7 @@ def main() -> int:
     report: dict = {"sources": SOURCES, "ok": False}
     t0 = time.perf_counter()
     try:
-        lib = build(args.csrc, args.build_dir, args.jobs)
+        lib = build(args.csrc, args.build_dir, args.jobs, report)
         report["build_s"] = round(time.perf_counter() - t0, 1)
         dest = args.site / "vllm" / "_C_stable_libtorch.abi3.so"
         shim = args.site / "vllm" / "_C_stable_libtorch.py"
