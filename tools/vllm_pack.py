@@ -110,6 +110,16 @@ def pack_sources(dest: Path) -> dict:
             "tarball_bytes": out.stat().st_size, "shims": [s.relative_to(SHIMS).as_posix() for s in shims]}
 
 
+def load_build_script():
+    """tools/vllm_ops/build.py as a module (by path: "build" is also a PyPI package's name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_ops_build", REPO / "tools" / "vllm_ops" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
 
 
@@ -150,8 +160,7 @@ def _norm(path: str) -> str:
 def pack_csrc(dest: Path, sdist: Path, cutlass_wheel: Path) -> dict:
     """The csrc files tools/vllm_ops/build.py compiles and their includes, from the sdist;
     the headers cutlass/cutlass.h needs, from the nvidia-cutlass wheel."""
-    sys.path.insert(0, str(REPO / "tools" / "vllm_ops"))
-    from build import SOURCES  # noqa: PLC0415 - the build script's list, beside it
+    sources = load_build_script().SOURCES
 
     out = {}
     with tarfile.open(sdist) as tar:
@@ -162,7 +171,7 @@ def pack_csrc(dest: Path, sdist: Path, cutlass_wheel: Path) -> dict:
             m = members.get(f"{top}/{path}")
             return None if m is None else tar.extractfile(m).read().decode("utf-8", "replace")
 
-        roots = [f"csrc/{s}" for s in SOURCES]
+        roots = [f"csrc/{s}" for s in sources]
         bindings = (REPO / "tools" / "vllm_ops" / "bindings.cpp").read_text()
         roots += [f"csrc/{inc}" for inc in _INCLUDE.findall(bindings)]
         files = include_closure(roots, read_sdist, ["csrc"])

@@ -59,6 +59,7 @@ class StepTimer:
     def __init__(self) -> None:
         self.steps: dict[str, list[float]] = {"scheduler": [], "worker": []}
         self._open = {"scheduler": 0.0, "worker": 0.0}
+        self.methods: dict[str, list[float]] = {}  # method -> [calls, seconds]
 
     def wrap(self, cls: type) -> None:
         for role, names, last in (("scheduler", SCHED_METHODS, "build_connector_meta"),
@@ -75,7 +76,11 @@ class StepTimer:
             try:
                 return real(*a, **kw)
             finally:
-                self._open[role] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                self._open[role] += dt
+                m = self.methods.setdefault(real.__name__, [0, 0.0])
+                m[0] += 1
+                m[1] += dt
                 if closes:
                     self.steps[role].append(self._open[role])
                     self._open[role] = 0.0
@@ -87,6 +92,7 @@ class StepTimer:
             xs = sorted(xs)
             out[role] = {"steps": len(xs), "mean_ms": _ms(sum(xs) / len(xs)) if xs else None,
                          "p50_ms": _ms(_pct(xs, 50)), "p99_ms": _ms(_pct(xs, 99))}
+        out["by_method"] = {name: {"calls": n, "total_ms": _ms(t)} for name, (n, t) in sorted(self.methods.items())}
         return out
 
 
