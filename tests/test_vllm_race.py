@@ -83,3 +83,13 @@ def test_race_timer_splits_roles_and_closes_a_step_at_its_last_call():
     assert s["scheduler"]["steps"] == 3 and s["worker"]["steps"] == 3
     assert s["by_method"]["wait_for_save"]["calls"] == 4
     assert s["scheduler"]["mean_ms"] >= 0
+
+
+def test_race_identity_reports_the_largest_logprob_gap():
+    def run(lp):
+        return {"ok": True, "outputs": {"pass1": [[1]], "pass2": [[2]], "batch": []},
+                "logprobs": {"pass1": [-1.0], "pass2": [lp]}}
+
+    got = vllm_race.compare({"none": run(-2.0), "hicache": run(-2.25), "offloading": run(None)})
+    assert got["hicache"]["max_abs_logprob_delta"] == 0.25 and got["hicache"]["identical"]
+    assert got["offloading"]["max_abs_logprob_delta"] == 0.0  # pass 2 had no logprob: pass 1 only

@@ -176,15 +176,18 @@ def run_one(args: argparse.Namespace) -> dict:
         report["kv_cache_layout"] = llm.llm_engine.vllm_config.cache_config.kv_cache_layout
         report["stage"] = "generate"
         ps = prompts(args.docs, args.doc_len, args.suffix_len, cfg["vocab_size"])
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=0)
         ttft: dict[str, list[float]] = {"pass1": [], "pass2": []}
         outputs: dict[str, list[list[int]]] = {"pass1": [], "pass2": [], "batch": []}
+        logprobs: dict[str, list[float | None]] = {"pass1": [], "pass2": []}
         for name in ("pass1", "pass2"):
             for p in ps[name]:
                 t = time.perf_counter()
                 (out,) = llm.generate([TokensPrompt(prompt_token_ids=p)], one, use_tqdm=False)
                 ttft[name].append(time.perf_counter() - t)
                 outputs[name].append(list(out.outputs[0].token_ids))
+                logprobs[name].append(sampled_logprob(out.outputs[0]))
+        report["logprobs"] = logprobs
         gen = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True, detokenize=False)
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps["batch"]], gen, use_tqdm=False)
@@ -209,6 +212,16 @@ def run_one(args: argparse.Namespace) -> dict:
     return report
 
 
+def sampled_logprob(completion) -> float | None:
+    """The log-probability of the one sampled token (None where vLLM returned none): a
+    sensitive check of the KV it attended to, compared across the configurations."""
+    lps = getattr(completion, "logprobs", None)
+    if not lps:
+        return None
+    entry = lps[0].get(completion.token_ids[0]) if hasattr(lps[0], "get") else None
+    return None if entry is None else float(getattr(entry, "logprob", entry))
+
+
 def prompt_token_counters(llm) -> dict:
     """vLLM's own prompt-token counters: by source (local_compute, local_cache_hit,
     external_kv_transfer) and cached by tier (device, host, ...)."""
@@ -230,13 +243,18 @@ def compare(runs: dict[str, dict]) -> dict:
     base_name = "none" if "none" in ok else next(iter(ok))
     base = ok[base_name]["outputs"]
     out = {"baseline": base_name}
+    base_lp = ok[base_name].get("logprobs") or {}
     for name, r in ok.items():
         diff = [(phase, i) for phase in base for i, (a, b) in enumerate(zip(base[phase], r["outputs"][phase])) if a != b]
         out[name] = {"identical": not diff, "differing": diff[:10]}
+        deltas = [abs(a - b) for phase in base_lp for a, b in zip(base_lp[phase], (r.get("logprobs") or {}).get(phase, []))
+                  if a is not None and b is not None]
+        if deltas:
+            out[name]["max_abs_logprob_delta"] = max(deltas)
     return out
 
 
-def table(runs: dict[str, dict]) -> str:
+def table(runs: dict[str, dict], identity: dict | None = None) -> str:
     def row(label, f):
         return f"| {label} | " + " | ".join(f(runs[k]) if runs[k].get("ok") else "failed" for k in runs) + " |"
 
@@ -261,6 +279,12 @@ def table(runs: dict[str, dict]) -> str:
              row("scheduler-side host ms/step mean / p99", lambda r: host(r, "scheduler")),
              row("worker-side host ms/step mean / p99", lambda r: host(r, "worker")),
              row("CUDA graphs", lambda r: r.get("cudagraph_mode", "-"))]
+    identity = identity or {}
+    same = {k: identity.get(k, {}) for k in runs}
+    lines.append(f"| greedy outputs identical to {identity.get('baseline', '-')} | "
+                 + " | ".join(str(same[k].get("identical", "-")) for k in runs) + " |")
+    lines.append("| max abs logprob delta of the sampled token, passes 1-2 | "
+                 + " | ".join(str(same[k].get("max_abs_logprob_delta", "-")) for k in runs) + " |")
     return "\n".join(lines)
 
 
@@ -309,7 +333,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             runs[name] = {"config": name, "ok": False, "error": f"timed out after {args.timeout} s"}
         result["identity"] = compare(runs)
-        result["table"] = table(runs)
+        result["table"] = table(runs, result["identity"])
         if args.json:  # after every configuration: a run cut short keeps what finished
             args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(result["table"])
