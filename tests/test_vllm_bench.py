@@ -17,7 +17,11 @@ default on CUDA (`io_backend="auto"`).
 KV shapes: `shape="v3"` is two MLA layers. `shape="v32"` is DeepSeek-V3.2's:
 per layer an MLA cache and the indexer's key cache (spec role INDEXER, uint8,
 132 B per token) in one KV cache group, plus an MTP draft layer numbered
-after the target's.
+after the target's. `shape="llama"` is two dense GQA layers whose KV cache
+config comes from vLLM's own planner and whose tensors are vLLM's own
+allocation (`allocate_kv_cache`: per-layer [B, H, N, C] views of one buffer,
+C = K then V of a head) under the KV cache `layout` (LBNHC: FlashAttention's
+and Triton's; LBHNC: FlashInfer's and the OffloadingConnector's).
 
 The fake model runner stands in for vLLM's GPU model runner and nothing
 else: per step it binds the metadata on every worker, starts the loads, and
@@ -74,7 +78,9 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
 )
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
@@ -82,9 +88,11 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SparseCacheRole,
     UniformTypeKVCacheSpecs,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata  # noqa: E402
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult  # noqa: E402
@@ -100,6 +108,7 @@ TARGET_LAYERS = 2
 SAMPLED = 7  # every sampled token
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(TARGET_LAYERS)]  # the v3 shape's layers
 PAGE_BYTES = BLOCK * HEAD * 4  # one MLA layer of one block
+DENSE_HEADS, DENSE_HEAD_SIZE = 2, 8  # the llama shape: 2 KV heads of 8 (float32), K and V
 
 
 def cuda_available() -> bool:
@@ -134,9 +143,12 @@ class LayerSpec:
     salt: int  # makes each layer's bytes distinct
     indexer: bool  # the V3.2 indexer's key cache (uint8) rather than an MLA cache (float32)
     layer: int  # the model layer it belongs to (MTP: TARGET_LAYERS)
+    dense: bool = False  # a dense (GQA) layer: vLLM's [B, H, N, C] view, C = K then V of a head
 
     @property
     def width(self) -> int:
+        if self.dense:
+            return DENSE_HEADS * 2 * DENSE_HEAD_SIZE
         return INDEX_HEAD if self.indexer else HEAD
 
     @property
@@ -152,6 +164,8 @@ def layer_specs(shape: str) -> list[LayerSpec]:
     """The KV layers in forward order (per model layer: indexer, then attention)."""
     if shape == "v3":
         return [LayerSpec(name, i, False, i) for i, name in enumerate(LAYERS)]
+    if shape == "llama":
+        return [LayerSpec(name, i, False, i, dense=True) for i, name in enumerate(LAYERS)]
     if shape != "v32":
         raise ValueError(f"unknown bench shape {shape!r}")
     out = []
@@ -175,6 +189,18 @@ def kv_cache_config(specs: list[LayerSpec], num_blocks: int) -> KVCacheConfig:
     tensors = [KVCacheTensor(size=num_blocks * s.page_bytes, layers=[s.name], layer_stride=num_blocks * s.page_bytes,
                              block_stride=s.page_bytes) for s in specs]  # layer-outermost: one tensor per layer
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=[group])
+
+
+def dense_kv_cache_config(vc: VllmConfig, specs: list[LayerSpec], num_blocks: int, layout: str) -> KVCacheConfig:
+    """A dense model's KV cache config from vLLM's own planner (`get_kv_cache_groups`,
+    `get_kv_cache_config_from_groups`) under the KV cache `layout` vLLM resolved."""
+    vc.cache_config.kv_cache_layout = layout
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=DENSE_HEADS, head_size=DENSE_HEAD_SIZE,
+                             dtype=torch.float32)
+    groups = get_kv_cache_groups(vc, {s.name: spec for s in specs})
+    kvc = get_kv_cache_config_from_groups(vc, groups, num_blocks * spec.page_size_bytes * len(specs))
+    assert kvc.num_blocks == num_blocks, (kvc.num_blocks, num_blocks)
+    return kvc
 
 
 def _prefix_hashes(tokens: list[int]) -> np.ndarray:
@@ -310,6 +336,35 @@ def offloading_worker(connector) -> HostCopyOffloadingWorker:
 # ---- the bench ------------------------------------------------------------------------------
 
 
+class _HookedContext:
+    """The forward context `start_load_kv` sees in an eager or piecewise step: attention
+    metadata present, no full-graph replay (vLLM then calls the per-layer hooks)."""
+
+    attn_metadata: dict = {"bench": None}
+    cudagraph_runtime_mode = None
+
+
+class _GraphContext:
+    """The forward context `start_load_kv` sees before a full CUDA-graph replay (vLLM's V2
+    runner starts the loads outside the forward's context) and after a forward."""
+
+    attn_metadata = None
+    cudagraph_runtime_mode = None
+
+
+def wait_worker_saves(connector) -> None:
+    """Test double for "the device finished the step's copies before the host asked":
+    wait for every save copy the worker has in flight, so the step's report holds
+    their verdicts (the connector itself never waits for a save)."""
+    side = getattr(connector, "worker_side", None)
+    for _, op in list(side._saves.values()) if side is not None else ():
+        for t in op.inflight:
+            try:
+                t.wait()
+            except Exception:  # noqa: BLE001 - a failed copy: its verdict reports it
+                pass
+
+
 def copy_jobs(meta) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, int]]]:
     """(loads, saves) of one step's connector metadata, each (req id, first page, pages)."""
     if isinstance(meta, OffloadingConnectorMetadata):
@@ -346,6 +401,8 @@ class Bench:
     mismatches: list[tuple[str, str, int]] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     held: dict[int, list[KVConnectorOutput]] = field(default_factory=dict)  # worker -> reports not yet delivered
+    settle_saves: bool = True  # the GPU finished the step's saves before the host reports (deterministic)
+    defer_finalize: bool = False  # vLLM's step order with a speculative draft model
     _n: int = 0
 
     def __post_init__(self) -> None:
@@ -377,17 +434,22 @@ class Bench:
                 inject_fault(engine, hook)
 
     def add(
-        self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None, cache_salt: str | None = None
+        self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None, cache_salt: str | None = None,
+        lora=None,
     ) -> str:
         self._n += 1
         rid = req_id or f"r{self._n}"
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(rid, list(prompt), params, None, block_hasher=self.hasher, cache_salt=cache_salt)
+        request = Request(rid, list(prompt), params, None, block_hasher=self.hasher, cache_salt=cache_salt,
+                          lora_request=lora)
         self.sched.add_request(request)
         return rid
 
-    def step(self, *, abort_before_forward: list[str] = (), hold: set[int] = frozenset()) -> StepRecord:
-        """One engine step. `hold`: workers whose report is held back, delivered with the next step's."""
+    def step(
+        self, *, abort_before_forward: list[str] = (), hold: set[int] = frozenset(), full_graph: bool = False
+    ) -> StepRecord:
+        """One engine step. `hold`: workers whose report is held back, delivered with the next
+        step's. `full_graph`: the forward is a full CUDA-graph replay (vLLM calls no layer hook)."""
         so = self.sched.schedule()
         meta = so.kv_connector_metadata
         for rid in abort_before_forward:
@@ -402,7 +464,7 @@ class Bench:
             if req is not None and not req.is_finished():
                 work.append((rid, list(req.all_token_ids), self.sched.kv_cache_manager.get_block_ids(rid)[0], before, n))
         ids = list(so.num_scheduled_tokens)
-        outputs = [self._forward(w, kv, meta, so, work, ids) for w, kv in zip(self.workers, self.kv)]
+        outputs = [self._forward(w, kv, meta, so, work, ids, full_graph) for w, kv in zip(self.workers, self.kv)]
         for i, out in enumerate(outputs):
             rec.invalid_blocks |= out.kv_connector_output.invalid_block_ids
             if i in hold:  # this worker's report arrives late: the scheduler sees an empty one now
@@ -423,33 +485,32 @@ class Bench:
         self.steps.append(rec)
         return rec
 
-    def _forward(self, w, kv, meta, so, work, ids) -> ModelRunnerOutput:
-        """One worker's forward, as vLLM's model runner calls the connector."""
+    def _forward(self, w, kv, meta, so, work, ids, full_graph: bool = False) -> ModelRunnerOutput:
+        """One worker's forward, as vLLM 0.33's V2 model runner calls the connector
+        (`vllm/v1/worker/gpu/kv_connector.py`): handle_preemptions and bind before the
+        forward, sync loads started before it, the per-layer hooks inside it, then
+        `post_forward`. With `defer_finalize` (a speculative model), `post_forward`
+        reports before the draft (MTP) layers run and `wait_for_save` comes after them."""
+        w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
-        if so.preempted_req_ids:
-            w.handle_preemptions(meta)
+        context = _GraphContext() if full_graph else _HookedContext()
         if so.has_sync_kv_loads:
-            w.start_load_kv(None)
-        for spec in self.specs:
-            if not spec.indexer:
-                w.wait_for_layer_load(spec.name)  # vLLM's attention wrapper; the indexer runs before it, unwaited
-            t = kv[spec.name]
-            for rid, tokens, blocks, before, n in work:
-                self._check(rid, spec, t, tokens, blocks, np.arange(before))
-                pos = np.arange(before, min(before + n, len(tokens)))
-                if len(pos):
-                    t[self._index(blocks, pos)] = kv_rows(tokens, pos, spec).to(t.device)
-            if not spec.indexer:
-                w.save_kv_layer(spec.name, t, None)
+            w.start_load_kv(context)
+        draft = [s for s in self.specs if s.layer >= TARGET_LAYERS]
+        target = [s for s in self.specs if s.layer < TARGET_LAYERS]
+        self._layers(w, kv, target, work, hooks=not full_graph)
         if not so.has_sync_kv_loads:
-            w.start_load_kv(None)
-        w.wait_for_save()
-        results = w.get_transfer_results(so.finished_req_ids)
-        out = KVConnectorOutput(
-            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
-            failed_recving=results.failed_recving, invalid_block_ids=set(w.get_block_ids_with_load_errors()),
-            kv_connector_stats=w.get_kv_connector_stats(), kv_connector_worker_meta=w.build_connector_worker_meta(),
-        )
+            w.start_load_kv(_GraphContext())  # after the forward, outside its context
+        if self.defer_finalize:
+            out = self._post_forward(w, so)
+            self._layers(w, kv, draft, work, hooks=not full_graph)
+            w.wait_for_save()
+        else:
+            self._layers(w, kv, draft, work, hooks=not full_graph)
+            w.wait_for_save()
+            if self.settle_saves:
+                wait_worker_saves(w)
+            out = self._post_forward(w, so)
         w.clear_connector_metadata()
         sampled = []
         for rid in ids:
@@ -459,24 +520,62 @@ class Bench:
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                  sampled_token_ids=sampled, kv_connector_output=out)
 
+    def _layers(self, w, kv, specs, work, hooks: bool = True) -> None:
+        """Run `specs` in forward order: check what each reads, write, call the hooks."""
+        for spec in specs:
+            if hooks and not spec.indexer:
+                w.wait_for_layer_load(spec.name)  # vLLM's attention wrapper; the indexer runs before it, unwaited
+            t = kv[spec.name]
+            for rid, tokens, blocks, before, n in work:
+                self._check(rid, spec, t, tokens, blocks, np.arange(before))
+                pos = np.arange(before, min(before + n, len(tokens)))
+                if len(pos):
+                    self._write(spec, t, blocks, pos, tokens)
+            if hooks and not spec.indexer:
+                w.save_kv_layer(spec.name, t, None)
+
+    @staticmethod
+    def _post_forward(w, so) -> KVConnectorOutput:
+        results = w.get_transfer_results(so.finished_req_ids)
+        return KVConnectorOutput(
+            finished_sending=results.finished_sending, finished_recving=results.finished_recving,
+            failed_recving=results.failed_recving, invalid_block_ids=set(w.get_block_ids_with_load_errors()),
+            kv_connector_stats=w.get_kv_connector_stats(), kv_connector_worker_meta=w.build_connector_worker_meta(),
+        )
+
     def run(self, max_steps: int = 50) -> list[StepRecord]:
-        """Step until every request finished."""
+        """Step until every request finished and vLLM freed its blocks; returns the steps
+        that scheduled tokens (a step that only carries reports is in `steps` alone)."""
         records = []
         for _ in range(max_steps):
             if not self.sched.requests:
                 return records
-            records.append(self.step())
+            rec = self.step()
+            if rec.scheduled:
+                records.append(rec)
         raise AssertionError(f"requests still unfinished after {max_steps} steps: {list(self.sched.requests)}")
 
     def _index(self, blocks, pos: np.ndarray):
         b = torch.from_numpy(np.asarray(blocks)[pos // BLOCK]).to(self.device)
         return b, torch.from_numpy(pos % BLOCK).to(self.device)
 
+    def _write(self, spec: LayerSpec, t, blocks, pos, tokens) -> None:
+        b, slot = self._index(blocks, pos)
+        rows = kv_rows(tokens, pos, spec).to(t.device)
+        if spec.dense:  # vLLM's [B, H, N, C] view: a token's row is [H, C]
+            t[b, :, slot, :] = rows.view(len(pos), DENSE_HEADS, -1)
+        else:
+            t[b, slot] = rows
+
+    def _read(self, spec: LayerSpec, t, blocks, pos):
+        b, slot = self._index(blocks, pos)
+        return t[b, :, slot, :].reshape(len(pos), -1) if spec.dense else t[b, slot]
+
     def _check(self, rid, spec: LayerSpec, t, tokens, blocks, pos) -> None:
         if not len(pos):
             return
         want = kv_rows(tokens, pos, spec).to(t.device)
-        bad = (t[self._index(blocks, pos)] != want).any(dim=1).nonzero().flatten().cpu()
+        bad = (self._read(spec, t, blocks, pos) != want).any(dim=1).nonzero().flatten().cpu()
         for i in bad.tolist()[:4]:
             self.mismatches.append((rid, spec.name, int(pos[i])))
 
@@ -527,7 +626,8 @@ def block_hasher():
 
 def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", workers: int = 1, num_blocks: int = 64,
                host_pages: int = 64, max_batched: int = 256, policy: str = "recompute",
-               connector: str = "hicache", debug_checks: bool = True, max_model_len: int = 1024) -> Bench:
+               connector: str = "hicache", debug_checks: bool = True, max_model_len: int = 1024,
+               layout: str = "LBNHC") -> Bench:
     """The bench with `connector` "hicache" (ours) or "offloading" (vLLM's
     OffloadingConnector with `HostCopyOffloadingWorker`), at the same host bytes."""
     specs = layer_specs(shape)
@@ -549,13 +649,21 @@ def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", worke
         raise ValueError(f"unknown connector {connector!r}")
     vc = vllm_config(model_dir, kt, device=device, workers=workers, max_batched=max_batched,
                      max_model_len=max_model_len)
-    kvc = kv_cache_config(specs, num_blocks)
+    if shape == "llama":
+        kvc = dense_kv_cache_config(vc, specs, num_blocks, layout)
+    else:
+        kvc = kv_cache_config(specs, num_blocks)
     sched = make_scheduler(vc, generate_scheduler_kv_cache_config([kvc]))
     conns, kvs = [], []
     for _ in range(workers):
         conn = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
-        kv = {s.name: torch.full((num_blocks, BLOCK, s.width), 255 if s.indexer else -1, dtype=s.dtype, device=device)
-              for s in specs}
+        if shape == "llama":  # vLLM's own allocation: one backing buffer, per-layer [B, H, N, C] views
+            kv = allocate_kv_cache(kvc, torch.device(device), KVCacheLayout[layout])
+            for t in kv.values():
+                t.fill_(-1)
+        else:
+            kv = {s.name: torch.full((num_blocks, BLOCK, s.width), 255 if s.indexer else -1, dtype=s.dtype,
+                                     device=device) for s in specs}
         conn.register_kv_caches(kv)
         if connector == "hicache" and device == "cuda":  # the CUDA default engine over pinned L2, not the CPU one
             side = conn.worker_side

@@ -278,7 +278,7 @@ def test_vllm_load_waits_are_per_layer(new_bench):
     seen = []
     b.set_fault(lambda d, part, layer: seen.append((d, layer)))  # an observer: no copy fails
     b.worker.bind_connector_metadata(so.kv_connector_metadata)
-    b.worker.start_load_kv(None)
+    b.worker.start_load_kv(H._HookedContext())
     (_, op), = w._loads
     assert op.state is LoadState.LOADING
     b.worker.wait_for_layer_load(H.LAYERS[0])
@@ -286,6 +286,7 @@ def test_vllm_load_waits_are_per_layer(new_bench):
         torch.cuda.current_stream().synchronize()
     assert op.by_layer[(Part.TARGET_KV, 0)][0].query().value == "done"
     b.worker.wait_for_save()
+    assert b.worker.get_block_ids_with_load_errors() == set()  # the step's end waits for its loads
     assert seen == [(Direction.H2D, 0), (Direction.H2D, 1)]  # layer order, one copy per layer
 
 
@@ -315,9 +316,12 @@ def test_vllm_v32_indexer_and_mtp_round_trip(new_bench):
         ("r3", "model.layers.2.self_attn.indexer.k_cache", 1)}
 
 
-def test_vllm_v32_slow_indexer_copies_are_waited_for_before_the_indexer_reads(new_bench):
+@pytest.mark.parametrize("slow_part, slow_layer", [(Part.TARGET_STATE, 1), (Part.DRAFT_STATE, 0)],
+                         ids=["target-indexer", "mtp-indexer"])
+def test_vllm_v32_slow_indexer_copies_are_waited_for_before_the_indexer_reads(new_bench, slow_part, slow_layer):
     """vLLM's indexer reads layer l's keys before layer l's attention wrapper waits:
-    a slow copy of them is waited for at layer l-1's hook, never read early."""
+    a slow copy of them is waited for at layer l-1's hook, never read early. The MTP
+    draft layer's indexer (issue 48) is waited for at the last target layer's hook."""
     b = new_bench(shape="v32")
     if b.device != "cpu":
         pytest.skip("the fault hook slows a copy only on the CPU engine (on CUDA it runs at submit)")
@@ -329,7 +333,7 @@ def test_vllm_v32_slow_indexer_copies_are_waited_for_before_the_indexer_reads(ne
             t.view(torch.uint8).fill_(0x5A)
 
     def slow_copy(direction, part, layer):  # type: ignore[no-untyped-def]
-        if (direction, part, layer) == (Direction.H2D, Part.TARGET_STATE, 1):
+        if (direction, part, layer) == (Direction.H2D, slow_part, slow_layer):
             time.sleep(0.2)
 
     b.set_fault(slow_copy)
@@ -394,3 +398,242 @@ def test_vllm_save_commits_only_once_every_worker_reported(model_dir, device):
         settled(b)
     finally:
         b.close()
+
+
+# ---- dense layouts, full CUDA graphs, asynchronous saves (issue 43) ---------------------
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
+def test_vllm_dense_layout_round_trip(new_bench, layout):
+    """A dense model's KV as vLLM 0.33 lays it out for FlashAttention and Triton (LBNHC) or
+    FlashInfer and the OffloadingConnector (LBHNC): vLLM's planner and allocator, K and V of
+    every head and token saved and loaded whole, under vLLM's real scheduler."""
+    b = new_bench(shape="llama", layout=layout)
+    b.add(P)
+    (s1,) = b.run()
+    assert s1.saves == [("r1", 0, 5)] and b.cache.metrics.backups_committed == 1
+    b.drop_vllm_prefix_cache()
+    for kv in b.kv:  # only the load can bring the bytes back
+        for t in kv.values():
+            t.fill_(-7)
+    b.add(P + list(range(900, 940)))
+    (s2,) = b.run()
+    assert s2.scheduled == {"r2": (80, 45)} and s2.loads == [("r2", 0, 5)] and s2.saves == [("r2", 5, 2)]
+    assert b.mismatches == []
+    settled(b)
+
+
+def test_vllm_dense_failed_load_is_recomputed(new_bench):
+    b = new_bench(shape="llama")
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+    b.set_fault(lambda d, part, layer: (_ for _ in ()).throw(RuntimeError("H2D")) if d is Direction.H2D else None)
+    b.add(P)
+    s = b.step()
+    assert s.invalid_blocks == set(b.sched.kv_cache_manager.get_block_ids("r2")[0][:5])
+    b.mismatches.clear()
+    b.set_fault(None)
+    steps = b.run()
+    assert steps[0].scheduled == {"r2": (0, 85)} and b.mismatches == []
+    settled(b)
+
+
+def test_vllm_block_outermost_layout_is_refused_with_the_reason(model_dir):
+    """BLNHC interleaves every layer's page inside a block (vLLM's block-outermost packing,
+    the DeepSeek-V3.2 indexer's only layout): refused at register_kv_caches, saying why."""
+    with pytest.raises(ValueError, match="block dimension is not outermost|not dense"):
+        H.make_bench(model_dir, shape="llama", layout="BLNHC")
+
+
+def test_vllm_full_graph_step_waits_for_loads_before_the_replay(new_bench):
+    """A full CUDA-graph replay calls no layer hook: the loads are waited for before the
+    forward (here: a slow copy of the last layer that a per-layer wait would miss), and
+    the step's saves are submitted after it, without a warning."""
+    b = new_bench()
+    if b.device != "cpu":
+        pytest.skip("the fault hook slows a copy only on the CPU engine")
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+    for kv in b.kv:
+        for t in kv.values():
+            t.fill_(-7)
+
+    def slow(direction, part, layer):
+        if (direction, layer) == (Direction.H2D, 1):
+            time.sleep(0.2)
+
+    b.set_fault(slow)
+    b.add(P + list(range(900, 940)))
+    s = b.step(full_graph=True)
+    assert s.loads == [("r2", 0, 5)] and s.saves == [("r2", 5, 2)]
+    assert b.mismatches == []  # every layer landed before the "replay" read it
+    b.set_fault(None)
+    b.run()
+    assert b.cache.metrics.backups_committed == 2  # r1's, and r2's saved after the replay
+    b.drop_vllm_prefix_cache()
+    b.add(P + list(range(900, 940)))
+    (s,) = b.run()
+    assert s.loads == [("r3", 0, 7)] and b.mismatches == []
+
+
+def test_vllm_connector_keeps_full_cuda_graphs_and_the_hybrid_manager():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from hicache_cp.integrations.vllm import HiCacheConnector
+    from hicache_cp.integrations.vllm.connector import _layer_hooks_run
+    from vllm.config import CUDAGraphMode
+
+    assert not HiCacheConnector.requires_piecewise_for_cudagraph({})
+    assert supports_hma(HiCacheConnector)
+
+    class Ctx:
+        def __init__(self, md, mode):
+            self.attn_metadata, self.cudagraph_runtime_mode = md, mode
+
+    assert _layer_hooks_run(Ctx({"l": 1}, CUDAGraphMode.NONE))
+    assert _layer_hooks_run(Ctx({"l": 1}, CUDAGraphMode.PIECEWISE))
+    assert not _layer_hooks_run(Ctx({"l": 1}, CUDAGraphMode.FULL))  # V1 runner's full replay
+    assert not _layer_hooks_run(Ctx(None, CUDAGraphMode.NONE))  # V2 runner: loads started outside the forward
+    assert not _layer_hooks_run(None)
+
+
+class _Gate:
+    """Test double: holds the worker's D2H copies until opened (a slow device)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.open = threading.Event()
+
+    def __call__(self, direction, part, layer) -> None:
+        if direction is Direction.D2H:
+            self.open.wait(timeout=30)  # a guard only: the test opens it
+
+
+def test_vllm_saves_never_block_the_step_and_hold_the_blocks_of_a_finished_request(model_dir):
+    """wait_for_save returns with the save's copies still in flight; the request finishes
+    meanwhile, and vLLM keeps its blocks (request_finished -> True) until every worker
+    reports it through get_finished, after the save landed and committed."""
+    b = H.make_bench(model_dir, workers=2)
+    b.settle_saves = False
+    try:
+        gate = _Gate()
+        b.set_fault(gate)
+        b.add(P)
+        s = b.step()  # r1 computed, sampled its only token and finished: its save is in flight
+        assert s.saves == [("r1", 0, 5)] and s.scheduled == {"r1": (0, 85)}
+        assert b.cache.metrics.backups_committed == 0 and b.side.in_flight_jobs() == 1
+        assert "r1" in b.sched.requests  # finished, but its blocks are held for the save
+        held = set(b.sched.kv_cache_manager.get_block_ids("r1")[0])
+        assert held and not held & {blk.block_id for blk in b.sched.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()}
+        b.step()  # the workers learn r1 is delayed; its copies still wait
+        assert "r1" in b.sched.requests and b.cache.metrics.backups_committed == 0
+        gate.open.set()
+        for _ in range(20):
+            if "r1" not in b.sched.requests:
+                break
+            b.step()
+            time.sleep(0.01)
+        assert "r1" not in b.sched.requests  # freed once both workers reported it
+        assert b.cache.metrics.backups_committed == 1 and host_hit_pages(b, P) == 5
+        settled(b)
+    finally:
+        b.close()
+
+
+def test_vllm_preempted_requests_saves_are_waited_for_before_the_step(model_dir):
+    """A request preempted while its save is in flight: vLLM freed its blocks, so the
+    worker waits for that save (handle_preemptions) before the step's writes."""
+    from hicache_cp.integrations.vllm.metadata import HiCacheMetadata
+
+    b = H.make_bench(model_dir)
+    b.settle_saves = False
+    try:
+        def slow(direction, part, layer):
+            if direction is Direction.D2H:
+                time.sleep(0.05)
+
+        b.set_fault(slow)
+        b.add(P)
+        b.step()
+        side = b.worker.worker_side
+        assert side._saves, "the save is still in flight after the step"
+        meta = HiCacheMetadata(b.cache.host_pool.physical_pages, preempted=["r1"])
+        b.worker.handle_preemptions(meta)
+        assert not side._saves and side._results  # waited for, verdict recorded
+        (job, (count, error)), = side._results.items()
+        assert count == 1 and error is None
+    finally:
+        b.close()
+
+
+# ---- the tests issue 48 found missing -----------------------------------------------------
+
+
+def test_vllm_tp_save_failed_by_the_worker_that_reports_first_still_aborts(model_dir):
+    """Worker 1 fails a save and reports at once; worker 0 landed it and reports a step
+    later. The job is decided on both reports together: aborted, never visible."""
+    b = H.make_bench(model_dir, workers=2)
+    try:
+        b.set_fault(lambda d, part, layer: (_ for _ in ()).throw(RuntimeError("worker 1 D2H"))
+                    if d is Direction.D2H else None, worker=1)
+        b.add(P)
+        s = b.step(hold={0})  # worker 1's failure arrives now, worker 0's success next step
+        assert s.saves == [("r1", 0, 5)]
+        assert b.side.in_flight_jobs() == 1 and b.cache.metrics.backups_aborted == 0
+        b.set_fault(None)
+        b.run()
+        assert b.cache.metrics.backups_aborted == 1 and b.cache.metrics.backups_committed == 0
+        assert host_hit_pages(b, P) == 0
+        settled(b)
+    finally:
+        b.close()
+
+
+def test_vllm_defer_finalize_reports_a_failed_load_in_its_own_step(new_bench):
+    """vLLM's step order with a draft model: post_forward (load errors, reports) runs before
+    the draft layers and wait_for_save. A failing load's blocks are still reported
+    invalid in the step that ran it, and vLLM recomputes them."""
+    b = new_bench(shape="v32")
+    b.defer_finalize = True
+    b.add(P)
+    b.run()
+    b.drop_vllm_prefix_cache()
+
+    def fault(direction, part, layer):
+        if direction is Direction.H2D and part is Part.DRAFT_KV:
+            raise RuntimeError("injected draft H2D fault")
+
+    b.set_fault(fault)
+    b.add(P)
+    s = b.step()
+    assert s.loads == [("r2", 0, 5)]
+    assert s.invalid_blocks == set(b.sched.kv_cache_manager.get_block_ids("r2")[0][:5])
+    assert b.sched.requests["r2"].num_computed_tokens == 0
+    b.mismatches.clear()
+    b.set_fault(None)
+    steps = b.run()
+    assert steps[0].scheduled == {"r2": (0, 85)} and b.side.stats.loads_failed == 1 and b.mismatches == []
+    settled(b)
+
+
+def test_vllm_lora_and_extra_keys_make_a_request_ineligible(new_bench):
+    """vLLM puts a request's LoRA adapter (and any extra key) in its block hashes: equal
+    tokens, other KV. Such a request neither loads nor saves; its twin without them does."""
+    from vllm.lora.request import LoRARequest
+
+    b = new_bench()
+    rid = b.add(P, lora=LoRARequest("adapter-a", 1, "/nonexistent/adapter-a"))
+    (s,) = b.run()
+    assert s.scheduled == {rid: (0, 85)} and s.saves == [] and b.side.stats.lookups == 0
+    b.add(P)
+    (s,) = b.run()
+    assert s.saves == [("r2", 0, 5)]
+    b.drop_vllm_prefix_cache()
+    rid = b.add(P, lora=LoRARequest("adapter-a", 1, "/nonexistent/adapter-a"))
+    (s,) = b.run()
+    assert s.scheduled == {rid: (0, 85)} and s.loads == []  # r2's pages are not offered to it
+    assert b.side.stats.lookups == 1  # r2's only
+    settled(b)

@@ -64,6 +64,23 @@ def test_vllm_plan_maps_mla_indexer_and_mtp_layers():
         plan.slot("model.layers.9.self_attn.attn")
     config = ConnectorSettings.from_extra_config({"host_budget_gib": 0.01}).cache_config(plan.layout)
     assert config.layout() == plan.layout
+    assert plan.replicated  # MLA: vLLM keeps the same KV on every TP rank
+
+
+def test_vllm_plan_refuses_several_kv_cache_groups_saying_what_to_pass():
+    """With the hybrid KV cache manager on, a sliding-window model has two groups."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=64)
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full),
+              KVCacheGroupSpec(["model.layers.1.self_attn.attn"], swa)]
+    cfg = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+    with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager") as e:
+        KVPlan.from_kv_cache_config(cfg, num_hidden_layers=2)
+    assert "SlidingWindowSpec" in str(e.value)
+    one = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups[:1])
+    assert not KVPlan.from_kv_cache_config(one, num_hidden_layers=1).replicated  # dense: a shard per rank
 
 
 def test_vllm_plan_is_the_same_from_the_schedulers_copy_of_the_config():
@@ -99,7 +116,7 @@ def test_vllm_page_major_views_and_refusals():
     nhd = torch.zeros(BLOCKS, 4, BS, 8).permute(0, 2, 1, 3)  # blocks outermost, heads inside: still page-major
     assert page_major(nhd, BLOCKS, BS * 4 * 8 * 4).shape == (BLOCKS, BS * 4 * 8 * 4)
     with pytest.raises(ValueError, match="not a multiple"):
-        page_major(torch.zeros(2, BLOCKS, BS, 8), BLOCKS, 2 * BS * 8 * 4)  # FlashAttention's K/V split
+        page_major(torch.zeros(2, BLOCKS, BS, 8), BLOCKS, 2 * BS * 8 * 4)  # a K/V-outermost split (older vLLM)
     with pytest.raises(ValueError, match="not outermost"):
         page_major(torch.zeros(4, BLOCKS, BS, 8).permute(1, 0, 2, 3), BLOCKS, 4 * BS * 8 * 4)
     with pytest.raises(ValueError, match="not dense"):

@@ -123,7 +123,7 @@ def run_workload(connector: str, prompts: list[list[int]], model_dir: Path, gpu_
     timers.wrap(b.sched.connector)
     first: dict[str, int] = {}  # req id -> tokens computed before its first scheduled step (local + external hit)
     loaded: dict[str, int] = {}
-    computed = stored = steps = 0
+    computed = stored = steps = idle = 0
     try:
         for prompt in prompts:  # one request at a time, each run to completion: the order decides the hits
             rid = b.add(prompt)
@@ -133,6 +133,7 @@ def run_workload(connector: str, prompts: list[list[int]], model_dir: Path, gpu_
                 rec = b.step()
                 timers.end_step()
                 steps += 1
+                idle += not rec.scheduled  # a step that only carried reports (a delayed block free)
                 for r, (before, n) in rec.scheduled.items():
                     first.setdefault(r, before)
                     computed += n
@@ -155,7 +156,8 @@ def run_workload(connector: str, prompts: list[list[int]], model_dir: Path, gpu_
         "from_host": from_host,
         "computed": computed,  # max_tokens=1: the token sampled at the end of prefill needs no step
         "blocks_stored": stored,
-        "steps": steps,
+        "steps": steps - idle,
+        "report_only_steps": idle,
         "sched_ms_per_step": {"mean": round(statistics.fmean(ms), 4), "p50": round(statistics.median(ms), 4),
                               "p99": round(float(np.percentile(ms, 99)), 4), "total_ms": round(sum(ms), 2)},
         "mismatches": len(b.mismatches),
@@ -218,7 +220,8 @@ def table(results: list[dict], failures: list[dict]) -> str:
     rows = [("", *(r["connector"] for r in results))]
     for key, name in (("from_gpu_prefix_cache", "prompt tokens from vLLM's GPU prefix cache"),
                       ("from_host", "prompt tokens loaded from host"), ("computed", "prompt tokens computed"),
-                      ("blocks_stored", "blocks stored to host"), ("steps", "engine steps"),
+                      ("blocks_stored", "blocks stored to host"), ("steps", "engine steps with a forward"),
+                      ("report_only_steps", "engine steps carrying only reports (blocks held for a save)"),
                       ("mismatches", "KV mismatches")):
         rows.append((name, *(str(r[key]) for r in results)))
     rows.append(("scheduler-side ms per step (mean / p99)",

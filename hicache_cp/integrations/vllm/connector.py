@@ -19,31 +19,48 @@ The protocol of one engine step:
 
     scheduler  get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta
                    (L2 lookups)                 (loads into vLLM blocks)   (loads + write-through saves)
-    workers    start_load_kv -> [wait_for_layer_load(l) -> attention(l) -> save_kv_layer(l)]*
-               -> wait_for_save -> get_block_ids_with_load_errors, build_connector_worker_meta
+    workers    handle_preemptions -> start_load_kv -> [wait_for_layer_load(l) -> attention(l)
+               -> save_kv_layer(l)]* -> wait_for_save -> get_finished,
+               get_block_ids_with_load_errors, build_connector_worker_meta
     scheduler  update_connector_output (verdicts -> commits / aborts) ... request_finished
+
+Costs it does not impose on vLLM:
+- CUDA graphs: vLLM's default (full decode graphs, piecewise prefill) is kept. A
+  full-graph replay runs no layer hook: its loads are waited for by the compute
+  stream before the replay, its saves submitted after it (`worker.py`).
+- Saves never block the host: their verdicts arrive in a later step, and a
+  finished request whose saves are still in flight keeps its blocks until every
+  worker reports it through `get_finished` (vLLM's asynchronous completion path).
+  A step's loads are waited for at its end, so failures reach vLLM's recompute
+  path in that step.
+- The hybrid KV cache manager stays on (`SupportsHMA`); models it splits into
+  several KV cache groups are refused at start (`plan.py` says why).
 
 KV events: with vLLM's `--kv-events-config`, the scheduler side's L2 (and
 L3) blocks go out through `take_events`, in vLLM's format and keyed with its
 block hashes (`events.py`, docs/events.md).
 
 vLLM's `KVCacheBlocks` and block hashes stay vLLM's: the cache keys pages by
-their tokens (page size == block size), so requests whose KV is not a
-function of their tokens (LoRA, multimodal, cache salt, prompt embeddings)
-bypass L2. One KV cache group, no pipeline or decode-context parallelism;
-tensor parallelism gives each worker its own L2 of its shard.
+their tokens (page size == block size), so a request for which vLLM adds any
+extra key to its block hashes (LoRA adapter, multimodal input, cache salt,
+prompt embeddings) bypasses L2. No pipeline or decode-context parallelism;
+tensor parallelism gives each worker its own L2 of its shard (with MLA, whose
+KV vLLM replicates on every rank, each worker keeps its own copy).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -53,6 +70,8 @@ from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.scheduler import SchedulerSide
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
 from hicache_cp.integrations.vllm.worker import WorkerSide
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,7 +85,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class HiCacheConnector(KVConnectorBase_V1):
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector over hicache-cp; see the module docstring."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -86,6 +105,11 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.scheduler_side = SchedulerSide(plan, settings, parallel.world_size, connector_log(vllm_config))
         else:
             self.worker_side = WorkerSide(plan, settings)
+            if plan.replicated and parallel.tensor_parallel_size > 1:
+                logger.info(
+                    "hicache-cp: vLLM replicates this model's MLA KV on each of its %d TP ranks; each worker "
+                    "keeps its own host copy (host_budget is per worker)", parallel.tensor_parallel_size,
+                )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -93,7 +117,11 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True  # per-layer waits and saves run between graph pieces
+        return False  # a full-graph replay is handled without layer hooks (module docstring)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return KVPlan.PREFERRED_LAYOUT  # page-major for every attention backend that takes it
 
     # ---- scheduler role ---------------------------------------------------------------
 
@@ -126,6 +154,11 @@ class HiCacheConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool:
         return self._sched().reset()
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request)
+
     # ---- worker role ------------------------------------------------------------------
 
     def _work(self) -> WorkerSide:
@@ -140,10 +173,14 @@ class HiCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, HiCacheMetadata), type(kv_connector_metadata)
+        self._work().handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
         if meta is not None:
-            self._work().start_load_kv(meta)
+            self._work().start_load_kv(meta, layer_hooks=_layer_hooks_run(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work().wait_for_layer_load(layer_name)
@@ -158,6 +195,9 @@ class HiCacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._work().wait_for_save(self._meta())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().finished_sending() or None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().block_ids_with_load_errors()
 
@@ -169,3 +209,13 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.worker_side.close()
         if self.scheduler_side is not None:
             self.scheduler_side.close()
+
+
+def _layer_hooks_run(forward_context: ForwardContext | None) -> bool:
+    """Whether the forward about to run calls the per-layer hooks. vLLM's attention
+    wrapper skips them without attention metadata in the forward context (the V2
+    runner starts loads outside it before a full-graph replay), and a full-graph
+    replay runs no Python at all."""
+    if forward_context is None or forward_context.attn_metadata is None:
+        return False
+    return forward_context.cudagraph_runtime_mode != CUDAGraphMode.FULL

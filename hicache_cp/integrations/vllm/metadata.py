@@ -1,16 +1,21 @@
 """What the two connector roles tell each other, once per engine step.
 
 scheduler -> workers (`HiCacheMetadata`, bound to the workers before the forward):
-    loads   `CopyJob`s: host pages -> vLLM blocks, H2D, waited per layer by the forward
-    saves   `CopyJob`s: vLLM blocks -> host pages, D2H, submitted per layer by the hooks
+    loads      `CopyJob`s: host pages -> vLLM blocks, H2D, waited per layer by the forward
+    saves      `CopyJob`s: vLLM blocks -> host pages, D2H, submitted per layer by the hooks
+    preempted  requests vLLM preempted this step: their blocks are free now, so the
+               worker waits for their saves before this step's forward may write them
+    delayed    finished requests whose blocks vLLM keeps (`request_finished` returned
+               True) until every worker reports them through `get_finished`
 
 workers -> scheduler (`HiCacheWorkerMetadata`, aggregated over the workers by vLLM):
     results  job id -> (workers that finished it, first error or None)
 
-Every job a worker starts in a step has landed or failed when that step's
-forward returns (`wait_for_save` waits for both directions), so each step's
-report covers exactly the jobs of that step. The scheduler acts on a job
-once all `world_size` workers reported it.
+A load's verdict is reported in the step that ran it (vLLM's recompute path
+needs the failed blocks in that step). A save's verdict is reported in the
+first step whose end finds its copies settled, often a later one: saves
+never block the host. The scheduler acts on a job once all `world_size`
+workers reported it, whatever the steps their reports came in.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class HiCacheMetadata(KVConnectorMetadata):
     layout: str = ""  # the scheduler's `KVLayout.describe()`; every worker's must match
     loads: list[CopyJob] = field(default_factory=list)
     saves: list[CopyJob] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    delayed: list[str] = field(default_factory=list)
 
 
 @dataclass

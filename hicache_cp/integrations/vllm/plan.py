@@ -14,14 +14,28 @@ agree byte for byte:
     draft (MTP) layers                     Part.DRAFT_KV / DRAFT_STATE, dense draft order
     per-layer tensor, page-major           `DevicePool` buffer [num_blocks, page_bytes] (a view, no copy)
 
-Layer indices come from the names (`...layers.<i>...`). Only one KV cache
-group is supported (no hybrid memory allocator): every layer shares the
-block table. A per-layer tensor must be page-major: its first dimension is
-the block (or a whole number of kernel blocks per block) and is outermost in
-memory, and the rest is dense. MLA caches ([num_blocks, block_size,
-head_size]) and FlashInfer-style [num_blocks, 2, ...] caches are;
-FlashAttention's [2, num_blocks, ...] and vLLM's block-outermost layouts
-(BL..., one block of all layers) are not, and are refused with the reason.
+Layer indices come from the names (`...layers.<i>...`).
+
+Layouts. vLLM 0.33 views every attention layer's cache as [B, H, N, C]
+(blocks, heads, tokens, content bytes; a dense layer's C holds K then V of
+one head and token) over one backing allocation, placed by the resolved
+`KVCacheLayout`. The layer-compact ones keep each layer's block one dense
+page: LBNHC (NHD, the default of FlashAttention, Triton and MLA) and LBHNC
+(HND, FlashInfer's and vLLM's OffloadingConnector's). They are page-major and
+supported, dense and MLA alike; the connector asks vLLM for LBNHC
+(`PREFERRED_LAYOUT`), and VLLM_KV_CACHE_LAYOUT may pick LBHNC. The others
+interleave the layers inside a block (BLHNC, BLNHC, BHLNC: block-outermost,
+the only ones the DeepSeek-V3.2 indexer backend takes) or the heads across
+blocks (LHBNC): a layer's page is then strided by other layers' or blocks'
+bytes, which the copy engines do not address; they are refused at
+`register_kv_caches` with the reason.
+
+One KV cache group (one block table). The connector keeps vLLM's hybrid KV
+cache manager on; a model it splits into several groups (sliding-window and
+full attention, Mamba) is refused at start: a host hit would have to restore
+each group's own blocks, the sliding-window ones only inside the window,
+under block tables the jobs do not carry. `--disable-hybrid-kv-cache-manager`
+gives such a model one group (full-attention KV for every layer).
 """
 
 from __future__ import annotations
@@ -66,6 +80,10 @@ class KVPlan:
     block_size: int
     num_blocks: int
     slots: dict[str, LayerSlot]  # vLLM layer name -> (part, layer)
+    replicated: bool = False  # MLA: vLLM keeps the same KV on every TP rank
+
+    #: The `KVCacheLayout` the connector asks vLLM for (layer-compact, token-major).
+    PREFERRED_LAYOUT = "LBNHC"
 
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any, num_hidden_layers: int) -> KVPlan:
@@ -74,8 +92,9 @@ class KVPlan:
         if len(groups) != 1:
             raise ValueError(
                 f"hicache-cp's vLLM connector needs exactly one KV cache group (one block table); "
-                f"this model has {len(groups)} (hybrid memory: run with --disable-hybrid-kv-cache-manager "
-                f"or a model whose layers share one block size)"
+                f"vLLM's hybrid KV cache manager split this model into {len(groups)} "
+                f"({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}): run with "
+                f"--disable-hybrid-kv-cache-manager (one group, full-attention KV for every layer)"
             )
         group = groups[0]
         block_size = int(group.kv_cache_spec.block_size)
@@ -127,7 +146,8 @@ class KVPlan:
             draft_state_bytes_per_token=per_token.get(Part.DRAFT_STATE, 0),
             draft_state_layers=state_ids.get(Model.DRAFT),
         )
-        return cls(layout, block_size, int(kv_cache_config.num_blocks), slots)
+        replicated = _is_mla(group.kv_cache_spec)
+        return cls(layout, block_size, int(kv_cache_config.num_blocks), slots, replicated)
 
     def slot(self, layer_name: str) -> LayerSlot:
         try:
@@ -233,6 +253,12 @@ def _tensor_pages(kv_cache_config: Any, names: list[str]) -> dict[str, int]:
             if n in names:
                 out[n] = page
     return out
+
+
+def _is_mla(spec: Any) -> bool:
+    """MLA caches (vLLM replicates them on every TP rank), by vLLM's spec class name."""
+    specs = getattr(spec, "kv_cache_specs", None)
+    return any("MLA" in type(s).__name__ for s in (specs.values() if specs else [spec]))
 
 
 def _part(model: Model, state: bool) -> Part:

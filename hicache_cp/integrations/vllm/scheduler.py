@@ -17,11 +17,14 @@ One request, as vLLM's `Scheduler` drives it:
                                              pages that this step completes (write-through,
                                              PENDING until every worker landed every layer);
                                              matches that did not become loads are released
-    update_connector_output(out)             the workers' per-job verdicts resolve the op's
-                                             tickets; poll() commits / aborts; a decided load
-                                             releases its match; ensure_free()
-    request_finished(req, blocks)            never delays freeing: every copy a worker starts
-                                             in a step has landed when that step returns
+    update_connector_output(out)             the workers' per-job verdicts (a save's may come
+                                             steps later) resolve the op's tickets; poll()
+                                             commits / aborts; a decided load releases its
+                                             match; ensure_free()
+    request_finished(req, blocks)            delays freeing the blocks while a save of the
+                                             request is undecided: the next step's metadata
+                                             names it (`delayed`) and every worker reports it
+                                             through get_finished once its saves landed there
 
 A failed load is reported by the workers to vLLM as invalid blocks (vLLM
 truncates the request's computed tokens and recomputes); here the load op
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from hicache_cp import BackupOp, DevicePool, HiCache, HostPool, LoadOp, LoadState, MatchResult, Model
 from hicache_cp.events import EventLog
@@ -96,6 +100,7 @@ class SchedulerSide:
         self._jobs: dict[int, tuple[BackupOp | LoadOp, str]] = {}  # job id -> op, request id
         self._reported: dict[int, tuple[int, str | None]] = {}  # partial reports (fewer workers)
         self._loads: list[CopyJob] = []  # started this step, sent with its metadata
+        self._delayed: list[str] = []  # finished with saves undecided, sent with the next metadata
 
     # ---- vLLM's scheduler calls ---------------------------------------------------------
 
@@ -171,8 +176,11 @@ class SchedulerSide:
         for st in self._reqs.values():
             if st.load is None:
                 self._release(st)  # looked up but not placed this step
-        meta = HiCacheMetadata(self.cache.host_pool.physical_pages, self._layout, self._loads, saves)
-        self._loads = []
+        meta = HiCacheMetadata(
+            self.cache.host_pool.physical_pages, self._layout, self._loads, saves,
+            preempted=sorted(scheduler_output.preempted_req_ids or ()), delayed=self._delayed,
+        )
+        self._loads, self._delayed = [], []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -202,14 +210,19 @@ class SchedulerSide:
         self.cache.ensure_free()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request; its copies in flight go on (they own no vLLM block past this step)."""
-        st = self._reqs.get(request.request_id)
+        """Forget the request. Returns True (vLLM keeps its blocks) while one of its saves
+        is undecided: the workers still read those blocks. O(jobs in flight)."""
+        rid = request.request_id
+        st = self._reqs.get(rid)
         if st is not None:
             st.finished = True
             if st.load is None:
                 self._release(st)
-                del self._reqs[request.request_id]
-        return False, None
+                del self._reqs[rid]
+        delay = any(r == rid and isinstance(op, BackupOp) for op, r in self._jobs.values())
+        if delay:
+            self._delayed.append(rid)
+        return delay, None
 
     def close(self) -> None:
         self.cache.close()
@@ -244,10 +257,10 @@ class SchedulerSide:
 
 
 def _eligible(request: Request) -> bool:
-    """Whether the token ids alone identify the request's KV (the tree's keys are tokens)."""
-    return (
-        getattr(request, "lora_request", None) is None
-        and not getattr(request, "mm_features", None)
-        and getattr(request, "cache_salt", None) is None
-        and getattr(request, "prompt_embeds", None) is None
-    )
+    """Whether the token ids alone identify the request's KV (the tree's keys are tokens):
+    vLLM adds no extra key (LoRA adapter, multimodal input, cache salt, prompt embeddings,
+    whatever a later vLLM adds) to any of its block hashes. Once per request."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return False  # (its extra keys would hash the embeddings)
+    keys, _ = generate_block_hash_extra_keys(request, 0, request.num_tokens, 0)
+    return keys is None

@@ -1,0 +1,95 @@
+"""The GPU run's tools, checked on CPU: the op build's bindings, the pack's include closure,
+and the race's workload, timer and greedy-identity check (tools/vllm_ops, tools/vllm_pack.py,
+tools/vllm_race.py). The GPU run itself is tools/device_vllm_race.sh."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
+
+import vllm_pack  # noqa: E402
+import vllm_race  # noqa: E402
+
+build = vllm_pack.load_build_script()
+
+
+def test_bindings_register_exactly_the_ops_the_build_checks():
+    text = (TOOLS / "vllm_ops" / "bindings.cpp").read_text()
+    defined: dict[str, list[str]] = {}
+    for ns, body in re.findall(r"STABLE_TORCH_LIBRARY_FRAGMENT\((\w+), ops\) \{(.*?)\n\}", text, re.S):
+        defined[ns] = sorted(re.findall(r'"(\w+)\(', body))
+    assert defined == {ns: sorted(names) for ns, names in build.EXPECTED_OPS.items()}
+    implemented = set(re.findall(r'ops\.impl\("(\w+)"', text))
+    assert implemented == {n for names in build.EXPECTED_OPS.values() for n in names}
+
+
+def test_include_closure_follows_quotes_and_search_paths_only():
+    files = {
+        "csrc/a.cu": '#include "b.h"\n#include <torch/x.h>\n#include "core/c.h"\n',
+        "csrc/b.h": '#include "../csrc/d.h"\n',
+        "csrc/core/c.h": '#include "b.h"\n',  # resolved under the search path, not beside c.h
+        "csrc/d.h": "",
+        "csrc/unused.h": "",
+    }
+    got = vllm_pack.include_closure(["csrc/a.cu"], files.get, ["csrc"])
+    assert got == {"csrc/a.cu", "csrc/b.h", "csrc/core/c.h", "csrc/d.h"}
+
+
+def test_race_workload_shares_each_document_across_passes():
+    ps = vllm_race.prompts(docs=3, doc_len=32, suffix_len=4, vocab=1000)
+    assert {k: len(v) for k, v in ps.items()} == {"pass1": 3, "pass2": 3, "batch": 3}
+    for i in range(3):
+        a, b, c = ps["pass1"][i], ps["pass2"][i], ps["batch"][i]
+        assert a[:32] == b[:32] == c[:32] and len({tuple(a[32:]), tuple(b[32:]), tuple(c[32:])}) == 3
+    assert ps["pass1"][0][:32] != ps["pass1"][1][:32]
+    assert vllm_race.prompts(3, 32, 4, 1000) == ps  # the same token ids for every configuration
+
+
+def test_race_identity_names_the_outputs_that_differ():
+    base = {"ok": True, "outputs": {"pass1": [[1], [2]], "pass2": [[3], [4]], "batch": [[5, 6]]}}
+    other = {"ok": True, "outputs": {"pass1": [[1], [2]], "pass2": [[3], [9]], "batch": [[5, 6]]}}
+    got = vllm_race.compare({"hicache": other, "offloading": base, "none": base, "broken": {"ok": False}})
+    assert got["baseline"] == "none"
+    assert got["hicache"] == {"identical": False, "differing": [("pass2", 1)]}
+    assert got["offloading"]["identical"] and "broken" not in got
+
+
+def test_race_timer_splits_roles_and_closes_a_step_at_its_last_call():
+    class Connector:
+        def get_num_new_matched_tokens(self):
+            return 1
+
+        def build_connector_meta(self):
+            return 2
+
+        def wait_for_save(self):
+            return 3
+
+        def build_connector_worker_meta(self):
+            return 4
+
+    timer = vllm_race.StepTimer()
+    timer.wrap(Connector)
+    c = Connector()
+    for _ in range(3):
+        assert (c.get_num_new_matched_tokens(), c.build_connector_meta()) == (1, 2)
+        assert (c.wait_for_save(), c.build_connector_worker_meta()) == (3, 4)
+    c.wait_for_save()  # an open worker step is not counted
+    s = timer.summary()
+    assert s["scheduler"]["steps"] == 3 and s["worker"]["steps"] == 3
+    assert s["by_method"]["wait_for_save"]["calls"] == 4
+    assert s["scheduler"]["mean_ms"] >= 0
+
+
+def test_race_identity_reports_the_largest_logprob_gap():
+    def run(lp):
+        return {"ok": True, "outputs": {"pass1": [[1]], "pass2": [[2]], "batch": []},
+                "logprobs": {"pass1": [-1.0], "pass2": [lp]}}
+
+    got = vllm_race.compare({"none": run(-2.0), "hicache": run(-2.25), "offloading": run(None)})
+    assert got["hicache"]["max_abs_logprob_delta"] == 0.25 and got["hicache"]["identical"]
+    assert got["offloading"]["max_abs_logprob_delta"] == 0.0  # pass 2 had no logprob: pass 1 only
