@@ -158,5 +158,14 @@ def test_the_race_on_cuda(tmp_path: Path) -> None:
 def test_the_race_spec_refuses_what_it_cannot_build() -> None:
     with pytest.raises(ValueError, match="backend 'lmcache'"):
         RaceSpec(backend="lmcache")
-    with pytest.raises(ValueError, match="pools 'mha'"):
-        replace(RaceSpec(backend="radix"), pools="mha")
+    with pytest.raises(ValueError, match="pools 'mamba'"):
+        replace(RaceSpec(backend="radix"), pools="mamba")
+
+
+def test_mha_pools_are_written_and_checked_in_k_and_v(tmp_path: Path) -> None:
+    """A Llama's pools (K and V per layer): the device tree's hits are checked in both."""
+    row = run_backend(spec("radix", pools="mha", kv_heads=2, head_dim=32, device_pages=40), STREAM,
+                      tokens_per_block=64, workdir=tmp_path)  # fmt: skip
+    assert "error" not in row, row
+    assert row["device_hit_tokens"] == 6 * 64 and row["mismatched_bytes"] == 0
+    assert row["checked_bytes"] == 6 * 64 * 4 * 2 * (2 * 32 * 2)  # the reused pages, 4 layers, K and V

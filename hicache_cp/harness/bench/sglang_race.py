@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness.bench.sglang_race_server import BACKENDS, RaceServer, RaceSpec
+from hicache_cp.harness.bench.sglang_race_server import BACKENDS, POOLS, RaceServer, RaceSpec
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.harness.trace import TraceRequest, load_trace, request_tokens
@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=300, help="requests of each workload (default 300)")
     p.add_argument("--tokens-per-block", type=int, default=64, help="tokens per trace block (default 64: one page)")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    p.add_argument("--pools", nargs="+", default=["mla", "dsa"], choices=["mla", "dsa"])
+    p.add_argument("--pools", nargs="+", default=["mla", "dsa"], choices=POOLS,
+                   help="mha needs hicache-cp's MHA pools (SGLang's own runs its JIT kernels on them)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when there is one)")
     p.add_argument("--device-pages", type=int, default=256, help="SGLang's KV pool in pages (raised to fit the longest prompt)")
     p.add_argument("--layers", type=int, default=61, help="MLA layers (default 61, DeepSeek-V3's)")

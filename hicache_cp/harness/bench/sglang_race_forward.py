@@ -6,15 +6,18 @@ checked by torch on the pools' own device, so the race runs on CUDA):
 
     for each layer l of the target pool:
         write the batch's new tokens' KV where attention writes it: the bytes are
-        `kv_bytes.token_bytes` of the token's prefix hash for (part, layer); for DSA
-        pools also the indexer's key-with-scale bytes, for the layers that own them
+        `kv_bytes.token_bytes` of the token's prefix hash for (part, layer): the MLA
+        latent, or an MHA pool's K and V; for DSA pools also the indexer's
+        key-with-scale bytes, for the layers that own them
         pool.get_key_buffer(l)      the pool runs the tree cache's layer_transfer_counter
                                     (its per-layer waits for loads; hicache-cp's backups)
         `matmuls` products of two [dim, dim] matrices on the compute stream: the
                                     layer's compute (compute-bound, independent of the batch)
 
-A CUDA event pair (or the wall clock on CPU) times the forward from its start
-to its last layer's compute; the layer hooks inside are timed by the server's
+`calibrate` times the same forward alone on the empty pool (no hook, no
+check) for a few numbers of new tokens: the baseline the race's exposure is
+measured against. A CUDA event pair (or the wall clock on CPU) times the
+forward from its start to its last layer's compute; the layer hooks inside are timed by the server's
 clock, not here. After the end event, every prefix token each layer reads is
 compared with what computing it gives, on the device: the count of differing
 bytes accumulates in a device tensor per request, read once at the end of
@@ -85,7 +88,8 @@ class RaceForward:
     def __init__(self, pool: Any, req_to_token: torch.Tensor, *, matmuls: int, dim: int, check: bool) -> None:
         self.pool = pool
         self.req_to_token = req_to_token
-        self.device = pool.kv_buffer[0].device
+        self._mha = hasattr(pool, "k_buffer") and not hasattr(pool, "kv_buffer")
+        self.device = (pool.k_buffer if self._mha else pool.kv_buffer)[0].device
         self.check = check
         self.matmuls = matmuls
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -137,9 +141,10 @@ class RaceForward:
         """Every layer: the new tokens' KV written, the layer hook, the layer's compute."""
         for layer in range(self.pool.layer_num):
             salt = _salt(layer)
-            kv = self._rows(layer)
+            for j, rows in enumerate(self._rows(layer)):
+                for slots, hashes in writes:
+                    rows[slots] = token_bytes_torch(hashes, salt + 31 * j, rows.shape[1])
             for slots, hashes in writes:
-                kv[slots] = token_bytes_torch(hashes, salt, kv.shape[1])
                 if self._index[layer] is not None:
                     self._write_index(self._index[layer], slots, hashes, salt)
             self.pool.get_key_buffer(layer)  # the layer hook, as attention's KV fetch runs it
@@ -171,10 +176,11 @@ class RaceForward:
         hashes = torch.from_numpy(prefix_hashes(ids).view(np.int64)).to(self.device, non_blocking=True)
         return req, slots, slice(req.prefix_len, req.extend_end), hashes
 
-    def _rows(self, layer: int) -> torch.Tensor:
-        """The layer's KV as uint8 rows, one per token slot (a view of SGLang's tensor)."""
-        kv = self.pool.kv_buffer[layer]
-        return kv.view(torch.uint8).view(kv.shape[0], -1)
+    def _rows(self, layer: int) -> list[torch.Tensor]:
+        """The layer's KV tensors as uint8 rows, one per token slot (views of SGLang's tensors):
+        the MLA latent, or an MHA pool's K and V."""
+        bufs = [self.pool.k_buffer[layer], self.pool.v_buffer[layer]] if self._mha else [self.pool.kv_buffer[layer]]
+        return [b.view(torch.uint8).view(b.shape[0], -1) for b in bufs]
 
     def _index_cols(self, slots: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat byte offsets of each token's index key and scale in its page (see `pools`)."""
@@ -200,9 +206,9 @@ class RaceForward:
         bad = torch.zeros((), dtype=torch.int64, device=self.device)
         for layer in range(self.pool.layer_num):
             salt = _salt(layer)
-            rows = self._rows(layer)
-            bad += (rows[slots] != token_bytes_torch(hashes, salt, rows.shape[1])).sum()
-            self.stats.checked_bytes += n * rows.shape[1]
+            for j, rows in enumerate(self._rows(layer)):
+                bad += (rows[slots] != token_bytes_torch(hashes, salt + 31 * j, rows.shape[1])).sum()
+                self.stats.checked_bytes += n * rows.shape[1]
             buf = self._index[layer]
             if buf is not None:
                 keys, scales = self._index_cols(slots, buf.shape[1])

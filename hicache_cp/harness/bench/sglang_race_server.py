@@ -6,7 +6,8 @@ objects, `PrefillAdder`, `ScheduleBatch.prepare_for_extend`,
 changes:
 
 - the pools: SGLang's `MLATokenToKVPool` or `DSATokenToKVPool` (the indexer
-  on every layer) at DeepSeek-V3 widths on the race's device, no draft;
+  on every layer) at DeepSeek-V3 widths, or `MHATokenToKVPool` (K and V, a
+  Llama's widths), on the race's device, no draft;
 - the tree cache, built the way SGLang builds it:
       radix           SGLang's `RadixCache` (device tier only)
       hicache-cp      `--radix-cache-backend hicache-cp`: SGLang's registry factory
@@ -56,6 +57,7 @@ from hicache_cp.harness.sglang.env import publish_server_args
 from hicache_cp.harness.sglang.server import Pools, ServerSpec, SGLangPrefillServer, TpWorkerHooks
 
 BACKENDS = ("radix", "hicache-cp", "sglang-hicache")
+POOLS = ("mla", "dsa", "mha")
 
 #: What SGLang's scheduler (and the functions it calls) call on a tree cache, per request or round.
 TREE_CALLS = (
@@ -73,13 +75,15 @@ class RaceSpec:
     """One server of the race."""
 
     backend: str
-    pools: str = "mla"  # "mla" or "dsa" (the DSA indexer's keys on every layer)
+    pools: str = "mla"  # "mla", "dsa" (the DSA indexer's keys on every layer) or "mha" (K and V, Llama)
     device: str = "cuda"
     page_size: int = 64
     device_pages: int = 256  # the KV pool in pages (page 0 is SGLang's padding)
     layers: int = 61
     kv_lora_rank: int = 512
     rope_dim: int = 64
+    kv_heads: int = 8  # MHA: key/value heads and head dim (Llama-3-8B's)
+    head_dim: int = 128
     host_ratio: float = 2.0  # SGLang's --hicache-ratio; hicache-cp gets the same bytes
     sglang_io_backend: str = "kernel"
     sglang_layout: str = "page_first"
@@ -94,12 +98,14 @@ class RaceSpec:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r}: one of {', '.join(BACKENDS)}")
-        if self.pools not in ("mla", "dsa"):
-            raise ValueError(f"pools {self.pools!r}: mla or dsa")
+        if self.pools not in POOLS:
+            raise ValueError(f"pools {self.pools!r}: one of {', '.join(POOLS)}")
 
     @property
     def token_bytes(self) -> int:
         """KV bytes of one token over every layer (the DSA indexer's included)."""
+        if self.pools == "mha":
+            return self.layers * 2 * self.kv_heads * self.head_dim * 2
         per_layer = (self.kv_lora_rank + self.rope_dim) * 2
         if self.pools == "dsa":
             per_layer += INDEX_KEY_BYTES + INDEX_SCALE_BYTES
@@ -154,15 +160,18 @@ class SchedulerClock:
 
 
 def build_race_pools(spec: RaceSpec) -> Pools:
-    """SGLang's request-to-token pool, paged allocator and MLA or DSA KV pool on `spec.device`
-    (SGLang's runtime context must be published: `env.publish_server_args`)."""
+    """SGLang's request-to-token pool, paged allocator and MLA, DSA or MHA KV pool on
+    `spec.device` (SGLang's runtime context must be published: `env.publish_server_args`)."""
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
     ps = spec.page_size
     size = (spec.device_pages - 1) * ps
-    if spec.pools == "mla":
+    if spec.pools == "mha":
+        target = MHATokenToKVPool(size, ps, torch.bfloat16, spec.kv_heads, spec.head_dim, spec.layers, spec.device,
+                                  False, enable_alt_stream=False)  # fmt: skip
+    elif spec.pools == "mla":
         target = MLATokenToKVPool(size, ps, torch.bfloat16, spec.kv_lora_rank, spec.rope_dim, spec.layers,
                                   spec.device, False)  # fmt: skip
     else:
