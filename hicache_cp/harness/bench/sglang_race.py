@@ -98,14 +98,14 @@ def run_backend(spec: RaceSpec, requests: Sequence[TraceRequest], *, tokens_per_
     try:
         server = _build(spec, workdir, row)
     except Exception as exc:  # noqa: BLE001 - the outcome is the record
-        return {**row, **_failure(exc, "construct")}
+        return {**row, **failure_record(exc, "construct")}
     try:
         room = (spec.device_pages - 2) * spec.page_size  # the empty pool's slots past the padding page
         calibration = server.forward.calibrate(sorted({min(n, room, spec.chunk_tokens) for n in CALIBRATION_TOKENS}))
         prompt = _serve(server, requests, tokens_per_block, row)
         row.update(_measure(server, prompt, calibration))
     except Exception as exc:  # noqa: BLE001 - the outcome is the record, with what was served
-        row.update(_failure(exc, "serve"))
+        row.update(failure_record(exc, "serve"))
     finally:
         server.close()
     return row
@@ -118,7 +118,7 @@ def _build(spec: RaceSpec, workdir: Path, row: dict[str, Any]) -> RaceServer:
     except Exception as exc:  # noqa: BLE001 - recorded, retried with the Python core
         if spec.backend != "sglang-hicache" or spec.tree_core == "python":
             raise
-        row["rust_tree_core_error"] = _failure(exc, "construct")["error"]
+        row["rust_tree_core_error"] = failure_record(exc, "construct")["error"]
         from dataclasses import replace
 
         return RaceServer(replace(spec, tree_core="python"), workdir / "python-core")
@@ -187,7 +187,8 @@ def _stats(xs: list[float]) -> dict[str, float]:
             "total_ms": float(a.sum() / 1e3)}  # fmt: skip
 
 
-def _failure(exc: BaseException, phase: str) -> dict[str, Any]:
+def failure_record(exc: BaseException, phase: str) -> dict[str, Any]:
+    """What failed and where: the error, the innermost SGLang (or sgl_kernel stand-in) frame, the phase."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = next((f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)
                   if "sglang" in f.filename or "sgl_kernel" in f.filename), "")  # fmt: skip
