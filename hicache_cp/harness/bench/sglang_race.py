@@ -47,6 +47,7 @@ HiCache constructs (its host pool registers memory with CUDA).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -90,6 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--no-check", action="store_true", help="do not check bytes")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an existing result and exit")
 
 
 def run_backend(spec: RaceSpec, requests: Sequence[TraceRequest], *, tokens_per_block: int, workdir: Path) -> dict[str, Any]:
@@ -263,6 +265,10 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tables is not None:
+        for name, rows in json.loads(args.tables.read_text())["workloads"].items():
+            print(f"{name}:\n\n{table(rows)}\n")
+        return 0
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     workloads: dict[str, Sequence[TraceRequest]] = {}
     if "trace" in args.workloads:

@@ -21,7 +21,9 @@ forward from its start to its last layer's compute; the layer hooks inside are t
 clock, not here. After the end event, every prefix token each layer reads is
 compared with what computing it gives, on the device: the count of differing
 bytes accumulates in a device tensor per request, read once at the end of
-the run (`mismatches`), so checking adds no host synchronisation to the run.
+the run (`mismatches`), so checking adds no host synchronisation. The host
+then waits for the forward's end, as SGLang's scheduler waits for a batch's
+sampled tokens before it processes the results (`event_loop_normal`).
 """
 
 from __future__ import annotations
@@ -111,11 +113,14 @@ class RaceForward:
         new_tokens = sum(new.stop - new.start for _, _, new, _ in plans)
         timer = self._start()
         self._layers([(slots[new], hashes[new]) for _, slots, new, hashes in plans if new.stop > new.start])
-        self.stats.forwards.append(ForwardRecord(tuple(r.rid for r in reqs), new_tokens, had_load, self._stop(timer)))
+        timer = self._stop(timer)
+        self.stats.forwards.append(ForwardRecord(tuple(r.rid for r in reqs), new_tokens, had_load, timer))
         self.stats.computed_tokens += new_tokens
         if self.check:
             for req, slots, _, hashes in plans:
                 self._check(req, slots[: req.prefix_len], hashes[: req.prefix_len])
+        if self.device.type == "cuda":  # the scheduler reads the batch's sampled tokens: it waits for the forward
+            timer[1].synchronize()
 
     def calibrate(self, sizes: Sequence[int], repeats: int = 3) -> list[tuple[int, float]]:
         """(new tokens, median ms) of the forward alone, writing that many tokens: KV writes and
