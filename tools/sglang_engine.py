@@ -197,6 +197,10 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _text(out: bytes | str | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
 def _without(argv: list[str], *flags: str) -> list[str]:
     """`argv` without each of `flags` and the values that follow it."""
     out, skip = [], False
@@ -258,7 +262,7 @@ def main() -> int:
                 row["stderr_tail"] = proc.stderr[-4000:]
         except subprocess.TimeoutExpired as exc:
             row = {"mode": mode, "error": f"timed out after {args.timeout} s",
-                   "stderr_tail": (exc.stderr or b"")[-4000:].decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)[-4000:]}  # fmt: skip
+                   "stderr_tail": _text(exc.stderr)[-4000:]}  # fmt: skip
         row["wall_s"] = time.perf_counter() - t0
         rows[mode] = row
         print(json.dumps({k: v for k, v in row.items() if k not in ("requests", "stderr_tail", "traceback")}), flush=True)
@@ -267,9 +271,10 @@ def main() -> int:
     summarise(rows)
     print(table(rows))
     if args.json:
-        write_json(args.json, {"commit": git_commit(), "machine": machine(), "command": " ".join(["tools/sglang_engine.py", *sys.argv[1:]]),
-                               "model": MODELS[args.model], "config": {k: v for k, v in vars(args).items() if k != "json"},
-                               "modes": rows})  # fmt: skip
+        command = " ".join(["tools/sglang_engine.py", *sys.argv[1:]])
+        write_json(args.json, {"commit": git_commit(), "machine": machine(), "command": command,
+                               "model": MODELS[args.model], "modes": rows,
+                               "config": {k: v for k, v in vars(args).items() if k != "json"}})  # fmt: skip
     ok = all("error" not in r and r.get("greedy_identical_to_none", True) for r in rows.values())
     return 0 if ok else 1
 

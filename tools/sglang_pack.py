@@ -54,11 +54,15 @@ import subprocess
 import sys
 import tarfile
 import tomllib
+import warnings
 import zipfile
 from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+from device_pack import add_tree, pip_download  # noqa: E402
 SHIMS = REPO / "tools" / "sglang_shims"
 SGLANG_VERSION = "0.5.23"
 TRANSFORMERS = "transformers==5.20.2"
@@ -88,8 +92,6 @@ TRACE_MODULES = (
     "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",
 )  # fmt: skip
 
-PLATFORMS = ["manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64"]  # fmt: skip
 SKIP_DIRS = ("srt/rust_extensions", "multimodal_gen")
 TREE_CORE = "srt/mem_cache/rust_tree_core"
 MAX_TOTAL = 44 << 20
@@ -113,20 +115,12 @@ def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _pip_download(dest: Path, specs: list[str]) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]  # fmt: skip
-    for p in PLATFORMS:
-        cmd += ["--platform", p]
-    subprocess.run([*cmd, *specs], check=True)
-
-
 def rust_tree_core() -> tuple[str, bytes]:
     """(file name, bytes) of the Rust tree core in SGLang's cp312 wheel (downloaded once)."""
     WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
     wheels = sorted(WHEEL_CACHE.glob(f"sglang-{SGLANG_VERSION}-cp312-*.whl"))
     if not wheels:
-        _pip_download(WHEEL_CACHE, [f"sglang=={SGLANG_VERSION}"])
+        pip_download(WHEEL_CACHE, [f"sglang=={SGLANG_VERSION}"])
         wheels = sorted(WHEEL_CACHE.glob(f"sglang-{SGLANG_VERSION}-cp312-*.whl"))
     with zipfile.ZipFile(wheels[-1]) as z:
         names = [n for n in z.namelist() if n.startswith(f"sglang/{TREE_CORE}/") and n.endswith(".so")]
@@ -150,20 +144,10 @@ def pack_sources(dest: Path, *, rust_core: bool) -> dict:
     if dist.version != SGLANG_VERSION:
         raise SystemExit(f"error: sglang {dist.version} is installed here, not {SGLANG_VERSION} (scripts/install_sglang.sh)")
     pkg = Path(str(dist.locate_file("sglang")))
-    kept = skipped = kept_bytes = 0
     out = dest / "sglang-src.tar.gz"
     core = None
     with tarfile.open(out, "w:gz", compresslevel=9) as tar:
-        for path in sorted(pkg.rglob("*")):
-            if not path.is_file():
-                continue
-            rel = path.relative_to(pkg).as_posix()
-            if _skipped(rel):
-                skipped += 1
-                continue
-            tar.add(path, arcname=f"sglang/{rel}")
-            kept += 1
-            kept_bytes += path.stat().st_size
+        kept, skipped, kept_bytes = add_tree(tar, pkg, "sglang", _skipped)
         if rust_core:
             name, data = rust_tree_core()
             _add_bytes(tar, name, data)
@@ -200,7 +184,7 @@ def download_wheels(dest: Path, *, transformers: bool) -> list[str]:
     have = {norm(p.name.split("-")[0]) for p in whl.glob("*.whl")}
     need = [p for p in pins if norm(p.split("==")[0]) not in have]
     if need:
-        _pip_download(whl, need)
+        pip_download(whl, need)
     return sorted(p.name for p in whl.glob("*.whl"))
 
 
@@ -219,7 +203,10 @@ def sgl_kernel_imports(pkg: Path) -> dict[str, dict[str, set[str]]]:
         text = path.read_text(errors="replace")
         if "sgl_kernel" not in text:
             continue
-        tree = ast.parse(text)
+        with warnings.catch_warnings():  # SGLang's own invalid escapes in strings are not ours to report
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            tree = ast.parse(text)
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
             if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "sgl_kernel"):
@@ -331,8 +318,9 @@ def _trace_child(modules: list[str]) -> int:
     tops = {m.split(".")[0] for m in sys.modules}
     owners = md.packages_distributions()
     dists = sorted({d for t in tops for d in owners.get(t, [])})
-    print(json.dumps({"cuda": "faked" if faked else torch.cuda.get_device_name(0), "modules": results, "missing": sorted(missing), "sgl_kernel_imported":
-                      {k: sorted(v) for k, v in sorted(imported.items())}, "distributions": dists,
+    print(json.dumps({"cuda": "faked" if faked else torch.cuda.get_device_name(0), "modules": results,
+                      "missing": sorted(missing), "distributions": dists,
+                      "sgl_kernel_imported": {k: sorted(v) for k, v in sorted(imported.items())},
                       "sgl_kernel_from": getattr(sys.modules.get("sgl_kernel"), "__file__", None),
                       "sglang_from": getattr(sys.modules.get("sglang"), "__file__", None)}))
     return 0 if all(v == "ok" for v in results.values()) else 1

@@ -59,7 +59,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_cp.harness import checks
 from hicache_cp.harness.bench.sglang_race_server import BACKENDS, POOLS, RaceServer, RaceSpec
+from hicache_cp.harness.errors import InputError
 from hicache_cp.harness.outputs import write_json
 from hicache_cp.harness.provenance import command_line, git_commit, machine
 from hicache_cp.harness.trace import TraceRequest, load_trace, request_tokens
@@ -264,12 +266,25 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_arguments(args: argparse.Namespace) -> str:
+    """Every flag checked before any work (exit code 2 naming the flag); the device to use."""
+    for flag in ("limit", "tokens_per_block", "device_pages", "layers", "host_ratio", "matmuls", "dim"):
+        checks.positive("--" + flag.replace("_", "-"), getattr(args, flag), limit=1e6)
+    checks.input_file("--trace", args.trace)
+    checks.output_file("--json", args.json)
+    device = checks.device("--device", args.device)
+    if device.startswith("cuda:"):
+        raise InputError(f"--device {device}: the race runs on the current GPU (cuda or auto)")
+    return device
+
+
 def run(args: argparse.Namespace) -> int:
     if args.tables is not None:
+        checks.input_file("--tables", args.tables)
         for name, rows in json.loads(args.tables.read_text())["workloads"].items():
             print(f"{name}:\n\n{table(rows)}\n")
         return 0
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = check_arguments(args)
     workloads: dict[str, Sequence[TraceRequest]] = {}
     if "trace" in args.workloads:
         trace = args.trace or next((t for t in TRACES if t.exists()), None)

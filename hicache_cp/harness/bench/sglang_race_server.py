@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from hicache_cp.harness.bench.sglang_race_forward import INDEX_KEY_BYTES, INDEX_SCALE_BYTES, RaceForward
-from hicache_cp.harness.sglang.env import publish_server_args
+from hicache_cp.harness.sglang.env import import_sglang, publish_server_args
 from hicache_cp.harness.sglang.server import Pools, ServerSpec, SGLangPrefillServer, TpWorkerHooks
 
 BACKENDS = ("radix", "hicache-cp", "sglang-hicache")
@@ -68,6 +68,19 @@ TREE_CALLS = (
 )  # fmt: skip
 #: What the forward calls on the layer counter (the pools' get_key_buffer; the TP worker at forward start).
 HOOK_CALLS = ("wait_until", "set_consumer")
+
+
+def import_sglang_configs() -> None:
+    """SGLang's configs package with the real torchvision where it loads (the device image has
+    one), else as the CPU harness imports it (`env.import_sglang`: a torchvision stand-in for
+    that one import). The stand-in must not replace a working torchvision: transformers, which
+    then finds torchvision available, imports `torchvision.transforms.v2`, which it lacks."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent, or a CUDA build that does not load beside a CPU torch
+        import_sglang()
+        return
+    import sglang.srt.configs  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -209,6 +222,7 @@ class RaceServer(SGLangPrefillServer):
         extra = {"enable_hierarchical_cache": True, "hicache_ratio": spec.host_ratio,
                  "hicache_io_backend": spec.sglang_io_backend, "hicache_mem_layout": spec.sglang_layout,
                  "hicache_write_policy": "write_through", "disable_overlap_schedule": True} if hicache else {}  # fmt: skip
+        import_sglang_configs()
         self.server_args = publish_server_args(workdir, page_size=spec.page_size, **extra)
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.managers.schedule_policy import SchedulePolicy
