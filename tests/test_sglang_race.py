@@ -130,7 +130,7 @@ def _match(tokens: list[int]):
 @pytest.mark.skipif(CUDA, reason="on CUDA SGLang's HiCache builds (test_the_race_on_cuda)")
 def test_sglangs_hicache_is_built_as_far_as_a_cpu_allows(tmp_path: Path) -> None:
     row = run_backend(spec("sglang-hicache", tree_core="python"), STREAM[:1], tokens_per_block=64, workdir=tmp_path)
-    assert row["phase"] == "construct"
+    assert row.get("phase") == "construct", row
     assert "_cuda_host_register" in row["at"] or "cuda" in row["error"].lower(), row
 
 
