@@ -48,6 +48,9 @@ PACKAGES=(
   compressed-tensors==0.20.1
   loguru==0.7.3
   gguf==0.19.0
+  # imported by SGLang's engine and scheduler processes (tools/sglang_pack.py traces them)
+  setproctitle==1.3.8
+  uvicorn==0.55.0
 )
 
 missing=()

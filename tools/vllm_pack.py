@@ -44,6 +44,9 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+from device_pack import add_tree, pip_download  # noqa: E402
 SHIMS = REPO / "tools" / "vllm_shims"
 
 #: Distributions that vLLM 0.33.0's imports load (in these tests: the scheduler,
@@ -61,10 +64,6 @@ CARRY = [
 SKIP_DIRS = ("vllm-rs", "third_party/fmha_sm100", "third_party/deep_gemm", "__pycache__")
 SKIP_SUFFIXES = (".so", ".h", ".hpp", ".cuh", ".inl", ".cu", ".cpp", ".c", ".cubin", ".a", ".o")
 
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64", "manylinux_2_31_x86_64",
-             "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "manylinux_2_5_x86_64"]
-
 
 def _skipped(rel: str) -> bool:
     parts = rel.split("/")
@@ -80,20 +79,9 @@ def pack_sources(dest: Path) -> dict:
     pkg = Path(str(dist.locate_file("vllm")))
     if not (pkg / "__init__.py").exists():
         raise SystemExit(f"error: vllm is not installed at {pkg} (scripts/install_vllm.sh)")
-    kept = skipped = 0
-    kept_bytes = 0
     out = dest / "vllm-src.tar.gz"
     with tarfile.open(out, "w:gz", compresslevel=9) as tar:
-        for path in sorted(pkg.rglob("*")):
-            if not path.is_file():
-                continue
-            rel = path.relative_to(pkg).as_posix()
-            if _skipped(rel):
-                skipped += 1
-                continue
-            tar.add(path, arcname=f"vllm/{rel}")
-            kept += 1
-            kept_bytes += path.stat().st_size
+        kept, skipped, kept_bytes = add_tree(tar, pkg, "vllm", _skipped)
         info = Path(str(dist.locate_file(""))) / f"vllm-{dist.version}.dist-info"
         for name in ("METADATA", "entry_points.txt", "top_level.txt"):
             if (info / name).exists():
@@ -237,11 +225,7 @@ def download_wheels(dest: Path) -> list[str]:
     have = {p.name.split("-")[0].lower().replace("_", "-") for p in whl.glob("*.whl")}
     need = [p for p in pins if p.split("==")[0].lower().replace("_", "-") not in have]
     if need:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.12", "--implementation", "cp", "-d", str(whl)]
-        for p in PLATFORMS:
-            cmd += ["--platform", p]
-        subprocess.run([*cmd, *need], check=True)
+        pip_download(whl, need)
     return sorted(p.name for p in whl.glob("*.whl"))
 
 

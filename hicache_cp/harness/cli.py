@@ -8,6 +8,7 @@
     hicache-cp bench-l3      L3 tier put/get vs raw Mooncake Store calls (loopback)
     hicache-cp bench-pinning time to a usable pinned host pool vs cudaHostAlloc (GPU; CPU parts anywhere)
     hicache-cp bench-events  cost of publishing KV cache events per replay, and what they buy a router (CPU)
+    hicache-cp bench-sglang  hicache-cp against SGLang's own HiCache inside SGLang's scheduler (GPU; CPU parts anywhere)
     hicache-cp decode-peer   a decode-side peer that receives and verifies KV
 
 Each subcommand lives in its own module exposing `add_arguments(parser)`
@@ -42,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-l3": ("hicache_cp.harness.bench.l3", "L3 tier put/get vs raw Mooncake Store calls (loopback)"),
     "bench-pinning": ("hicache_cp.harness.bench.pinning", "time to a usable pinned host pool vs cudaHostAlloc, and its copy bandwidth"),
     "bench-events": ("hicache_cp.harness.bench.events", "cost of publishing KV cache events, and what they buy a router"),
+    "bench-sglang": ("hicache_cp.harness.bench.sglang_race", "hicache-cp against SGLang's own HiCache, one process, one GPU"),
     "decode-peer": ("hicache_cp.harness.decode_peer", "run a decode peer that receives and verifies KV"),
 }
 
