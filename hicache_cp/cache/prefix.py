@@ -157,6 +157,8 @@ class Prefixes:
             s.policy.on_insert(match.tokens[: new_node.end_position * ps], new_node, s.clock)
             took.append((new_node, dup))
         if backup is not None:
+            backup.request = match.request
+            backup.tags = self.lifecycle.identity(match.tokens, start, start + len(device_pages))
             self._attach_backup(backup, new_node, took)
             # pages the tree took from this request and holds without any host copy
             s.metrics.backup_pages_dropped += sum(n.num_pages for n, _ in took if n.host_state is HostState.NONE)

@@ -78,6 +78,9 @@ class CacheState:
     loose_device_pages: int = 0  # handed out by alloc_device, not yet in the tree
     all_parts: frozenset[Part] = frozenset()
     l3: L3Hooks | None = None  # the L3 tier, when configured (cache.tier3)
+    #: L2 pages of copies dropped after a failed check, freed once no active load reads them
+    #: (`Evictor.drop_host_copy`).
+    quarantine: list[np.ndarray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_parts = frozenset(p.part for p in self.layout.parts)
@@ -91,9 +94,11 @@ class CacheState:
         self.device_pool.allocator.free(pages)
 
     def free_host_pages(self, pages: np.ndarray) -> None:
-        """`free_device_pages` for L2."""
+        """`free_device_pages` for L2. Their identity tags are cleared: a stale
+        reference that loads a freed page fails its check."""
         if self.config.debug_checks:
             self.host_pool.poison(pages)
+        self.host_pool.tags[pages] = 0
         self.host_pool.allocator.free(pages)
 
     def debug_check(self) -> None:
@@ -117,6 +122,7 @@ class CacheState:
         host = [n.host_pages for n in nodes if n.host_pages is not None]
         host += [op.host_pages for op in self.backups if not op.nodes]
         host += [op.spare_host_pages for op in self.backups if op.nodes]  # trimmed at insert, freed at the decision
+        host += self.quarantine  # dropped after a failed check, freed once no load reads them
         if self.l3 is not None:
             self.l3.check_invariants()
             host += self.l3.owned_host_pages()  # prefetch reservations, evictions waiting for a put

@@ -9,20 +9,32 @@ GIL for the bulk of the bytes.
 `fault` is a test double hook, called on the worker before each copy with
 (direction, part, layer); raising from it fails that copy, sleeping in it
 makes the copy slow. The real copy still runs for every copy it lets pass.
+`landed` is one too, called after each copy and before its checksums with
+(direction, part, layer, device_pages, host_pages): a test writes into the
+pages there (a torn backup, a forward racing a load).
+
+Checksums (`hicache_cp.io.verify`): a backup's worker computes them from the
+device rows it copied and stores them beside the host copy; a load's worker
+reads back what landed in the device pages and compares (the copy FAILS with
+an IntegrityError on a mismatch).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from hicache_cp.io.base import CopyEngine, CopyFailed, CopyTicket, Direction, TicketState, register_backend
+from hicache_cp import checksum
+from hicache_cp.io import verify
+from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.layout import Part
 from hicache_cp.pools import DevicePool, HostPool
 
 FaultHook = Callable[[Direction, Part, int], None]
+LandedHook = Callable[[Direction, Part, int, np.ndarray, np.ndarray], None]
 
 
 class CpuTicket(CopyTicket):
@@ -52,24 +64,36 @@ class CpuTicket(CopyTicket):
 class CpuCopyEngine(CopyEngine):
     name = "cpu"
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, fault: FaultHook | None = None) -> None:
+    def __init__(
+        self, device_pool: DevicePool, host_pool: HostPool, fault: FaultHook | None = None,
+        landed: LandedHook | None = None,
+    ) -> None:
         super().__init__(device_pool, host_pool)
         if device_pool.is_cuda:
             raise ValueError("the cpu io backend needs a host-memory device pool; use 'kernel', 'direct' or 'staging'")
         self.fault = fault
+        self.landed = landed
         self._workers = {
             d: cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hicache-{d.value}") for d in Direction
         }
 
+    def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
+        """The generic per-part submission, carrying the plan's check sample and request."""
+        if not plan.num_pages:
+            return [None] * len(parts)
+        return [self._submit(plan.direction, part, layer, plan.device_pages, plan.host_pages, plan.check, plan.request)
+                for part in parts]  # fmt: skip
+
     def _submit(
-        self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
+        self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray,
+        check: np.ndarray | None = None, request: Any = None,
     ) -> CpuTicket:
         slot = self.layout.part(part).slot(layer)
         dev = self.device_pool.layer_view(part, slot)
         host = self.host_pool.layer_view(part, slot)
         nbytes = len(device_pages) * self.layout.part(part).page_bytes
         future = self._workers[direction].submit(
-            self._copy, direction, part, layer, dev, host, device_pages, host_pages
+            self._copy, direction, part, layer, dev, host, device_pages, host_pages, check, request
         )
         return CpuTicket(future, direction, part, layer, nbytes)
 
@@ -82,13 +106,30 @@ class CpuCopyEngine(CopyEngine):
         host: np.ndarray,
         device_pages: np.ndarray,
         host_pages: np.ndarray,
+        check: np.ndarray | None,
+        request: Any,
     ) -> None:
         if self.fault is not None:
             self.fault(direction, part, layer)
+        checked = verify.active(self)
         if direction is Direction.D2H:
-            host[host_pages] = dev[device_pages]
-        else:
-            dev[device_pages] = host[host_pages]
+            rows = dev[device_pages]
+            host[host_pages] = rows
+            if self.landed is not None:
+                self.landed(direction, part, layer, device_pages, host_pages)
+            if checked:  # from the rows the copy read, not from what landed
+                verify.store(self, part, layer, host_pages, checksum.checksums(rows, part, layer))
+            return
+        dev[device_pages] = host[host_pages]
+        if self.landed is not None:
+            self.landed(direction, part, layer, device_pages, host_pages)
+        if checked:
+            rows = verify.checked_rows(check, len(device_pages))
+            dp, hp = device_pages[rows], host_pages[rows]
+            if len(dp):
+                err = verify.compare(self, part, layer, checksum.checksums(dev[dp], part, layer), hp, dp, request)
+                if err is not None:
+                    raise err
 
     def close(self) -> None:
         for worker in self._workers.values():
