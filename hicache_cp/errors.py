@@ -57,6 +57,8 @@ class ConfigError(HiCacheError, ValueError):
 
 def _short(v: object, limit: int = 16) -> object:
     """Abbreviate long page arrays in error messages."""
+    if hasattr(v, "tolist") and getattr(v, "ndim", 0) == 1:  # numpy: plain ints, not np.int64(...)
+        v = v.tolist()  # type: ignore[union-attr]
     try:
         n = len(v)  # type: ignore[arg-type]
     except TypeError:
