@@ -19,6 +19,11 @@ no extra work for it. Metrics, each labelled with the CP `rank`:
     hicache_pool_pages{tier, state="used"|"capacity"}
     hicache_copy_latency_seconds{direction}          histogram: submission to the poll that saw it done
     hicache_decision_latency_seconds{kind}           histogram: backup start to commit, load start to done
+    hicache_integrity_checked_pages_total{tier}      restored pages checked against their checksums
+                                                     (page, part, layer units / units a page)
+    hicache_integrity_failures_total{tier,part}      restored (page, part, layer) units that failed a check
+                                                     (part "identity": a page holding another copy)
+    hicache_integrity_dropped_pages_total            L2 pages whose copy was dropped after a failed check
 
 The scrape thread only reads integers and copies short lists; a scrape
 never blocks the cache.
@@ -73,6 +78,7 @@ class CacheCollector:
                        "skipped": stats["backups_skipped"]})
         yield counter("hicache_loads", "Loads by outcome", "outcome",
                       {"done": stats["loads_done"], "aborted": stats["loads_aborted"], "skipped": stats["loads_skipped"]})
+        yield from self._integrity(counter)
         inflight = GaugeMetricFamily("hicache_inflight_ops", "Ops not yet decided", labels=["rank", "kind"])
         inflight.add_metric([rank, "backup"], stats["backups_in_flight"])
         inflight.add_metric([rank, "load"], stats["loads_in_flight"])
@@ -95,6 +101,26 @@ class CacheCollector:
                         {"d2h": metrics.copy_latency_d2h, "h2d": metrics.copy_latency_h2d})
         yield histogram("hicache_decision_latency_seconds", "Op start to its agreed decision", "kind",
                         {"backup": metrics.backup_commit_latency, "load": metrics.load_done_latency})
+
+
+    def _integrity(self, counter: Any) -> Iterator[Any]:
+        """The restore checks' counters (`hicache_cp.metrics.IntegrityStats`), every tier
+        with a check listed (l2 always, l3 and pd once they counted)."""
+        from prometheus_client.core import CounterMetricFamily
+
+        checked, failed = self.cache.engine.integrity.snapshot()  # the L3 tier counts there too
+        units = sum(p.num_slots for p in self.cache.layout.parts)
+        pages = {tier: n // units for tier, n in checked.items()}
+        pages.setdefault("l2", 0)
+        yield counter("hicache_integrity_checked_pages", "Restored pages checked against their checksums", "tier", pages)
+        family = CounterMetricFamily("hicache_integrity_failures", "Restored (page, part, layer) units that failed a check",
+                                     labels=["rank", "tier", "part"])  # fmt: skip
+        rank = str(self.cache.rank)
+        for (tier, part), n in sorted(failed.items()):
+            family.add_metric([rank, tier, part], float(n))
+        yield family
+        yield counter("hicache_integrity_dropped_pages", "L2 pages dropped after a failed check", None,
+                      {"": self.cache.metrics.integrity_dropped_pages})
 
 
 @dataclass

@@ -83,6 +83,7 @@ def replay_rank(
     report.update({k: v for k, v in stats.items() if k.startswith(("pd_", "verified_", "verify_"))})
     report["integrity_dropped_pages"] = stats.get("integrity_dropped_pages", 0)
     report["loads_aborted"] = stats.get("loads_aborted", 0)
+    report["verify_restores"] = config.verify_restores.value
     report.update(
         requests=len(requests),
         integrity_checked_pages=run.checked_pages,
