@@ -232,3 +232,52 @@ def test_verify_off_keeps_no_checksums() -> None:
     cache, _, _ = make("off")
     with cache:
         assert not cache.host_pool.has_checksums and cache.engine.verify is Verify.OFF
+
+
+# ---- L3: checked before an object becomes an L2 copy -------------------------------------------
+
+
+@pytest.mark.parametrize("verify", ["all", "off"])
+def test_a_flipped_bit_in_an_l3_object_is_caught_before_it_becomes_an_l2_copy(verify: str) -> None:
+    """Cache a writes four pages to L3; the last page's object gets a flipped bit in
+    the store; cache b's prefetch reads them, the check on the get fails, the
+    prefetch aborts on every rank and b computes the pages (no L3 hit, no L2 copy).
+    With the checks off the flipped bit is served (the control)."""
+    from conftest import fill_pattern, run_request, tokens_of
+    from test_l3_support import MemoryStore, flush_writes, l3_cache, verify_l1
+
+    from hicache_cp.l3.keys import PositionHashes
+
+    store = MemoryStore()
+    a, b = (l3_cache(store, {}, verify_restores=verify) for _ in range(2))
+    try:
+        prompt = tokens_of(1, 2, 3, 4)
+        run_request(a, prompt, write=fill_pattern)
+        flush_writes(a)
+        assert len(store.objects) == 4
+        key = a.l3.scheme.objects(PositionHashes.of(prompt, PAGE), range(3, 4))[0].key
+        data = bytearray(store.objects[key])
+        data[100] ^= 0x08  # target_kv, layer 0
+        store.objects[key] = bytes(data)
+        r = run_request(b, prompt, write=fill_pattern)
+        s = b.stats()
+        if verify == "off":
+            assert r.m.l3_len == 4 and verify_l1(b, r.tokens, range(4), r.load.device_pages) == 1
+            return
+        assert s["l3_prefetch_aborted"] == 1 and s["l3_prefetch_committed"] == 0
+        assert r.m.l3_len == 0 and r.m.host_len == 0  # nothing fetched became a hit
+        assert s["verify_failures"] == 1 and s["verify_failures_l3_target_kv"] == 1
+        assert s["verified_units_l3"] > 0
+        assert verify_l1(b, r.tokens, range(4), r.new) == 0  # computed, right
+        b.check_invariants()
+        # The clean objects still serve: a fresh reader of the first pages gets L3 hits.
+        c = l3_cache(store, {})
+        try:
+            r2 = run_request(c, tokens_of(1, 2), write=fill_pattern)
+            assert r2.m.l3_len == 2 and c.stats()["verify_failures"] == 0
+            assert verify_l1(c, r2.tokens, range(2), r2.load.device_pages) == 0
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()

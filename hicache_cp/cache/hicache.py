@@ -150,9 +150,10 @@ class HiCache:
         try:
             regions = [Region(p.part, s.host_pool.arenas[p.part].ptr, s.host_pool.arenas[p.part].nbytes)
                        for p in s.layout.parts]  # fmt: skip
-            scheme = KeyScheme(s.layout, s.config.model, cfg, s.cp_size, s.rank)
+            checked = s.host_pool if s.config.verify_restores is not Verify.OFF else None
+            scheme = KeyScheme(s.layout, s.config.model, cfg, s.cp_size, s.rank, checksums=checked is not None)
             client = L3Client(store, scheme, cfg, regions, s.host_pool.physical_pages, L3Metrics(), name=name,
-                              close_store=own)  # fmt: skip
+                              close_store=own, checksums=checked, integrity=s.engine.integrity)  # fmt: skip
         except BaseException:
             if own:
                 store.close()
