@@ -387,12 +387,13 @@ class HostPool:
         rank: int = 0,
         pin: bool | None = None,
         memory: bool = True,
-        checksums: bool = True,
+        checksums: bool = False,
     ) -> None:
         """`memory=False`: the allocator only, no arenas (views raise KeyError),
         for a process that decides but never copies, such as the scheduler
-        process of vLLM (`hicache_cp.integrations.vllm`). `checksums=False`
-        (`verify_restores = off`): no checksum arena."""
+        process of vLLM (`hicache_cp.integrations.vllm`). `checksums`: an arena
+        for the checksums of every stored page and layer (`hicache_cp.checksum`;
+        `HiCache` asks for it unless `verify_restores = off`)."""
         self.layout = layout
         self.rank = rank
         self.cp_size = cp_size
