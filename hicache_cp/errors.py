@@ -96,7 +96,12 @@ class IntegrityError(HiCacheError):
                          ("rank", self.rank), ("pages", self.pages), ("units", self.units or None))
             if v is not None
         ]  # fmt: skip
-        return f"{self.what} ({', '.join(ctx)})"
+        return f"{INTEGRITY_MARK} {self.what} ({', '.join(ctx)})"
+
+
+#: How every IntegrityError's message starts (`io.verify.failure_from_report` finds
+#: it in a failure reported across processes as text).
+INTEGRITY_MARK = "integrity check failed:"
 
 
 def integrity_error_of(exc: BaseException | None) -> IntegrityError | None:

@@ -175,13 +175,17 @@ def test_a_stale_page_reused_after_eviction_is_caught() -> None:
         cache._state.free_host_pages(stale)  # the bug: freed behind the tree's back
         server.serve(1, b)  # its backup reuses them
         assert set(host_pages_of(cache, b).tolist()) == set(stale.tolist())
-        reload(cache, server, 2, a)
-        stats = cache.stats()
-        assert stats["loads_aborted"] == 1 and stats["verify_failures_l2_identity"] == PAGES
+        r = reload(cache, server, 2, a)
+        stats = cache.stats()  # refused at match: no hit, no load, the copy dropped
+        assert r.l2_hit_pages == 0 and stats["loads_started"] == 0 and stats["verify_failures_l2_identity"] == PAGES
+        assert stats["integrity_dropped_pages"] == PAGES and server.integrity.mismatches == 0
+        assert all(n.host_state is HostState.COMMITTED for n in cache.tree.match(b))  # b's copy stays
+        assert not set(host_pages_of(cache, a).tolist()) & set(stale.tolist())  # a was backed up afresh
+        again = reload(cache, server, 3, a)  # and that fresh copy serves
+        assert again.l2_hit_pages == PAGES and cache.stats()["verify_failures"] == PAGES
         assert server.integrity.mismatches == 0
-        node_a = cache.tree.match(a)
-        assert all(n.host_state is HostState.NONE for n in node_a)  # a's stale copy is gone, b's stays
-        assert all(n.host_state is HostState.COMMITTED for n in cache.tree.match(b))
+        cache.drain()
+        cache.check_invariants()  # one owner per page again: the stale name is gone, b kept its pages
 
 
 def test_a_draft_part_from_another_requests_copy_is_caught() -> None:

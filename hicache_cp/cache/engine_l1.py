@@ -73,8 +73,7 @@ class EngineL1:
         host = match.host_pages[lo : lo + n]
         op = LoadOp(s.layout, device_pages, host, first_position, self.lifecycle._local_pages(device_pages), s.rank)
         op.request = match.request
-        op.sources = list(match.host_nodes)
-        self.lifecycle.check_identity(op, match.tokens)
+        op.sources = list(match.host_nodes)  # their identity was checked by match_prefix
         try:
             self.lifecycle._submit_all_layers(op, Direction.H2D)
         except CopyFailed:  # copies already submitted write into the engine's pages: let them return

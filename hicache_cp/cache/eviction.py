@@ -128,15 +128,17 @@ class Evictor:
             s.tree.refresh_family(node)
         self.loaded = keep
 
-    def drop_host_copy(self, nodes: list[Node], pages: np.ndarray, reason: object) -> int:
+    def drop_host_copy(self, nodes: list[Node], pages: np.ndarray, reason: object, others: np.ndarray | None = None) -> int:
         """A restore check failed on L2 `pages` (logical): every node among `nodes`
         whose committed copy holds one of them loses that copy now, on every rank
         (the caller decided it with an agreed vote), so no match returns it again.
 
         The one place where a failed check takes a copy out of L2 (KV event
         publishers hook here). The pages are freed once no active load reads them
-        (`release_quarantine`); their identity tags are cleared at once, so a
-        stale reference fails too. Returns the pages dropped. O(nodes + pages)."""
+        (`release_quarantine`) and their identity tags are cleared at once, so a
+        stale reference fails too; `others` are pages the node named but another
+        copy holds (a stale copy's): neither freed nor cleared. Returns the pages
+        dropped. O(nodes + pages)."""
         s = self.s
         dropped = 0
         bad = set(np.asarray(pages, dtype=np.int64).tolist())
@@ -147,11 +149,13 @@ class Evictor:
             node.host_pages = None
             node.host_state = HostState.NONE
             node.host_parts = frozenset()
-            s.host_pool.tags[held] = 0
             dropped += len(held)
-            s.metrics.integrity_dropped_pages += len(held)
+            if others is not None:
+                held = held[~np.isin(held, others)]
+            s.host_pool.tags[held] = 0
+            s.metrics.integrity_dropped_pages += node.num_pages
             logger.warning("rank %d: the L2 copy of %s (%d pages) is dropped after a failed check: %s",
-                           s.rank, node, len(held), reason)  # fmt: skip
+                           s.rank, node, node.num_pages, reason)  # fmt: skip
             if s.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
                 held = s.l3.on_evict_l2(held)
             s.quarantine.append(held)

@@ -105,7 +105,7 @@ class HiCache:
                 if pool.layout != layout or pool.cp_size != config.cp_size:
                     raise ValueError("pools were built for another layout or cp_size than the config")
             engine = engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {}))
-            if config.verify_restores is not Verify.OFF and not host_pool.has_checksums:
+            if config.verify_restores is not Verify.OFF and host_pool.arenas and not host_pool.has_checksums:
                 raise ValueError(f"verify_restores = {config.verify_restores.value} needs a host pool with "
                                  "checksums (HostPool(checksums=True))")  # fmt: skip
             engine.verify = config.verify_restores

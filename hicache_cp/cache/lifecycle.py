@@ -32,7 +32,7 @@ from hicache_cp.checksum import Verify, sample_positions
 from hicache_cp.config import WritePolicy
 from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.cp.agreement import Vote
-from hicache_cp.errors import ConsistencyError, IntegrityError
+from hicache_cp.errors import ConsistencyError
 from hicache_cp.io.base import CopyPlan, CopyTicket, Direction
 from hicache_cp.keys import prefix_hashes
 from hicache_cp.layout import Model, Part
@@ -83,8 +83,7 @@ class Lifecycle:
             op.nodes.append(node)
             offset += node.num_pages
             s.tree.refresh_family(node)
-        op.sources = op.nodes
-        self.check_identity(op, match.tokens)
+        op.sources = op.nodes  # their identity was checked by match_prefix (`Prefixes._first_stale`)
         self._submit_all_layers(op, Direction.H2D)
         op.transition(LoadState.LOADING)
         s.loads.append(op)
@@ -105,23 +104,6 @@ class Lifecycle:
             return None
         ps = self.s.layout.page_size
         return prefix_hashes(tokens[: hi * ps], ps)[lo:hi]
-
-    def check_identity(self, op: LoadOp, tokens: np.ndarray) -> None:
-        """Fail `op` when a host page it reads holds another copy than the one the tree
-        names (freed and reused, or dropped): the tags are replicated, so every rank
-        fails it alike, and the agreed abort drops the copy (`Evictor.drop_host_copy`)."""
-        tags = self.identity(tokens, op.first_position, op.first_position + op.num_pages)
-        if tags is None:
-            return
-        op.tags = tags
-        stale = self.s.host_pool.stale_tags(op.host_pages, tags)
-        if len(stale):
-            op.error = IntegrityError(
-                "L2 load: host pages hold another copy than the tree names (freed and reused, or dropped)",
-                tier="l2", rank=self.s.rank, pages=op.host_pages[stale], units=len(stale), request=op.request,
-            )  # fmt: skip
-            self.s.engine.integrity.count_failed("l2", "identity", len(stale))
-            logger.warning("rank %d: load %d: %s", self.s.rank, op.id, op.error)
 
     def _truncate_match(self, match: MatchResult) -> None:
         """Drop the host continuation: the lock moves back to the device prefix."""

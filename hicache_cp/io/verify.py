@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hicache_cp.checksum import Verify
-from hicache_cp.errors import IntegrityError
+from hicache_cp.errors import INTEGRITY_MARK, IntegrityError
+from hicache_cp.io.base import CopyFailed
 from hicache_cp.layout import Part
 
 if TYPE_CHECKING:
@@ -72,3 +73,12 @@ def compare(
     )  # fmt: skip
     logger.warning("%s; L1 pages %s", err, device_pages[bad][:MAX_NAMED].tolist())
     return err
+
+
+def failure_from_report(text: str) -> BaseException:
+    """A copy failure reported as text by another process (vLLM's workers): an
+    IntegrityError when a restore check failed (then the agreed abort drops the
+    copy), else CopyFailed."""
+    if INTEGRITY_MARK in text:
+        return IntegrityError(text, tier="l2")
+    return CopyFailed(text)
