@@ -7,6 +7,7 @@
     hicache-cp bench-overhead host time of the cache's own calls per request on a trace
     hicache-cp bench-l3      L3 tier put/get vs raw Mooncake Store calls (loopback)
     hicache-cp bench-pinning time to a usable pinned host pool vs cudaHostAlloc (GPU; CPU parts anywhere)
+    hicache-cp bench-verify  the restore checks' cost: replay on vs off (CPU), kernel vs PCIe and beside a forward (GPU)
     hicache-cp decode-peer   a decode-side peer that receives and verifies KV
 
 Each subcommand lives in its own module exposing `add_arguments(parser)`
@@ -40,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-overhead": ("hicache_cp.harness.bench.overhead", "host time of the cache's own calls per request on a trace"),
     "bench-l3": ("hicache_cp.harness.bench.l3", "L3 tier put/get vs raw Mooncake Store calls (loopback)"),
     "bench-pinning": ("hicache_cp.harness.bench.pinning", "time to a usable pinned host pool vs cudaHostAlloc, and its copy bandwidth"),
+    "bench-verify": ("hicache_cp.harness.bench.verify", "what the restore checks cost: replay with them on vs off, the kernel vs PCIe"),
     "decode-peer": ("hicache_cp.harness.decode_peer", "run a decode peer that receives and verifies KV"),
 }
 

@@ -13,10 +13,11 @@ makes the copy slow. The real copy still runs for every copy it lets pass.
 (direction, part, layer, device_pages, host_pages): a test writes into the
 pages there (a torn backup, a forward racing a load).
 
-Checksums (`hicache_cp.io.verify`): a backup's worker computes them from the
-device rows it copied and stores them beside the host copy; a load's worker
-reads back what landed in the device pages and compares (the copy FAILS with
-an IntegrityError on a mismatch).
+Checksums (`hicache_cp.io.verify`), once a copy is done, on the thread that
+asks its ticket (`CpuTicket`): a backup's from the device pages it copied,
+stored beside the host copy; a load's of what landed in the device pages,
+compared with the stored ones (the copy FAILS with an IntegrityError on a
+mismatch).
 """
 
 from __future__ import annotations
@@ -38,17 +39,36 @@ LandedHook = Callable[[Direction, Part, int, np.ndarray, np.ndarray], None]
 
 
 class CpuTicket(CopyTicket):
-    def __init__(self, future: cf.Future[None], direction: Direction, part: Part, layer: int, nbytes: int) -> None:
+    """A copy on a worker thread, and its checks (`check`), run once the copy is done on
+    the thread that first sees it done (the cache's poll or settle, the forward's wait:
+    no worker thread contends for the GIL with small numpy calls): a backup stores the
+    checksums of the device pages it copied (unchanged until it is decided), a load
+    compares what landed with the stored ones and FAILS with the IntegrityError on a
+    mismatch."""
+
+    def __init__(
+        self, future: cf.Future[None], direction: Direction, part: Part, layer: int, nbytes: int,
+        check: Callable[[], BaseException | None] | None = None,
+    ) -> None:
         super().__init__(direction, part, layer, nbytes)
         self._future = future
+        self._check = check
+        self._failed: BaseException | None = None
+
+    def _checked(self) -> BaseException | None:
+        """The copy's error, else its check's (run once, here)."""
+        exc = self._future.exception()
+        if exc is None and self._check is not None:
+            self._failed, self._check = self._check(), None
+        return exc or self._failed
 
     def query(self) -> TicketState:
         if not self._future.done():
             return TicketState.PENDING
-        return TicketState.FAILED if self._future.exception() is not None else TicketState.DONE
+        return TicketState.FAILED if self._checked() is not None else TicketState.DONE
 
     def wait(self) -> None:
-        exc = self._future.exception()
+        exc = self._checked()
         if exc is not None:
             raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
 
@@ -57,7 +77,7 @@ class CpuTicket(CopyTicket):
 
     @property
     def error(self) -> BaseException | None:
-        return self._future.exception() if self._future.done() else None
+        return (self._future.exception() or self._failed) if self._future.done() else None
 
 
 @register_backend("cpu")
@@ -92,10 +112,18 @@ class CpuCopyEngine(CopyEngine):
         dev = self.device_pool.layer_view(part, slot)
         host = self.host_pool.layer_view(part, slot)
         nbytes = len(device_pages) * self.layout.part(part).page_bytes
-        future = self._workers[direction].submit(
-            self._copy, direction, part, layer, dev, host, device_pages, host_pages, check, request
-        )
-        return CpuTicket(future, direction, part, layer, nbytes)
+        future = self._workers[direction].submit(self._copy, direction, part, layer, dev, host, device_pages, host_pages)
+        checker = None
+        if direction is Direction.D2H and verify.active(self):
+            def checker() -> None:  # the device pages a backup read stay as they were until it is decided
+                verify.store(self, part, layer, host_pages, checksum.checksums(dev[device_pages], part, layer))
+        elif verify.active(self):
+            rows = verify.checked_rows(check, len(device_pages))
+            dp, hp = device_pages[rows], host_pages[rows]
+            if len(dp):
+                def checker() -> BaseException | None:  # the landed pages as they are when checked
+                    return verify.compare(self, part, layer, checksum.checksums(dev[dp], part, layer), hp, dp, request)
+        return CpuTicket(future, direction, part, layer, nbytes, checker)
 
     def _copy(
         self,
@@ -106,30 +134,15 @@ class CpuCopyEngine(CopyEngine):
         host: np.ndarray,
         device_pages: np.ndarray,
         host_pages: np.ndarray,
-        check: np.ndarray | None,
-        request: Any,
     ) -> None:
         if self.fault is not None:
             self.fault(direction, part, layer)
-        checked = verify.active(self)
         if direction is Direction.D2H:
-            rows = dev[device_pages]
-            host[host_pages] = rows
-            if self.landed is not None:
-                self.landed(direction, part, layer, device_pages, host_pages)
-            if checked:  # from the rows the copy read, not from what landed
-                verify.store(self, part, layer, host_pages, checksum.checksums(rows, part, layer))
-            return
-        dev[device_pages] = host[host_pages]
+            host[host_pages] = dev[device_pages]
+        else:
+            dev[device_pages] = host[host_pages]
         if self.landed is not None:
             self.landed(direction, part, layer, device_pages, host_pages)
-        if checked:
-            rows = verify.checked_rows(check, len(device_pages))
-            dp, hp = device_pages[rows], host_pages[rows]
-            if len(dp):
-                err = verify.compare(self, part, layer, checksum.checksums(dev[dp], part, layer), hp, dp, request)
-                if err is not None:
-                    raise err
 
     def close(self) -> None:
         for worker in self._workers.values():
