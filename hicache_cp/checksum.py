@@ -103,9 +103,20 @@ def salt(part: Part, layer: int, page_bytes: int) -> np.uint64:
     return value
 
 
+_SALT_ROWS: dict[tuple[Part, tuple[int, ...], int], np.ndarray] = {}
+
+
 def salts(part: Part, layers: list[int] | tuple[int, ...], page_bytes: int) -> np.ndarray:
-    """`salt` of each layer: uint64 [len(layers)]."""
-    return np.array([salt(part, layer, page_bytes) for layer in layers], dtype=np.uint64)
+    """`salt` of each layer: uint64 [len(layers)], read-only (memoised)."""
+    key = (part, tuple(layers), page_bytes)
+    out = _SALT_ROWS.get(key)
+    if out is None:
+        if len(_SALT_ROWS) > 4096:  # a handful of layouts per process; keep it bounded
+            _SALT_ROWS.clear()
+        out = np.array([salt(part, layer, page_bytes) for layer in layers], dtype=np.uint64)
+        out.flags.writeable = False
+        _SALT_ROWS[key] = out
+    return out
 
 
 _MULTS: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.uint64), np.empty(0, np.uint64))
@@ -162,6 +173,15 @@ def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:
     """The checksum of each page (uint8 [n, page_bytes]) as `part`'s `layer`: uint64 [n]."""
     x = raw_sums(pages)
     x ^= salt(part, layer, pages.shape[1])
+    return fmix64(x)
+
+
+def checksums_by_layer(pages: np.ndarray, part: Part, layers: list[int], n: int) -> np.ndarray:
+    """The checksums of `len(layers)` blocks of `n` pages each, block i as `layers[i]`
+    (uint8 [len(layers) * n, page_bytes] -> uint64 [len(layers), n]): one pass for
+    every layer of a part."""
+    x = raw_sums(pages).reshape(len(layers), n)
+    x ^= salts(part, layers, pages.shape[1])[:, None]
     return fmix64(x)
 
 

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp import checksum
 from hicache_cp.io import verify
 from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.layout import Part
@@ -39,27 +38,39 @@ LandedHook = Callable[[Direction, Part, int, np.ndarray, np.ndarray], None]
 
 
 class CpuTicket(CopyTicket):
-    """A copy on a worker thread, and its checks (`check`), run once the copy is done on
-    the thread that first sees it done (the cache's poll or settle, the forward's wait:
-    no worker thread contends for the GIL with small numpy calls): a backup stores the
-    checksums of the device pages it copied (unchanged until it is decided), a load
-    compares what landed with the stored ones and FAILS with the IntegrityError on a
-    mismatch."""
+    """A copy on a worker thread, and its checks (`verify.HostChecks` of its op), run
+    once the copy is done on the thread that first asks (the cache's poll or settle,
+    the forward's wait: no worker thread contends for the GIL with small numpy
+    calls); a load whose landed pages fail their check FAILS with the IntegrityError."""
 
     def __init__(
         self, future: cf.Future[None], direction: Direction, part: Part, layer: int, nbytes: int,
-        check: Callable[[], BaseException | None] | None = None,
+        checks: verify.HostChecks | None = None,
     ) -> None:
         super().__init__(direction, part, layer, nbytes)
         self._future = future
-        self._check = check
+        self._checks = checks
+        self._verified = checks is None
         self._failed: BaseException | None = None
+        if checks is not None:
+            checks.pending.append(self)
+
+    def checked(self, error: BaseException | None) -> None:
+        """`HostChecks` ran this copy's check (`error`: its failure, None when it passed)."""
+        self._verified, self._failed = True, error
+
+    def copy_state(self) -> bool | None:
+        """True: the copy landed, False: it failed, None: in flight."""
+        if not self._future.done():
+            return None
+        return self._future.exception() is None
 
     def _checked(self) -> BaseException | None:
-        """The copy's error, else its check's (run once, here)."""
+        """The copy's error, else its check's (run now if it has not run)."""
         exc = self._future.exception()
-        if exc is None and self._check is not None:
-            self._failed, self._check = self._check(), None
+        if exc is None and not self._verified:
+            assert self._checks is not None
+            self._checks.run()
         return exc or self._failed
 
     def query(self) -> TicketState:
@@ -98,32 +109,32 @@ class CpuCopyEngine(CopyEngine):
         }
 
     def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
-        """The generic per-part submission, carrying the plan's check sample and request."""
+        """The generic per-part submission; the op's tickets share its checks (`HostChecks`)."""
         if not plan.num_pages:
             return [None] * len(parts)
-        return [self._submit(plan.direction, part, layer, plan.device_pages, plan.host_pages, plan.check, plan.request)
+        if plan.checksum_state is None and verify.active(self):
+            plan.checksum_state = self._checks(plan.direction, plan.device_pages, plan.host_pages, plan.check, plan.request)
+        return [self._submit(plan.direction, part, layer, plan.device_pages, plan.host_pages, plan.checksum_state)
                 for part in parts]  # fmt: skip
+
+    def _checks(
+        self, direction: Direction, device_pages: np.ndarray, host_pages: np.ndarray, check: np.ndarray | None,
+        request: Any,
+    ) -> verify.HostChecks:
+        return verify.HostChecks(self, direction, device_pages, host_pages, check, request, CpuTicket.copy_state)
 
     def _submit(
         self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray,
-        check: np.ndarray | None = None, request: Any = None,
+        checks: verify.HostChecks | None = None,
     ) -> CpuTicket:
         slot = self.layout.part(part).slot(layer)
         dev = self.device_pool.layer_view(part, slot)
         host = self.host_pool.layer_view(part, slot)
         nbytes = len(device_pages) * self.layout.part(part).page_bytes
         future = self._workers[direction].submit(self._copy, direction, part, layer, dev, host, device_pages, host_pages)
-        checker = None
-        if direction is Direction.D2H and verify.active(self):
-            def checker() -> None:  # the device pages a backup read stay as they were until it is decided
-                verify.store(self, part, layer, host_pages, checksum.checksums(dev[device_pages], part, layer))
-        elif verify.active(self):
-            rows = verify.checked_rows(check, len(device_pages))
-            dp, hp = device_pages[rows], host_pages[rows]
-            if len(dp):
-                def checker() -> BaseException | None:  # the landed pages as they are when checked
-                    return verify.compare(self, part, layer, checksum.checksums(dev[dp], part, layer), hp, dp, request)
-        return CpuTicket(future, direction, part, layer, nbytes, checker)
+        if checks is None and verify.active(self):  # an unplanned copy: checks of its own
+            checks = self._checks(direction, device_pages, host_pages, None, None)
+        return CpuTicket(future, direction, part, layer, nbytes, checks)
 
     def _copy(
         self,
