@@ -30,6 +30,15 @@ from conftest import PAGE, tiny_config
 PAGES = 6
 
 
+@pytest.fixture(autouse=True, params=["batched", "on-worker"])
+def check_path(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """Every story on both paths of the cpu backend's checks: batched on the asking
+    thread (small copies), and on the copy worker right after the copy (large ones)."""
+    if request.param == "on-worker":
+        monkeypatch.setattr("hicache_cp.io.cpu.WORKER_CHECK_BYTES", 0)
+    return request.param
+
+
 def tokens(base: int, pages: int = PAGES) -> np.ndarray:
     """A prompt of `pages` whole pages, distinct for each `base`."""
     return np.arange(base * 10_000, base * 10_000 + pages * PAGE, dtype=np.int64)

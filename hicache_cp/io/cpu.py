@@ -28,12 +28,18 @@ from typing import Any
 
 import numpy as np
 
+from hicache_cp import checksum
 from hicache_cp.io import verify
 from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.layout import Part
 from hicache_cp.pools import DevicePool, HostPool
 
 FaultHook = Callable[[Direction, Part, int], None]
+#: A copy of at least this many bytes has its checks run on its worker thread, right
+#: after the copy: numpy's large loops release the GIL, so they run beside the caller on
+#: another core. Smaller ones are checked in batches on the thread that asks (a worker's
+#: many small numpy calls would contend for the GIL with the caller instead).
+WORKER_CHECK_BYTES = 1 << 20
 LandedHook = Callable[[Direction, Part, int, np.ndarray, np.ndarray], None]
 
 
@@ -131,10 +137,13 @@ class CpuCopyEngine(CopyEngine):
         dev = self.device_pool.layer_view(part, slot)
         host = self.host_pool.layer_view(part, slot)
         nbytes = len(device_pages) * self.layout.part(part).page_bytes
-        future = self._workers[direction].submit(self._copy, direction, part, layer, dev, host, device_pages, host_pages)
         if checks is None and verify.active(self):  # an unplanned copy: checks of its own
             checks = self._checks(direction, device_pages, host_pages, None, None)
-        return CpuTicket(future, direction, part, layer, nbytes, checks)
+        on_worker = checks if checks is not None and nbytes >= WORKER_CHECK_BYTES else None
+        future = self._workers[direction].submit(
+            self._copy, direction, part, layer, dev, host, device_pages, host_pages, on_worker
+        )
+        return CpuTicket(future, direction, part, layer, nbytes, None if on_worker is not None else checks)
 
     def _copy(
         self,
@@ -145,15 +154,24 @@ class CpuCopyEngine(CopyEngine):
         host: np.ndarray,
         device_pages: np.ndarray,
         host_pages: np.ndarray,
+        checks: verify.HostChecks | None,
     ) -> None:
         if self.fault is not None:
             self.fault(direction, part, layer)
         if direction is Direction.D2H:
-            host[host_pages] = dev[device_pages]
+            rows = dev[device_pages]
+            host[host_pages] = rows
+            if checks is not None:  # from the rows the copy read
+                verify.store(self, part, layer, host_pages, checksum.checksums(rows, part, layer))
         else:
             dev[device_pages] = host[host_pages]
         if self.landed is not None:
             self.landed(direction, part, layer, device_pages, host_pages)
+        if checks is not None and direction is Direction.H2D and len(checks.device_pages):
+            dp, hp = checks.device_pages, checks.host_pages
+            err = verify.compare(self, part, layer, checksum.checksums(dev[dp], part, layer), hp, dp, checks.request)
+            if err is not None:
+                raise err
 
     def close(self) -> None:
         for worker in self._workers.values():
