@@ -44,11 +44,11 @@ measurements).
 from __future__ import annotations
 
 import enum
-import threading
 
 import numpy as np
 
 from hicache_cp.layout import PART_ORDER, Part
+from hicache_cp.tables import GrowingTables
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -119,30 +119,22 @@ def salts(part: Part, layers: list[int] | tuple[int, ...], page_bytes: int) -> n
     return out
 
 
-_MULTS: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.uint64), np.empty(0, np.uint64))
-_MULTS_LOCK = threading.Lock()
+def _build_multipliers(size: int) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(over="ignore"):
+        idx = np.arange(2 * size, dtype=np.uint64) * _GOLDEN + np.uint64(MULTIPLIER_SEED)
+    both = fmix64(idx) | np.uint64(1)
+    return np.ascontiguousarray(both[0::2]), np.ascontiguousarray(both[1::2])
+
+
+_MULTS = GrowingTables(_build_multipliers)
 
 
 def multipliers(words: int) -> tuple[np.ndarray, np.ndarray]:
     """(A, B): the first `words` odd multipliers of the 64-bit words, read-only.
 
     A_j = fmix64(SEED + 2j * golden) | 1 and B_j = fmix64(SEED + (2j + 1) * golden) | 1.
-    Cached and grown by doubling; thread-safe (one tuple swapped in one assignment)."""
-    global _MULTS
-    mults = _MULTS
-    if len(mults[0]) < words:
-        with _MULTS_LOCK:
-            mults = _MULTS
-            if len(mults[0]) < words:
-                size = max(words, 2 * len(mults[0]), 1024)
-                with np.errstate(over="ignore"):
-                    idx = np.arange(2 * size, dtype=np.uint64) * _GOLDEN + np.uint64(MULTIPLIER_SEED)
-                    both = fmix64(idx) | np.uint64(1)
-                a, b = np.ascontiguousarray(both[0::2]), np.ascontiguousarray(both[1::2])
-                a.flags.writeable = False
-                b.flags.writeable = False
-                mults = _MULTS = (a, b)
-    return mults[0][:words], mults[1][:words]
+    Cached and grown by doubling (`tables.GrowingTables`, thread-safe)."""
+    return _MULTS.first(words)
 
 
 def raw_sums(pages: np.ndarray) -> np.ndarray:
