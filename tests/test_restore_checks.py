@@ -294,3 +294,19 @@ def test_a_flipped_bit_in_an_l3_object_is_caught_before_it_becomes_an_l2_copy(ve
     finally:
         a.close()
         b.close()
+
+
+def test_verify_restores_is_checked_and_read_from_every_source(tmp_path) -> None:
+    from hicache_cp.config import Config
+    from hicache_cp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="verify_restores: unknown value 'maybe'; allowed: all, sample, off"):
+        Config(verify_restores="maybe")
+    resolved = Config.resolve(env={"HICACHE_VERIFY_RESTORES": "sample"})
+    assert resolved.config.verify_restores is Verify.SAMPLE and resolved.sources["verify_restores"].startswith("env:")
+    toml = tmp_path / "c.toml"
+    toml.write_text('verify_restores = "off"\n')
+    assert Config.load(toml).verify_restores is Verify.OFF
+    with pytest.raises(ConfigError, match=r"verify_restores.*\(from env:HICACHE_VERIFY_RESTORES\)"):
+        Config.resolve(env={"HICACHE_VERIFY_RESTORES": "some"})
+    assert Config(verify_restores="all").to_dict()["verify_restores"] == "all"
