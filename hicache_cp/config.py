@@ -26,6 +26,7 @@ TOML example::
     l2_exclusive = false               # write_back only: L1 and L2 hold disjoint pages
     eviction_policy = "lru"
     io_backend = "auto"
+    verify_restores = "all"            # checksum every restored page: all, sample or off
 
     [model_layout]                     # overrides of the preset
     state_layers = [0, 2, 4, 6]
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache_cp.checksum import Verify
 from hicache_cp.errors import ConfigError
 from hicache_cp.l3.config import L3Config
 from hicache_cp.layout import KVLayout
@@ -135,6 +137,10 @@ class Config:
     l3: L3Config = field(default_factory=L3Config)  # the L3 tier ([l3] table); off by default
     pd_timeout_s: float = 300.0  # PD: seconds a transfer room may stay unfinished (docs/invariants.md rule 9)
     pd_per_layer: bool = False  # PD: send each layer from the forward's layer hooks, not after insert
+    # Checksums of every stored (page, part, layer), checked before a restore counts:
+    # all (every page), sample (L2 loads check one page in 8; L3 and PD every page), off
+    # (docs/integrity.md).
+    verify_restores: Verify = Verify.ALL
 
     def __post_init__(self) -> None:
         self.l3 = L3Config.from_value(self.l3)
@@ -143,6 +149,11 @@ class Config:
         if not isinstance(self.write_policy, WritePolicy):
             raise ConfigError(f"write_policy: expected one of {', '.join(m.value for m in WritePolicy)}, "
                               f"got {self.write_policy!r}")  # fmt: skip
+        if isinstance(self.verify_restores, str):
+            self.verify_restores = _enum(Verify, "verify_restores", self.verify_restores)
+        if not isinstance(self.verify_restores, Verify):
+            raise ConfigError(f"verify_restores: expected one of {', '.join(m.value for m in Verify)}, "
+                              f"got {self.verify_restores!r}")  # fmt: skip
         if self.model_layout is None:
             if self.model not in PRESETS:
                 raise ConfigError(f"model: unknown preset {self.model!r}; presets: {', '.join(PRESETS)}")
@@ -316,6 +327,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["write_policy"] = self.write_policy.value
+        d["verify_restores"] = self.verify_restores.value
         return d
 
 
@@ -399,7 +411,8 @@ def _from_env(env: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 def _check_toml_types(loaded: dict[str, Any], source: str) -> None:
     """TOML has types: a string where a number or a boolean belongs is an error
     (only the environment and the command line spell values as strings)."""
-    strings_ok = {"model", "eviction_policy", "io_backend", "write_policy", "host_budget_bytes", "l3", "model_layout"}
+    strings_ok = {"model", "eviction_policy", "io_backend", "write_policy", "verify_restores", "host_budget_bytes", "l3",
+                  "model_layout"}
     for name, value in loaded.items():
         if isinstance(value, str) and name not in strings_ok:
             raise ConfigError(f"{name}: expected a {'boolean' if name in _BOOL_FIELDS else 'number'}, "

@@ -57,6 +57,8 @@ class ConfigError(HiCacheError, ValueError):
 
 def _short(v: object, limit: int = 16) -> object:
     """Abbreviate long page arrays in error messages."""
+    if hasattr(v, "tolist") and getattr(v, "ndim", 0) == 1:  # numpy: plain ints, not np.int64(...)
+        v = v.tolist()  # type: ignore[union-attr]
     try:
         n = len(v)  # type: ignore[arg-type]
     except TypeError:
@@ -65,3 +67,49 @@ def _short(v: object, limit: int = 16) -> object:
         return list(v)  # type: ignore[call-overload]
     items = list(v[:limit])  # type: ignore[index]
     return f"{items}... ({n} total)"
+
+
+@dataclass
+class IntegrityError(HiCacheError):
+    """Restored bytes (or a restored copy's identity) differ from what was stored.
+
+    Raised where a restore is checked (`hicache_cp.checksum`): an L2 load, an L3
+    get, a PD receive. `tier` names where the bad copy came from ("l2", "l3",
+    "pd"); `pages` the pages that failed (host or source page ids, or request
+    positions for PD), `units` how many (page, part, layer) units failed. An
+    op that fails with it is aborted on every rank, and an L2 copy that failed
+    is dropped (`hicache_cp.cache.eviction.Evictor.drop_host_copy`)."""
+
+    what: str
+    tier: str
+    part: str | None = None
+    layer: int | None = None
+    rank: int | None = None
+    pages: object = None
+    units: int = 0
+    request: object = None
+
+    def __str__(self) -> str:
+        ctx = [
+            f"{k}={_short(v) if k == 'pages' else v}"
+            for k, v in (("tier", self.tier), ("request", self.request), ("part", self.part), ("layer", self.layer),
+                         ("rank", self.rank), ("pages", self.pages), ("units", self.units or None))
+            if v is not None
+        ]  # fmt: skip
+        return f"{INTEGRITY_MARK} {self.what} ({', '.join(ctx)})"
+
+
+#: How every IntegrityError's message starts (`io.verify.failure_from_report` finds
+#: it in a failure reported across processes as text).
+INTEGRITY_MARK = "integrity check failed:"
+
+
+def integrity_error_of(exc: BaseException | None) -> IntegrityError | None:
+    """The IntegrityError behind `exc` (itself, or its cause or context), if any."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, IntegrityError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None

@@ -18,9 +18,10 @@ chain continues exactly from any of its hashes (`parent`).
 from __future__ import annotations
 
 import functools
-import threading
 
 import numpy as np
+
+from hicache_cp.tables import GrowingTables
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -81,27 +82,17 @@ def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.nda
         return acc * p_pow
 
 
-# (P**1 .. P**n, P**-1 .. P**-n) for the largest n asked so far: one tuple
-# replaced whole under a lock, never two lists filled one after the other (a
-# reader on another thread could pair a grown P**i with an old, shorter P**-i).
-_POWERS: tuple[np.ndarray, np.ndarray] = (np.empty(0, np.uint64), np.empty(0, np.uint64))
-_POWERS_LOCK = threading.Lock()
+def _build_powers(size: int) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(over="ignore"):
+        fwd = np.cumprod(np.full(size, _P, dtype=np.uint64), dtype=np.uint64)
+        inv = np.cumprod(np.full(size, _P_INV, dtype=np.uint64), dtype=np.uint64)
+    return fwd, inv
+
+
+#: (P**1 .. P**n, P**-1 .. P**-n) mod 2**64 for the largest n asked so far.
+_POWERS = GrowingTables(_build_powers)
 
 
 def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(P**1 .. P**n, P**-1 .. P**-n) mod 2**64, cached and grown by doubling.
-    Thread-safe: the cache is an immutable pair swapped in one assignment."""
-    global _POWERS
-    powers = _POWERS  # one read: both arrays of the same build
-    if len(powers[0]) < n:
-        with _POWERS_LOCK:
-            powers = _POWERS
-            if len(powers[0]) < n:
-                size = max(n, 2 * len(powers[0]), 1024)
-                with np.errstate(over="ignore"):
-                    fwd = np.cumprod(np.full(size, _P, dtype=np.uint64), dtype=np.uint64)
-                    inv = np.cumprod(np.full(size, _P_INV, dtype=np.uint64), dtype=np.uint64)
-                fwd.flags.writeable = False
-                inv.flags.writeable = False
-                powers = _POWERS = (fwd, inv)
-    return powers[0][:n], powers[1][:n]
+    """(P**1 .. P**n, P**-1 .. P**-n) mod 2**64 (read-only, thread-safe)."""
+    return _POWERS.first(n)

@@ -28,6 +28,7 @@ class MatchResult:
     host_len: int = field(init=False)  # pages of the host continuation
     l3_len: int = 0  # of those, pages an L3 prefetch fetched for this request (cache.tier3)
     l3_checked: bool = False  # the L3 continuation was looked up (prefetch ran)
+    request: object = None  # what the match is for (a request id): named in the ops' warnings
 
     def __post_init__(self) -> None:
         self.host_len = sum(n.num_pages for n in self.host_nodes)

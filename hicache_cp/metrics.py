@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 
 #: Upper bounds (seconds) of the latency buckets: 10 us .. 10 s, roughly x2.5 apart.
@@ -75,6 +76,7 @@ class CacheMetrics:
     evictions_l2: int = 0  # pages
     bytes_d2h: int = 0
     bytes_h2d: int = 0
+    integrity_dropped_pages: int = 0  # L2 pages whose copy was dropped after a failed restore check
     # Wall time from submission to the poll that saw the copy done (an upper bound).
     copy_latency_d2h: Histogram = field(default_factory=Histogram)
     copy_latency_h2d: Histogram = field(default_factory=Histogram)
@@ -106,4 +108,48 @@ class CacheMetrics:
             else:
                 d[f.name] = value
         d["hit_rate"] = self.hit_rate
+        return d
+
+
+class IntegrityStats:
+    """Counters of the restore checks (`hicache_cp.checksum`), per tier ("l2", "l3", "pd").
+
+    Thread-safe: the cpu io backend's copy workers and the L3 get worker count
+    here too. `checked` counts (page, part, layer) units compared, `failed` the
+    units that differed (by tier and part); `HiCache.stats()` reports them as
+    `verified_units` / `verified_pages` and `verify_failures`, and the
+    Prometheus exporter as `hicache_integrity_checked_pages_total{tier}` and
+    `hicache_integrity_failures_total{tier,part}`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.checked: dict[str, int] = {}
+        self.failed: dict[tuple[str, str], int] = {}
+
+    def count_checked(self, tier: str, units: int) -> None:
+        with self._lock:
+            self.checked[tier] = self.checked.get(tier, 0) + units
+
+    def count_failed(self, tier: str, part: str, units: int) -> None:
+        with self._lock:
+            self.failed[(tier, part)] = self.failed.get((tier, part), 0) + units
+
+    def snapshot(self) -> tuple[dict[str, int], dict[tuple[str, str], int]]:
+        with self._lock:
+            return dict(self.checked), dict(self.failed)
+
+    def as_dict(self, units_per_page: int) -> dict[str, object]:
+        """`verified_units`, `verified_pages` (units / units a page), `verify_failures`,
+        and per tier `verified_units_<tier>` and `verify_failures_<tier>_<part>`."""
+        checked, failed = self.snapshot()
+        total = sum(checked.values())
+        d: dict[str, object] = {
+            "verified_units": total,
+            "verified_pages": total // max(1, units_per_page),
+            "verify_failures": sum(failed.values()),
+        }
+        for tier, n in sorted(checked.items()):
+            d[f"verified_units_{tier}"] = n
+        for (tier, part), n in sorted(failed.items()):
+            d[f"verify_failures_{tier}_{part}"] = n
         return d

@@ -48,12 +48,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hicache_cp.cp.agreement import Vote
-from hicache_cp.errors import ConsistencyError, IllegalTransition
+from hicache_cp.errors import ConsistencyError, IllegalTransition, integrity_error_of
 from hicache_cp.io.base import CopyTicket, TicketState
 from hicache_cp.layout import KVLayout, Model, Part
 
@@ -160,6 +160,11 @@ class _CopyOp:
     physical: tuple[np.ndarray, np.ndarray] | None = None
     #: The copy engine's plan of this rank's pages (`CopyEngine.plan`), made once per op.
     plan: CopyPlan | None = None
+    #: What the op is for (a request id), named in its warnings and integrity errors.
+    request: Any = None
+    #: The identity of each page (its prefix hash, `hicache_cp.keys.prefix_hashes`):
+    #: a backup records it with the committed copy, a load checks it (`HostPool.tags`).
+    tags: np.ndarray | None = None
     _shape: _Shape = field(init=False, repr=False)
 
     kind = "op"
@@ -338,6 +343,10 @@ class BackupOp(_CopyOp):
             return Vote(ok=False, settled=not self.inflight)
         return Vote(ok=True, settled=not self.inflight and self.all_landed())
 
+    def tags_at(self, lo: int, hi: int) -> np.ndarray | None:
+        """The identity tags of the op's pages [lo, hi), if recorded."""
+        return None if self.tags is None else self.tags[lo:hi]
+
     @property
     def active(self) -> bool:
         return self.state in (BackupState.RESERVED, BackupState.WRITING, BackupState.FAILING)
@@ -351,6 +360,9 @@ class LoadOp(_CopyOp):
     kind = "load"
     nodes: list[Node] = field(default_factory=list)
     by_layer: dict[tuple[Part, int], list[CopyTicket]] = field(default_factory=dict)
+    #: The nodes whose committed host copies it reads (its `nodes`, or the matched
+    #: host continuation of a load into engine-owned pages): dropped if a check fails.
+    sources: list[Node] = field(default_factory=list)
 
     def transition(self, new: LoadState) -> None:
         if new not in _LOAD_TABLE[self.state]:
@@ -387,7 +399,7 @@ class LoadOp(_CopyOp):
     def local_vote(self) -> Vote:
         self.reap()
         if self.state is LoadState.FAILING or self.error is not None:
-            return Vote(ok=False, settled=not self.inflight)
+            return Vote(ok=False, settled=not self.inflight, intact=integrity_error_of(self.error) is None)
         return Vote(ok=True, settled=not self.inflight and self.all_landed())
 
     @property

@@ -387,10 +387,13 @@ class HostPool:
         rank: int = 0,
         pin: bool | None = None,
         memory: bool = True,
+        checksums: bool = False,
     ) -> None:
         """`memory=False`: the allocator only, no arenas (views raise KeyError),
         for a process that decides but never copies, such as the scheduler
-        process of vLLM (`hicache_cp.integrations.vllm`)."""
+        process of vLLM (`hicache_cp.integrations.vllm`). `checksums`: an arena
+        for the checksums of every stored page and layer (`hicache_cp.checksum`;
+        `HiCache` asks for it unless `verify_restores = off`)."""
         self.layout = layout
         self.rank = rank
         self.cp_size = cp_size
@@ -405,6 +408,13 @@ class HostPool:
         self.allocator = LanePageAllocator(physical_pages, cp_size, name=f"L2 rank {rank}")
         self.arenas: dict[Part, HostArena] = {}
         self._views: dict[Part, np.ndarray] = {}
+        #: The identity of each logical page's committed copy: its prefix hash
+        #: (`hicache_cp.keys.prefix_hashes`), replicated on every rank; 0 = none.
+        self.tags = np.zeros(self.allocator.capacity + 1, dtype=np.uint64)
+        #: One arena of every part's checksums, [slots, physical_pages] uint64 per part
+        #: (`sums`), pinned like the data so GPU kernels write it in place.
+        self.sums_arena: HostArena | None = None
+        self._sums: dict[Part, np.ndarray] = {}
         if not memory:
             return
         try:
@@ -412,6 +422,15 @@ class HostPool:
             for p in layout.parts:
                 name = f"L2 {p.part.value} rank {rank}"
                 self.arenas[p.part] = HostArena(p.bytes_per_page * physical_pages, pin=pin, name=name)
+            if checksums:
+                units = sum(p.num_slots for p in layout.parts) * physical_pages
+                self.sums_arena = HostArena(8 * units, pin=pin, background=False, name=f"L2 checksums rank {rank}")
+                flat = self.sums_arena.numpy().view(np.uint64)
+                offset = 0
+                for p in layout.parts:
+                    n = p.num_slots * physical_pages
+                    self._sums[p.part] = flat[offset : offset + n].reshape(p.num_slots, physical_pages)
+                    offset += n
             for p in layout.parts:  # numpy views wait for their arena to be whole
                 self._views[p.part] = self.arenas[p.part].numpy().reshape(p.num_slots, physical_pages, p.page_bytes)
         except BaseException:
@@ -439,6 +458,41 @@ class HostPool:
         for view in self._views.values():
             view[:, physical] = POISON_BYTE
 
+    # ---- checksums and identity tags (`hicache_cp.checksum`) -----------------------------
+
+    @property
+    def has_checksums(self) -> bool:
+        return bool(self._sums)
+
+    def sums(self, part: Part) -> np.ndarray:
+        """The stored checksums of one part: uint64 [slots, physical_pages], in place
+        (KeyError without a checksum arena)."""
+        return self._sums[part]
+
+    def sums_address(self, part: Part) -> int:
+        """Address (host = device under UVA) of `sums(part)`'s first entry."""
+        return int(self._sums[part].ctypes.data)
+
+    def read_checksums(self, physical: np.ndarray) -> dict[Part, np.ndarray]:
+        """The stored checksums of physical pages, a copy per part: uint64 [slots, n]
+        (what an object's journal entry or L3 trailer keeps). O(slots x n)."""
+        return {part: sums[:, physical] for part, sums in self._sums.items()}
+
+    def write_checksums(self, physical: np.ndarray, values: Mapping[Part, np.ndarray]) -> None:
+        """Store checksums of physical pages (`read_checksums`' shape), e.g. when a
+        copy's bytes were restored from somewhere else (a journal, an L3 object)."""
+        for part, sums in self._sums.items():
+            sums[:, physical] = values[part]
+
+    def set_tags(self, pages: np.ndarray, tags: np.ndarray) -> None:
+        """Record the identity (prefix hash) of the copies now held by logical `pages`."""
+        self.tags[pages] = tags
+
+    def stale_tags(self, pages: np.ndarray, expected: np.ndarray) -> np.ndarray:
+        """Indices of the logical `pages` whose recorded identity is not `expected`
+        (a page freed and reused by another copy, or dropped). O(n)."""
+        return np.flatnonzero(self.tags[pages] != np.asarray(expected, dtype=np.uint64))
+
     def torch_view(self, part: Part) -> torch.Tensor:
         """Zero-copy torch view [slots, physical_pages, page_bytes] of one part."""
         return torch.from_numpy(self._views[part])
@@ -454,8 +508,11 @@ class HostPool:
 
     def close(self) -> None:
         self._views.clear()
+        self._sums.clear()
         for arena in self.arenas.values():
             arena.close()
+        if self.sums_arena is not None:
+            self.sums_arena.close()
 
     def __enter__(self) -> HostPool:
         return self

@@ -21,7 +21,9 @@ l2: host memory, l3: the shared store):
     evicted_pages_total{tier}                        pages evicted from L1 / L2 (the store evicts on its own)
     pool_pages{tier, state}                          used / capacity of L1 and L2
     integrity_checked_pages_total{tier}              restored pages whose checksums were checked
-    integrity_failures_total{tier, part}             of those, the ones that failed (dropped, recomputed)
+    integrity_failures_total{tier, part}             restored (page, part, layer) units that failed a check
+                                                     (part "identity": a page holding another copy)
+    integrity_dropped_pages_total                    L2 pages whose copy was dropped after a failed check
     backups_total{outcome}                           committed / aborted / skipped
     loads_total{outcome}                             done / aborted / skipped
     inflight_ops{kind}                               backups / loads not yet decided
@@ -31,7 +33,8 @@ l2: host memory, l3: the shared store):
     decision_latency_seconds{kind}                   histogram: backup start to commit, load start to done
 
 The integrity families read `stats()["integrity"]` when the cache checks
-restores: {"checked_pages": {tier: n}, "failures": {tier: {part: n}}}.
+restores: {"checked_pages": {tier: n}, "failures": {tier: {part: n}},
+"dropped_pages": n}.
 Checked pages are exported at 0 for l2 and l3 otherwise (so a dashboard's
 failure ratio reads 0, not "no data"); failures carry a part, so a cache
 that checks nothing exports none. `metric_names(naming)` lists every name.
@@ -67,7 +70,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "evicted_pages": ("counter", "Pages evicted", ("tier",)),
     "pool_pages": ("gauge", "Pool pages by tier", ("tier", "state")),
     "integrity_checked_pages": ("counter", "Restored pages whose checksums were checked", ("tier",)),
-    "integrity_failures": ("counter", "Restored pages that failed their check", ("tier", "part")),
+    "integrity_failures": ("counter", "Restored (page, part, layer) units that failed their check", ("tier", "part")),
+    "integrity_dropped_pages": ("counter", "L2 pages whose copy was dropped after a failed check", ()),
     "backups": ("counter", "Backups by outcome", ("outcome",)),
     "loads": ("counter", "Loads by outcome", ("outcome",)),
     "inflight_ops": ("gauge", "Ops not yet decided", ("kind",)),
@@ -127,6 +131,7 @@ class CacheCollector:
         yield family("integrity_checked_pages", {(tier,): n for tier, n in checked.items()})
         yield family("integrity_failures", {(tier, part): n for tier, parts in integrity.get("failures", {}).items()
                                             for part, n in parts.items()})  # fmt: skip
+        yield family("integrity_dropped_pages", {(): integrity.get("dropped_pages", 0)})
         yield family("backups", {("committed",): stats["backups_committed"], ("aborted",): stats["backups_aborted"],
                                  ("skipped",): stats["backups_skipped"]})  # fmt: skip
         yield family("loads", {("done",): stats["loads_done"], ("aborted",): stats["loads_aborted"],

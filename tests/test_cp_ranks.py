@@ -358,3 +358,45 @@ def test_agreement_catches_ranks_with_different_op_counts() -> None:
     text = str(info.value)
     assert "CP ranks disagree on the number of in-flight ops" in text
     assert "min_ops=2" in text and "max_ops=3" in text
+
+
+# ---- restore checks across ranks (issue 44) -------------------------------------------------------
+
+
+def _corrupt_on_one_rank_worker(ctx: RankContext, bad_rank: int) -> dict[str, Any]:
+    """A flipped bit in one rank's L2 page: only that rank's check fails, every rank aborts
+    the load at the same poll and drops the copy; the pages are recomputed, never served."""
+    from hicache_cp.cp import mapping as cp_mapping
+
+    cache = _cache(ctx, l1_pages=16, host_pages=16)
+    server = ReferenceServer(cache, verify=True)
+    try:
+        prompt = _tokens(1, 2, 3, 4, 5, 6)
+        server.serve(0, prompt)
+        cache.evict_device()
+        pages = np.concatenate([n.host_pages for n in cache.tree.match(prompt)])  # the same calls on every rank
+        if ctx.rank == bad_rank:
+            mine = pages[cp_mapping.owner(pages, ctx.world_size) == ctx.rank]
+            physical = int(cp_mapping.to_physical(mine[:1], ctx.world_size)[0])
+            cache.host_pool.layer_view(Part.DRAFT_KV, 0)[physical, 3] ^= 0x01
+        served = server.serve(1, prompt)
+        again = server.serve(2, prompt)  # L1 holds the recomputed pages now; the dropped copy is gone
+        cache.drain()
+        cache.check_invariants()
+        stats = cache.stats()
+        return {"tree": _tree(cache), "alloc": _allocator_state(cache), "loads_aborted": stats["loads_aborted"],
+                "dropped": stats["integrity_dropped_pages"], "failures": stats["verify_failures"],
+                "mismatches": server.integrity.mismatches, "l2_hit": served.l2_hit_pages, "again": again.l2_hit_pages}
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("world_size,bad_rank", [(2, 1), (3, 0)])
+def test_a_check_failing_on_one_rank_aborts_and_drops_on_every_rank(world_size: int, bad_rank: int) -> None:
+    results = spawn_ranks(_corrupt_on_one_rank_worker, world_size, (bad_rank,), timeout_s=TIMEOUT_S)
+    r0 = results[0]
+    for r, res in enumerate(results):
+        assert res["l2_hit"] == 6 and res["loads_aborted"] == 1 and res["dropped"] == 6, (r, res)
+        assert res["failures"] == (1 if r == bad_rank else 0), (r, res)
+        assert res["mismatches"] == 0 and res["again"] == 0
+        assert res["tree"] == r0["tree"] and res["alloc"] == r0["alloc"], f"rank {r} diverged from rank 0"

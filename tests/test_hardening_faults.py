@@ -50,7 +50,7 @@ def test_power_cache_never_pairs_new_powers_with_old_inverses(monkeypatch) -> No
     them got the new powers with the old, shorter inverses."""
     small = (np.cumprod(np.full(1024, keys._P, dtype=np.uint64), dtype=np.uint64),
              np.cumprod(np.full(1024, keys._P_INV, dtype=np.uint64), dtype=np.uint64))  # fmt: skip
-    monkeypatch.setattr(keys, "_POWERS", type(keys._POWERS)(small))
+    monkeypatch.setattr(keys, "_POWERS", type(keys._POWERS)(keys._build_powers, small))
     reader_done, writer_paused = threading.Event(), threading.Event()
     monkeypatch.setattr(keys, "np", _PausingNumpy(reader_done, writer_paused))
     toks = np.random.default_rng(0).integers(0, 50_000, size=1500 * 4)  # 1500 pages: more than the cache holds

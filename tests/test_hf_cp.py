@@ -97,7 +97,10 @@ def test_cp2_faults_are_refused_or_recomputed_never_served(tmp_path: Path) -> No
     failed copy aborts the load on both ranks; every request is recomputed and
     its outputs match a recompute."""
     faults = ["corrupt:draft_kv:0@1", "corrupt:target_state:1@0#2", "fail-copy:target_kv:2@1#3"]
-    rc, r = replay(tmp_path / "faults.json", "--cp-size", "2", *(a for f in faults for a in ("--hf-fault", f)))
+    # The engine's own restore digests (`hf_oracle.RestoreGuard`), with the library's checks
+    # off (they would refuse the corrupt copies first: the next test).
+    rc, r = replay(tmp_path / "faults.json", "--cp-size", "2", "--set", "verify_restores=off",
+                   *(a for f in faults for a in ("--hf-fault", f)))
     assert rc == 1 and r["integrity_failures"]
     injected = {f["fault"]: f for f in r["faults_injected"]}
     assert len(injected) == 3
@@ -115,6 +118,21 @@ def test_cp2_faults_are_refused_or_recomputed_never_served(tmp_path: Path) -> No
     assert all(rows[f["request"]]["redone"] for f in injected.values())
     checked = {c["request"] for c in r["output_checks"]}
     assert {f["request"] for f in injected.values()} <= checked
+    assert r["outputs_mismatches"] == 0 and r["draft_outputs_mismatches"] == 0 and r["spec_mismatches"] == 0
+
+
+def test_cp2_corrupt_copies_are_caught_by_the_library_checks_first(tmp_path: Path) -> None:
+    """The same corrupt L2 copies with the library's restore checks on (the default): each
+    load fails its check on the rank that holds the bad page, aborts on both ranks, the
+    copy is dropped on both, and the request is recomputed with right outputs; the
+    engine's digests then see nothing wrong (exit 1: the checks caught corruption)."""
+    faults = ["corrupt:draft_kv:0@1", "corrupt:target_state:1@0#2"]
+    rc, r = replay(tmp_path / "checked.json", "--cp-size", "2", *(a for f in faults for a in ("--hf-fault", f)))
+    assert rc == 1 and any("restore checks caught" in f for f in r["integrity_failures"])
+    assert r["verify_failures"] == 2 and r["verify_failures_l2_draft_kv"] == 1 and r["verify_failures_l2_target_state"] == 1
+    assert r["loads_refused"] == 0 and r["integrity_mismatches"] == 0  # nothing reached the engine's digests
+    rows = {p["request"]: p for p in r["per_request"]}
+    assert all(rows[f["request"]]["redone"] for f in r["faults_injected"])
     assert r["outputs_mismatches"] == 0 and r["draft_outputs_mismatches"] == 0 and r["spec_mismatches"] == 0
 
 

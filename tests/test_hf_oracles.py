@@ -268,7 +268,8 @@ def test_cp1_faults_are_refused_or_recomputed_never_served(tmp_path: Path) -> No
     both corrupt hits are refused before use and named (exit 1), the failed copy
     aborts its load; each request is recomputed and its outputs are right."""
     faults = ["corrupt:draft_kv:0@0", "corrupt:target_state:1@0#2", "fail-copy:target_kv:2@0#3"]
-    rc, r = replay(tmp_path / "faults.json", *(a for f in faults for a in ("--hf-fault", f)))
+    # the engine's own checks: the library's restore checks (off here) would refuse the corrupt copies first
+    rc, r = replay(tmp_path / "faults.json", "--set", "verify_restores=off", *(a for f in faults for a in ("--hf-fault", f)))
     assert rc == 1 and r["integrity_failures"]
     injected = [f for f in r["faults_injected"]]
     assert [f["fault"].split("#")[0] for f in injected] == [f.split("#")[0] for f in faults]
@@ -317,9 +318,11 @@ def test_a_draft_token_flip_within_the_tolerance_is_a_near_tie_not_a_mismatch() 
 
 
 def test_cp1_lost_draft_state_passes_the_target_oracle_and_fails_the_draft_oracle(tmp_path: Path) -> None:
-    """The fork's bug without the byte check (--no-verify): one load's draft parts
-    come back as zeros. The target's outputs are right; the draft's are not."""
-    rc, r = replay(tmp_path / "draft.json", "--no-verify", "--hf-fault", "drop-draft:draft_kv:0@0")
+    """The fork's bug without any byte check (--no-verify, and the library's restore
+    checks off): one load's draft parts come back as zeros. The target's outputs are
+    right; the draft's are not."""
+    rc, r = replay(tmp_path / "draft.json", "--no-verify", "--set", "verify_restores=off",
+                   "--hf-fault", "drop-draft:draft_kv:0@0")
     (f,) = r["faults_injected"]
     assert r["outputs_checked"] == 5 and r["outputs_mismatches"] == 0
     assert r["draft_outputs_mismatches"] >= 1
@@ -329,10 +332,14 @@ def test_cp1_lost_draft_state_passes_the_target_oracle_and_fails_the_draft_oracl
     assert f["request"] in {c["request"] for c in r["spec_checks"] if not c["same"]}
     assert rc == 1 and any(m.startswith("speculation from") for m in r["integrity_failures"])
     assert any(m.startswith("the MTP draft outputs of") for m in r["integrity_failures"]), r["integrity_failures"]
-    # with the byte check the same fault is refused before use
-    rc, r = replay(tmp_path / "draft2.json", "--hf-fault", "drop-draft:draft_kv:0@0")
+    # with the engine's byte check the same fault is refused before use
+    rc, r = replay(tmp_path / "draft2.json", "--set", "verify_restores=off", "--hf-fault", "drop-draft:draft_kv:0@0")
     assert rc == 1 and r["loads_refused"] >= 1 and r["draft_outputs_mismatches"] == 0
     assert {m.split(" layer")[0].split()[-1] for m in r["mismatch_examples"]} == {"draft_kv", "draft_state"}
+    # and with the library's restore checks (the default) before the engine ever sees it
+    rc, r = replay(tmp_path / "draft3.json", "--hf-fault", "drop-draft:draft_kv:0@0")
+    assert rc == 1 and r["loads_refused"] == 0 and r["draft_outputs_mismatches"] == 0
+    assert r["verify_failures_l2_draft_kv"] >= 1 and r["verify_failures_l2_draft_state"] >= 1
 
 
 @pytest.mark.parametrize("extra", [

@@ -60,6 +60,32 @@ def test_scrape_matches_the_cache() -> None:
         cache.close()
 
 
+def test_integrity_metrics_count_checks_and_failures() -> None:
+    """Checked pages and failed units, by tier and part, as the library counted them."""
+    from hicache_cp.layout import Part
+
+    cache = HiCache(tiny_config(l1_pages=64, host_pages=64))
+    exporter = start_exporter(cache, port=0)
+    try:
+        server = ReferenceServer(cache)
+        prompt = np.arange(6 * 16, dtype=np.int64)
+        server.serve(0, prompt)
+        cache.evict_device()
+        server.serve(1, prompt)  # a clean L2 load: 6 pages checked
+        cache.evict_device()
+        page = np.concatenate([n.host_pages for n in cache.tree.match(prompt)])[0]
+        cache.host_pool.layer_view(Part.DRAFT_STATE, 0)[page, 0] ^= 1
+        server.serve(2, prompt)  # fails its check
+        got = _scrape(exporter.port)
+        r = ("rank", "0")
+        assert got[("hicache_integrity_checked_pages_total", (r, ("tier", "l2")))] == cache.stats()["verified_pages"] >= 6
+        assert got[("hicache_integrity_failures_total", (("part", "draft_state"), r, ("tier", "l2")))] == 1
+        assert got[("hicache_integrity_dropped_pages_total", (r,))] == 6
+    finally:
+        exporter.stop()
+        cache.close()
+
+
 def test_bad_port_is_refused() -> None:
     from hicache_cp.errors import ConfigError
 

@@ -73,7 +73,11 @@ def test_write_policies_keep_integrity(policy: str) -> None:
 
 
 def test_corrupted_host_page_is_caught_and_named() -> None:
-    config = Config(model="tiny", l1_pages=64, host_budget_bytes=400 * Config().layout().bytes_per_page)
+    # The harness's own byte oracle, with the library's restore checks off (they would
+    # catch the page first: tests/test_restore_checks.py): the oracle stays an
+    # independent second check.
+    config = Config(model="tiny", l1_pages=64, host_budget_bytes=400 * Config().layout().bytes_per_page,
+                    verify_restores="off")
     with HiCache(config) as cache:
         server = ReferenceServer(cache)
         tokens = np.arange(16 * 20, dtype=np.int64)

@@ -14,6 +14,9 @@
 #   wheels GLOB  pip-install local wheels (e.g. .whl/*.whl, not committed) into /tmp/site
 #                (no index, no deps) and put it on PYTHONPATH, for hosts without network;
 #                WHEELS=0 skips it (the packages are installed already, or a CPU rehearsal)
+#   run NAME TIMEOUT CMD...  one step's command under a timeout, its log (header first) in
+#                $DEST/NAME.log, its status kept
+#   gpu_info     the GPU, its driver and its PCIe link
 PY=${PYTHON:-python3}
 DEST=${OUT:-bench/results}
 COMMIT=${HICACHE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -40,4 +43,13 @@ wheels() {
   # shellcheck disable=SC2068 - the glob expands here
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $@ || return 1
   export PYTHONPATH=$PYTHONPATH:/tmp/site
+}
+run() {
+  local name=$1 limit=$2
+  shift 2
+  { header "$*"; timeout "$limit" "$@" 2>&1; } | tee "$DEST/$name.log"
+  keep "${PIPESTATUS[0]}"
+}
+gpu_info() {
+  nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
 }

@@ -33,15 +33,7 @@ DEFAULT_STEPS="tests overhead io sglang"
 source bench/device/env.sh
 TRACE=${TRACE:-.devdata/synthetic_trace.jsonl}
 
-nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
-
-# run NAME TIMEOUT CMD...: one step's command, its log in $DEST/NAME.log
-run() {
-  local name=$1 limit=$2
-  shift 2
-  { header "$*"; timeout "$limit" "$@" 2>&1; } | tee "$DEST/$name.log"
-  keep "${PIPESTATUS[0]}"
-}
+gpu_info
 
 if want tests; then
   step "GPU tests"

@@ -47,6 +47,7 @@ class EngineL1:
     def __init__(self, state: CacheState, lifecycle: Lifecycle) -> None:
         self.s = state
         self.lifecycle = lifecycle
+        self._tags: np.ndarray | None = None  # identity tags of the request `reserve_host_copy` serves
 
     def load_into(self, match: MatchResult, device_pages: np.ndarray, first_position: int) -> LoadOp:
         """See `HiCache.load_into`."""
@@ -71,6 +72,8 @@ class EngineL1:
             )
         host = match.host_pages[lo : lo + n]
         op = LoadOp(s.layout, device_pages, host, first_position, self.lifecycle._local_pages(device_pages), s.rank)
+        op.request = match.request
+        op.sources = list(match.host_nodes)  # their identity was checked by match_prefix
         try:
             self.lifecycle._submit_all_layers(op, Direction.H2D)
         except CopyFailed:  # copies already submitted write into the engine's pages: let them return
@@ -100,6 +103,7 @@ class EngineL1:
         path = s.tree.match(pages)
         if any(node.on_device for node in path):
             raise ValueError("reserve_host_copy is for engine-owned L1, but the tree holds device pages")
+        self._tags = self.lifecycle.identity(pages, 0, n)
         if path:  # our own reservations must not evict the path they extend
             s.tree.lock(path[-1])
         ops: list[BackupOp] = []
@@ -132,5 +136,7 @@ class EngineL1:
         if op is None:
             return None
         op.after = list(after)
+        if self._tags is not None:
+            op.tags = self._tags[node.first_position : node.first_position + len(device_pages)]
         self.lifecycle.attach(op, node)
         return op

@@ -53,6 +53,7 @@ from hicache_cp.cache.prefix import Prefixes
 from hicache_cp.cache.state import CacheState
 from hicache_cp.cache.store_events import StoreEvents
 from hicache_cp.cache.tier3 import Tier3
+from hicache_cp.checksum import Verify
 from hicache_cp.config import Config
 from hicache_cp.errors import ConfigError
 from hicache_cp.events import EventLog
@@ -99,13 +100,18 @@ class HiCache:
         device_pool = device_pool or DevicePool(layout, config.l1_pages, cp_size=config.cp_size, rank=rank, device=device)
         own_host, own_engine = host_pool is None, engine is None
         host_pool = host_pool or HostPool(
-            layout, host_budget(config, agreement, rank), cp_size=config.cp_size, rank=rank, pin=config.pin_host
+            layout, host_budget(config, agreement, rank), cp_size=config.cp_size, rank=rank, pin=config.pin_host,
+            checksums=config.verify_restores is not Verify.OFF,
         )
         try:
             for pool in (device_pool, host_pool):
                 if pool.layout != layout or pool.cp_size != config.cp_size:
                     raise ValueError("pools were built for another layout or cp_size than the config")
             engine = engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {}))
+            if config.verify_restores is not Verify.OFF and host_pool.arenas and not host_pool.has_checksums:
+                raise ValueError(f"verify_restores = {config.verify_restores.value} needs a host pool with "
+                                 "checksums (HostPool(checksums=True))")  # fmt: skip
+            engine.verify = config.verify_restores
             self._state = CacheState(
                 config=config,
                 layout=layout,
@@ -149,9 +155,10 @@ class HiCache:
         try:
             regions = [Region(p.part, s.host_pool.arenas[p.part].ptr, s.host_pool.arenas[p.part].nbytes)
                        for p in s.layout.parts]  # fmt: skip
-            scheme = KeyScheme(s.layout, s.config.model, cfg, s.cp_size, s.rank)
+            checked = s.host_pool if s.config.verify_restores is not Verify.OFF else None
+            scheme = KeyScheme(s.layout, s.config.model, cfg, s.cp_size, s.rank, checksums=checked is not None)
             client = L3Client(store, scheme, cfg, regions, s.host_pool.physical_pages, L3Metrics(), name=name,
-                              close_store=own)  # fmt: skip
+                              close_store=own, checksums=checked, integrity=s.engine.integrity)  # fmt: skip
         except BaseException:
             if own:
                 store.close()
@@ -233,8 +240,9 @@ class HiCache:
 
     # ---- lookup ------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: np.ndarray) -> MatchResult:
+    def match_prefix(self, tokens: np.ndarray, request: object = None) -> MatchResult:
         """Longest cached prefix of `tokens`: device pages, then committed host pages.
+        `request` (an id) names the request in the warnings of its loads and backups.
 
         Side effects: may split a node (the match ends on a boundary), ticks the
         clock, updates hit counts, locks the path to `last_node`, and under
@@ -247,6 +255,7 @@ class HiCache:
         the other host pages count as L2 hits.
         """
         m = self._prefixes.match_prefix(tokens)
+        m.request = request
         if self._tier3 is not None:
             self._tier3.claim(m)
         self._state.debug_check()
@@ -525,6 +534,15 @@ class HiCache:
             d[f"{tier}_lane_free_pages"] = a.lane_free_pages()  # lane r: the pages rank r holds
         d["backups_in_flight"] = len(s.backups)
         d["loads_in_flight"] = len(s.loads)
+        d["verify_restores"] = s.config.verify_restores.value
+        units = sum(p.num_slots for p in s.layout.parts)
+        d.update(s.engine.integrity.as_dict(units))
+        checked, failed = s.engine.integrity.snapshot()
+        failures: dict[str, dict[str, int]] = {}
+        for (tier, part), n in failed.items():
+            failures.setdefault(tier, {})[part] = n
+        d["integrity"] = {"checked_pages": {tier: n // units for tier, n in checked.items()}, "failures": failures,
+                          "dropped_pages": s.metrics.integrity_dropped_pages}  # the exporter's families
         if self._tier3 is not None:
             d.update(self._tier3.stats())
             m = s.metrics  # L3 hits are hits too

@@ -28,10 +28,13 @@ import numpy as np
 from hicache_cp.cache.eviction import Evictor
 from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
+from hicache_cp.checksum import Verify, sample_positions
 from hicache_cp.config import WritePolicy
 from hicache_cp.cp import mapping as cp_mapping
+from hicache_cp.cp.agreement import Vote
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.io.base import CopyPlan, CopyTicket, Direction
+from hicache_cp.keys import prefix_hashes
 from hicache_cp.layout import Model, Part
 from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
 from hicache_cp.radix import HostState, Node
@@ -72,6 +75,7 @@ class Lifecycle:
             return None
         s.loose_device_pages -= n
         op = LoadOp(s.layout, pages, match.host_pages, first, self._local_pages(pages), s.rank)
+        op.request = match.request
         offset = 0
         for node in match.host_nodes:
             node.device_pages = pages[offset : offset + node.num_pages]
@@ -80,12 +84,27 @@ class Lifecycle:
             offset += node.num_pages
             s.tree.refresh_family(node)
             s.device_changed(node, stored=True)
+        op.sources = op.nodes  # their identity was checked by match_prefix (`Prefixes._first_stale`)
         self._submit_all_layers(op, Direction.H2D)
         op.transition(LoadState.LOADING)
         s.loads.append(op)
         s.metrics.loads_started += 1
         logger.debug("rank %d: load %d started, %d pages", s.rank, op.id, n)
         return op
+
+    # ---- identity of host copies (`HostPool.tags`) -------------------------------------
+
+    @property
+    def verifying(self) -> bool:
+        return self.s.config.verify_restores is not Verify.OFF
+
+    def identity(self, tokens: np.ndarray, lo: int, hi: int) -> np.ndarray | None:
+        """The identity tags (prefix hashes) of request positions [lo, hi) of `tokens`
+        (whole pages from position 0); None when checks are off. O(hi pages' tokens)."""
+        if not self.verifying:
+            return None
+        ps = self.s.layout.page_size
+        return prefix_hashes(tokens[: hi * ps], ps)[lo:hi]
 
     def _truncate_match(self, match: MatchResult) -> None:
         """Drop the host continuation: the lock moves back to the device prefix."""
@@ -162,6 +181,8 @@ class Lifecycle:
         pages: np.ndarray = node.device_pages  # type: ignore[assignment]
         op = BackupOp(s.layout, pages, host, node.first_position, self._local_pages(pages), s.rank, layerwise=False)
         op.after, _ = prefix_loads(node)  # a stale node is refused above; so is its subtree
+        if self.verifying:
+            op.tags = self.identity(path_tokens(node), node.first_position, node.end_position)
         self.attach(op, node)
         s.backups.append(op)
         s.metrics.backups_started += 1
@@ -247,7 +268,7 @@ class Lifecycle:
         # (`BackupOp.after`) in the same poll.
         for op, vote in decisions:
             if isinstance(op, LoadOp):
-                self._decide_load(op, vote.ok, vote.settled)
+                self._decide_load(op, vote)
         for op, vote in decisions:
             if isinstance(op, BackupOp):
                 failing = op.state is BackupState.FAILING
@@ -307,6 +328,8 @@ class Lifecycle:
             if any(load.active for load in op.after):
                 return  # the prefix is still loading: its outcome decides this copy's
             op.transition(BackupState.COMMITTED)
+            if op.tags is not None:
+                s.host_pool.set_tags(op.host_pages, op.tags)  # spare pages too: freed below, which clears them
             for node in op.nodes:
                 s.commit_host_copy(node)  # visible now, and announced (never before this)
             if len(op.spare_host_pages):  # trimmed at insert: no copy writes them any more
@@ -341,8 +364,9 @@ class Lifecycle:
         for node in list(op.nodes):
             s.tree.prune(node)
 
-    def _decide_load(self, op: LoadOp, ok: bool, settled: bool) -> None:
+    def _decide_load(self, op: LoadOp, vote: Vote) -> None:
         s = self.s
+        ok, settled = vote.ok, vote.settled
         if ok and settled:
             op.transition(LoadState.DONE)
             for node in op.nodes:
@@ -373,9 +397,11 @@ class Lifecycle:
                 s.metrics.miss_tokens += tokens
                 s.metrics.loads_aborted += 1
                 logger.warning(
-                    "rank %d: load %d aborted, its %d L1 pages must be recomputed: %s",
-                    s.rank, op.id, op.num_pages, op.error,
+                    "rank %d: load %d (request %s) aborted, its %d L1 pages must be recomputed: %s",
+                    s.rank, op.id, op.request, op.num_pages, op.error or "failed on another rank",
                 )
+                if not vote.intact:  # a restore check failed on some rank: the copy is bad everywhere
+                    self.evictor.drop_host_copy(op.sources, op.host_pages, f"load {op.id}: {op.error or 'a check failed on another rank'}")
 
     def _mark_stale_below(self, load: LoadOp) -> None:
         """Mark the L1 nodes under an aborted load's nodes stale: a forward that
@@ -416,11 +442,16 @@ class Lifecycle:
         return cp_mapping.to_physical(dev[mine], s.cp_size), cp_mapping.to_physical(host[mine], s.cp_size)
 
     def _plan(self, op: BackupOp | LoadOp, direction: Direction) -> CopyPlan:
-        """The engine's plan of this rank's pages of `op` (`CopyEngine.plan`), made once."""
+        """The engine's plan of this rank's pages of `op` (`CopyEngine.plan`), made once;
+        a load's carries the pages its checks cover (`checksum.sample_positions`)."""
         if op.plan is None:
             if op.physical is None:
                 op.physical = self._physical(op)
-            op.plan = self.s.engine.plan(direction, *op.physical)
+            plan = self.s.engine.plan(direction, *op.physical)
+            plan.request = op.request
+            if direction is Direction.H2D:
+                plan.check = sample_positions(plan.num_pages, op.id, self.s.config.verify_restores)
+            op.plan = plan
         return op.plan
 
     def _submit_layer(
@@ -438,6 +469,16 @@ class Lifecycle:
         ticket (None where this rank owns no page of the op)."""
         plan = op.plan if op.plan is not None else self._plan(op, direction)
         return self.s.engine.submit_layers(plan, jobs)
+
+
+def path_tokens(node: Node) -> np.ndarray:
+    """The tokens of every page from the root to the end of `node`. O(depth + tokens)."""
+    chain: list[np.ndarray] = []
+    n: Node | None = node
+    while n is not None and n.parent is not None:
+        chain.append(n.tokens)
+        n = n.parent
+    return np.concatenate(chain[::-1]) if chain else np.empty(0, np.int64)
 
 
 def prefix_loads(node: Node) -> tuple[list[LoadOp], bool]:

@@ -16,7 +16,7 @@ from hicache_cp.cache.lifecycle import Lifecycle, prefix_loads
 from hicache_cp.match import MatchResult
 from hicache_cp.cache.state import CacheState
 from hicache_cp.config import WritePolicy
-from hicache_cp.errors import ConsistencyError
+from hicache_cp.errors import ConsistencyError, IntegrityError
 from hicache_cp.ops import BackupOp, BackupState, LoadOp
 from hicache_cp.radix import HostState, Node, whole_pages
 
@@ -76,10 +76,42 @@ class Prefixes:
             else:
                 break
             last = node
+        if host_nodes and self.lifecycle.verifying:
+            found = self._first_stale(pages, host_nodes)
+            if found is not None:
+                stop, stale = found
+                node = host_nodes[stop]
+                last = node.parent  # type: ignore[assignment]
+                host_nodes = host_nodes[:stop]
+                self._drop_stale(node, stale)
         used = path[: path.index(last) + 1] if last is not s.tree.root else []
         s.tree.lock(last)
         dev = np.concatenate(device) if device else np.empty(0, dtype=np.int64)
         return MatchResult(pages, len(pages) // s.layout.page_size, dev, host_nodes, last, waits), used
+
+    def _first_stale(self, tokens: np.ndarray, host_nodes: list[Node]) -> tuple[int, np.ndarray] | None:
+        """The first node of the host continuation whose L2 pages hold another copy
+        than the tree names (`HostPool.tags`: freed and reused, or dropped): its
+        index and those pages; None when every copy is the one named. Tags are
+        replicated: every rank decides alike. O(tokens matched)."""
+        first = host_nodes[0].first_position
+        tags = self.lifecycle.identity(tokens, first, host_nodes[-1].end_position)
+        assert tags is not None
+        for i, node in enumerate(host_nodes):
+            lo = node.first_position - first
+            pages: np.ndarray = node.host_pages  # type: ignore[assignment]
+            stale = self.s.host_pool.stale_tags(pages, tags[lo : lo + node.num_pages])
+            if len(stale):
+                return i, pages[stale]
+        return None
+
+    def _drop_stale(self, node: Node, stale: np.ndarray) -> None:
+        """A match found `node`'s L2 copy stale: counted and dropped (its `stale` pages are
+        not its own: they stay with whoever holds them); the match stops before it."""
+        self.s.engine.integrity.count_failed("l2", "identity", len(stale))
+        reason = IntegrityError("match: L2 pages hold another copy than the tree names (freed and reused, or dropped)",
+                                tier="l2", rank=self.s.rank, pages=stale, units=len(stale))  # fmt: skip
+        self.lifecycle.evictor.drop_host_copy([node], stale, reason, others=stale)
 
     def _check_parts(self, node: Node) -> None:
         s = self.s
@@ -159,6 +191,8 @@ class Prefixes:
             s.device_changed(new_node, stored=True)
             took.append((new_node, dup))
         if backup is not None:
+            backup.request = match.request
+            backup.tags = self.lifecycle.identity(match.tokens, start, start + len(device_pages))
             self._attach_backup(backup, new_node, took)
             # pages the tree took from this request and holds without any host copy
             s.metrics.backup_pages_dropped += sum(n.num_pages for n, _ in took if n.host_state is HostState.NONE)

@@ -80,6 +80,9 @@ class CacheState:
     all_parts: frozenset[Part] = frozenset()
     l3: L3Hooks | None = None  # the L3 tier, when configured (cache.tier3)
     events: EventLog | None = None  # KV cache events for routers, when asked for (hicache_cp.events)
+    #: L2 pages of copies dropped after a failed check, freed once no active load reads them
+    #: (`Evictor.drop_host_copy`).
+    quarantine: list[np.ndarray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_parts = frozenset(p.part for p in self.layout.parts)
@@ -93,9 +96,11 @@ class CacheState:
         self.device_pool.allocator.free(pages)
 
     def free_host_pages(self, pages: np.ndarray) -> None:
-        """`free_device_pages` for L2."""
+        """`free_device_pages` for L2. Their identity tags are cleared: a stale
+        reference that loads a freed page fails its check."""
         if self.config.debug_checks:
             self.host_pool.poison(pages)
+        self.host_pool.tags[pages] = 0
         self.host_pool.allocator.free(pages)
 
     def commit_host_copy(self, node: Node, host_pages: np.ndarray | None = None) -> None:
@@ -159,6 +164,7 @@ class CacheState:
         host = [n.host_pages for n in nodes if n.host_pages is not None]
         host += [op.host_pages for op in self.backups if not op.nodes]
         host += [op.spare_host_pages for op in self.backups if op.nodes]  # trimmed at insert, freed at the decision
+        host += self.quarantine  # dropped after a failed check, freed once no load reads them
         if self.l3 is not None:
             self.l3.check_invariants()
             host += self.l3.owned_host_pages()  # prefetch reservations, evictions waiting for a put

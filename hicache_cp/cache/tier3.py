@@ -61,6 +61,8 @@ from hicache_cp.cache.state import CacheState
 from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.cp.agreement import Vote
 from hicache_cp.events import Medium
+from hicache_cp.checksum import Verify
+from hicache_cp.keys import prefix_hashes
 from hicache_cp.l3.client import L3Client, PutOutcome
 from hicache_cp.l3.config import L3Config
 from hicache_cp.l3.keys import KeyScheme, L3Object, PositionHashes, chain_hashes
@@ -298,6 +300,8 @@ class Tier3:
         self.metrics.l3_prefetch_committed += 1
         self.metrics.l3_get_bytes += op.nbytes
         path, partial = self._walk(op.tokens)
+        if s.config.verify_restores is not Verify.OFF:  # the fetched copies' identity (`HostPool.tags`)
+            s.host_pool.set_tags(op.host_pages, prefix_hashes(op.tokens, s.layout.page_size)[op.first_position :])
         attached = np.zeros(op.num_pages, dtype=bool)
         for node in path:
             if node.first_position < op.start or node.host_state is not HostState.NONE or node.load is not None:

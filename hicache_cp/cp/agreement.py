@@ -33,11 +33,13 @@ from hicache_cp.errors import ConsistencyError
 
 @dataclass(frozen=True)
 class Vote:
-    """One rank's view of one op: `ok` (no failure seen) and `settled`
-    (nothing in flight and either every layer landed or the op is failing)."""
+    """One rank's view of one op: `ok` (no failure seen), `settled` (nothing in
+    flight and either every layer landed or the op is failing) and `intact` (no
+    restore check failed: agreed False, every rank drops the bad copy)."""
 
     ok: bool
     settled: bool
+    intact: bool = True
 
 
 class Agreement(abc.ABC):
@@ -87,9 +89,9 @@ class DistributedAgreement(Agreement):
                 rank=self.rank,
                 details={"local_ops": n, "min_ops": int(low), "max_ops": int(-neg_high)},
             )
-        packed = np.array([(v.ok, v.settled) for v in votes], dtype=np.int32).reshape(-1)
+        packed = np.array([(v.ok, v.settled, v.intact) for v in votes], dtype=np.int32).reshape(-1)
         out = self._all_min(packed)
-        return [Vote(ok=bool(out[2 * i]), settled=bool(out[2 * i + 1])) for i in range(n)]
+        return [Vote(ok=bool(out[3 * i]), settled=bool(out[3 * i + 1]), intact=bool(out[3 * i + 2])) for i in range(n)]
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. a host budget every rank can afford)."""

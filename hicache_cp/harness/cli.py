@@ -9,6 +9,7 @@
     hicache-cp bench-pinning time to a usable pinned host pool vs cudaHostAlloc (GPU; CPU parts anywhere)
     hicache-cp bench-events  cost of publishing KV cache events per replay, and what they buy a router (CPU)
     hicache-cp bench-sglang  hicache-cp against SGLang's own HiCache inside SGLang's scheduler (GPU; CPU parts anywhere)
+    hicache-cp bench-verify  the restore checks' cost: replay on vs off (CPU), kernel vs PCIe and beside a forward (GPU)
     hicache-cp decode-peer   a decode-side peer that receives and verifies KV
 
 Each subcommand lives in its own module exposing `add_arguments(parser)`
@@ -44,6 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-pinning": ("hicache_cp.harness.bench.pinning", "time to a usable pinned host pool vs cudaHostAlloc, and its copy bandwidth"),
     "bench-events": ("hicache_cp.harness.bench.events", "cost of publishing KV cache events, and what they buy a router"),
     "bench-sglang": ("hicache_cp.harness.bench.sglang_race", "hicache-cp against SGLang's own HiCache, one process, one GPU"),
+    "bench-verify": ("hicache_cp.harness.bench.verify", "what the restore checks cost: replay with them on vs off, the kernel vs PCIe"),
     "decode-peer": ("hicache_cp.harness.decode_peer", "run a decode peer that receives and verifies KV"),
 }
 

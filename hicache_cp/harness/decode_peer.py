@@ -111,6 +111,8 @@ class _DecodeRoom:
     #: rank -> accepted digest rows [variants, units] per position it sent, when the
     #: prefill engine's KV is not `integrity.content` (the hf engine's real model)
     digests: dict[int, list[Any]] = field(default_factory=dict)
+    #: rank -> (checksum units, base64 checksums) sent with "done" (`hicache_cp.pd.verify`)
+    checksums: dict[int, tuple[list[Any], str]] = field(default_factory=dict)
     result: dict[str, Any] | None = None
     cond: threading.Condition = field(default_factory=threading.Condition)
     channels: dict[int, _Channel] = field(default_factory=dict)  # rank -> its control channel
@@ -148,6 +150,8 @@ class DecodePeer:
         self._closed_ids: deque[int] = deque(maxlen=CLOSED_MEMORY)
         self.rejected: list[str] = []
         self.verified_rooms = 0
+        self.checksum_units = 0  # (position, part, layer) units checked against prefill's checksums
+        self.checksum_failures = 0
         self.unknown_aborts = 0
         self.decode_aborts = 0
         self._lock = threading.Lock()
@@ -229,6 +233,7 @@ class DecodePeer:
                         "draining": sorted(r.room_id for r in draining),
                         "draining_pages": sum(r.num_pages for r in draining),
                         "rejected": list(self.rejected), "verified_rooms": self.verified_rooms,
+                        "checksum_units": self.checksum_units, "checksum_failures": self.checksum_failures,
                         "unknown_aborts": self.unknown_aborts, "decode_aborts": self.decode_aborts}
         if op == "shutdown":
             self._stop.set()
@@ -302,6 +307,8 @@ class DecodePeer:
                                 np.asarray(msg["hashes"], dtype=np.uint64))
             if msg.get("digests") is not None:
                 room.digests[rank] = list(msg["digests"])
+            if msg.get("checksums") is not None:
+                room.checksums[rank] = (list(msg.get("checksum_units") or []), str(msg["checksums"]))
             if len(room.dones) == room.cp_size and room.result is None:
                 room.result = self._verify(room)
                 room.cond.notify_all()
@@ -388,6 +395,9 @@ class DecodePeer:
             np.add.at(seen, pos, 1)
         missing = np.flatnonzero(seen == 0)
         doubled = np.flatnonzero(seen > 1)
+        failed = self._verify_checksums(room)
+        if failed is not None:
+            return failed
         mismatches: list[integrity.Mismatch] = []
         count = 0
         if room.digests:
@@ -410,6 +420,35 @@ class DecodePeer:
                 "missing": missing.tolist(), "doubled": doubled.tolist(),
                 "error": None if ok else f"verification failed: {count} mismatching page-layers, "
                                          f"{len(missing)} missing positions, {len(doubled)} sent twice"}
+
+    def _verify_checksums(self, room: _DecodeRoom) -> dict[str, Any] | None:
+        """The library's check (`hicache_cp.pd.verify`), before the byte oracle: every
+        received page of every part and layer against the checksums prefill sent.
+        The failed verdict, or None when every checksum matched (or none was sent)."""
+        from hicache_cp.pd import verify as pd_verify
+
+        failures: list[Any] = []
+        units_checked = 0
+        for rank, (units, text) in room.checksums.items():
+            pos = room.dones[rank][0]
+            try:
+                sums = pd_verify.decode(text, len(units), len(pos))
+                failures += pd_verify.check_received(self.layout, self.views, room.dst_pages, pos, units, sums)
+            except ValueError as exc:
+                return {"ok": False, "error": f"room {room.room_id}: checksums from rank {rank}: {exc}",
+                        "mismatch_count": 0, "mismatches": []}
+            units_checked += len(units) * len(pos)
+        self.checksum_units += units_checked
+        if not failures:
+            return None
+        self.checksum_failures += len(failures)
+        self.verified_rooms += 1
+        shown = [str(integrity.Mismatch(room.request_id, f.position, f.part, f.layer)) for f in failures[:MAX_REPORTED]]
+        logger.warning("decode peer: room %d request %d: %d received (page, part, layer) units differ from the "
+                       "checksums prefill sent (tier pd); first: %s", room.room_id, room.request_id, len(failures),
+                       shown[:4])  # fmt: skip
+        return {"ok": False, "mismatch_count": len(failures), "mismatches": shown, "checksum_failures": len(failures),
+                "error": f"checksum check failed: {len(failures)} received (page, part, layer) units differ"}
 
     def _verify_digests(self, room: _DecodeRoom) -> tuple[int, list[integrity.Mismatch]]:
         """Every (position, part, layer) unit against the digests prefill recorded

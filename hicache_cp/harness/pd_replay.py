@@ -338,6 +338,8 @@ class DecodePeerProcess:
             logger.warning("decode peer: no stats at shutdown (exit code %s)", self.process.exitcode)
         return {
             "decode_verified_rooms": stats.get("verified_rooms"),
+            "decode_checksum_units": stats.get("checksum_units"),  # the library's check (pd.verify)
+            "decode_checksum_failures": stats.get("checksum_failures"),
             "decode_rejected": stats.get("rejected"),
             "decode_open_rooms_at_exit": stats.get("rooms"),
             "decode_draining_rooms_at_exit": stats.get("draining"),

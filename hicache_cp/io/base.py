@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hicache_cp.checksum import Verify
 from hicache_cp.layout import Part
+from hicache_cp.metrics import IntegrityStats
 
 if TYPE_CHECKING:
     from hicache_cp.pools import DevicePool, HostPool
@@ -106,6 +108,13 @@ class CopyPlan:
     device_pages: np.ndarray
     host_pages: np.ndarray
     prepared: Any = None
+    #: Loads: indices (into the page lists) whose landed bytes are checked against
+    #: their stored checksums; None: every page (`hicache_cp.checksum.sample_positions`).
+    check: np.ndarray | None = None
+    #: What the op is for (a request id), named in integrity warnings.
+    request: Any = None
+    #: The checksum backend's own form of the page lists (device index tensors).
+    checksum_state: Any = None
 
     @property
     def num_pages(self) -> int:
@@ -123,6 +132,13 @@ class CopyEngine(abc.ABC):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.layout = host_pool.layout
+        #: Restore checks (`hicache_cp.checksum`), off until the owner turns them on
+        #: (`HiCache` does, from `Config.verify_restores`; it needs a host pool with a
+        #: checksum arena): a backup then stores the checksum of every page and layer
+        #: it copies, a load compares what landed with it (its ticket FAILS with an
+        #: IntegrityError on a mismatch).
+        self.verify = Verify.OFF
+        self.integrity = IntegrityStats()
 
     def submit_backup(
         self, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray

@@ -65,6 +65,7 @@ import numpy as np
 import torch
 
 from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState
+from hicache_cp.io.checked import CheckedSubmissions
 from hicache_cp.io.cudadrv import DmaIssuer, Driver, driver
 from hicache_cp.io.plans import DescriptorTable, PartGeometry, Runs, TableShape
 from hicache_cp.io.runs import coalesce_pairs, dma_plan, plan_runs, run_starts, split_at_chunks  # noqa: F401 - re-exported
@@ -292,8 +293,9 @@ class PartInfo:
         )
 
 
-class CudaCopyEngine(CopyEngine):
-    """Shared machinery of the CUDA backends; subclasses implement `_enqueue`."""
+class CudaCopyEngine(CheckedSubmissions, CopyEngine):
+    """Shared machinery of the CUDA backends; subclasses implement `_enqueue`. The
+    public `submit_layer(s)` (`CheckedSubmissions`) add the restore checks to `_layer(s)`."""
 
     name = "cuda-abstract"
 
@@ -456,7 +458,7 @@ class CudaCopyEngine(CopyEngine):
             self._table_shape = TableShape([info.geometry() for info in self._info.values()], layers)
         return DescriptorTable(plan.direction is _D2H, self._table_shape, Runs.of(plan.device_pages, plan.host_pages))
 
-    def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
+    def _layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
         """Copy `layer` of every part in `parts` with one set of stream-ordering
         calls and one completion event (their tickets complete together); no
         per-page work here (the plan did it). Failures: FAILED tickets. The layer
@@ -490,7 +492,7 @@ class CudaCopyEngine(CopyEngine):
             self._keep.append((primary, keep))
         return with_shared(primary, parts, n, info)
 
-    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+    def _layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """All of `jobs` behind one compute-ordering wait (they are submitted at one
         moment), then per layer its copies and its event. A failure fails that
         layer's tickets and every later one's (nothing after it was enqueued)."""
@@ -592,5 +594,6 @@ class CudaCopyEngine(CopyEngine):
         """Wait for every outstanding copy, then drop what they kept alive."""
         for direction in Direction:
             self._streams[direction].synchronize()
+        self._close_checks()
         self._keep.clear()
         self._sync.close()

@@ -157,19 +157,19 @@ class DirectCopyEngine(CudaCopyEngine):
         #: Layer submissions handed to the issue workers (benchmarks read it).
         self.counts = {"deferred": 0}
 
-    def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
+    def _layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
         """The layer hook's path (a backup's layer). A layer of at most `hook_worker_above`
         descriptors (runs x parts; default none) is issued here while the D2H worker is
         idle: the hook pays for its driver calls and the descriptors. Others go to the
         `IssueWorker`: the hook pays for one driver call, recording the compute-ordering
         event the worker's copy stream waits on."""
         if not plan.num_pages or self.worker_above is None:
-            return super().submit_layer(plan, parts, layer)
+            return super()._layer(plan, parts, layer)
         if len(plan.prepared.runs) * len(parts) <= self.hook_worker_above and not self._worker(plan).pending:
-            return super().submit_layer(plan, parts, layer)
+            return super()._layer(plan, parts, layer)
         return self._defer(plan, [(parts, layer)])[0]
 
-    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+    def _layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """The layers of one op (a load's every layer at once). Behind one ordering
         event, the worker takes every layer when one layer is large or the worker
         is busy (a call per layer would wait for the worker's call in flight each
@@ -180,17 +180,17 @@ class DirectCopyEngine(CudaCopyEngine):
         load, 62 layers of 1-3 runs, cost 1.1-1.5 ms inline). Small ops are issued
         here whole."""
         if not (plan.num_pages and self.worker_above is not None and jobs):
-            return super().submit_layers(plan, jobs)
+            return super()._layers(plan, jobs)
         per_layer = len(plan.prepared.runs) * max(len(parts) for parts, _ in jobs)
         if self._worker(plan).pending or per_layer > self.worker_above:
             return self._defer(plan, jobs)
         if len(jobs) > 1 and per_layer * len(jobs) > self.worker_above:
-            first = super().submit_layers(plan, jobs[:1])
+            first = super()._layers(plan, jobs[:1])
             error = first[0][0].error if first[0][0] is not None else None
             if error is not None:  # as inline: nothing after a failed layer is issued
                 return first + self._failed(plan, jobs[1:], error)
             return first + self._defer(plan, jobs[1:])
-        return super().submit_layers(plan, jobs)
+        return super()._layers(plan, jobs)
 
     def _worker(self, plan: CopyPlan) -> IssueWorker:
         return self._workers[0 if plan.direction is Direction.D2H else 1]

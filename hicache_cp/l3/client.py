@@ -18,8 +18,16 @@ While DOWN no lookup, get or put is issued: L3 operations fail fast and the
 cache keeps serving from L1 and L2. The first failure logs a WARNING, the
 recovery an INFO line; counters count both.
 
+Restore checks (`hicache_cp.checksum`, when given the host pool's checksum
+arena): a put carries each page's stored checksums in the object's trailer
+(`keys.checksum_chunks`), and a get, before it returns, recomputes the
+checksum of every page and layer that landed and compares it with the
+trailer's; a mismatch fails the get (an IntegrityError), so the prefetch
+aborts on every rank and the object never becomes an L2 copy.
+
 Threads: every method except the worker functions runs on the cache's
-thread; metrics and health are touched only there.
+thread; metrics and health are touched only there (the integrity counters
+are thread-safe).
 """
 
 from __future__ import annotations
@@ -37,11 +45,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hicache_cp import checksum
+from hicache_cp.errors import IntegrityError
 from hicache_cp.l3.config import L3Config
-from hicache_cp.l3.keys import KeyScheme, L3Object, chunk_list
+from hicache_cp.l3.keys import KeyScheme, L3Object, checksum_chunks, chunk_list
 from hicache_cp.l3.metrics import L3Metrics
 from hicache_cp.l3.store import KVStore, L3Error, L3Timeout
 from hicache_cp.layout import Part
+from hicache_cp.metrics import IntegrityStats
+from hicache_cp.pools import HostPool
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +98,11 @@ class L3Client:
         *,
         name: str = "l3",
         close_store: bool = True,
+        checksums: HostPool | None = None,
+        integrity: IntegrityStats | None = None,
     ) -> None:
+        """`checksums`: the host pool whose checksum arena objects carry and gets are
+        checked against (None: no trailer, no check; `scheme.checksums` must agree)."""
         self.store = store
         self.close_store = close_store  # False: the caller owns the store and closes it
         self.scheme = scheme
@@ -95,6 +111,12 @@ class L3Client:
         self.name = name
         self.physical_pages = physical_pages
         self.bases = {r.part: r.ptr for r in regions}
+        if (checksums is not None) != scheme.checksums:
+            raise ValueError(f"{name}: the key scheme {'has' if scheme.checksums else 'lacks'} checksum trailers, "
+                             f"the client {'lacks' if checksums is None else 'has'} a checksum arena")  # fmt: skip
+        self.pool = checksums
+        self.integrity = integrity or IntegrityStats()
+        self.sums_bases = {} if checksums is None else {p.part: checksums.sums_address(p.part) for p in scheme.layout.parts}
         self.health = Health.UP
         self._next_probe = 0.0
         self._probe: Future | None = None
@@ -105,6 +127,9 @@ class L3Client:
         for r in regions:
             store.register(r.ptr, r.nbytes)
             self._registered.append(r.ptr)
+        if checksums is not None and checksums.sums_arena is not None:
+            store.register(checksums.sums_arena.ptr, checksums.sums_arena.nbytes)
+            self._registered.append(checksums.sums_arena.ptr)
         self._lookup_ex = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-lookup")
         self._get_ex = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-get")
         self._puts = _PutBatcher(self._put_batch, name=f"{name}-put")
@@ -190,6 +215,9 @@ class L3Client:
         ptrs, sizes = [], []
         for obj, phys in zip(objects, physical):
             p, s = chunk_list(obj.parts, phys, self.bases, self.physical_pages)
+            if self.pool is not None:  # the checksum trailer
+                tp, ts = checksum_chunks(obj.parts, phys, self.sums_bases, self.physical_pages)
+                p, s = p + tp, s + ts
             ptrs.append(p)
             sizes.append(s)
         return ptrs, sizes
@@ -200,7 +228,38 @@ class L3Client:
         total = 0
         for lo, hi in call_spans(ptrs):
             total += self.store.get(keys[lo:hi], ptrs[lo:hi], sizes[lo:hi])
+        if self.pool is not None:
+            self._check(objects, physical)
+            total -= sum(8 * len(o.positions) * sum(p.num_slots for p in o.parts) for o in objects)  # the KV bytes
         return total
+
+    def _check(self, objects: list[L3Object], physical: list[np.ndarray]) -> None:
+        """Every landed page and layer against its trailer's checksum (on the get worker,
+        before the read counts); raises IntegrityError naming the first bad object."""
+        pool = self.pool
+        assert pool is not None
+        first: IntegrityError | None = None
+        for obj, phys in zip(objects, physical):
+            for p in obj.parts:
+                sums = pool.sums(p.part)
+                bad = 0
+                for slot, layer in enumerate(p.layer_ids):
+                    got = checksum.checksums(pool.layer_view(p.part, slot)[phys], p.part, layer)
+                    miss = np.flatnonzero(got != sums[slot, phys])
+                    bad += len(miss)
+                    if len(miss) and first is None:
+                        first = IntegrityError(
+                            f"L3 get: object {obj.key} differs from the checksums stored with it (pages: request "
+                            "positions); the prefetch fails and its pages never become L2 copies", tier="l3",
+                            part=p.part.value, layer=layer, rank=self.scheme.rank, pages=obj.positions[miss],
+                            units=len(miss),
+                        )  # fmt: skip
+                self.integrity.count_checked("l3", len(phys) * p.num_slots)
+                if bad:
+                    self.integrity.count_failed("l3", p.part.value, bad)
+        if first is not None:
+            logger.warning("%s: %s", self.name, first)
+            raise first
 
     def _put_batch(self, jobs: list[tuple[list[L3Object], list[np.ndarray]]]) -> list[PutOutcome | BaseException]:
         """One existence check and one put for the objects of several jobs;

@@ -27,7 +27,10 @@ request: ceil(pages / G) x (1 or parts) per rank.
 Object bytes: for each part (layout order), for each compact slot (layer),
 the object's pages in position order, `page_bytes` each. Consecutive
 physical L2 pages of one layer are contiguous in the arena as in the object,
-so a chunk list coalesces them into one run.
+so a chunk list coalesces them into one run. With restore checks on
+(`checksums`, part of the fingerprint) a trailer follows: the same order
+again with one 8-byte checksum per page (`hicache_cp.checksum`), read from
+and written to the host pool's checksum arena in place (`checksum_chunks`).
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ def chain_hashes(tokens: np.ndarray, page_size: int, parent: bytes = b"") -> lis
     return out
 
 
-def layout_fingerprint(layout: KVLayout, model: str, config: L3Config, cp_size: int) -> str:
+def layout_fingerprint(layout: KVLayout, model: str, config: L3Config, cp_size: int, checksums: bool = False) -> str:
     """A short digest of everything that decides what an object's bytes mean."""
     desc = {
+        "checksums": checksums,
         "format": FORMAT_VERSION,
         "model": model,
         "page_size": layout.page_size,
@@ -112,12 +116,15 @@ class L3Object:
 class KeyScheme:
     """Keys and chunk lists of one rank's objects; see the module docstring."""
 
-    def __init__(self, layout: KVLayout, model: str, config: L3Config, cp_size: int, rank: int) -> None:
+    def __init__(
+        self, layout: KVLayout, model: str, config: L3Config, cp_size: int, rank: int, checksums: bool = False
+    ) -> None:
         self.layout = layout
         self.group = config.object_pages(layout.page_size)
         self.cp_size = cp_size
         self.rank = rank
-        self.fingerprint = layout_fingerprint(layout, model, config, cp_size)
+        self.checksums = checksums
+        self.fingerprint = layout_fingerprint(layout, model, config, cp_size, checksums)
         self.prefix = f"{config.namespace}/{self.fingerprint}"
         if config.group_parts:
             self.part_groups: list[tuple[str, tuple[PartLayout, ...]]] = [("all", tuple(layout.parts))]
@@ -174,3 +181,13 @@ def chunk_list(
         ptrs.append((bases[p.part] + (slots * physical_pages + starts[None, :]) * p.page_bytes).ravel())
         sizes.append(np.broadcast_to(lengths[None, :] * p.page_bytes, (p.num_slots, len(starts))).ravel())
     return np.concatenate(ptrs).tolist(), np.concatenate(sizes).tolist()
+
+
+def checksum_chunks(
+    parts: Sequence[PartLayout], physical: np.ndarray, sums_bases: dict, physical_pages: int
+) -> tuple[list[int], list[int]]:
+    """`chunk_list` of an object's checksum trailer: per part and slot, 8 bytes a
+    page in the host pool's checksum arena ([slots, physical_pages] uint64 per part,
+    based at `sums_bases[part]`)."""
+    words = [PartLayout(p.part, p.layer_ids, 8, 1) for p in parts]  # one 8-byte "page" each
+    return chunk_list(words, physical, sums_bases, physical_pages)

@@ -105,6 +105,8 @@ class Room:
     next_position: int = 0  # one past the last position this side sent
     chunk_start: int | None = None  # chunk_first_position of the latest chunk sent
     hashes: np.ndarray | None = None  # uint64 prefix hash per position sent
+    src_tier: np.ndarray | None = None  # int8 tier each position was sent from (-1: not yet)
+    src_pages: np.ndarray | None = None  # int64 logical page each position was sent from
     sent: dict[tuple[Part, int], np.ndarray] = field(default_factory=dict)  # (part, layer) -> bool[num_pages]
     bytes_sent: dict[Part, int] = field(default_factory=dict)
     descriptors_sent: dict[Part, int] = field(default_factory=dict)

@@ -59,7 +59,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from hicache_cp.cp.agreement import Agreement
-from hicache_cp.errors import ConsistencyError
+from hicache_cp.errors import ConsistencyError, IntegrityError
+from hicache_cp.pd import verify as pd_verify
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pd.control import ControlClient
 from hicache_cp.pd.engine import TransferEngineAdapter, TransferError, TransferTimeout
@@ -94,7 +95,10 @@ class PdSender:
         connect_timeout_s: float = 10.0,
         drain_s: float = DEFAULT_DRAIN_S,
         agreement: Agreement | None = None,
+        verify: bool | None = None,
     ) -> None:
+        """`verify` (default: when the host pool keeps checksums): send every page's
+        checksum with "done" and refuse L2 pages holding another copy (`pd.verify`)."""
         if not 0 <= rank < cp_size:
             raise ValueError(f"rank {rank} outside cp_size {cp_size}")
         if device_pool is None and host_pool is None:
@@ -105,6 +109,8 @@ class PdSender:
         self.rank = rank
         self.cp_size = cp_size
         self.agreement = agreement
+        self.device_pool, self.host_pool = device_pool, host_pool
+        self.verify = bool(host_pool is not None and host_pool.has_checksums) if verify is None else verify
         self.decode_address = tuple(decode_address)
         self._authkey = authkey
         self.connect_timeout_s = connect_timeout_s
@@ -249,6 +255,7 @@ class PdSender:
         room.dst_pages = dst
         room.peer = self.peer
         room.hashes = np.zeros(num_pages, dtype=np.uint64)
+        room.src_tier, room.src_pages = np.full(num_pages, -1, dtype=np.int8), np.zeros(num_pages, dtype=np.int64)
         if prompt_tokens is not None:
             room.tail_tokens = int(prompt_tokens) % self.layout.page_size if self.whole_prompt else 0
         room.transition(RoomState.TRANSFERRING)
@@ -334,7 +341,9 @@ class PdSender:
         try:
             plan = self.plan(room_id, homes, parts, chunk_first_position=chunk_first_position)
             self._check_hashes(room, plan)
-        except (ValueError, ConsistencyError) as exc:  # never truncate, never send into a broken room
+            if self.verify and self.host_pool is not None:
+                pd_verify.check_identity(self.host_pool, plan, self.rank)
+        except (ValueError, ConsistencyError, IntegrityError) as exc:  # never truncate, never send into a broken room
             self._abort(room, f"transfer contract: {exc}")
             raise
         self._record(room, plan, chunk_first_position)
@@ -363,6 +372,8 @@ class PdSender:
         assert room.hashes is not None
         pos = plan.positions
         room.hashes[pos] = plan.hashes
+        if room.src_tier is not None and room.src_pages is not None:
+            room.src_tier[pos], room.src_pages[pos] = plan.tiers, plan.pages
         for key in plan.keys:
             m = room.sent.setdefault(key, np.zeros(room.num_pages, dtype=bool))
             m[pos] = True
@@ -465,6 +476,11 @@ class PdSender:
         assert room.hashes is not None
         first = (self.layout.parts[0].part, self.layout.parts[0].layer_ids[0])  # all-or-nothing held: any key
         positions = np.flatnonzero(room.sent.get(first, np.zeros(room.num_pages, dtype=bool)))
+        if self.verify and room.src_tier is not None and room.src_pages is not None:
+            sums = pd_verify.room_checksums(self.layout, self.device_pool, self.host_pool, positions,
+                                            room.src_tier[positions], room.src_pages[positions], self.cp_size)
+            extra = {**extra, "checksums": pd_verify.encode(sums),
+                     "checksum_units": [[p.value, layer] for p, layer in pd_verify.units_of(self.layout)]}
         try:
             reply = self._request({"op": "done", "room": room.room_id, "rank": self.rank,
                                    "positions": positions.tolist(), "hashes": room.hashes[positions].tolist(),

@@ -73,6 +73,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_cp.checksum import Verify
 from hicache_cp.config import PRESETS
 from hicache_cp.harness.bench.io_variants import VARIANTS
 from hicache_cp.harness.errors import InputError
@@ -124,7 +125,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alloc-runs", type=Path,
                         help="instead of the sweep: copy the page lists of a bench-alloc JSON (its sample_runs) "
                              "with the default backend and direct")
+    parser.add_argument("--verify", choices=[m.value for m in Verify], default="off",
+                        help="restore checks on the variants' engines (hicache_cp.checksum): their pools keep "
+                             "checksums and every planned copy's ticket includes its checks (default off)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+#: The restore checks of the variants' engines (`--verify`), set once by `run`.
+_VERIFY = Verify.OFF
 
 
 class _Gate:
@@ -229,12 +237,12 @@ def measure_peak(gate: _Gate, nbytes: int) -> dict[str, float]:
     return {"peak_d2h_gbps": _gbps(nbytes, d2h), "peak_h2d_gbps": _gbps(nbytes, h2d), "peak_bidir_gbps": _gbps(2 * nbytes, both)}
 
 
-def _pools(page_bytes: int, layers: int, pages: int) -> tuple[Any, Any]:
+def _pools(page_bytes: int, layers: int, pages: int, checksums: bool = False) -> tuple[Any, Any]:
     from hicache_cp.pools import DevicePool, HostPool
 
     layout = KVLayout.build(page_size=1, num_layers=layers, kv_bytes_per_token=page_bytes)
     dev = DevicePool(layout, pages, device="cuda")
-    host = HostPool(layout, pages * layout.bytes_per_page, pin=True)
+    host = HostPool(layout, pages * layout.bytes_per_page, pin=True, checksums=checksums)
     host.wait_ready()
     return dev, host
 
@@ -438,12 +446,21 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
     mm_ms, _ = _median_ms(gate, lambda: [torch.matmul(a, b, out=c) for _ in range(20)])
     per_layer = max(1, math.ceil(copy_ms / len(layers) / (mm_ms / 20)))  # compute >= copy per layer
 
+    checked = engine.verify is not Verify.OFF
+    if checked:  # a checked backup of the same pages first: the loads' checks compare with its checksums
+        for t in [backup(x) for x in layers]:
+            t.wait()
+
     def compute(tickets: list[Any] | None) -> None:
         for i in range(len(layers)):
             if tickets is not None:
                 tickets[i].make_compute_wait()
             for _ in range(per_layer):
                 torch.matmul(a, b, out=c)
+        if tickets is not None and checked:  # the poll after the forward: the loads' checks launch
+            gate.mark_launched()
+            for t in tickets:
+                t.query()
 
     compute_ms, compute_host_ms = _median_ms(gate, lambda: compute(None))
     with_ms, with_host_ms = _median_ms(gate, lambda: compute(loads()))
@@ -479,6 +496,7 @@ def measure_overlap(gate: _Gate, engine: CopyEngine, n: int, rng: np.random.Gene
         # `compute_ms`, the copies slowed the compute; at it, the exposure is copies that
         # lag behind the forward.
         "with_backups_compute_ms": backups_compute_ms,
+        "verify_restores": engine.verify.value,
     }
 
 
@@ -487,6 +505,8 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench-io: no CUDA device (torch.cuda.is_available() is False); this benchmark needs a GPU", file=sys.stderr)
         return 2
+    global _VERIFY
+    _VERIFY = Verify(getattr(args, "verify", "off"))
     sizes = [int(x) for x in str(args.pages).split(",") if x]
     names = [x for x in str(args.backends).split(",") if x]
     page_bytes = int(args.page_bytes)
@@ -494,6 +514,7 @@ def run(args: argparse.Namespace) -> int:
     gate = _Gate()
     result: dict[str, Any] = {
         "command": command_line("bench-io"),
+        "verify_restores": _VERIFY.value,
         "commit": git_commit(),
         "machine": torch.cuda.get_device_name(),
         "host": machine(),
@@ -615,12 +636,13 @@ def measure_exposure_rows(
     out: dict[str, dict[str, dict[str, Any]]] = {label: {"scattered": {}, "runs": {}} for label in labels}
     result["exposure_by_backend"] = out
     for n in sizes:
-        dev, host = _pools(page_bytes, _EXPOSURE_LAYERS, n + run + 1)
+        dev, host = _pools(page_bytes, _EXPOSURE_LAYERS, n + run + 1, checksums=_VERIFY is not Verify.OFF)
         try:
             for label in labels:
                 for pattern, r in (("scattered", 1), ("runs", run)):
                     try:
                         engine = _make(label, dev, host)
+                        engine.verify = _VERIFY  # the exposure rows run with the restore checks of `--verify`
                         out[label][pattern][str(n)] = measure_overlap(gate, engine, n, rng, r)
                         engine.close()
                     except Exception as exc:  # noqa: BLE001

@@ -153,13 +153,14 @@ class FaultInjector:
             self._armed[(f.part, f.layer)] = f
 
     def _failing_submit(
-        self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
+        self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray,
+        *rest: Any,
     ) -> Any:
         """The cpu engine's `_submit` (every copy's), wrapped (a test double): the first
         H2D submission of an armed (part, layer) is a copy that failed, bytes not
-        moved; the rest pass."""
+        moved; the rest pass (`rest`: the engine's own arguments, its checks)."""
         if direction is not Direction.H2D or self._armed.pop((part, layer), None) is None:
-            return self._submit(direction, part, layer, device_pages, host_pages)
+            return self._submit(direction, part, layer, device_pages, host_pages, *rest)
         from hicache_cp.io.cpu import CpuTicket
 
         failed: cf.Future[None] = cf.Future()

@@ -446,7 +446,7 @@ class Scheduler:
         if self._held_pages() + n_pages > capacity:
             return None
         self.waiting.popleft()
-        m = cache.match_prefix(ids)
+        m = cache.match_prefix(ids, request=req.index)
         if m.host_len and self.before_load is not None:
             self.before_load(req.index, m)
         timer = LoadTimer.before_load(self.clock) if m.host_len else None

@@ -127,7 +127,7 @@ class ReferenceServer:
         (`HiCache.prefetch_queued`). A request is passed as queued once."""
         cache = self.cache
         hashes = prefix_hashes(tokens, self.layout.page_size)
-        m = cache.match_prefix(tokens)
+        m = cache.match_prefix(tokens, request=request)
         load = cache.load_back(m)
         if cache.l3 is not None and not cache.config.l3.prefetch_wait:
             for ids in queued:

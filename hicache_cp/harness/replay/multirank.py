@@ -133,6 +133,9 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, wall_s: float) -> dict
     for k in base:  # PD transfer bytes are counted per sending rank (docs/invariants.md rule 10)
         if k.startswith("pd_") and k.endswith("bytes"):
             out[k] = sum(int(rep.get(k, 0)) for rep in reports)
+    for k in {k for rep in reports for k in rep}:  # each rank checks the pages it holds
+        if k.startswith(("verified_", "verify_failures")):
+            out[k] = sum(int(rep.get(k, 0)) for rep in reports)
     out["mismatch_examples"] = [m for rep in reports for m in rep.get("mismatch_examples", [])][:10]
     out["wall_s"] = round(wall_s, 3)
     out["per_rank"] = [_per_rank(r, rep) for r, rep in enumerate(reports)]

@@ -86,7 +86,10 @@ def replay_rank(
             stats.update(sink.totals.as_dict())  # type: ignore[attr-defined]
     wall = time.perf_counter() - t0
     report = {k: stats[k] for k in REPORT_KEYS if k in stats}
-    report.update({k: v for k, v in stats.items() if k.startswith("pd_")})
+    report.update({k: v for k, v in stats.items() if k.startswith(("pd_", "verified_", "verify_"))})
+    report["integrity_dropped_pages"] = stats.get("integrity_dropped_pages", 0)
+    report["loads_aborted"] = stats.get("loads_aborted", 0)
+    report["verify_restores"] = config.verify_restores.value
     report.update(
         requests=len(requests),
         integrity_checked_pages=run.checked_pages,

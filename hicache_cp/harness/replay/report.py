@@ -47,6 +47,9 @@ def integrity_failures(report: dict[str, Any]) -> list[str]:
         out.append(f"{report['pd_failed_rooms']} of {report.get('pd_rooms')} PD rooms failed")
     if report.get("pd_mismatches"):
         out.append(f"{report['pd_mismatches']} PD pages differ at the decode peer")
+    if report.get("verify_failures"):
+        out.append(f"the library's restore checks caught {report['verify_failures']} corrupt (page, part, layer) "
+                   f"units (none served: their loads aborted and the requests recomputed)")
     rejected = (report.get("pd") or {}).get("decode_rejected")
     if rejected:
         out.append(f"the decode peer rejected {rejected} transfers")
@@ -65,7 +68,8 @@ _SHOWN = {
     "footprint_pages", "l1_logical_pages", "l2_logical_pages", "commit", "machine", "command", "collectives",
     "integrity_failures", "mismatch_examples", "samples", "stats", "config", "per_rank", "pd", "bounds",
     "ttft_l2_over_l1_hit", "ttft_l2_over_l1_hit_p90", "ttft_probe_pairs", "ttft_probe_valid_pairs",
-    "ttft_probe_wall_s", "ttft_probe_error",
+    "ttft_probe_wall_s", "ttft_probe_error", "verify_restores", "verified_units", "verified_pages", "verify_failures",
+    "integrity_dropped_pages", "loads_aborted",
 }  # fmt: skip
 
 
@@ -107,10 +111,17 @@ def print_table(report: dict[str, Any]) -> None:
             ("backups", f"{report.get('backups_committed', 0):,} committed, {report.get('backups_aborted', 0):,} aborted"),
             ("evictions", f"L1 {report.get('evictions_l1', 0):,} pages, L2 {report.get('evictions_l2', 0):,} pages"),
         ]),
-        ("integrity", [
+        ("integrity: the harness's byte oracle", [
             ("checked", f"{report.get('integrity_checked_pages', 0):,} pages, {report.get('integrity_checked_units', 0):,} "
                         f"of {report.get('integrity_expected_units', 0):,} (page, part, layer) units"),
             ("mismatches", f"{report.get('integrity_mismatches', 0):,}"),
+        ]),
+        ("integrity: the library's restore checks", [
+            ("mode", str(report.get("verify_restores", "off"))),
+            ("checked", f"{report.get('verified_pages', 0):,} pages, {report.get('verified_units', 0):,} "
+                        f"(page, part, layer) units"),
+            ("failed", f"{report.get('verify_failures', 0):,} units; {report.get('loads_aborted', 0):,} loads aborted "
+                       f"and recomputed, {report.get('integrity_dropped_pages', 0):,} L2 pages dropped"),
         ]),
         ("run", [
             ("wall", f"{report.get('wall_s', 0.0):.2f} s"),

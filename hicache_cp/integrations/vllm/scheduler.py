@@ -47,7 +47,7 @@ from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCa
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.remote import RemoteCopyEngine, resolve_op
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
-from hicache_cp.io.base import CopyFailed
+from hicache_cp.io.verify import failure_from_report
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -194,7 +194,7 @@ class SchedulerSide:
                     self._reported[job] = (count, error)
                     continue
                 op, req_id = self._jobs.pop(job)
-                resolve_op(op.inflight, None if error is None else CopyFailed(f"{req_id}: {error}"))
+                resolve_op(op.inflight, None if error is None else failure_from_report(f"{req_id}: {error}"))
         self.cache.poll()
         for req_id, st in list(self._reqs.items()):
             if st.load is not None and not st.load.active:

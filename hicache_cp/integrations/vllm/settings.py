@@ -30,6 +30,7 @@ from hicache_cp.layout import KVLayout, Part
 
 _KEYS = {
     "host_budget_gib", "host_budget_bytes", "eviction_policy", "l2_free_room", "io_backend", "pin_host", "debug_checks",
+    "verify_restores",
 }
 
 
@@ -41,6 +42,7 @@ class ConnectorSettings:
     io_backend: str = "auto"
     pin_host: bool | None = None
     debug_checks: bool = False
+    verify_restores: str = "all"  # hicache_cp.checksum: all, sample or off
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -89,6 +91,7 @@ class ConnectorSettings:
             io_backend=self.io_backend,
             pin_host=self.pin_host,
             debug_checks=self.debug_checks,
+            verify_restores=self.verify_restores,
         )
         if config.layout() != layout:
             raise ConfigError(f"the cache layout {config.layout().describe()} differs from vLLM's {layout.describe()}")

@@ -46,6 +46,7 @@ from hicache_cp import BackupOp, BackupState, DevicePool, HostPool, LoadOp, Load
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
+from hicache_cp.checksum import Verify
 from hicache_cp.io.base import CopyEngine, make_engine
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,10 @@ class WorkerSide:
         """vLLM's tensors become L1 (views); L2 and the copy engine are made here."""
         buffers = self.plan.device_buffers(kv_caches)
         self.device_pool = DevicePool(self.layout, self.plan.num_blocks, buffers=buffers)
-        self.host_pool = HostPool(self.layout, self.config.host_budget_bytes, pin=self.config.pin_host)
+        checked = self.config.verify_restores is not Verify.OFF  # restored pages are checked here (io.verify)
+        self.host_pool = HostPool(self.layout, self.config.host_budget_bytes, pin=self.config.pin_host, checksums=checked)
         self.engine = make_engine(self.config.io_backend, self.device_pool, self.host_pool)
+        self.engine.verify = self.config.verify_restores
         logger.info(
             "hicache-cp worker: L1 = vLLM's %d blocks (%s), L2 = %d pages (%.1f MiB, %s), io %s",
             self.plan.num_blocks, self.layout.describe(), self.host_pool.physical_pages,

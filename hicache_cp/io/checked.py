@@ -1,0 +1,311 @@
+"""The restore checks of the CUDA backends: a layer's ticket completes only once its
+checksums ran (`hicache_cp.io.verify` says what a check is; this module says when).
+
+    backup (D2H)  once the layer's copy landed, the checksum kernel
+                  (`checksum_gpu`) reads the same device pages and writes their
+                  checksums into the host pool's checksum arena (pinned, in place)
+    load (H2D)    once the layer's copy landed, the kernel checksums what is in the
+                  device pages now, after the work the caller's stream had queued
+                  (the forward so far: a write that raced the load into the same
+                  slots is seen), into the engine's pinned landed array; when it
+                  has run, the host compares with the stored checksums
+
+The kernels are launched lazily, from the tickets' `query`/`wait` (the cache's
+poll and settle: control paths, never the layer hook), on a stream of their
+own, for every copy of the direction that landed since the last launch: the
+consecutive layers of one op and part go in one launch. Until its checksums
+ran a ticket is PENDING; a mismatch makes it FAILED with the IntegrityError
+(`make_compute_wait` still waits for the copy only: the forward never waits
+for a check, the op's decision does). The device pages a backup reads stay
+unchanged until it is decided (its pages are held), so checksumming them
+after the copy sees the bytes the copy read.
+
+Runs on the thread that drives the engine (the one that queries its tickets).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache_cp.io import checksum_gpu, verify
+from hicache_cp.io.base import CopyFailed, CopyPlan, CopyTicket, Direction, TicketState
+from hicache_cp.layout import Part
+from hostmem.arena import HostArena
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class CheckJob:
+    """The checksums of one layer of one part of a planned op."""
+
+    plan: CopyPlan
+    part: Part
+    slot: int
+    layer: int
+    inner: CopyTicket
+    launched: bool = False
+    event: int = 0
+    done: bool = False
+    error: BaseException | None = None
+
+
+@dataclass
+class _PlanPages:
+    """A plan's page lists on the device (uploaded once per plan): every page, and the
+    pages its checks cover (`CopyPlan.check`), with their host lists."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+    checked_device: np.ndarray
+    checked_host: np.ndarray
+    checked: torch.Tensor
+    checked_index: torch.Tensor
+    keep: list[Any] = field(default_factory=list)
+
+
+class GpuChecks:
+    """The checksum work of one CUDA engine; see the module docstring."""
+
+    def __init__(self, engine: Any) -> None:
+        """`engine`: a `hicache_cp.io.cuda.CudaCopyEngine` (its pools, driver and event pool)."""
+        self.engine = engine
+        self.device = engine.device
+        self.stream = torch.cuda.Stream(engine.device_index)
+        self.handle = int(self.stream.cuda_stream)
+        self.tables = checksum_gpu.DeviceTables(engine.layout, engine.device_pool.layer_ptr, engine.device)
+        dev = engine.device_pool.physical_pages
+        units = sum(p.num_slots for p in engine.layout.parts) * dev
+        self._landed_arena = HostArena(8 * units, pin=True, background=False, name="L1 landed checksums")
+        flat = self._landed_arena.numpy().view(np.uint64)
+        self.landed: dict[Part, np.ndarray] = {}
+        offset = 0
+        for p in engine.layout.parts:
+            self.landed[p.part] = flat[offset : offset + p.num_slots * dev].reshape(p.num_slots, dev)
+            offset += p.num_slots * dev
+        self._pending: dict[Direction, collections.deque[CheckJob]] = {d: collections.deque() for d in Direction}
+        self._refs: dict[int, int] = {}  # event -> jobs still holding it
+
+    def wrap(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int, tickets: list[CopyTicket | None]) -> list[CopyTicket | None]:
+        """`tickets` of one planned layer, each made to include its checksums."""
+        out: list[CopyTicket | None] = []
+        for part, t in zip(parts, tickets):
+            if t is None:
+                out.append(t)
+                continue
+            job = CheckJob(plan, part, self.engine.layout.part(part).slot(layer), layer, t)
+            self._pending[plan.direction].append(job)
+            out.append(CheckedTicket(t, self, job))
+        return out
+
+    # -- launching ---------------------------------------------------------------------
+
+    def advance(self, direction: Direction) -> None:
+        """Launch the checks of every copy of `direction` that landed, in submission order."""
+        queue = self._pending[direction]
+        ready: list[CheckJob] = []
+        while queue:
+            job = queue[0]
+            state = job.inner.query()
+            if state is TicketState.PENDING:
+                break
+            queue.popleft()
+            if state is TicketState.FAILED:
+                job.done, job.error = True, job.inner.error
+                continue
+            ready.append(job)
+        if ready:
+            self._launch(direction, ready)
+
+    def _launch(self, direction: Direction, jobs: list[CheckJob]) -> None:
+        engine, sync = self.engine, self.engine._sync
+        previous = sync.enter()
+        event = sync.event()
+        try:
+            if direction is Direction.H2D:  # after what the caller's stream queued so far (the forward)
+                order = sync.event()
+                engine._drv.event_record(order, sync.current_stream())
+                engine._drv.stream_wait_event(self.handle, order)
+                sync.give_back(order)
+            i = 0
+            while i < len(jobs):  # consecutive slots of one plan and part: one launch
+                j = i + 1
+                while (j < len(jobs) and jobs[j].plan is jobs[i].plan and jobs[j].part is jobs[i].part
+                       and jobs[j].slot == jobs[j - 1].slot + 1):  # fmt: skip
+                    j += 1
+                self._launch_group(direction, jobs[i:j])
+                i = j
+            engine._drv.event_record(event, self.handle)
+        except Exception as exc:  # noqa: BLE001 - the checks fail their tickets, never raise here
+            sync.give_back(event)
+            logger.warning("%s checksums of %d layers could not be launched: %s", direction.value, len(jobs), exc)
+            for job in jobs:
+                job.done, job.error = True, exc
+            return
+        finally:
+            sync.leave(previous)
+        self._refs[event] = len(jobs)
+        for job in jobs:
+            job.launched, job.event = True, event
+
+    def _launch_group(self, direction: Direction, jobs: list[CheckJob]) -> None:
+        first = jobs[0]
+        pages = self._pages(first.plan)
+        engine, part = self.engine, first.part
+        if direction is Direction.D2H:  # into the host pool's checksum arena, at the host pages
+            checksum_gpu.launch(self.tables, part, first.slot, len(jobs), pages.device,
+                                engine.host_pool.sums_address(part), engine.host_pool.physical_pages, pages.host,
+                                self.stream)  # fmt: skip
+        else:  # into the landed array, at the device pages
+            checksum_gpu.launch(self.tables, part, first.slot, len(jobs), pages.checked,
+                                int(self.landed[part].ctypes.data), engine.device_pool.physical_pages,
+                                pages.checked_index, self.stream)  # fmt: skip
+
+    def _pages(self, plan: CopyPlan) -> _PlanPages:
+        """The plan's device page tensors, uploaded on the checks' stream once."""
+        if plan.checksum_state is None:
+            rows = verify.checked_rows(plan.check, plan.num_pages)
+            cd, ch = plan.device_pages[rows], plan.host_pages[rows]
+            with torch.cuda.stream(self.stream):
+                up = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=False)
+                      for a in (plan.device_pages, plan.host_pages, cd)]  # fmt: skip
+            plan.checksum_state = _PlanPages(up[0], up[1], cd, ch, up[2], up[2])
+        return plan.checksum_state
+
+    # -- completion ---------------------------------------------------------------------
+
+    def state(self, job: CheckJob) -> TicketState:
+        """The job's state once its copy landed: PENDING until its kernel ran. Non-blocking."""
+        if not job.done and not job.launched:
+            self.advance(job.plan.direction)
+        if not job.done and job.launched:
+            try:
+                ran = self.engine._drv.event_query(job.event)
+            except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
+                job.error, ran = exc, True
+            if not ran:
+                return TicketState.PENDING
+            self._finish(job)
+        if not job.done:
+            return TicketState.PENDING  # an earlier copy of its direction has not landed yet
+        return TicketState.FAILED if job.error is not None else TicketState.DONE
+
+    def wait(self, job: CheckJob) -> None:
+        """Block until the job's checksums ran and were compared; raise CopyFailed on a
+        failure. The copies submitted before it (of its direction) are waited for first."""
+        queue = self._pending[job.plan.direction]
+        while not job.done and not job.launched:
+            self.advance(job.plan.direction)
+            if not job.launched and not job.done and queue:
+                try:
+                    queue[0].inner.wait()
+                except Exception:  # noqa: BLE001 - that copy's own ticket reports it
+                    pass
+        if not job.done:
+            try:
+                self.engine._drv.event_synchronize(job.event)
+            except Exception as exc:  # noqa: BLE001
+                job.error = exc
+            self._finish(job)
+        if job.error is not None:
+            raise CopyFailed(f"{job.plan.direction.value} {job.part.value} layer {job.layer}: {job.error}") from job.error
+
+    def _finish(self, job: CheckJob) -> None:
+        """The job's kernel ran: compare a load's landed checksums; release the event."""
+        if job.done:
+            return
+        job.done = True
+        if job.error is None and job.plan.direction is Direction.H2D:
+            pages = self._pages(job.plan)
+            if len(pages.checked_device):
+                got = self.landed[job.part][job.slot, pages.checked_device]
+                err = verify.compare(self.engine, job.part, job.layer, got, pages.checked_host, pages.checked_device,
+                                     job.plan.request)  # fmt: skip
+                job.error = err
+        left = self._refs.get(job.event, 0) - 1
+        if left <= 0:
+            self._refs.pop(job.event, None)
+            self.engine._sync.give_back(job.event)
+        else:
+            self._refs[job.event] = left
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.landed.clear()
+        self._landed_arena.close()
+
+
+class CheckedTicket(CopyTicket):
+    """A copy's ticket that completes once its checksums ran (see the module docstring)."""
+
+    def __init__(self, inner: CopyTicket, checks: GpuChecks, job: CheckJob) -> None:
+        self.direction = inner.direction
+        self.part = inner.part
+        self.layer = inner.layer
+        self.nbytes = inner.nbytes
+        self.submitted_at = inner.submitted_at
+        self._inner = inner
+        self._checks = checks
+        self._job = job
+
+    def query(self) -> TicketState:
+        state = self._inner.query()
+        if state is not TicketState.DONE:
+            return state
+        return self._checks.state(self._job)
+
+    def wait(self) -> None:
+        self._inner.wait()
+        self._checks.wait(self._job)
+
+    def make_compute_wait(self) -> None:
+        self._inner.make_compute_wait()  # the forward waits for the copy, never for a check
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._inner.error or self._job.error
+
+
+class CheckedSubmissions:
+    """Mixin of the CUDA engines: the public planned submissions are the backend's
+    `_layer` / `_layers` with their tickets wrapped by `GpuChecks` while the engine's
+    `verify` is on (nothing else happens at submission: the checks launch later)."""
+
+    _checks: GpuChecks | None = None
+
+    def _layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
+        raise NotImplementedError
+
+    def _layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        raise NotImplementedError
+
+    def submit_layer(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int) -> list[CopyTicket | None]:
+        tickets = self._layer(plan, parts, layer)
+        checks = self._checks_on()
+        return tickets if checks is None else checks.wrap(plan, parts, layer, tickets)
+
+    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        out = self._layers(plan, jobs)
+        checks = self._checks_on()
+        if checks is None:
+            return out
+        return [checks.wrap(plan, parts, layer, tickets) for (parts, layer), tickets in zip(jobs, out)]
+
+    def _checks_on(self) -> GpuChecks | None:
+        """The engine's `GpuChecks` while `verify` is on (made on first use)."""
+        if not verify.active(self):  # type: ignore[arg-type]
+            return None
+        if self._checks is None:
+            self._checks = GpuChecks(self)
+        return self._checks
+
+    def _close_checks(self) -> None:
+        if self._checks is not None:
+            self._checks.close()
+            self._checks = None
