@@ -4,7 +4,7 @@
 # sglang.Engine three ways. Prepare here, then (each call <= 10 min, carry [".sglang", ".devdata"]):
 #
 #   .venv/bin/python tools/sglang_pack.py            # here: .sglang/ (sources, wheels, stand-in; ~37 MiB)
-#   mkdir -p .devdata && cp ../shared/traces/synthetic_trace.jsonl .devdata/
+#   mkdir -p .devdata && cp <the Mooncake-format trace> .devdata/synthetic_trace.jsonl
 #   run: HICACHE_COMMIT=<hash> STEPS="setup import jit race" bash tools/device_sglang.sh   # call 1, ~6-7 min
 #   run: HICACHE_COMMIT=<hash> STEPS="setup tests engine" bash tools/device_sglang.sh     # call 2, ~8-9 min
 #   run: HICACHE_COMMIT=<hash> STEPS=smoke bash tools/device_sglang.sh                    # every step small, ~5 min
