@@ -27,6 +27,7 @@ from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.layout import KVLayout, Part, log_budget
 from hostmem.arena import HostArena
 from hostmem.extents import ExtentAllocator, pages_to_pairs, runs_to_pages
+from hostmem.segment import SegmentRegion
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,27 @@ class LanePageAllocator:
         for rank, pairs in enumerate(lane_pairs):
             if pairs:
                 self.lanes[rank].free_pairs(pairs)
+
+    def adopt(self, pages: np.ndarray) -> None:
+        """Mark exactly these logical pages used, on a fresh allocator (a restarted
+        engine adopting the host copies a node segment's journal lists). ValueError
+        (nothing changed) on a used allocator, a repeated page or one out of range.
+        O(runs): each lane is taken whole, then everything else is given back."""
+        if self.used_pages:
+            raise ValueError(f"{self.name}: adopt needs a fresh allocator, {self.used_pages} pages are in use")
+        pages = np.asarray(pages, dtype=np.int64)
+        lane_pairs = self._lane_pairs(pages) if len(pages) else [[] for _ in self.lanes]
+        for rank, lane in enumerate(self.lanes):
+            edges = np.zeros(self.physical_pages + 1, dtype=np.int32)  # +1 where a run starts, -1 past its end
+            for start, k in lane_pairs[rank]:
+                edges[start] += 1
+                edges[start + k] -= 1
+            used = np.cumsum(edges[:-1]) > 0
+            used[0] = True  # the dummy page is the lane's already
+            free = np.flatnonzero(~used)
+            lane.reserve_pairs(lane.free_pages)  # the whole lane (one run: it is fresh)
+            if len(free):
+                lane.free_pairs(pages_to_pairs(free))
 
     def fragmentation(self) -> float:
         return max(lane.fragmentation for lane in self.lanes)
@@ -387,10 +409,13 @@ class HostPool:
         rank: int = 0,
         pin: bool | None = None,
         memory: bool = True,
+        regions: Mapping[Part, SegmentRegion] | None = None,
     ) -> None:
         """`memory=False`: the allocator only, no arenas (views raise KeyError),
         for a process that decides but never copies, such as the scheduler
-        process of vLLM (`hicache_cp.integrations.vllm`)."""
+        process of vLLM (`hicache_cp.integrations.vllm`). `regions`: each part's
+        arena over that region of a shared segment instead of private memory
+        (the node tier, `hicache_cp.node`; its contents are kept)."""
         self.layout = layout
         self.rank = rank
         self.cp_size = cp_size
@@ -411,7 +436,8 @@ class HostPool:
             # Every arena first: they prepare (touch, pin) in parallel in the background.
             for p in layout.parts:
                 name = f"L2 {p.part.value} rank {rank}"
-                self.arenas[p.part] = HostArena(p.bytes_per_page * physical_pages, pin=pin, name=name)
+                region = regions[p.part] if regions is not None else None
+                self.arenas[p.part] = HostArena(p.bytes_per_page * physical_pages, pin=pin, name=name, memory=region)
             for p in layout.parts:  # numpy views wait for their arena to be whole
                 self._views[p.part] = self.arenas[p.part].numpy().reshape(p.num_slots, physical_pages, p.page_bytes)
         except BaseException:

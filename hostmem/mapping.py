@@ -295,6 +295,10 @@ class Mapping:
         level = logging.WARNING if explicit else logging.DEBUG
         logger.log(level, "%s: %s huge pages not used: %s", self.name, self.requested.value, why)
 
+    def release(self) -> None:
+        """Unmap (``mm.close()``); raises ``BufferError`` while views still reference it."""
+        self.mm.close()
+
     def populate(self, offset: int, length: int) -> None:
         """Fault ``[offset, offset + length)`` in for writing (``MADV_POPULATE_WRITE``).
 
