@@ -27,6 +27,7 @@ from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.layout import KVLayout, Part, log_budget
 from hostmem.arena import HostArena
 from hostmem.extents import ExtentAllocator, pages_to_pairs, runs_to_pages
+from hostmem.mapping import pss_bytes, resident_bytes
 from hostmem.segment import SegmentRegion
 
 logger = logging.getLogger(__name__)
@@ -430,6 +431,7 @@ class HostPool:
         self.allocator = LanePageAllocator(physical_pages, cp_size, name=f"L2 rank {rank}")
         self.arenas: dict[Part, HostArena] = {}
         self._views: dict[Part, np.ndarray] = {}
+        self.shared = regions is not None  # the arenas are regions of a shared segment
         if not memory:
             return
         try:
@@ -472,6 +474,14 @@ class HostPool:
     def page_address(self, part: Part, slot: int, physical_page: int) -> int:
         p = self.layout.part(part)
         return self.arenas[part].ptr + (slot * self.physical_pages + physical_page) * p.page_bytes
+
+    def pss_bytes(self) -> int:
+        """This process's proportional share of the memory under the arenas: their resident
+        bytes, those of a shared segment divided by the processes mapping it (its whole
+        mapping, `hostmem.mapping.pss_bytes`). For reports (reads /proc)."""
+        if self.shared:
+            return pss_bytes([(a.ptr, a.nbytes) for a in self.arenas.values()])
+        return sum(resident_bytes(a.ptr, a.nbytes) for a in self.arenas.values())
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until every arena is fully pinned (no-op on plain memory)."""

@@ -72,6 +72,7 @@ def adopt(entries: Entries, tree: RadixTree, allocator: LanePageAllocator, parts
         i = by_key[key]
         children.setdefault(entries.parents[i], []).append(i)
     out = Adoption(damaged=damaged)
+    newest = int(entries.seq.max()) + 1 if len(entries) else 0
     reached = np.zeros(len(entries), dtype=bool)
     stack: list[tuple[Node, bytes, int]] = [(tree.root, ROOT, -1)]  # (node, its key, its last position)
     while stack:
@@ -87,6 +88,7 @@ def adopt(entries: Entries, tree: RadixTree, allocator: LanePageAllocator, parts
                 run.append(nxt[0])
             idx = np.array(run, np.int64)
             node = tree.add_host_child(parent, entries.tokens[idx].reshape(-1), entries.pages[idx].copy(), parts)
+            node.last_access = int(entries.seq[idx].max()) - newest  # commit order, before every new access
             reached[idx] = True
             out.nodes.append(node)
             stack.append((node, entries.keys[run[-1]], int(entries.positions[run[-1]])))
