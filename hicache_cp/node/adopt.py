@@ -32,7 +32,7 @@ import numpy as np
 
 from hicache_cp.keys import chain_hashes
 from hicache_cp.layout import Part
-from hicache_cp.node.journal import ROOT, Entries
+from hicache_cp.node.journal import ROOT, Entries, seed
 from hicache_cp.pools import LanePageAllocator
 from hicache_cp.radix import Node, RadixTree
 
@@ -56,7 +56,7 @@ def adopt(entries: Entries, tree: RadixTree, allocator: LanePageAllocator, parts
     by_key: dict[bytes, int] = {}
     for i in np.flatnonzero(ok):
         key = entries.keys[i]
-        if chain_hashes(entries.tokens[i], ps, entries.parents[i])[0] != key:
+        if chain_hashes(entries.tokens[i], ps, seed(entries.parents[i]))[0] != key:
             ok[i] = False
             continue
         j = by_key.get(key)

@@ -46,6 +46,12 @@ COMMITTED = 0x4D4D_4F43  # "COMM"
 ROOT = bytes(HASH_BYTES)  # the parent key of position 0
 
 
+def seed(parent: bytes) -> bytes:
+    """What the chain hash of a page continues from: its parent's key, or nothing at
+    position 0 (so keys are `hicache_cp.keys.chain_hashes` of the whole prefix)."""
+    return b"" if parent == ROOT else parent
+
+
 @dataclass(frozen=True)
 class Entries:
     """The COMMITTED entries of a journal, copied out (arrays aligned by entry)."""
@@ -102,7 +108,7 @@ class Journal:
         n = len(pages)
         if n == 0:
             return parent
-        keys = chain_hashes(tokens, self.page_size, parent)
+        keys = chain_hashes(tokens, self.page_size, seed(parent))
         assert len(keys) == n, (len(keys), n)
         e = self._entries()
         e["state"][pages] = FREE  # a page committed twice is rewritten from scratch

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"HICACHE-CP-NODE1"
 HEADER = np.dtype([
     ("magic", "S16"), ("format", "<u4"), ("state", "<u4"), ("session", "<u8"), ("generation", "<u8"),
-    ("fingerprint", "S16"), ("created_ns", "<u8"), ("desc_len", "<u4"), ("pad", "<u4"),
+    ("fingerprint", "V16"), ("created_ns", "<u8"), ("desc_len", "<u4"), ("pad", "<u4"),
 ])  # fmt: skip
 _DESC = 128  # the description's JSON starts here
 
@@ -84,7 +84,7 @@ class Header:
             desc = {}
         state = int(h["state"])
         return cls(HeaderState(state) if state in HeaderState._value2member_map_ else HeaderState.EMPTY,
-                   int(h["session"]), int(h["generation"]), bytes(h["fingerprint"]), desc)  # fmt: skip
+                   int(h["session"]), int(h["generation"]), h["fingerprint"].tobytes(), desc)  # fmt: skip
 
 
 def _write_header(buf: np.ndarray, geometry: NodeGeometry, session: int, generation: int) -> None:
@@ -97,7 +97,7 @@ def _write_header(buf: np.ndarray, geometry: NodeGeometry, session: int, generat
     buf[_DESC : _DESC + len(desc)] = np.frombuffer(desc, np.uint8)
     buf[_DESC + len(desc) : HEADER_BYTES] = 0
     h["magic"], h["format"], h["session"], h["generation"] = MAGIC, geometry.description()["format"], session, generation
-    h["fingerprint"], h["created_ns"], h["desc_len"] = geometry.fingerprint(), time.time_ns(), len(desc)
+    h["fingerprint"], h["created_ns"], h["desc_len"] = np.void(geometry.fingerprint()), time.time_ns(), len(desc)
     h["state"] = HeaderState.READY
 
 
