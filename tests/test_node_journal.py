@@ -176,6 +176,11 @@ def test_adoption_rebuilds_exactly_the_committed_reachable_pages(seed: int, chai
         for i, page in enumerate(node.host_pages):  # type: ignore[union-attr]
             got[int(page)] = whole[: (node.first_position + i + 1) * PAGE]
     assert sorted(got) == sorted(expected)
+    entries = journal.committed()
+    seq = dict(zip(entries.pages.tolist(), entries.seq.tolist()))
+    newest = max(seq.values(), default=0) + 1
+    for node in tree.nodes():  # recency survives as commit order, older than any access after the restart
+        assert node.last_access == max(seq[int(p)] for p in node.host_pages) - newest < 0  # type: ignore[union-attr]
     for page, tokens in expected.items():
         assert np.array_equal(got[page], tokens), page
     assert alloc.used_pages == result.pages == len(expected)
@@ -232,7 +237,7 @@ def test_join_adopt_clean_and_busy(seg_name: str, caplog: pytest.LogCaptureFixtu
     assert first.decision is Decision.CLEAN and first.reason == ""  # a new segment: nothing to say
     assert not [r for r in caplog.records if "not adopted" in r.getMessage()]
     peer = NodeSegment(seg_name, geometry(), session=11)  # another rank of the same engine
-    assert peer.decision is Decision.JOIN and peer.generation == first.generation
+    assert peer.decision is Decision.JOIN and peer.generation == first.generation and not peer.adopted
     with pytest.raises(ConsistencyError, match="another layout"):
         NodeSegment(seg_name, geometry(physical_pages=66), session=11)
     with pytest.raises(SegmentBusy, match="in use"):
@@ -242,6 +247,9 @@ def test_join_adopt_clean_and_busy(seg_name: str, caplog: pytest.LogCaptureFixtu
     peer.close()
     restarted = NodeSegment(seg_name, geometry(), session=12)
     assert restarted.decision is Decision.ADOPT and restarted.generation == first.generation + 1
+    joiner = NodeSegment(seg_name, geometry(), session=12)
+    assert joiner.decision is Decision.JOIN and joiner.adopted  # learns the session kept the journal
+    joiner.close()
     assert Journal(restarted, writer=False).committed_pages().tolist() == [5]
     restarted.close()
     caplog.clear()

@@ -297,7 +297,8 @@ class NodeTier:
         g = self.geometry
         return {
             "node_segment": self.segment.path,
-            "node_decision": self.segment.decision.value,
+            "node_decision": self.segment.decision.value,  # this rank's: join, adopt or clean
+            "node_adopted": self.segment.adopted,  # the session's: a previous engine's journal kept
             "node_sharing": self.sharing.value,
             "node_segment_bytes": g.total_bytes,
             "node_copy_bytes": g.copy_bytes,

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"HICACHE-CP-NODE1"
 HEADER = np.dtype([
     ("magic", "S16"), ("format", "<u4"), ("state", "<u4"), ("session", "<u8"), ("generation", "<u8"),
-    ("fingerprint", "V16"), ("created_ns", "<u8"), ("desc_len", "<u4"), ("pad", "<u4"),
+    ("fingerprint", "V16"), ("created_ns", "<u8"), ("desc_len", "<u4"), ("adopted", "<u4"),
 ])  # fmt: skip
 _DESC = 128  # the description's JSON starts here
 
@@ -72,6 +72,7 @@ class Header:
     generation: int
     fingerprint: bytes
     description: dict[str, object]
+    adopted: bool = False  # the session's first opener adopted the journal (else it started clean)
 
     @classmethod
     def parse(cls, raw: bytes) -> Header:
@@ -84,10 +85,11 @@ class Header:
             desc = {}
         state = int(h["state"])
         return cls(HeaderState(state) if state in HeaderState._value2member_map_ else HeaderState.EMPTY,
-                   int(h["session"]), int(h["generation"]), h["fingerprint"].tobytes(), desc)  # fmt: skip
+                   int(h["session"]), int(h["generation"]), h["fingerprint"].tobytes(), desc,
+                   bool(h["adopted"]))  # fmt: skip
 
 
-def _write_header(buf: np.ndarray, geometry: NodeGeometry, session: int, generation: int) -> None:
+def _write_header(buf: np.ndarray, geometry: NodeGeometry, session: int, generation: int, adopted: bool) -> None:
     """Write the header into `buf` (the segment's first HEADER_BYTES, uint8), READY last."""
     desc = json.dumps(geometry.description(), sort_keys=True).encode()
     if _DESC + len(desc) > HEADER_BYTES:
@@ -98,6 +100,7 @@ def _write_header(buf: np.ndarray, geometry: NodeGeometry, session: int, generat
     buf[_DESC + len(desc) : HEADER_BYTES] = 0
     h["magic"], h["format"], h["session"], h["generation"] = MAGIC, geometry.description()["format"], session, generation
     h["fingerprint"], h["created_ns"], h["desc_len"] = np.void(geometry.fingerprint()), time.time_ns(), len(desc)
+    h["adopted"] = adopted
     h["state"] = HeaderState.READY
 
 
@@ -112,7 +115,8 @@ class NodeSegment:
         numa_policy: NUMA placement of pages faulted in from now on.
         timeout_s: longest wait for another process's opening.
 
-    Attributes: `decision` and `reason` (why CLEAN, for the INFO line),
+    Attributes: `decision` and `reason` (why CLEAN, for the INFO line), `adopted`
+    (whether this engine's session kept a previous engine's journal, whoever opened first),
     `generation`, and numpy views of the directory, tokens and checksums.
     """
 
@@ -156,6 +160,7 @@ class NodeSegment:
                     details={"differences": differences(head.description, g.description())},
                 )
             seg.map(numa_policy=numa_policy)
+            self.adopted = head.adopted
             return Decision.JOIN, "", head.generation
         if not seg.sole_user():
             raise SegmentBusy(seg.path, seg.users(), "reshape or adopt it for a new engine")
@@ -165,8 +170,10 @@ class NodeSegment:
             decision, reason = Decision.CLEAN, _why_clean(head, g, adopt, seg.size)
             seg.resize(g.total_bytes)
         seg.map(numa_policy=numa_policy)
+        self.adopted = decision is Decision.ADOPT
         assert seg.mm is not None
-        _write_header(np.frombuffer(seg.mm, np.uint8, HEADER_BYTES), g, self.session, head.generation + 1)
+        _write_header(np.frombuffer(seg.mm, np.uint8, HEADER_BYTES), g, self.session, head.generation + 1,
+                      decision is Decision.ADOPT)  # fmt: skip
         return decision, reason, head.generation + 1
 
     @property

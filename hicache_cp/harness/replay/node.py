@@ -92,7 +92,7 @@ def run_restart(args: argparse.Namespace, config: Config, requests: list[TraceRe
         stats = rep.get("stats", {})
         rep["restart"] = {
             "at_request": k, "phase1_s": round(t1 - t0, 3), "phase2_s": round(time.perf_counter() - t1, 3),
-            **{key: stats.get(key) for key in ("node_decision", "node_adopted_pages", "node_adopted_nodes",
+            **{key: stats.get(key) for key in ("node_decision", "node_adopted", "node_adopted_pages", "node_adopted_nodes",
                                                "node_dropped_entries", "node_open_s", "node_adopt_s",
                                                "node_verified_pages", "node_verify_failures")},
         }  # fmt: skip
