@@ -68,7 +68,7 @@ from hostmem.mapping import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["SHM_DIR", "Segment", "SegmentBusy", "SegmentInfo", "SegmentRegion", "check_name", "drop_segment",
-           "find_segment", "list_segments", "segment_dirs"]  # fmt: skip
+           "find_segment", "list_segments", "mapping_pids", "segment_dirs"]  # fmt: skip
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -263,7 +263,7 @@ class Segment:
         """Pids of processes (this one included) that map the segment, from ``/proc/*/maps``.
 
         For messages: it reads every visible process's maps (tens of ms)."""
-        return _mapping_pids(self.path)
+        return mapping_pids(self.path)
 
     # -- contents ---------------------------------------------------------------
 
@@ -403,7 +403,7 @@ def list_segments(prefix: str = "") -> list[SegmentInfo]:
             continue
         for p in paths:
             with contextlib.suppress(OSError):
-                out.append(SegmentInfo(p.name, p, p.stat().st_size, tuple(_mapping_pids(p))))
+                out.append(SegmentInfo(p.name, p, p.stat().st_size, tuple(mapping_pids(p))))
     return out
 
 
@@ -424,7 +424,7 @@ def drop_segment(name: str) -> bool:
         seg.close()
 
 
-def _mapping_pids(path: Path) -> list[int]:
+def mapping_pids(path: Path) -> list[int]:
     """Processes whose ``/proc/<pid>/maps`` name ``path`` (those this user may read)."""
     needle = str(path)
     pids: list[int] = []

@@ -10,6 +10,7 @@ multi-process tests (tests/test_node_ranks.py) kill real processes.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -164,3 +165,22 @@ def test_a_second_engine_cannot_take_a_segment_in_use(seg_name: str) -> None:
         node_cache(seg_name)
     first.close()
     node_cache(seg_name, node_drop_on_close=True).close()
+
+
+def test_the_cli_lists_shows_and_drops_a_segment_but_not_one_in_use(seg_name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache_cp.harness.cli import main
+
+    cache = node_cache(seg_name)
+    serve(cache, REQUESTS[:6])
+    assert main(["node-segment", "list", "--prefix", seg_name]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(seg_name) and "model tiny" in line and str(os.getpid()) in line  # mapped here
+    assert main(["node-segment", "drop", seg_name]) == 2  # in use: refused
+    assert "in use" in capsys.readouterr().err
+    held = cache.host_pool.allocator.used_pages
+    cache.close()
+    assert main(["node-segment", "show", seg_name]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["committed_pages"] == held and shown["layout"]["page_size"] == PAGE and shown["users"] == []
+    assert main(["node-segment", "drop", seg_name]) == 0 and find_segment(seg_name) is None
+    assert main(["node-segment", "drop", seg_name]) == 2
