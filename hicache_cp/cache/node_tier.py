@@ -44,7 +44,7 @@ from hicache_cp.config import Config
 from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.cp.agreement import Agreement
 from hicache_cp.keys import chain_hashes
-from hicache_cp.layout import KVLayout
+from hicache_cp.layout import KVLayout, Part
 from hicache_cp.match import MatchResult
 from hicache_cp.node.adopt import Adoption, adopt
 from hicache_cp.node.checksums import unit_sums
@@ -117,13 +117,13 @@ class NodeTier:
                                    adopt=config.node_adopt and config.node_verify, numa_policy=config.node_numa)  # fmt: skip
         self.journal = Journal(self.segment, writer=self.node_rank == 0 if writer is None else writer)
         self.open_s = time.perf_counter() - t0
-        self.pool: HostPool | None = None
         self.adoption = Adoption()
         self.adopt_s = 0.0
         self.unverified = np.zeros(self.geometry.logical_pages, dtype=bool)
         self.verified_pages = 0
         self.verify_failures = 0
         self._summed: set[int] = set()  # backup ids whose share's checksums are recorded
+        self._copy_views: dict[Part, np.ndarray] | None = None
         self.drop_copy: Callable[[Node], None] = lambda node: None  # set by the cache: the L2 eviction of one node
 
     # -- construction -------------------------------------------------------------
@@ -132,9 +132,8 @@ class NodeTier:
         """This rank's L2: its copy's regions of the segment, through the arenas."""
         g = self.geometry
         regions = {p.part: self.segment.region(self.copy, p.part) for p in self.layout.parts}
-        self.pool = HostPool(self.layout, g.physical_pages * self.layout.bytes_per_page, cp_size=self.config.cp_size,
-                             rank=self.cp_rank, pin=pin, regions=regions)  # fmt: skip
-        return self.pool
+        return HostPool(self.layout, g.physical_pages * self.layout.bytes_per_page, cp_size=self.config.cp_size,
+                        rank=self.cp_rank, pin=pin, regions=regions)  # fmt: skip
 
     def adopt(self, tree: Any, allocator: Any, parts: frozenset) -> Adoption:
         """Rebuild the tree from the journal (every rank alike), then agree that every rank did.
@@ -175,6 +174,19 @@ class NodeTier:
         stray = np.setdiff1d(self.journal.committed_pages(), kept)
         assert not len(stray), f"node segment {self.segment.path}: journal entries for pages not committed: {stray[:16]}"
 
+    def _views(self) -> dict[Part, np.ndarray]:
+        """This rank's copy in the segment: part -> uint8 [slots, physical_pages, page_bytes]
+        (read by the checksums; a process without a host pool, vLLM's scheduler, reads them too)."""
+        if self._copy_views is None:
+            g, mm = self.geometry, self.segment.segment.mm
+            assert mm is not None, "views of a closed node segment"
+            self._copy_views = {
+                p.part: np.frombuffer(mm, np.uint8, g.part_bytes(p.part), g.part_offset(self.copy, p.part)).reshape(
+                    p.num_slots, g.physical_pages, p.page_bytes)
+                for p in self.layout.parts
+            }  # fmt: skip
+        return self._copy_views
+
     # -- the write share -------------------------------------------------------------
 
     def share(self, first_position: int, num_pages: int) -> tuple[int, int] | None:
@@ -200,15 +212,14 @@ class NodeTier:
     def before_vote(self, landed: Sequence[BackupOp], active: Sequence[BackupOp]) -> None:
         """Record the checksums of this rank's share of each backup in `landed` (every
         layer of its share landed, no failure) before the rank votes so. O(bytes)."""
-        if not self.config.node_verify or self.pool is None:
+        if not self.config.node_verify:
             return
         for op in landed:
             if op.id in self._summed:
                 continue
             logical, physical = self._written(op)
             if len(logical):
-                views = {p.part: self.pool.part_view(p.part) for p in self.layout.parts}
-                self.journal.record_sums(self.copy, logical, unit_sums(self.layout, views, physical))
+                self.journal.record_sums(self.copy, logical, unit_sums(self.layout, self._views(), physical))
             self._summed.add(op.id)
         if len(self._summed) > 2 * len(active) + 64:
             self._summed &= {op.id for op in active}
@@ -264,10 +275,10 @@ class NodeTier:
         if self.config.cp_size > 1:
             mine = mine[cp_mapping.owned_mask(pages[mine], self.cp_rank, self.config.cp_size)]
         bad = len(pages)
-        if len(mine) and self.pool is not None:
+        if len(mine):
             logical = pages[mine]
             physical = cp_mapping.to_physical(logical, self.config.cp_size) if self.config.cp_size > 1 else logical
-            views = {p.part: self.pool.part_view(p.part) for p in self.layout.parts}
+            views = self._views()
             wrong = (unit_sums(self.layout, views, physical) != self.journal.sums_of(self.copy, logical)).any(axis=1)
             if wrong.any():
                 bad = int(mine[np.argmax(wrong)])
@@ -317,5 +328,6 @@ class NodeTier:
 
     def close(self) -> bool:
         """Unmap (after the host pool closed); drop the segment if configured and last."""
+        self._copy_views = None
         return self.segment.close(drop=self.config.node_drop_on_close)
 

@@ -42,13 +42,25 @@ def build_tree_cache(ctx: TreeCacheBuildContext, *, env: dict[str, str] | None =
         raise ValueError("--radix-cache-backend hicache-cp supports full-attention (MLA/DSA) models only")
     cache = HiCacheCpRadixCache(
         ctx.params, draft_pools=tuple(ctx.params.mtp_draft_device_pools), agreement=agreement or _tp_agreement(ctx),
-        env=env,
+        env=_with_model_id(ctx, env),
     )
     worker = ctx.tp_worker
     if worker is not None and hasattr(worker, "register_hicache_layer_transfer_counter"):
         # The TP worker calls set_consumer at the start of every forward: the hooks' forward boundary.
         worker.register_hicache_layer_transfer_counter(cache.hooks[Model.TARGET])
     return cache
+
+
+def _with_model_id(ctx: TreeCacheBuildContext, env: dict[str, str] | None) -> dict[str, str]:
+    """The settings' environment, with the served model (path and revision) as the node
+    tier's model identity unless one is set: a restarted server adopts only its own model's
+    segment (with `HICACHE_NODE_SEGMENT`, docs/node-tier.md)."""
+    import os
+
+    env = dict(os.environ if env is None else env)
+    args = ctx.server_args
+    env.setdefault("HICACHE_NODE_MODEL_ID", f"{getattr(args, 'model_path', '')}@{getattr(args, 'revision', None) or 'main'}")
+    return env
 
 
 def _tp_agreement(ctx: TreeCacheBuildContext) -> Any:

@@ -42,6 +42,8 @@ from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCa
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.remote import RemoteCopyEngine, resolve_op
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
+from hicache_cp.cache.node_tier import NodeTier
+from hicache_cp.cp.agreement import LocalAgreement
 from hicache_cp.io.base import CopyFailed
 
 if TYPE_CHECKING:
@@ -87,8 +89,12 @@ class SchedulerSide:
         layout = config.layout()
         device_pool = DevicePool(layout, 2)  # unused: vLLM owns the device pages
         host_pool = HostPool(layout, settings.host_budget_bytes, memory=False)
+        # The node tier: this process keeps the journal (and adopts it); the workers hold the copy.
+        self.node = NodeTier(config, layout, LocalAgreement(), settings.host_budget_bytes,
+                             session=settings.node_session, writer=True) if config.node_segment else None  # fmt: skip
         self.cache = HiCache(
-            config, device_pool=device_pool, host_pool=host_pool, engine=RemoteCopyEngine(device_pool, host_pool)
+            config, device_pool=device_pool, host_pool=host_pool, engine=RemoteCopyEngine(device_pool, host_pool),
+            node=self.node,
         )
         self.plan = plan
         self._layout = layout.describe()
@@ -215,6 +221,8 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.cache.close()
+        if self.node is not None:
+            self.node.close()
 
     # ---- helpers ------------------------------------------------------------------------
 
