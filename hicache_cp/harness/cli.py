@@ -7,6 +7,7 @@
     hicache-cp bench-overhead host time of the cache's own calls per request on a trace
     hicache-cp bench-l3      L3 tier put/get vs raw Mooncake Store calls (loopback)
     hicache-cp bench-pinning time to a usable pinned host pool vs cudaHostAlloc (GPU; CPU parts anywhere)
+    hicache-cp bench-node    the node tier: adoption time, checksum rate, host and D2H bytes per rank
     hicache-cp decode-peer   a decode-side peer that receives and verifies KV
     hicache-cp node-segment  list, show or drop the node tier's shared segments (docs/node-tier.md)
 
@@ -41,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-overhead": ("hicache_cp.harness.bench.overhead", "host time of the cache's own calls per request on a trace"),
     "bench-l3": ("hicache_cp.harness.bench.l3", "L3 tier put/get vs raw Mooncake Store calls (loopback)"),
     "bench-pinning": ("hicache_cp.harness.bench.pinning", "time to a usable pinned host pool vs cudaHostAlloc, and its copy bandwidth"),
+    "bench-node": ("hicache_cp.harness.bench.node", "the node tier: adoption time, checksum rate, host and D2H bytes per rank"),
     "decode-peer": ("hicache_cp.harness.decode_peer", "run a decode peer that receives and verifies KV"),
     "node-segment": ("hicache_cp.harness.node_segment", "list, show or drop the node tier's shared segments"),
 }
