@@ -138,6 +138,7 @@ class Config:
     # The node tier (docs/node-tier.md): L2 in a named shared segment every rank of the node maps,
     # one copy for replicated KV (TP ranks), kept across engine restarts. "" keeps private pools.
     node_segment: str = ""
+    node_segment_dir: str = ""  # where it lives: "" picks /dev/shm or a hugetlbfs mount with room
     node_sharing: str = "auto"  # auto (replicated at cp_size 1, per_rank under CP), replicated, per_rank
     node_adopt: bool = True  # a restarted engine keeps what the segment holds (same layout only)
     node_verify: bool = True  # keep checksums; check every adopted page before its first use
@@ -410,7 +411,7 @@ def _check_toml_types(loaded: dict[str, Any], source: str) -> None:
     """TOML has types: a string where a number or a boolean belongs is an error
     (only the environment and the command line spell values as strings)."""
     strings_ok = {"model", "eviction_policy", "io_backend", "write_policy", "host_budget_bytes", "l3", "model_layout",
-                  "node_segment", "node_sharing", "node_numa", "node_model_id"}
+                  "node_segment", "node_segment_dir", "node_sharing", "node_numa", "node_model_id"}
     for name, value in loaded.items():
         if isinstance(value, str) and name not in strings_ok:
             raise ConfigError(f"{name}: expected a {'boolean' if name in _BOOL_FIELDS else 'number'}, "
@@ -429,7 +430,7 @@ def _check_node(config: Config) -> None:
     from hostmem.numa import NumaPolicy
     from hostmem.segment import check_name
 
-    for name in ("node_segment", "node_sharing", "node_numa", "node_model_id"):
+    for name in ("node_segment", "node_segment_dir", "node_sharing", "node_numa", "node_model_id"):
         if not isinstance(getattr(config, name), str):
             raise ConfigError(f"{name}: expected a string, got {getattr(config, name)!r}")
     for name in ("node_adopt", "node_verify", "node_drop_on_close"):
@@ -440,6 +441,8 @@ def _check_node(config: Config) -> None:
             check_name(config.node_segment)
         except ValueError as exc:
             raise ConfigError(f"node_segment: {exc}") from None
+    if config.node_segment_dir and not os.path.isdir(config.node_segment_dir):
+        raise ConfigError(f"node_segment_dir: {config.node_segment_dir!r} is not a directory")
     for name, kind in (("node_sharing", Sharing), ("node_numa", NumaPolicy)):
         if getattr(config, name) not in {m.value for m in kind}:
             raise ConfigError(f"{name}: unknown value {getattr(config, name)!r}; allowed: {', '.join(m.value for m in kind)}")

@@ -105,9 +105,10 @@ def check_name(name: str) -> str:
     return name
 
 
-def find_segment(name: str) -> Path | None:
-    """The path of an existing segment called ``name`` (first directory that has it), or None."""
-    for d in segment_dirs():
+def find_segment(name: str, directory: Path | None = None) -> Path | None:
+    """The path of an existing segment called ``name`` (in ``directory``, else the first
+    segment directory that has it), or None."""
+    for d in [directory] if directory is not None else segment_dirs():
         path = d / check_name(name)
         if path.exists():
             return path
@@ -195,10 +196,11 @@ class Segment:
 
     Args:
         name: the file name (letters, digits, ``.``, ``_``, ``-``).
-        directory: where to create it when it does not exist yet; default:
-            a hugetlbfs mount with room for ``size_hint`` bytes when
-            ``huge_pages`` allows, else ``/dev/shm``. An existing segment of
-            that name is opened where it is.
+        directory: where it is (or is created); default: an existing
+            segment of that name where it is, else a hugetlbfs mount with
+            room for ``size_hint`` bytes when ``huge_pages`` allows, else
+            ``/dev/shm``. Any RAM-backed directory works (a tmpfs mounted
+            where a container's ``/dev/shm`` is too small).
         size_hint: the size the caller will give it (chooses the directory).
         huge_pages: ``AUTO``/``THP``/``HUGETLB``/``NONE`` (see the module docstring).
 
@@ -209,7 +211,7 @@ class Segment:
                  huge_pages: HugePages | str = HugePages.AUTO) -> None:  # fmt: skip
         self.name = check_name(name)
         self.huge_pages = HugePages(huge_pages)
-        existing = find_segment(name)
+        existing = find_segment(name, directory)
         self.path = existing or (directory or _choose_dir(size_hint, self.huge_pages)) / name
         self.created = existing is None
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -393,10 +395,10 @@ class SegmentInfo:
     users: tuple[int, ...]
 
 
-def list_segments(prefix: str = "") -> list[SegmentInfo]:
-    """Every segment whose name starts with ``prefix``, in every segment directory."""
+def list_segments(prefix: str = "", directory: Path | None = None) -> list[SegmentInfo]:
+    """Every segment whose name starts with ``prefix``, in ``directory`` or every segment directory."""
     out: list[SegmentInfo] = []
-    for d in segment_dirs():
+    for d in [directory] if directory is not None else segment_dirs():
         try:
             paths = sorted(p for p in d.iterdir() if p.name.startswith(prefix) and p.is_file())
         except OSError:
@@ -407,14 +409,14 @@ def list_segments(prefix: str = "") -> list[SegmentInfo]:
     return out
 
 
-def drop_segment(name: str) -> bool:
+def drop_segment(name: str, directory: Path | None = None) -> bool:
     """Remove segment ``name``; False when there is none. Raises :class:`SegmentBusy`
     (naming the processes) while any process maps it: its memory would stay
     theirs, and its next opener would not find it."""
-    path = find_segment(name)
+    path = find_segment(name, directory)
     if path is None:
         return False
-    seg = Segment(name)
+    seg = Segment(name, directory=path.parent)
     try:
         if not seg.sole_user():
             raise SegmentBusy(path, [p for p in seg.users() if p != os.getpid()], "drop it")

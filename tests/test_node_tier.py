@@ -184,3 +184,19 @@ def test_the_cli_lists_shows_and_drops_a_segment_but_not_one_in_use(seg_name: st
     assert shown["committed_pages"] == held and shown["layout"]["page_size"] == PAGE and shown["users"] == []
     assert main(["node-segment", "drop", seg_name]) == 0 and find_segment(seg_name) is None
     assert main(["node-segment", "drop", seg_name]) == 2
+
+
+def test_a_segment_in_another_directory_is_found_there(seg_name: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache_cp.harness.cli import main
+
+    cache = node_cache(seg_name, node_segment_dir=str(tmp_path))
+    serve(cache, REQUESTS[:4])
+    assert cache._node.segment.path == str(tmp_path / seg_name) and find_segment(seg_name) is None  # type: ignore[union-attr]
+    cache.close()
+    again = node_cache(seg_name, node_segment_dir=str(tmp_path), node_drop_on_close=True)
+    assert again.stats()["node_adopted"]
+    again.close()
+    assert not (tmp_path / seg_name).exists()
+    with pytest.raises(Exception, match="node_segment_dir"):
+        node_cache(seg_name, node_segment_dir=str(tmp_path / "missing"))
+    assert main(["node-segment", "--dir", str(tmp_path), "list"]) == 0 and capsys.readouterr().out == ""

@@ -36,6 +36,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -114,7 +115,8 @@ class NodeTier:
         t0 = time.perf_counter()
         # Without checksums nothing adopted could be checked before its first use: never adopt then.
         self.segment = NodeSegment(config.node_segment, self.geometry, session=session,
-                                   adopt=config.node_adopt and config.node_verify, numa_policy=config.node_numa)  # fmt: skip
+                                   adopt=config.node_adopt and config.node_verify, numa_policy=config.node_numa,
+                                   directory=Path(config.node_segment_dir) if config.node_segment_dir else None)  # fmt: skip
         self.journal = Journal(self.segment, writer=self.node_rank == 0 if writer is None else writer)
         self.open_s = time.perf_counter() - t0
         self.adoption = Adoption()

@@ -4,6 +4,8 @@
     hicache-cp node-segment show NAME           its header (layout, session, generation) and journal
     hicache-cp node-segment drop NAME           remove it (refused while a process maps it)
 
+`--dir DIR` looks in DIR only (an engine's `node_segment_dir`).
+
 A segment outlives its engine on purpose (a restarted engine adopts it);
 `drop` is how an operator frees its memory when no engine will. An engine
 removes its own at an orderly shutdown with `node_drop_on_close = true`.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,7 @@ from hostmem.segment import SegmentBusy, check_name, drop_segment, find_segment,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", type=Path, help="the directory of the segments (default: /dev/shm and hugetlbfs mounts)")
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     ls = sub.add_parser("list", help="every segment on this machine")
     ls.add_argument("--prefix", default="", help="only names starting with this")
@@ -37,10 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     drop.add_argument("name")
 
 
-def describe(name: str) -> dict[str, Any]:
+def describe(name: str, directory: Path | None = None) -> dict[str, Any]:
     """What segment `name` holds, read (not mapped, not locked) from its file. InputError
     when there is none."""
-    path = find_segment(check_name(name))
+    path = find_segment(check_name(name), directory)
     if path is None:
         raise InputError(f"no segment {name!r} in /dev/shm or a hugetlbfs mount")
     with open(path, "rb") as f:
@@ -59,9 +63,9 @@ def describe(name: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "list":
-        for info in list_segments(args.prefix):
+        for info in list_segments(args.prefix, args.dir):
             try:
-                d = describe(info.name)
+                d = describe(info.name, args.dir)
             except (InputError, OSError):
                 continue  # removed meanwhile
             if d["state"] == "empty" and not d["layout"]:
@@ -75,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
                       f"users {','.join(map(str, d['users'])) or 'none'}")  # fmt: skip
         return ExitCode.OK
     if args.action == "show":
-        print(json.dumps(describe(args.name), indent=2, sort_keys=True))
+        print(json.dumps(describe(args.name, args.dir), indent=2, sort_keys=True))
         return ExitCode.OK
     try:
-        removed = drop_segment(check_name(args.name))
+        removed = drop_segment(check_name(args.name), args.dir)
     except SegmentBusy as exc:
         raise InputError(str(exc)) from None
     except ValueError as exc:

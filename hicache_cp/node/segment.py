@@ -32,6 +32,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -113,6 +114,7 @@ class NodeSegment:
         session: this engine's session number (the same in every process of it).
         adopt: keep what a previous engine committed (False: always CLEAN).
         numa_policy: NUMA placement of pages faulted in from now on.
+        directory: where the segment lives (default: see `hostmem.segment.Segment`).
         timeout_s: longest wait for another process's opening.
 
     Attributes: `decision` and `reason` (why CLEAN, for the INFO line), `adopted`
@@ -121,10 +123,11 @@ class NodeSegment:
     """
 
     def __init__(self, name: str, geometry: NodeGeometry, *, session: int, adopt: bool = True,
-                 numa_policy: numa.NumaPolicy | str = numa.NumaPolicy.AUTO, timeout_s: float = 60.0) -> None:  # fmt: skip
+                 numa_policy: numa.NumaPolicy | str = numa.NumaPolicy.AUTO, timeout_s: float = 60.0,
+                 directory: Path | None = None) -> None:  # fmt: skip
         self.geometry = geometry
         self.session = session & ((1 << 63) - 1)
-        self.segment = Segment(name, size_hint=geometry.total_bytes)
+        self.segment = Segment(name, size_hint=geometry.total_bytes, directory=directory)
         try:
             with self.segment.opening(timeout_s):
                 self.decision, self.reason, self.generation = self._open(adopt, numa_policy)

@@ -11,6 +11,10 @@
                against one shared copy: hits, host bytes and D2H bytes per rank (the
                proportional share of resident memory measured from /proc)
     numa       the machine's memory nodes, the policy chosen, where the pages landed
+    first hit  (--first-hit-gib G) a DeepSeek-V3.2-layout cache over a G GiB segment serves
+               a few prompts and closes; a new cache over the same segment (on --device)
+               opens, prefaults and registers it, adopts, and serves one of those prompts:
+               the seconds from its construction to that first hit, every byte checked
 
 Prints a table; `--json PATH` writes every number with the commit, the machine
 and the command. Every segment it makes is removed before it returns.
@@ -55,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sums-mib", type=int, default=256, help="bytes the checksum throughput runs over")
     p.add_argument("--prefault-mib", type=int, default=512, help="segment size of the prefault comparison")
     p.add_argument("--replay-limit", type=int, default=90, help="requests of each rank replay (0: skip them)")
+    p.add_argument("--first-hit-gib", type=float, default=0, help="segment size of the first-hit run (0: skip it)")
+    p.add_argument("--device", default="cpu", help="L1 of the first-hit run: cpu or cuda (pinned, the direct engine)")
     p.add_argument("--json", help="write the results here")
 
 
@@ -68,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     out["numa"] = numa_report(f"{tag}-n")
     if args.replay_limit:
         out["ranks"] = ranks(args.replay_limit, f"{tag}-r")
+    if args.first_hit_gib:
+        out["first_hit"] = first_hit(args.first_hit_gib, args.device, f"{tag}-f")
     print_table(out)
     if args.json:
         write_json(args.json, out)
@@ -203,6 +211,50 @@ def ranks(limit: int, name: str) -> list[dict[str, Any]]:
     return rows
 
 
+def first_hit(gib: float, device: str, name: str, prompts: int = 4, pages: int = 32) -> dict[str, Any]:
+    """Seconds from a restarted cache's construction to its first hit on a `gib` GiB segment."""
+    from hicache_cp.cache import HiCache
+    from hicache_cp.config import Config
+    from hicache_cp.harness.engines.synthetic import ReferenceServer
+
+    cuda = device.startswith("cuda")
+    config = Config(model="deepseek-v3.2", page_size=64, host_budget_bytes=int(gib * GIB), l1_pages=2 * pages + 2,
+                    io_backend="auto" if cuda else "cpu", pin_host=cuda, node_segment=name,
+                    l1_free_room=0, l2_free_room=0)  # fmt: skip
+    rng = np.random.default_rng(2)
+    tokens = [rng.integers(0, 1 << 17, pages * 64, dtype=np.int64) for _ in range(prompts)]
+    try:
+        t0 = time.perf_counter()
+        first = HiCache(config, device=device)
+        built = time.perf_counter() - t0
+        server = ReferenceServer(first)
+        for i, t in enumerate(tokens):
+            server.serve(i, t)
+        first.drain()
+        first.close()
+        t0 = time.perf_counter()
+        again = HiCache(config, device=device)
+        t1 = time.perf_counter()
+        server = ReferenceServer(again)
+        result = server.serve(0, tokens[0])
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        stats = again.stats()
+        again.close()
+    finally:
+        drop_segment(name)
+    t = server.integrity
+    return {"gib": gib, "device": device, "pinned": cuda, "segment_bytes": stats["node_segment_bytes"],
+            "fresh_construction_s": round(built, 3), "construction_s": round(t1 - t0, 3),
+            "open_s": stats["node_open_s"], "adopt_s": stats["node_adopt_s"],
+            "first_request_s": round(t2 - t1, 3), "first_hit_s": round(t2 - t0, 3),
+            "hit_pages": result.l2_hit_pages, "adopted_pages": stats["node_adopted_pages"],
+            "checked_units": t.checked_units, "expected_units": t.expected_units, "mismatches": t.mismatches}  # fmt: skip
+
+
 def print_table(out: dict[str, Any]) -> None:
     print("adoption (journal entries -> open + rebuild; median)")
     for r in out["adoption"]:
@@ -216,6 +268,11 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"prefault per GiB: kept bytes {pf['kept_s_per_gib']:.3f} s, fresh {pf['fresh_s_per_gib']:.3f} s")
     nm = out["numa"]
     print(f"numa: memory nodes {nm['memory_nodes']}, policy {nm['policy']}, pages per node {nm['pages_per_node']}")
+    if "first_hit" in out:
+        f = out["first_hit"]
+        print(f"first hit after a restart on a {f['gib']} GiB segment ({f['device']}): {f['first_hit_s']:.2f} s "
+              f"(construction {f['construction_s']:.2f} s, of which adopt {f['adopt_s']:.3f} s; first request "
+              f"{f['first_request_s']:.2f} s; {f['hit_pages']} pages hit, {f['mismatches']} mismatches)")  # fmt: skip
     for r in out.get("ranks", []):
         print(f"  {r['ranks']} rank(s) {r['tier']:>7}: hit {r['hit_rate']:.4f}, host B/rank {r['host_bytes_per_rank']}, "
               f"PSS/rank {r['host_pss_bytes_per_rank']}, D2H/rank {r['d2h_bytes_per_rank']}, mismatches {r['mismatches']}")  # fmt: skip
