@@ -27,10 +27,11 @@ node per run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from hashlib import blake2b
 
 import numpy as np
 
-from hicache_cp.keys import chain_hashes
+from hicache_cp.keys import HASH_BYTES
 from hicache_cp.layout import Part
 from hicache_cp.node.journal import ROOT, Entries, seed
 from hicache_cp.pools import LanePageAllocator
@@ -51,50 +52,56 @@ class Adoption:
 def adopt(entries: Entries, tree: RadixTree, allocator: LanePageAllocator, parts: frozenset[Part]) -> Adoption:
     """See the module docstring. `tree` must be empty and `allocator` fresh."""
     assert not tree.root.children and allocator.used_pages == 0, "adoption needs an empty tree and allocator"
-    ps = tree.page_size
-    ok = (entries.pages >= 1) & (entries.pages <= allocator.capacity) & (entries.positions >= 0)
-    by_key: dict[bytes, int] = {}
-    for i in np.flatnonzero(ok):
-        key = entries.keys[i]
-        if chain_hashes(entries.tokens[i], ps, seed(entries.parents[i]))[0] != key:
-            ok[i] = False
-            continue
-        j = by_key.get(key)
-        if j is None or entries.seq[i] > entries.seq[j]:
-            if j is not None:
-                ok[j] = False
-            by_key[key] = i
-        else:
-            ok[i] = False
-    damaged = int((~ok).sum())
-    children: dict[bytes, list[int]] = {}
+    by_key = _sound(entries, allocator.capacity, tree.page_size)
+    damaged = len(entries) - len(by_key)
+    keys, positions, seq = entries.keys, entries.positions.tolist(), entries.seq.tolist()
+    children: dict[bytes, list[int]] = {}  # parent key -> entries continuing it at the next position
     for key in sorted(by_key):
         i = by_key[key]
         children.setdefault(entries.parents[i], []).append(i)
     out = Adoption(damaged=damaged)
-    newest = int(entries.seq.max()) + 1 if len(entries) else 0
+    newest = max(seq, default=-1) + 1
     reached = np.zeros(len(entries), dtype=bool)
     stack: list[tuple[Node, bytes, int]] = [(tree.root, ROOT, -1)]  # (node, its key, its last position)
     while stack:
         parent, key, position = stack.pop()
         for i in children.get(key, ()):
-            if entries.positions[i] != position + 1:
+            if positions[i] != position + 1:
                 continue
             run = [i]
             while True:  # extend the run while it continues without a branch
-                nxt = [j for j in children.get(entries.keys[run[-1]], ()) if entries.positions[j] == entries.positions[run[-1]] + 1]
+                last = run[-1]
+                nxt = [j for j in children.get(keys[last], ()) if positions[j] == positions[last] + 1]
                 if len(nxt) != 1:
                     break
                 run.append(nxt[0])
             idx = np.array(run, np.int64)
             node = tree.add_host_child(parent, entries.tokens[idx].reshape(-1), entries.pages[idx].copy(), parts)
-            node.last_access = int(entries.seq[idx].max()) - newest  # commit order, before every new access
+            node.last_access = max(seq[j] for j in run) - newest  # commit order, before every new access
             reached[idx] = True
             out.nodes.append(node)
-            stack.append((node, entries.keys[run[-1]], int(entries.positions[run[-1]])))
-    out.orphans = int((ok & ~reached).sum())
+            stack.append((node, keys[run[-1]], positions[run[-1]]))
+    out.orphans = len(by_key) - int(reached.sum())
     adopted = entries.pages[reached]
     allocator.adopt(adopted)
     out.pages = len(adopted)
     out.dropped = entries.pages[~reached]
     return out
+
+
+def _sound(entries: Entries, capacity: int, page_size: int) -> dict[bytes, int]:
+    """Key -> entry of the entries whose page is valid and whose key is the chain hash of
+    their parent key and tokens; of two with one key, the later commit. O(entries) hashes."""
+    tokens = entries.tokens.tobytes()
+    step = page_size * 8
+    pages, positions, seq = entries.pages.tolist(), entries.positions.tolist(), entries.seq.tolist()
+    by_key: dict[bytes, int] = {}
+    for i, key in enumerate(entries.keys):
+        if not (1 <= pages[i] <= capacity and positions[i] >= 0):
+            continue
+        if blake2b(seed(entries.parents[i]) + tokens[i * step : (i + 1) * step], digest_size=HASH_BYTES).digest() != key:
+            continue
+        j = by_key.get(key)
+        if j is None or seq[i] > seq[j]:
+            by_key[key] = i
+    return by_key

@@ -28,6 +28,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-limit", type=int, default=90, help="requests of each rank replay (0: skip them)")
     p.add_argument("--first-hit-gib", type=float, default=0, help="segment size of the first-hit run (0: skip it)")
     p.add_argument("--device", default="cpu", help="L1 of the first-hit run: cpu or cuda (pinned, the direct engine)")
-    p.add_argument("--json", help="write the results here")
+    p.add_argument("--json", type=Path, help="write the results here")
 
 
 def run(args: argparse.Namespace) -> int:
