@@ -84,10 +84,11 @@ class HugePages(str, enum.Enum):
     NONE = "none"
 
 
-def thp_mode(sys_root: Path = Path("/sys")) -> str | None:
-    """The bracketed THP mode (``always``, ``madvise``, ``never``), or None without THP."""
+def thp_mode(sys_root: Path = Path("/sys"), setting: str = "enabled") -> str | None:
+    """The bracketed THP mode (``always``, ``madvise``, ``never``), or None without THP.
+    ``setting="shmem_enabled"``: the mode for shared memory (tmpfs) instead."""
     try:
-        text = (sys_root / "kernel/mm/transparent_hugepage/enabled").read_text()
+        text = (sys_root / "kernel/mm/transparent_hugepage" / setting).read_text()
     except OSError:
         return None
     m = re.search(r"\[(\w+)\]", text)

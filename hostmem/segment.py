@@ -62,7 +62,7 @@ from pathlib import Path
 
 from hostmem import numa
 from hostmem.mapping import (
-    BASE_PAGE, MADV_DONTFORK, MADV_HUGEPAGE, MADV_POPULATE_WRITE, HugePages, _address, _round_up, madvise, read_smaps,
+    BASE_PAGE, MADV_DONTFORK, MADV_HUGEPAGE, MADV_POPULATE_WRITE, HugePages, _address, _round_up, madvise, read_smaps, thp_mode,
 )
 
 logger = logging.getLogger(__name__)
@@ -138,16 +138,6 @@ def _choose_dir(nbytes: int, huge_pages: HugePages) -> Path:
         if huge_pages is HugePages.HUGETLB:
             logger.warning("segment: no hugetlbfs mount with %d free bytes; using %s", nbytes, SHM_DIR)
     return SHM_DIR
-
-
-def _shmem_thp(sys_root: Path = Path("/sys")) -> str | None:
-    """The bracketed mode of ``transparent_hugepage/shmem_enabled``, or None."""
-    try:
-        text = (sys_root / "kernel/mm/transparent_hugepage/shmem_enabled").read_text()
-    except OSError:
-        return None
-    m = re.search(r"\[(\w+)\]", text)
-    return m.group(1) if m else None
 
 
 @dataclass(frozen=True)
@@ -306,7 +296,7 @@ class Segment:
         t0 = time.perf_counter()
         if self.fs_page_size:
             self.obtained = HugePages.HUGETLB
-        elif self.huge_pages in (HugePages.AUTO, HugePages.THP) and _shmem_thp() in ("always", "within_size", "advise", "force"):
+        elif self.huge_pages in (HugePages.AUTO, HugePages.THP) and thp_mode(setting="shmem_enabled") in ("always", "within_size", "advise", "force"):
             try:
                 madvise(self.addr, size, MADV_HUGEPAGE)
                 self.obtained = HugePages.THP
@@ -343,6 +333,23 @@ class Segment:
                              f"inside [0, {len(self.mm)})")  # fmt: skip
         return SegmentRegion(self.mm, offset, self.addr + offset, nbytes, self.obtained, self.page_size,
                              self.granule, self.dontfork, self.map_s, self.advise_s)  # fmt: skip
+
+    @classmethod
+    def open_mapped(cls, name: str, nbytes: int, **kwargs: object) -> Segment:
+        """Open or create segment `name`, give it `nbytes` (zeroed) when it has another
+        size and nobody else maps it, map it and become a user: the whole opening for a
+        caller that keeps no header (tests, benchmarks)."""
+        seg = cls(name, size_hint=nbytes, **kwargs)  # type: ignore[arg-type]
+        try:
+            with seg.opening():
+                if seg.size != _round_up(nbytes, seg.page_size):
+                    seg.resize(nbytes)
+                seg.map()
+                seg.share()
+        except BaseException:
+            seg.close()
+            raise
+        return seg
 
     # -- teardown ---------------------------------------------------------------
 

@@ -8,8 +8,6 @@ default `direct` DMA engine) and byte checks are on cuda:0, their L2 is the pinn
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,21 +20,13 @@ from hicache_cp.harness.launch import RankContext, spawn_ranks
 from hicache_cp.harness.trace import request_tokens
 from hicache_cp.harness.workload import default_workload
 from hostmem.cuda import cuda_available, host_get_flags
-from hostmem.segment import SHM_DIR, find_segment
+from hostmem.segment import find_segment
 
 from conftest import PAGE, tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs CUDA")]
 REQUESTS = default_workload(seed=21)[:80]
 
-
-@pytest.fixture
-def seg_name(request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"hicache-cp-test-{os.getpid()}-{request.node.name[:40]}"
-    yield name
-    if (SHM_DIR / name).exists():
-        (SHM_DIR / name).unlink()
-        pytest.fail(f"{name} was left in /dev/shm")
 
 
 def _rank(ctx: RankContext, name: str, lo: int, hi: int, drop: bool) -> dict[str, Any]:
@@ -87,12 +77,8 @@ def test_a_segment_region_registers_and_copies_both_ways_byte_exact(seg_name: st
     from hostmem.arena import HostArena
     from hostmem.segment import Segment
 
-    seg = Segment(seg_name, size_hint=64 << 20)
+    seg = Segment.open_mapped(seg_name, 64 << 20)
     try:
-        with seg.opening():
-            seg.resize(64 << 20)
-            seg.map()
-            seg.share()
         with HostArena(32 << 20, memory=seg.region(32 << 20, 32 << 20), register_chunk_bytes=8 << 20,
                        background=False, name="seg") as arena:  # fmt: skip
             assert arena.pinned and host_get_flags(arena.ptr)

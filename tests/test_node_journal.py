@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -25,7 +23,7 @@ from hicache_cp.node.segment import HEADER, Decision, NodeSegment
 from hicache_cp.node.share import write_share
 from hicache_cp.pools import LanePageAllocator
 from hicache_cp.radix import HostState, RadixTree
-from hostmem.segment import SHM_DIR, SegmentBusy
+from hostmem.segment import SegmentBusy
 
 PAGE = 16
 LAYOUT = PRESETS["tiny"].layout(PAGE)
@@ -38,14 +36,6 @@ def geometry(**over: object) -> NodeGeometry:
     values.update(over)
     return NodeGeometry(**values)  # type: ignore[arg-type]
 
-
-@pytest.fixture
-def seg_name(request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"hicache-cp-test-{os.getpid()}-{request.node.name[:40]}"
-    yield name
-    if (SHM_DIR / name).exists():
-        (SHM_DIR / name).unlink()
-        pytest.fail(f"{name} was left in /dev/shm")
 
 
 # ---- geometry ----------------------------------------------------------------------------------

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,20 +30,12 @@ from hicache_cp.harness.replay import command as replay
 from hicache_cp.harness.trace import request_tokens
 from hicache_cp.harness.workload import default_workload
 from hicache_cp.node.geometry import NodeGeometry
-from hostmem.segment import SHM_DIR, find_segment
+from hostmem.segment import find_segment
 
 from conftest import PAGE, tiny_config
 
 TIMEOUT_S = 300.0
 
-
-@pytest.fixture
-def seg_name(request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"hicache-cp-test-{os.getpid()}-{request.node.name[:40]}".replace("[", "-").replace("]", "")
-    yield name
-    if (SHM_DIR / name).exists():
-        (SHM_DIR / name).unlink()
-        pytest.fail(f"{name} was left in /dev/shm")
 
 
 def _replay(*argv: str) -> dict[str, Any]:

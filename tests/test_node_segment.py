@@ -1,7 +1,7 @@
 """hostmem.segment and hostmem.numa: named shared memory, its locks, its lifetime, arenas over it.
 
 Every test names its segments after its own pid and removes them (the
-`shm_name` fixture checks /dev/shm is clean afterwards).
+`seg_name` fixture checks /dev/shm is clean afterwards).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,64 +22,48 @@ from hostmem.segment import SHM_DIR, Segment, SegmentBusy, check_name, drop_segm
 MIB = 1 << 20
 
 
-@pytest.fixture
-def shm_name(request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"hicache-cp-test-{os.getpid()}-{request.node.name[:40]}".replace("[", "-").replace("]", "")
-    yield name
-    leftover = SHM_DIR / name
-    if leftover.exists():
-        leftover.unlink()
-        pytest.fail(f"{leftover} was left in /dev/shm")
-
-
 def _open(name: str, nbytes: int = 4 * MIB) -> Segment:
-    seg = Segment(name, size_hint=nbytes)
-    with seg.opening():
-        if seg.size == 0:
-            seg.resize(nbytes)
-        seg.map()
-        seg.share()
-    return seg
+    return Segment.open_mapped(name, nbytes)
 
 
-def test_bytes_outlive_the_opener_and_close_unlinks_only_when_asked(shm_name: str) -> None:
-    seg = _open(shm_name)
-    assert seg.created and seg.path == SHM_DIR / shm_name and seg.size == 4 * MIB
+def test_bytes_outlive_the_opener_and_close_unlinks_only_when_asked(seg_name: str) -> None:
+    seg = _open(seg_name)
+    assert seg.created and seg.path == SHM_DIR / seg_name and seg.size == 4 * MIB
     np.frombuffer(seg.mm, np.uint8, 8, 1000)[:] = 7  # type: ignore[arg-type]
     assert not seg.close()  # kept
-    again = _open(shm_name)
+    again = _open(seg_name)
     assert not again.created
     assert np.frombuffer(again.mm, np.uint8, 8, 1000).tolist() == [7] * 8  # type: ignore[arg-type]
     assert again.close(unlink_if_last=True)
-    assert find_segment(shm_name) is None
+    assert find_segment(seg_name) is None
 
 
-def test_only_the_last_user_removes_it_and_a_used_segment_is_neither_resized_nor_dropped(shm_name: str) -> None:
-    a, b = _open(shm_name), _open(shm_name)
-    assert [s.name for s in list_segments(shm_name)] == [shm_name]
+def test_only_the_last_user_removes_it_and_a_used_segment_is_neither_resized_nor_dropped(seg_name: str) -> None:
+    a, b = _open(seg_name), _open(seg_name)
+    assert [s.name for s in list_segments(seg_name)] == [seg_name]
     with b.opening():
         assert not b.sole_user()  # a maps it too
     b.close()
     with pytest.raises(SegmentBusy, match="in use"):
-        drop_segment(shm_name)
-    c = Segment(shm_name)
+        drop_segment(seg_name)
+    c = Segment(seg_name)
     with c.opening(), pytest.raises(SegmentBusy, match="resize"):
         c.resize(MIB)
     c.close()
     assert not a.close(unlink_if_last=False)
-    assert drop_segment(shm_name) and not drop_segment(shm_name)
+    assert drop_segment(seg_name) and not drop_segment(seg_name)
 
 
-def test_two_closing_users_leave_nothing_whatever_their_order(shm_name: str) -> None:
-    a, b = _open(shm_name), _open(shm_name)
+def test_two_closing_users_leave_nothing_whatever_their_order(seg_name: str) -> None:
+    a, b = _open(seg_name), _open(seg_name)
     assert not a.close(unlink_if_last=True)  # b still maps it
-    assert (SHM_DIR / shm_name).exists()
+    assert (SHM_DIR / seg_name).exists()
     assert b.close(unlink_if_last=True)
-    assert not (SHM_DIR / shm_name).exists()
+    assert not (SHM_DIR / seg_name).exists()
 
 
-def test_the_opening_mutex_times_out_instead_of_hanging(shm_name: str) -> None:
-    a, b = Segment(shm_name), Segment(shm_name)
+def test_the_opening_mutex_times_out_instead_of_hanging(seg_name: str) -> None:
+    a, b = Segment(seg_name), Segment(seg_name)
     try:
         with a.opening(), pytest.raises(TimeoutError, match="opening lock"):
             with b.opening(timeout_s=0.05):
@@ -95,12 +78,12 @@ def _open_share_and_die(name: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_killed_user_leaves_its_bytes_and_no_lock(shm_name: str) -> None:
-    child = mp.get_context("spawn").Process(target=_open_share_and_die, args=(shm_name,))
+def test_a_killed_user_leaves_its_bytes_and_no_lock(seg_name: str) -> None:
+    child = mp.get_context("spawn").Process(target=_open_share_and_die, args=(seg_name,))
     child.start()
     child.join(60)
     assert child.exitcode == -signal.SIGKILL
-    seg = Segment(shm_name)
+    seg = Segment(seg_name)
     try:
         with seg.opening():
             assert seg.size == 4 * MIB
@@ -109,8 +92,8 @@ def test_a_killed_user_leaves_its_bytes_and_no_lock(shm_name: str) -> None:
         seg.close(unlink_if_last=True)
 
 
-def test_an_arena_over_a_region_keeps_its_contents_and_refuses_to_zero_them(shm_name: str) -> None:
-    seg = _open(shm_name, 8 * MIB)
+def test_an_arena_over_a_region_keeps_its_contents_and_refuses_to_zero_them(seg_name: str) -> None:
+    seg = _open(seg_name, 8 * MIB)
     try:
         np.frombuffer(seg.mm, np.uint8, MIB, 4 * MIB)[:] = 3  # type: ignore[arg-type]
         region = seg.region(4 * MIB, 4 * MIB)
@@ -131,9 +114,9 @@ def test_an_arena_over_a_region_keeps_its_contents_and_refuses_to_zero_them(shm_
         seg.close(unlink_if_last=True)
 
 
-def test_proportional_size_splits_a_shared_segment_between_its_users(shm_name: str) -> None:
-    a = _open(shm_name, 8 * MIB)
-    b = _open(shm_name, 8 * MIB)
+def test_proportional_size_splits_a_shared_segment_between_its_users(seg_name: str) -> None:
+    a = _open(seg_name, 8 * MIB)
+    b = _open(seg_name, 8 * MIB)
     try:
         np.frombuffer(a.mm, np.uint8)[:] = 1  # type: ignore[arg-type] - every page resident, mapped by a
         np.frombuffer(b.mm, np.uint8).sum()  # type: ignore[arg-type] - and by b

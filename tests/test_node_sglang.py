@@ -4,8 +4,6 @@ every byte of every part checked by the stand-in forward (tests/test_sglang_radi
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,21 +12,13 @@ pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sgla
 
 from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
 from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
-from hostmem.segment import SHM_DIR, find_segment  # noqa: E402
+from hostmem.segment import find_segment  # noqa: E402
 
 import_sglang()
 import test_sglang_radix as S  # noqa: E402
 
 pytestmark = pytest.mark.slow  # importing SGLang costs ~10 s once per process
 
-
-@pytest.fixture
-def seg_name(request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"hicache-cp-test-{os.getpid()}-{request.node.name[:40]}"
-    yield name
-    if (SHM_DIR / name).exists():
-        (SHM_DIR / name).unlink()
-        pytest.fail(f"{name} was left in /dev/shm")
 
 
 def _server(path: Path, seg_name: str, **env: str) -> SGLangPrefillServer:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -24,20 +23,12 @@ from hicache_cp.harness.engines.synthetic import ReferenceServer
 from hicache_cp.harness.trace import request_tokens
 from hicache_cp.harness.workload import default_workload
 from hicache_cp.layout import Model
-from hostmem.segment import SHM_DIR, find_segment
+from hostmem.segment import find_segment
 
 from conftest import PAGE, tiny_config
 
 REQUESTS = default_workload(seed=3)[:48]
 
-
-@pytest.fixture
-def seg_name(request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"hicache-cp-test-{os.getpid()}-{request.node.name[:40]}"
-    yield name
-    if (SHM_DIR / name).exists():
-        (SHM_DIR / name).unlink()
-        pytest.fail(f"{name} was left in /dev/shm")
 
 
 def node_cache(name: str, **over: Any) -> HiCache:

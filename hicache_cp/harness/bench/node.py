@@ -153,12 +153,8 @@ def prefault(nbytes: int, name: str) -> dict[str, Any]:
     from hostmem.arena import HostArena
     from hostmem.segment import Segment
 
-    seg = Segment(name, size_hint=nbytes)
+    seg = Segment.open_mapped(name, nbytes)
     try:
-        with seg.opening():
-            seg.resize(nbytes)
-            seg.map()
-            seg.share()
         np.frombuffer(seg.mm, np.uint8)[:: 4096] = 1  # type: ignore[arg-type] - every page present, as after a run
         t0 = time.perf_counter()
         HostArena(nbytes, pin=False, memory=seg.region(0, nbytes), background=False, name="kept").close()
@@ -175,12 +171,8 @@ def numa_report(name: str) -> dict[str, Any]:
     """The policy `auto` picks here and where a touched segment's pages are."""
     from hostmem.segment import Segment
 
-    seg = Segment(name, size_hint=64 << 20)
+    seg = Segment.open_mapped(name, 64 << 20)
     try:
-        with seg.opening():
-            seg.resize(64 << 20)
-            seg.map()
-            seg.share()
         np.frombuffer(seg.mm, np.uint8)[:: 4096] = 1  # type: ignore[arg-type]
         return {"memory_nodes": numa.memory_nodes(), "policy": seg.numa.value,
                 "pages_per_node": numa.placement(seg.addr, 64 << 20)}  # fmt: skip
