@@ -93,7 +93,7 @@ class Lifecycle:
         dropped = match.host_nodes[keep:]
         new_last = dropped[0].parent
         assert new_last is not None
-        lost = sum(node.num_pages for node in dropped)
+        lost = match.host_len if keep == 0 else sum(node.num_pages for node in dropped)
         s.tree.lock(new_last)
         s.tree.unlock(match.last_node)
         s.metrics.l2_hit_tokens -= lost * s.layout.page_size
