@@ -5,7 +5,8 @@
                        every reused byte checked
     restart            the replay killed with SIGKILL during a request's backups and
                        restarted: the continuation's hit rate within 0.01 of an
-                       uninterrupted run's, 0 mismatches
+                       uninterrupted run's, 0 mismatches (TP replicas; CP ranks with
+                       one copy each)
     rank killed        one rank dies mid-backup: after a restart nothing of that backup
                        is visible and no page is leaked
 
@@ -103,6 +104,21 @@ def test_four_ranks_share_one_copy_with_todays_hits(seg_name: str) -> None:
     today = _replay(*common)
     node = _replay(*common, "--node-ranks", "4", "--node-segment", seg_name, "--set", "node_drop_on_close=true")
     _compare_with_today(today, node, 4)
+    assert find_segment(seg_name) is None
+
+
+@pytest.mark.slow
+def test_cp_ranks_keep_per_rank_copies_in_one_segment_across_a_restart(seg_name: str) -> None:
+    """Under CP each rank holds other pages: one copy per rank in the segment, adopted alike."""
+    common = ("--limit", "90", "--seed", "5", "--cp-size", "2", "--node-segment", seg_name,
+              "--set", "node_drop_on_close=true")  # fmt: skip
+    uninterrupted = _replay(*common, "--report-from", "45")
+    assert uninterrupted["stats"]["node_sharing"] == "per_rank" and uninterrupted["stats"]["node_copies"] == 2
+    restarted = _replay(*common, "--restart-at", "45")
+    assert restarted["restart"]["node_adopted"] and restarted["restart"]["node_adopted_pages"] > 0
+    assert abs(uninterrupted["continuation"]["hit_rate"] - restarted["continuation"]["hit_rate"]) <= 0.01
+    assert restarted["integrity_mismatches"] == 0
+    assert restarted["integrity_checked_units"] == restarted["integrity_expected_units"] > 0
     assert find_segment(seg_name) is None
 
 
