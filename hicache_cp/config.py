@@ -141,6 +141,16 @@ class Config:
     # all (every page), sample (L2 loads check one page in 8; L3 and PD every page), off
     # (docs/integrity.md).
     verify_restores: Verify = Verify.ALL
+    # The node tier (docs/node-tier.md): L2 in a named shared segment every rank of the node maps,
+    # one copy for replicated KV (TP ranks), kept across engine restarts. "" keeps private pools.
+    node_segment: str = ""
+    node_segment_dir: str = ""  # where it lives: "" picks /dev/shm or a hugetlbfs mount with room
+    node_sharing: str = "auto"  # auto (replicated at cp_size 1, per_rank under CP), replicated, per_rank
+    node_adopt: bool = True  # a restarted engine keeps what the segment holds (same layout only)
+    node_verify: bool = True  # keep checksums; check every adopted page before its first use
+    node_drop_on_close: bool = False  # an orderly close removes the segment (its last user does)
+    node_numa: str = "auto"  # auto (interleave over several memory nodes), interleave, local
+    node_model_id: str = ""  # the model's identity in the segment's fingerprint (default: `model`)
 
     def __post_init__(self) -> None:
         self.l3 = L3Config.from_value(self.l3)
@@ -175,6 +185,7 @@ class Config:
             raise ConfigError(f"pd_timeout_s: expected seconds in (0, 86400], got {self.pd_timeout_s!r}")
         if self.pin_host is not None and not isinstance(self.pin_host, bool):
             raise ConfigError(f"pin_host: expected true, false or auto, got {self.pin_host!r}")
+        _check_node(self)
         _positive("page_size", self.page_size)
         if self.host_budget_bytes != "auto":
             _positive("host_budget_bytes", self.host_budget_bytes)
@@ -412,7 +423,7 @@ def _check_toml_types(loaded: dict[str, Any], source: str) -> None:
     """TOML has types: a string where a number or a boolean belongs is an error
     (only the environment and the command line spell values as strings)."""
     strings_ok = {"model", "eviction_policy", "io_backend", "write_policy", "verify_restores", "host_budget_bytes", "l3",
-                  "model_layout"}
+                  "model_layout", "node_segment", "node_segment_dir", "node_sharing", "node_numa", "node_model_id"}
     for name, value in loaded.items():
         if isinstance(value, str) and name not in strings_ok:
             raise ConfigError(f"{name}: expected a {'boolean' if name in _BOOL_FIELDS else 'number'}, "
@@ -422,7 +433,34 @@ def _check_toml_types(loaded: dict[str, Any], source: str) -> None:
                           f"got {loaded['host_budget_bytes']!r} (from {source})")  # fmt: skip
 
 
-_BOOL_FIELDS = frozenset({"l2_exclusive", "debug_checks", "pin_host"})
+_BOOL_FIELDS = frozenset({"l2_exclusive", "debug_checks", "pin_host", "node_adopt", "node_verify", "node_drop_on_close"})
+
+
+def _check_node(config: Config) -> None:
+    """The node tier's fields (`hicache_cp.node`)."""
+    from hicache_cp.node.geometry import Sharing
+    from hostmem.numa import NumaPolicy
+    from hostmem.segment import check_name
+
+    for name in ("node_segment", "node_segment_dir", "node_sharing", "node_numa", "node_model_id"):
+        if not isinstance(getattr(config, name), str):
+            raise ConfigError(f"{name}: expected a string, got {getattr(config, name)!r}")
+    for name in ("node_adopt", "node_verify", "node_drop_on_close"):
+        if not isinstance(getattr(config, name), bool):
+            raise ConfigError(f"{name}: expected true or false, got {getattr(config, name)!r}")
+    if config.node_segment:
+        try:
+            check_name(config.node_segment)
+        except ValueError as exc:
+            raise ConfigError(f"node_segment: {exc}") from None
+    if config.node_segment_dir and not os.path.isdir(config.node_segment_dir):
+        raise ConfigError(f"node_segment_dir: {config.node_segment_dir!r} is not a directory")
+    for name, kind in (("node_sharing", Sharing), ("node_numa", NumaPolicy)):
+        if getattr(config, name) not in {m.value for m in kind}:
+            raise ConfigError(f"{name}: unknown value {getattr(config, name)!r}; allowed: {', '.join(m.value for m in kind)}")
+    if config.node_sharing == Sharing.REPLICATED.value and config.cp_size != 1:
+        raise ConfigError(f"node_sharing: replicated keeps one copy of the same KV; CP ranks (cp_size "
+                          f"{config.cp_size}) hold different pages: use per_rank or auto")  # fmt: skip
 
 
 def _merge_l3(values: dict[str, Any], sources: dict[str, str], fields: dict[str, Any], source: str) -> None:

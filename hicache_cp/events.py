@@ -56,7 +56,7 @@ from typing import Protocol
 
 import numpy as np
 
-from hicache_cp.l3.keys import chain_hashes
+from hicache_cp.keys import chain_hashes
 from hicache_cp.radix import Node
 
 Key = Hashable

@@ -2,6 +2,8 @@
 
     page_hashes(tokens, page_size)    one hash per whole page of its tokens alone
     prefix_hashes(tokens, page_size)  one hash per page of the page and everything before it
+    chain_hashes(tokens, page_size)   the same chain, 128-bit (blake2b): keys that must
+                                      never collide (L3 objects, the node journal)
 
 The radix tree does not need these (it compares tokens exactly); they name
 pages where a hash is the key: the L3 store, the PD and integrity oracles.
@@ -18,10 +20,14 @@ chain continues exactly from any of its hashes (`parent`).
 from __future__ import annotations
 
 import functools
+import functools
+import hashlib
 
 import numpy as np
 
 from hicache_cp.tables import GrowingTables
+
+HASH_BYTES = 16  # chain_hashes' digest size
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -96,3 +102,16 @@ _POWERS = GrowingTables(_build_powers)
 def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     """(P**1 .. P**n, P**-1 .. P**-n) mod 2**64 (read-only, thread-safe)."""
     return _POWERS.first(n)
+
+
+def chain_hashes(tokens: np.ndarray, page_size: int, parent: bytes = b"") -> list[bytes]:
+    """Prefix chain hash of each whole page of `tokens` (int64):
+    h_i = H(h_{i-1} || the page's token bytes), h_{-1} = `parent`. O(tokens)."""
+    data = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
+    step = page_size * 8
+    out: list[bytes] = []
+    h = parent
+    for lo in range(0, len(data) // step * step, step):
+        h = hashlib.blake2b(h + data[lo : lo + step], digest_size=HASH_BYTES).digest()
+        out.append(h)
+    return out

@@ -211,6 +211,17 @@ class KVLayout:
         assert split.used_bytes <= budget_bytes, (split.used_bytes, budget_bytes)
         return split
 
+    def description(self) -> dict[str, object]:
+        """The geometry that decides what stored bytes mean (JSON-ready): page size,
+        layer counts, and each part's name, logical layer ids and bytes per token.
+        Fingerprints of stored data (L3 keys, the node segment) are built on it."""
+        return {
+            "page_size": self.page_size,
+            "target_layers": self.num_target_layers,
+            "draft_layers": self.num_draft_layers,
+            "parts": [[p.part.value, list(p.layer_ids), p.bytes_per_token] for p in self.parts],
+        }
+
     def describe(self) -> str:
         rows = [
             f"{p.part.value}: {p.num_slots} layers x {p.page_bytes} B/page" for p in self.parts

@@ -27,6 +27,8 @@ from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.layout import KVLayout, Part, log_budget
 from hostmem.arena import HostArena
 from hostmem.extents import ExtentAllocator, pages_to_pairs, runs_to_pages
+from hostmem.mapping import pss_bytes, resident_bytes
+from hostmem.segment import SegmentRegion
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +174,27 @@ class LanePageAllocator:
         for rank, pairs in enumerate(lane_pairs):
             if pairs:
                 self.lanes[rank].free_pairs(pairs)
+
+    def adopt(self, pages: np.ndarray) -> None:
+        """Mark exactly these logical pages used, on a fresh allocator (a restarted
+        engine adopting the host copies a node segment's journal lists). ValueError
+        (nothing changed) on a used allocator, a repeated page or one out of range.
+        O(runs): each lane is taken whole, then everything else is given back."""
+        if self.used_pages:
+            raise ValueError(f"{self.name}: adopt needs a fresh allocator, {self.used_pages} pages are in use")
+        pages = np.asarray(pages, dtype=np.int64)
+        lane_pairs = self._lane_pairs(pages) if len(pages) else [[] for _ in self.lanes]
+        for rank, lane in enumerate(self.lanes):
+            edges = np.zeros(self.physical_pages + 1, dtype=np.int32)  # +1 where a run starts, -1 past its end
+            for start, k in lane_pairs[rank]:
+                edges[start] += 1
+                edges[start + k] -= 1
+            used = np.cumsum(edges[:-1]) > 0
+            used[0] = True  # the dummy page is the lane's already
+            free = np.flatnonzero(~used)
+            lane.reserve_pairs(lane.free_pages)  # the whole lane (one run: it is fresh)
+            if len(free):
+                lane.free_pairs(pages_to_pairs(free))
 
     def fragmentation(self) -> float:
         return max(lane.fragmentation for lane in self.lanes)
@@ -388,12 +411,15 @@ class HostPool:
         pin: bool | None = None,
         memory: bool = True,
         checksums: bool = False,
+        regions: Mapping[Part, SegmentRegion] | None = None,
     ) -> None:
         """`memory=False`: the allocator only, no arenas (views raise KeyError),
         for a process that decides but never copies, such as the scheduler
         process of vLLM (`hicache_cp.integrations.vllm`). `checksums`: an arena
         for the checksums of every stored page and layer (`hicache_cp.checksum`;
-        `HiCache` asks for it unless `verify_restores = off`)."""
+        `HiCache` asks for it unless `verify_restores = off`). `regions`: each
+        part's arena over that region of a shared segment instead of private
+        memory (the node tier, `hicache_cp.node`; its contents are kept)."""
         self.layout = layout
         self.rank = rank
         self.cp_size = cp_size
@@ -415,13 +441,15 @@ class HostPool:
         #: (`sums`), pinned like the data so GPU kernels write it in place.
         self.sums_arena: HostArena | None = None
         self._sums: dict[Part, np.ndarray] = {}
+        self.shared = regions is not None  # the arenas are regions of a shared segment
         if not memory:
             return
         try:
             # Every arena first: they prepare (touch, pin) in parallel in the background.
             for p in layout.parts:
                 name = f"L2 {p.part.value} rank {rank}"
-                self.arenas[p.part] = HostArena(p.bytes_per_page * physical_pages, pin=pin, name=name)
+                region = regions[p.part] if regions is not None else None
+                self.arenas[p.part] = HostArena(p.bytes_per_page * physical_pages, pin=pin, name=name, memory=region)
             if checksums:
                 units = sum(p.num_slots for p in layout.parts) * physical_pages
                 self.sums_arena = HostArena(8 * units, pin=pin, background=False, name=f"L2 checksums rank {rank}")
@@ -500,6 +528,14 @@ class HostPool:
     def page_address(self, part: Part, slot: int, physical_page: int) -> int:
         p = self.layout.part(part)
         return self.arenas[part].ptr + (slot * self.physical_pages + physical_page) * p.page_bytes
+
+    def pss_bytes(self) -> int:
+        """This process's proportional share of the memory under the arenas: their resident
+        bytes, those of a shared segment divided by the processes mapping it (its whole
+        mapping, `hostmem.mapping.pss_bytes`). For reports (reads /proc)."""
+        if self.shared:
+            return pss_bytes([(a.ptr, a.nbytes) for a in self.arenas.values()])
+        return sum(resident_bytes(a.ptr, a.nbytes) for a in self.arenas.values())
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until every arena is fully pinned (no-op on plain memory)."""

@@ -71,6 +71,7 @@ from hostmem import cuda
 from hostmem.mapping import BASE_PAGE, HugePages, Mapping, populate_supported
 from hostmem.pinning import DEFAULT_REGISTER_THREADS, PinPipeline, default_touch_threads
 from hostmem.progress import ArenaError
+from hostmem.segment import SegmentRegion
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,11 @@ class HostArena:
             when pinned, ``populate`` otherwise (``write`` before Linux 5.14).
         register_threads: concurrent registrations (``DEFAULT_REGISTER_THREADS``).
         dontfork: ``MADV_DONTFORK`` the range (see the module doc).
+        memory: a region of a shared segment (:meth:`hostmem.segment.Segment.region`)
+            to use instead of a new anonymous mapping: its contents are kept
+            (``touch`` ``auto`` prefaults with ``populate``, or not at all;
+            ``write`` is refused), ``huge_pages`` and ``dontfork`` are the
+            segment's, and :meth:`close` unregisters but leaves it mapped.
 
     Thread safety: ``ready_bytes``/``wait_ready``/``timings`` may be called
     from any thread; ``close`` from one.
@@ -156,6 +162,7 @@ class HostArena:
         touch: TouchMode | str = TouchMode.AUTO,
         register_threads: int = DEFAULT_REGISTER_THREADS,
         dontfork: bool = True,
+        memory: SegmentRegion | None = None,
     ) -> None:
         t0 = time.perf_counter()
         self._closed = True  # until the mapping exists: __del__ and close() are no-ops
@@ -174,6 +181,13 @@ class HostArena:
                 f"got {register_chunk_bytes}"
             )
         huge_pages, touch = HugePages(huge_pages), TouchMode(touch)
+        if memory is not None:
+            if memory.nbytes != nbytes:
+                raise ValueError(f"arena {name!r}: {nbytes} bytes asked, the region has {memory.nbytes}")
+            if touch is TouchMode.WRITE:
+                raise ValueError(f"arena {name!r}: touch write would zero the shared region's contents")
+            if touch is TouchMode.AUTO:  # prefault keeping the contents, or let registration fault
+                touch = TouchMode.POPULATE if populate_supported() else TouchMode.NONE
         if pin is None:
             pin = cuda.cuda_available()
         elif pin and not cuda.cuda_available():
@@ -196,7 +210,7 @@ class HostArena:
         # The device whose context registers: worker threads would otherwise use device 0.
         device = cuda.get_device() if self._pin else None
         self._owner_pid = os.getpid()
-        self._map: Mapping | None = Mapping(
+        self._map: Mapping | SegmentRegion | None = memory or Mapping(
             self._nbytes, huge_pages, dontfork=dontfork, align=self._chunk, name=f"arena {name!r}"
         )
         self._base: np.ndarray | None = np.frombuffer(
@@ -439,7 +453,7 @@ class HostArena:
             m = self._map
             if m is not None:
                 try:
-                    m.mm.close()
+                    m.release()
                 except BufferError:
                     logger.debug("arena %r: views still alive; memory is freed when they are dropped", self.name)
             self._progress.mark("close_s", time.perf_counter() - t0)

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -52,6 +54,8 @@ __all__ = [
     "SmapsEntry",
     "hugetlb_pool",
     "populate_supported",
+    "pss_bytes",
+    "resident_bytes",
     "read_smaps",
     "thp_mode",
     "thp_size",
@@ -80,10 +84,11 @@ class HugePages(str, enum.Enum):
     NONE = "none"
 
 
-def thp_mode(sys_root: Path = Path("/sys")) -> str | None:
-    """The bracketed THP mode (``always``, ``madvise``, ``never``), or None without THP."""
+def thp_mode(sys_root: Path = Path("/sys"), setting: str = "enabled") -> str | None:
+    """The bracketed THP mode (``always``, ``madvise``, ``never``), or None without THP.
+    ``setting="shmem_enabled"``: the mode for shared memory (tmpfs) instead."""
     try:
-        text = (sys_root / "kernel/mm/transparent_hugepage/enabled").read_text()
+        text = (sys_root / "kernel/mm/transparent_hugepage" / setting).read_text()
     except OSError:
         return None
     m = re.search(r"\[(\w+)\]", text)
@@ -154,6 +159,32 @@ def read_smaps(path: Path = Path("/proc/self/smaps"), lo: int = 0, hi: int = 1 <
     if current is not None and current[0] < hi and current[1] > lo:
         out.append(SmapsEntry(current[0], current[1], current[2], frozenset(current[3])))
     return out
+
+
+def resident_bytes(addr: int, length: int) -> int:
+    """Bytes of ``[addr, addr + length)`` resident in RAM now (``mincore(2)``, base-page
+    granularity; ``addr`` page-aligned). O(length / 4 KiB): for reports."""
+    pages = -(-length // BASE_PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _LIBC.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(length), vec) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mincore(0x{addr:x}, {length}): {os.strerror(code)}")
+    return int((np.frombuffer(vec, np.uint8) & 1).sum()) * BASE_PAGE
+
+
+def pss_bytes(ranges: list[tuple[int, int]], smaps: Path = Path("/proc/self/smaps")) -> int:
+    """The proportional set size of the shared mappings overlapping any ``(addr, nbytes)``
+    range: resident bytes, each page divided by the number of processes mapping it.
+    Each mapping counts once however many ranges fall in it. Meant for file mappings
+    (a shared segment): the kernel merges neighbouring private anonymous mappings, so
+    there it would count memory outside the ranges (use :func:`resident_bytes`).
+    Reads smaps (see :func:`read_smaps`): for reports."""
+    if not ranges:
+        return 0
+    lo = min(a for a, _ in ranges)
+    hi = max(a + n for a, n in ranges)
+    entries = read_smaps(smaps, lo, hi)
+    return sum(e.fields.get("Pss", 0) for e in entries if any(e.start < a + n and a < e.end for a, n in ranges))
 
 
 def _libc() -> ctypes.CDLL:
@@ -294,6 +325,10 @@ class Mapping:
     def _fallback(self, explicit: bool, why: str) -> None:
         level = logging.WARNING if explicit else logging.DEBUG
         logger.log(level, "%s: %s huge pages not used: %s", self.name, self.requested.value, why)
+
+    def release(self) -> None:
+        """Unmap (``mm.close()``); raises ``BufferError`` while views still reference it."""
+        self.mm.close()
 
     def populate(self, offset: int, length: int) -> None:
         """Fault ``[offset, offset + length)`` in for writing (``MADV_POPULATE_WRITE``).

@@ -8,6 +8,7 @@ logical page is 1664 host bytes and a few hundred pages cost nothing.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -430,3 +431,18 @@ def mooncake_store_available() -> bool:
     except (ImportError, FileNotFoundError):
         return False
     return True
+
+
+# ---- the node tier's segments -----------------------------------------------------------------
+
+
+@pytest.fixture
+def seg_name(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A segment name of this test and process; the test fails if it leaves the segment in /dev/shm."""
+    from hostmem.segment import SHM_DIR
+
+    name = f"hicache-cp-test-{os.getpid()}-{request.node.name[:40]}".replace("[", "-").replace("]", "")
+    yield name
+    if (SHM_DIR / name).exists():
+        (SHM_DIR / name).unlink()
+        pytest.fail(f"{name} was left in /dev/shm")

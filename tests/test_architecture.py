@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hostmem",),
     ("hicache_cp.errors", "hicache_cp.layout", "hicache_cp.keys", "hicache_cp.checksum", "hicache_cp.tables",
      "hicache_cp.cp"),
-    ("hicache_cp.radix", "hicache_cp.pools", "hicache_cp.metrics"),
+    ("hicache_cp.radix", "hicache_cp.pools", "hicache_cp.metrics", "hicache_cp.node"),
     ("hicache_cp.io",),
     ("hicache_cp.ops", "hicache_cp.policy"),
     ("hicache_cp.config", "hicache_cp.l3", "hicache_cp.match", "hicache_cp.events"),

@@ -627,13 +627,14 @@ def block_hasher():
 def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", workers: int = 1, num_blocks: int = 64,
                host_pages: int = 64, max_batched: int = 256, policy: str = "recompute",
                connector: str = "hicache", debug_checks: bool = True, max_model_len: int = 1024,
-               layout: str = "LBNHC") -> Bench:
+               layout: str = "LBNHC", extra_config: dict | None = None) -> Bench:
     """The bench with `connector` "hicache" (ours) or "offloading" (vLLM's
-    OffloadingConnector with `HostCopyOffloadingWorker`), at the same host bytes."""
+    OffloadingConnector with `HostCopyOffloadingWorker`), at the same host bytes.
+    `extra_config`: more of our connector's settings (e.g. the node tier's)."""
     specs = layer_specs(shape)
     host_bytes = host_pages * sum(s.page_bytes for s in specs)
     if connector == "hicache":
-        extra = {"host_budget_bytes": host_bytes, "debug_checks": debug_checks}
+        extra = {"host_budget_bytes": host_bytes, "debug_checks": debug_checks, **(extra_config or {})}
         if device == "cpu":
             extra.update(io_backend="cpu", pin_host=False)  # on CUDA: the connector's defaults (auto, pinned)
         kt = KVTransferConfig(

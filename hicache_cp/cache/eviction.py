@@ -248,6 +248,11 @@ class Evictor:
         s.tree.prune(node)
         return parent
 
+    def drop_host_copy(self, node: Node) -> None:
+        """Evict `node`'s committed host copy now, whatever the policy says (a copy that
+        failed its check before first use, `cache.node_tier`)."""
+        self._evict_l2(node)
+
     def _evict_l2(self, node: Node) -> Node | None:
         s = self.s
         s.metrics.evictions_l2 += node.num_pages

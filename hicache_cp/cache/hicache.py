@@ -48,6 +48,7 @@ import numpy as np
 from hicache_cp.cache.engine_l1 import EngineL1
 from hicache_cp.cache.eviction import Evictor
 from hicache_cp.cache.lifecycle import Lifecycle
+from hicache_cp.cache.node_tier import NodeTier, node_budget
 from hicache_cp.match import MatchResult
 from hicache_cp.cache.prefix import Prefixes
 from hicache_cp.cache.state import CacheState
@@ -91,27 +92,42 @@ class HiCache:
         l3_store: KVStore | None = None,
         engine_options: Mapping[str, Any] | None = None,
         events: EventLog | None = None,
+        node: NodeTier | None = None,
     ) -> None:
+        """`node`: the node tier, when a plug-in built it (vLLM: the scheduler keeps the
+        journal, the workers hold the copies); else made here when `config.node_segment`
+        names a segment, with this rank's L2 in it (docs/node-tier.md)."""
         layout = config.layout()
         agreement = agreement or LocalAgreement()
         if agreement.world_size != config.cp_size and config.cp_size != 1:
             # cp_size 1 with more ranks: replicas (an engine's TP ranks) that agree on every decision
             raise ValueError(f"agreement spans {agreement.world_size} ranks but cp_size is {config.cp_size}")
         device_pool = device_pool or DevicePool(layout, config.l1_pages, cp_size=config.cp_size, rank=rank, device=device)
-        own_host, own_engine = host_pool is None, engine is None
-        host_pool = host_pool or HostPool(
-            layout, host_budget(config, agreement, rank), cp_size=config.cp_size, rank=rank, pin=config.pin_host,
-            checksums=config.verify_restores is not Verify.OFF,
-        )
+        own_host, own_engine, own_node = host_pool is None, engine is None, node is None and bool(config.node_segment)
+        if own_node:
+            budget = node_budget(config, host_budget(config, agreement, rank), agreement.world_size)
+            node = NodeTier(config, layout, agreement, budget, rank=rank)
+        try:
+            host_pool = host_pool or (node.host_pool(config.pin_host) if node is not None else HostPool(
+                layout, host_budget(config, agreement, rank), cp_size=config.cp_size, rank=rank, pin=config.pin_host,
+                checksums=config.verify_restores is not Verify.OFF,
+            ))  # fmt: skip
+        except BaseException:
+            if own_node and node is not None:
+                node.close()
+            raise
         try:
             for pool in (device_pool, host_pool):
                 if pool.layout != layout or pool.cp_size != config.cp_size:
                     raise ValueError("pools were built for another layout or cp_size than the config")
             engine = engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {}))
-            if config.verify_restores is not Verify.OFF and host_pool.arenas and not host_pool.has_checksums:
-                raise ValueError(f"verify_restores = {config.verify_restores.value} needs a host pool with "
+            # The node tier's copies are written in slices by several ranks: it keeps their
+            # checksums in its segment and checks adopted pages itself (`node_verify`).
+            verify = config.verify_restores if node is None else Verify.OFF
+            if verify is not Verify.OFF and host_pool.arenas and not host_pool.has_checksums:
+                raise ValueError(f"verify_restores = {verify.value} needs a host pool with "
                                  "checksums (HostPool(checksums=True))")  # fmt: skip
-            engine.verify = config.verify_restores
+            engine.verify = verify
             self._state = CacheState(
                 config=config,
                 layout=layout,
@@ -131,6 +147,11 @@ class HiCache:
             self._evictor.backup_victim = lambda node: self._lifecycle.start_backup(node) is not None
             self._evictor.settle_backups = self._lifecycle.settle
             self._evictor.poll = self._lifecycle.poll
+            self._node, self._own_node = node, own_node
+            if node is not None:
+                self._state.node = node
+                node.drop_copy = self._evictor.drop_host_copy
+                node.adopt(self._state.tree, host_pool.allocator, self._state.all_parts)
             self._tier3: Tier3 | None = None
             if config.l3.enabled or l3_store is not None:
                 self._tier3 = self._make_tier3(l3_store)
@@ -143,6 +164,8 @@ class HiCache:
                 engine.close()
             if own_host:
                 host_pool.close()
+            if own_node and node is not None:
+                node.close()
             raise
 
     def _make_tier3(self, store: KVStore | None) -> Tier3:
@@ -256,6 +279,8 @@ class HiCache:
         """
         m = self._prefixes.match_prefix(tokens)
         m.request = request
+        if self._node is not None:  # adopted pages are checked before anything loads them
+            self._node.check_first_use(m, self._lifecycle._truncate_match)
         if self._tier3 is not None:
             self._tier3.claim(m)
         self._state.debug_check()
@@ -532,6 +557,8 @@ class HiCache:
             d[f"{tier}_free_pages"] = a.free_pages
             d[f"{tier}_fragmentation"] = a.fragmentation()
             d[f"{tier}_lane_free_pages"] = a.lane_free_pages()  # lane r: the pages rank r holds
+        if self._node is not None:
+            d.update(self._node.stats())
         d["backups_in_flight"] = len(s.backups)
         d["loads_in_flight"] = len(s.loads)
         d["verify_restores"] = s.config.verify_restores.value
@@ -567,6 +594,8 @@ class HiCache:
         self._state.engine.close()
         if arenas_free:
             self._state.host_pool.close()
+            if self._own_node and self._node is not None:
+                self._node.close()  # unmap; drops the segment when `node_drop_on_close` and last
 
     def __enter__(self) -> HiCache:
         return self
@@ -594,3 +623,4 @@ def host_budget(config: Config, agreement: Agreement, rank: int = 0) -> int:
         )
     logger.info("rank %d: host budget auto -> %.1f GiB (%s, %d local ranks)", rank, budget / 2**30, memory.describe(), local_ranks)
     return budget
+

@@ -106,18 +106,21 @@ class Lifecycle:
         ps = self.s.layout.page_size
         return prefix_hashes(tokens[: hi * ps], ps)[lo:hi]
 
-    def _truncate_match(self, match: MatchResult) -> None:
-        """Drop the host continuation: the lock moves back to the device prefix."""
+    def _truncate_match(self, match: MatchResult, keep: int = 0) -> None:
+        """Drop the host continuation after its first `keep` nodes: the lock moves back
+        to the last node kept (the device prefix's when none is)."""
         s = self.s
-        new_last = match.host_nodes[0].parent
+        dropped = match.host_nodes[keep:]
+        new_last = dropped[0].parent
         assert new_last is not None
+        lost = match.host_len if keep == 0 else sum(node.num_pages for node in dropped)
         s.tree.lock(new_last)
         s.tree.unlock(match.last_node)
-        s.metrics.l2_hit_tokens -= match.host_len * s.layout.page_size
-        s.metrics.miss_tokens += match.host_len * s.layout.page_size
+        s.metrics.l2_hit_tokens -= lost * s.layout.page_size
+        s.metrics.miss_tokens += lost * s.layout.page_size
         match.last_node = new_last
-        match.host_nodes = []
-        match.host_len = 0
+        match.host_nodes = match.host_nodes[:keep]
+        match.host_len -= lost
 
     def recomputed(self, load: LoadOp) -> None:
         """See `HiCache.recomputed`."""
@@ -141,9 +144,8 @@ class Lifecycle:
         if host is None:
             return None
         device_pages = np.asarray(device_pages, np.int64)
-        op = BackupOp(
-            s.layout, device_pages, host, first_position, self._local_pages(device_pages), s.rank, layerwise=True
-        )
+        op = BackupOp(s.layout, device_pages, host, first_position,
+                      self._local_pages(device_pages, first_position, backup=True), s.rank, layerwise=True)  # fmt: skip
         self._plan(op, Direction.D2H)  # here, once: the layer hooks then do no per-page work
         s.backups.append(op)
         s.metrics.backups_started += 1
@@ -179,7 +181,8 @@ class Lifecycle:
         if host is None:
             return None
         pages: np.ndarray = node.device_pages  # type: ignore[assignment]
-        op = BackupOp(s.layout, pages, host, node.first_position, self._local_pages(pages), s.rank, layerwise=False)
+        local = self._local_pages(pages, node.first_position, backup=True)
+        op = BackupOp(s.layout, pages, host, node.first_position, local, s.rank, layerwise=False)
         op.after, _ = prefix_loads(node)  # a stale node is refused above; so is its subtree
         if self.verifying:
             op.tags = self.identity(path_tokens(node), node.first_position, node.end_position)
@@ -261,7 +264,11 @@ class Lifecycle:
         l3_ops = s.l3.poll_ops() if s.l3 is not None else []  # L3 prefetches and write-backs vote too
         if not ops and not l3_ops:
             return
-        votes = s.agreement.reduce([op.local_vote() for op in ops] + [op.local_vote() for op in l3_ops])
+        local = [op.local_vote() for op in ops]
+        if s.node is not None:  # this rank's checksums go in before its vote says its copies landed
+            landed = [op for op, v in zip(ops, local) if isinstance(op, BackupOp) and v.ok and v.settled]
+            s.node.before_vote(landed, s.backups)
+        votes = s.agreement.reduce(local + [op.local_vote() for op in l3_ops])
         self._record_copy_latencies(ops)
         decisions = list(zip(ops, votes))
         # Loads first: an aborted load fails the backups computed on top of it
@@ -332,6 +339,8 @@ class Lifecycle:
                 s.host_pool.set_tags(op.host_pages, op.tags)  # spare pages too: freed below, which clears them
             for node in op.nodes:
                 s.commit_host_copy(node)  # visible now, and announced (never before this)
+            if s.node is not None:
+                s.node.on_committed(op.nodes)  # journaled now that every rank's copy landed
             if len(op.spare_host_pages):  # trimmed at insert: no copy writes them any more
                 s.free_host_pages(op.spare_host_pages)
                 op.spare_host_pages = op.spare_host_pages[:0]
@@ -426,8 +435,12 @@ class Lifecycle:
         jobs = op.all_layers()
         op.record_layers(jobs, self._submit_layers(op, direction, jobs))
 
-    def _local_pages(self, device_pages: np.ndarray) -> int:
-        """How many of these logical pages this rank owns (and copies)."""
+    def _local_pages(self, device_pages: np.ndarray, first_position: int = 0, *, backup: bool = False) -> int:
+        """How many of these logical pages this rank owns (and copies): of a backup into
+        the node's one copy, its share (`NodeTier.share`)."""
+        share = self.s.node.share(first_position, len(device_pages)) if backup and self.s.node is not None else None
+        if share is not None:
+            return share[1] - share[0]
         if self.s.cp_size == 1:
             return len(device_pages)
         return int(cp_mapping.owned_mask(device_pages, self.s.rank, self.s.cp_size).sum())
@@ -436,6 +449,9 @@ class Lifecycle:
         """The physical ids of the pages of `op` this rank owns (device, host)."""
         s = self.s
         dev, host = op.device_pages, op.host_pages
+        share = s.node.share(op.first_position, op.num_pages) if s.node is not None and isinstance(op, BackupOp) else None
+        if share is not None:
+            return dev[share[0] : share[1]], host[share[0] : share[1]]
         if s.cp_size == 1:
             return dev, host
         mine = cp_mapping.owned_mask(dev, s.rank, s.cp_size)

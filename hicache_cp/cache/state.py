@@ -60,6 +60,29 @@ class L3Hooks(Protocol):
     def check_invariants(self) -> None: ...
 
 
+class NodeHooks(Protocol):
+    """What the other components call on the node tier (`hicache_cp.cache.node_tier.NodeTier`)."""
+
+    @property
+    def private_copy(self) -> bool:
+        """Whether this rank's copy is its own (freed pages may be poisoned), not the node's."""
+
+    def share(self, first_position: int, num_pages: int) -> tuple[int, int] | None:
+        """`[lo, hi)` of a backup's pages this rank copies; None: what it owns, as without the tier."""
+
+    def before_vote(self, landed: Sequence[BackupOp], active: Sequence[BackupOp]) -> None:
+        """These backups' shares landed on this rank: record their checksums before voting so."""
+
+    def on_committed(self, nodes: Sequence[Node]) -> None:
+        """A backup committed these nodes' host copies (the journal records them)."""
+
+    def on_free(self, pages: np.ndarray) -> None:
+        """These pages leave L2, before the allocator may hand them out again."""
+
+    def check_invariants(self, kept: np.ndarray) -> None:
+        """`kept`: the L2 pages of committed copies and those the L3 tier holds."""
+
+
 @dataclass(eq=False)
 class CacheState:
     config: Config
@@ -83,6 +106,7 @@ class CacheState:
     #: L2 pages of copies dropped after a failed check, freed once no active load reads them
     #: (`Evictor.drop_host_copy`).
     quarantine: list[np.ndarray] = field(default_factory=list)
+    node: NodeHooks | None = None  # the node tier, when configured (cache.node_tier)
 
     def __post_init__(self) -> None:
         self.all_parts = frozenset(p.part for p in self.layout.parts)
@@ -97,8 +121,13 @@ class CacheState:
 
     def free_host_pages(self, pages: np.ndarray) -> None:
         """`free_device_pages` for L2. Their identity tags are cleared: a stale
-        reference that loads a freed page fails its check."""
-        if self.config.debug_checks:
+        reference that loads a freed page fails its check. The node tier forgets them
+        first (its journal must not name a page that may be rewritten); a copy the
+        node's ranks share is not poisoned (another rank may be writing the page's
+        next content already)."""
+        if self.node is not None:
+            self.node.on_free(pages)
+        if self.config.debug_checks and (self.node is None or self.node.private_copy):
             self.host_pool.poison(pages)
         self.host_pool.tags[pages] = 0
         self.host_pool.allocator.free(pages)
@@ -170,6 +199,10 @@ class CacheState:
             host += self.l3.owned_host_pages()  # prefetch reservations, evictions waiting for a put
         host_all = np.concatenate(host) if host else np.empty(0, np.int64)
         assert len(np.unique(host_all)) == len(host_all), "an L2 page is owned twice"
+        if self.node is not None:  # L2 pages with content: committed copies, pages the L3 tier holds
+            kept = [n.host_pages for n in nodes if n.host_state is HostState.COMMITTED]
+            kept += self.l3.owned_host_pages() if self.l3 is not None else []
+            self.node.check_invariants(np.concatenate(kept) if kept else np.empty(0, np.int64))
         assert self.host_pool.allocator.used_pages == len(host_all), (
             f"L2 leak: allocator uses {self.host_pool.allocator.used_pages}, tree and reservations hold {len(host_all)}"
         )

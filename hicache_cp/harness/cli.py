@@ -10,7 +10,9 @@
     hicache-cp bench-events  cost of publishing KV cache events per replay, and what they buy a router (CPU)
     hicache-cp bench-sglang  hicache-cp against SGLang's own HiCache inside SGLang's scheduler (GPU; CPU parts anywhere)
     hicache-cp bench-verify  the restore checks' cost: replay on vs off (CPU), kernel vs PCIe and beside a forward (GPU)
+    hicache-cp bench-node    the node tier: adoption time, checksum rate, host and D2H bytes per rank
     hicache-cp decode-peer   a decode-side peer that receives and verifies KV
+    hicache-cp node-segment  list, show or drop the node tier's shared segments (docs/node-tier.md)
 
 Each subcommand lives in its own module exposing `add_arguments(parser)`
 and `run(args) -> int`; modules are imported only when their command runs,
@@ -46,7 +48,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-events": ("hicache_cp.harness.bench.events", "cost of publishing KV cache events, and what they buy a router"),
     "bench-sglang": ("hicache_cp.harness.bench.sglang_race", "hicache-cp against SGLang's own HiCache, one process, one GPU"),
     "bench-verify": ("hicache_cp.harness.bench.verify", "what the restore checks cost: replay with them on vs off, the kernel vs PCIe"),
+    "bench-node": ("hicache_cp.harness.bench.node", "the node tier: adoption time, checksum rate, host and D2H bytes per rank"),
     "decode-peer": ("hicache_cp.harness.decode_peer", "run a decode peer that receives and verifies KV"),
+    "node-segment": ("hicache_cp.harness.node_segment", "list, show or drop the node tier's shared segments"),
 }
 
 

@@ -22,6 +22,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -72,13 +73,15 @@ def spawn_ranks(
     *,
     timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
     backend: str | None = None,
+    killed_ok: bool = False,
 ) -> list[Any]:
     """Run ``fn(ctx, *fn_args)`` on `world_size` spawned ranks; return their results by rank.
 
     `fn` must be a module-level function (spawn pickles it by name) and its
     arguments and result picklable. Blocks until every rank reported, or
     raises RankFailed (first failing rank's traceback first) after killing
-    the rest. Nothing outlives the call.
+    the rest. Nothing outlives the call. `killed_ok`: a rank that died of
+    SIGKILL without reporting (a crash the caller staged) has the result None.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -97,7 +100,7 @@ def spawn_ranks(
     ]
     try:
         lifetime.start_processes(procs)
-        results = _collect(procs, results_q, timeout_s)
+        results = _collect(procs, results_q, timeout_s, killed_ok)
     except BaseException:  # a failed rank, or the parent interrupted: stop the rest now
         lifetime.stop_processes(procs)
         results_q.close()
@@ -139,7 +142,7 @@ def _rank_main(
             pass
 
 
-def _collect(procs: list[Any], results_q: Any, timeout_s: float) -> list[Any]:
+def _collect(procs: list[Any], results_q: Any, timeout_s: float, killed_ok: bool = False) -> list[Any]:
     n = len(procs)
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
@@ -161,7 +164,9 @@ def _collect(procs: list[Any], results_q: Any, timeout_s: float) -> list[Any]:
                 if r in results or any(e[0] == r for e in errors) or p.is_alive():
                     continue
                 exited_at.setdefault(r, now)
-                if now - exited_at[r] > EXIT_GRACE_S:
+                if killed_ok and p.exitcode == -signal.SIGKILL:
+                    results[r] = None
+                elif now - exited_at[r] > EXIT_GRACE_S:
                     errors.append((r, f"rank {r} exited with code {p.exitcode} without reporting"))
                     first_error_at = first_error_at or now
             continue

@@ -42,24 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hicache_cp.keys import chain_hashes
 from hicache_cp.l3.config import FORMAT_VERSION, L3Config
 from hicache_cp.layout import KVLayout, PartLayout
-
-HASH_BYTES = 16
-
-
-def chain_hashes(tokens: np.ndarray, page_size: int, parent: bytes = b"") -> list[bytes]:
-    """Prefix chain hash of each whole page of `tokens` (int64):
-    h_i = H(h_{i-1} || the page's token bytes), h_{-1} = `parent`. O(tokens)."""
-    data = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
-    step = page_size * 8
-    out: list[bytes] = []
-    h = parent
-    for lo in range(0, len(data) // step * step, step):
-        h = hashlib.blake2b(h + data[lo : lo + step], digest_size=HASH_BYTES).digest()
-        out.append(h)
-    return out
-
 
 def layout_fingerprint(layout: KVLayout, model: str, config: L3Config, cp_size: int, checksums: bool = False) -> str:
     """A short digest of everything that decides what an object's bytes mean."""
@@ -67,10 +52,7 @@ def layout_fingerprint(layout: KVLayout, model: str, config: L3Config, cp_size: 
         "checksums": checksums,
         "format": FORMAT_VERSION,
         "model": model,
-        "page_size": layout.page_size,
-        "target_layers": layout.num_target_layers,
-        "draft_layers": layout.num_draft_layers,
-        "parts": [[p.part.value, list(p.layer_ids), p.bytes_per_token] for p in layout.parts],
+        **layout.description(),
         "kv_dtype": config.kv_dtype,
         "cp_size": cp_size,
         "pages_per_object": config.object_pages(layout.page_size),

@@ -61,6 +61,8 @@ class SyntheticEngine:
         for i, req in enumerate(progress_bar(requests, opts.progress)):
             tokens, after = after, (request_tokens(requests[i + 1], tpb) if i + 1 < len(requests) else None)
             assert tokens is not None
+            if i == opts.crash_at:  # every layer's backup submitted, none decided: die now
+                server.before_insert = crash
             server.serve(req.index, tokens, queued=() if after is None else (after,))
             opts.on_request(i)
         t = server.integrity
@@ -68,6 +70,14 @@ class SyntheticEngine:
             t.checked_pages, t.checked_units, t.expected_units, t.mismatches,
             [str(m) for m in t.examples[:10]], server.rejected,
         )  # fmt: skip
+
+
+def crash() -> None:
+    """Die at once, as a crash would: SIGKILL to this process (no clean-up runs)."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def make_engine(args: argparse.Namespace) -> Engine:

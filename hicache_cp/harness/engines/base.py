@@ -28,6 +28,7 @@ class RunOptions:
     verify: bool = True
     progress: bool = False
     on_request: Callable[[int], None] = lambda i: None  # after the i-th request finished
+    crash_at: int | None = None  # the i-th request kills its process with SIGKILL mid-backup (`replay --restart-at`)
 
 
 @dataclass

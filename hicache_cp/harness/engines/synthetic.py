@@ -23,7 +23,7 @@ On CP ranks each rank writes and verifies only the pages it owns.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -118,6 +118,9 @@ class ReferenceServer:
         self.layout = cache.layout
         self.integrity = IntegrityReport()
         self.rejected = 0
+        #: Called after a request's layer hooks, before its insert (copies in flight, nothing
+        #: decided): the replay's staged crash (`replay --restart-at`).
+        self.before_insert: Callable[[], None] | None = None
 
     def serve(self, request: int, tokens: np.ndarray, queued: Sequence[np.ndarray] = ()) -> RequestResult:
         """Serve one request. `queued`: the tokens of requests that arrived
@@ -162,6 +165,8 @@ class ReferenceServer:
                 cache.on_layer_end(model, layer, [backup])
                 if pd is not None:
                     pd.on_layer_end(model, layer)  # the PD send of this layer, from the same hook
+        if self.before_insert is not None:
+            self.before_insert()
         node = cache.insert(m, new, backup=backup)
         cache.poll()
         reused = start

@@ -22,6 +22,7 @@ from typing import Any
 from hicache_cp.config import PRESETS
 from hicache_cp.harness.replay.instances import add_l3_arguments, check_l3_args, run_instances, uses_instances
 from hicache_cp.harness.replay.multirank import run_ranks
+from hicache_cp.harness.replay.node import add_node_arguments, check_node_args, check_node_config, world_size
 from hicache_cp.harness.replay.rank import replay_rank
 from hicache_cp.harness.engines import add_engine_arguments
 from hicache_cp.harness.errors import ExitCode
@@ -70,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine whose keys and event format to use (default sglang; see docs/events.md)")
     add_engine_arguments(p)
     add_l3_arguments(p)
+    add_node_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,15 +95,17 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     `setup.build_config`); bad input raises InputError/ConfigError/TraceError."""
     check_args(args)
     check_l3_args(args)
+    check_node_args(args)
     requests = load_requests(args)
     resolved, sizing = build_config(args, requests)
     config = resolved.config
+    check_node_config(args, config, resolved.sources)
     if uses_instances(args, config):
         report = run_instances(args, config, requests, resolved.sources)
-    elif config.cp_size > 1 or args.pd:
+    elif world_size(args, config) > 1 or args.pd or args.restart_at is not None:
         report = run_ranks(args, config, requests)
     else:
-        report = replay_rank(args, config, requests)
+        report = replay_rank(args, config, requests, report_from=args.report_from)
     if report.get("backup_pages_wanted"):  # computed pages that never got an L2 copy (so never an L3 one)
         uncopied = report["backup_pages_skipped"] + report.get("backup_pages_dropped", 0)
         report["l2_uncopied_fraction"] = round(uncopied / report["backup_pages_wanted"], 4)

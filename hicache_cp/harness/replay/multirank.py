@@ -23,6 +23,7 @@ from hicache_cp.errors import ConsistencyError
 from hicache_cp.harness.engines import make_engine
 from hicache_cp.harness.engines.synthetic import RequestSink
 from hicache_cp.harness.launch import RankContext, spawn_ranks
+from hicache_cp.harness.replay.node import run_restart, world_size
 from hicache_cp.harness.replay.rank import replay_rank
 from hicache_cp.harness.replay.setup import run_timeout_s
 from hicache_cp.harness.trace import TraceRequest
@@ -30,7 +31,7 @@ from hicache_cp.harness.trace import TraceRequest
 # Counters each rank measures for its own pages: summed over ranks.
 PER_RANK_SUM_KEYS = (
     "bytes_d2h", "bytes_h2d", "integrity_checked_pages", "integrity_checked_units", "integrity_expected_units",
-    "integrity_mismatches", "host_bytes",
+    "integrity_mismatches", "host_bytes", "host_pss_bytes",
 )  # fmt: skip
 # The same, from the hf engine (present only in its reports).
 HF_PER_RANK_SUM_KEYS = (
@@ -56,7 +57,8 @@ HF_PER_RANK_KEYS = (
 
 
 def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequest]) -> dict[str, Any]:
-    """Replay `requests` on `config.cp_size` rank processes; return the combined report.
+    """Replay `requests` on `config.cp_size` rank processes (or `--node-ranks` TP
+    replicas); return the combined report. `--restart-at`: see `replay.node`.
 
     The whole run's deadline is `HICACHE_CP_RANK_TIMEOUT_S` (default one hour)."""
     make_engine(args).configure(args, config, requests)  # the engine's options, checked before any rank starts
@@ -69,13 +71,21 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
         rank_info = peer.rank_info
     timeout = run_timeout_s()
     t0 = time.perf_counter()
+    world = world_size(args, config)
+    backend = "gloo" if args.device == "cpu" else None  # NCCL (one GPU a rank) for --device cuda
+
+    def phase(reqs: list[TraceRequest], crash_at: int | None, report_from: int | None) -> list[dict[str, Any]]:
+        return spawn_ranks(_replay_rank, world, (args, config, reqs, rank_info, crash_at, report_from),
+                           timeout_s=timeout, backend=backend, killed_ok=crash_at is not None)  # fmt: skip
+
     try:
-        if config.cp_size == 1:  # one rank (with the decode peer): in this process
-            reports = [replay_rank(args, config, requests, sink_factory=_sink_factory(rank_info))]
-        else:  # gloo for a CPU run even where CUDA exists; NCCL (one GPU a rank) for --device cuda
-            backend = "gloo" if args.device == "cpu" else None
-            reports = spawn_ranks(_replay_rank, config.cp_size, (args, config, requests, rank_info), timeout_s=timeout,
-                                  backend=backend)  # fmt: skip
+        if args.restart_at is not None:
+            reports = run_restart(args, config, requests, phase)
+        elif world == 1:  # one rank (with the decode peer): in this process
+            reports = [replay_rank(args, config, requests, sink_factory=_sink_factory(rank_info),
+                                   report_from=args.report_from)]  # fmt: skip
+        else:
+            reports = phase(requests, None, args.report_from)
     except BaseException:  # failed or interrupted: stop the peer, never wait on it
         if peer is not None:
             peer.terminate()
@@ -88,13 +98,17 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
 
 
 def _replay_rank(
-    ctx: RankContext, args: argparse.Namespace, config: Config, requests: list[TraceRequest], pd_info: Any
+    ctx: RankContext, args: argparse.Namespace, config: Config, requests: list[TraceRequest], pd_info: Any,
+    crash_at: int | None = None, report_from: int | None = None,
 ) -> dict[str, Any]:
     """One rank of `run_ranks` (runs in the child). On CUDA each rank uses its own
-    GPU (`cuda:LOCAL_RANK`, the one its NCCL group was set up on)."""
+    GPU (`cuda:LOCAL_RANK`, the one its NCCL group was set up on). TP replicas
+    (`--node-ranks`) are CP rank 0 each: the same pages, their own agreement rank."""
     device = ctx.group.device if str(args.device).startswith("cuda") else args.device
-    report = replay_rank(args, config, requests, rank=ctx.rank, agreement=ctx.agreement,
-                         sink_factory=_sink_factory(pd_info), progress=ctx.rank == 0, device=device)
+    rank = ctx.rank if config.cp_size > 1 else 0
+    report = replay_rank(args, config, requests, rank=rank, agreement=ctx.agreement,
+                         sink_factory=_sink_factory(pd_info), progress=ctx.rank == 0, device=device,
+                         crash_at=crash_at, report_from=report_from)  # fmt: skip
     report["collectives"] = ctx.agreement.collectives
     return report
 
@@ -136,6 +150,8 @@ def combine_reports(reports: Sequence[dict[str, Any]], *, wall_s: float) -> dict
     for k in {k for rep in reports for k in rep}:  # each rank checks the pages it holds
         if k.startswith(("verified_", "verify_failures")):
             out[k] = sum(int(rep.get(k, 0)) for rep in reports)
+    if "continuation" in base:  # the hits are replicated; checked above through their totals
+        out["continuation"] = base["continuation"]
     out["mismatch_examples"] = [m for rep in reports for m in rep.get("mismatch_examples", [])][:10]
     out["wall_s"] = round(wall_s, 3)
     out["per_rank"] = [_per_rank(r, rep) for r, rep in enumerate(reports)]
@@ -148,12 +164,13 @@ def _per_rank(rank: int, rep: dict[str, Any]) -> dict[str, Any]:
     stats = rep.get("stats", {})
     capacity = int(rep["l2_capacity_pages"]) // cp_size
     lane_free = stats.get("l2_lane_free_pages")
-    used = capacity - int(lane_free[rank]) if lane_free is not None else None
+    used = capacity - int(lane_free[rank if cp_size > 1 else 0]) if lane_free is not None else None
     entry = {
         "rank": rank,
         "l2_used_pages": used,
         "l2_capacity_pages": capacity,
         "host_bytes": rep.get("host_bytes"),
+        "host_pss_bytes": rep.get("host_pss_bytes"),
         "bytes_d2h": rep.get("bytes_d2h"),
         "bytes_h2d": rep.get("bytes_h2d"),
         "integrity_checked_pages": rep.get("integrity_checked_pages"),

@@ -42,13 +42,18 @@ def replay_rank(
     sink_factory: Callable[[HiCache], RequestSink] | None = None,
     progress: bool = True,
     device: str | None = None,
+    crash_at: int | None = None,
+    report_from: int | None = None,
 ) -> dict[str, Any]:
     """Replay every request on this rank through the engine `--engine` names
     (the synthetic reference server by default); return this rank's report.
 
     `sink_factory` builds the request sink (the PD sender) once the cache and
     its pools exist; its `totals.as_dict()` joins the report. `device`: this
-    rank's device (a CP rank's own GPU); default `--device`.
+    rank's device (a CP rank's own GPU); default `--device`. `crash_at`: the
+    request at which the process kills itself mid-backup (`--restart-at`).
+    `report_from` (`--report-from K`): the report's `continuation` holds the
+    hits of requests K.. of `requests` alone.
     """
     engine = make_engine(args)
     config = engine.configure(args, config, requests)
@@ -69,19 +74,26 @@ def replay_rank(
         if publisher is not None:
             stops.callback(publisher.close)
         every = max(1, len(requests) // 200)
+        before: dict[str, Any] = cache.stats() if report_from == 0 else {}
 
         def on_request(i: int) -> None:
             if publisher is not None:
                 publisher.flush()  # this request's events, one batch
             if i % every == 0 or i == len(requests) - 1:
                 samples.append(_sample(i, cache))
+            if report_from is not None and i == report_from - 1:
+                before.update(cache.stats())
 
-        opts = RunOptions(tpb, sink, verify=not args.no_verify, progress=progress and rank == 0, on_request=on_request)
+        opts = RunOptions(tpb, sink, verify=not args.no_verify, progress=progress and rank == 0, on_request=on_request,
+                          crash_at=crash_at)  # fmt: skip
         run = engine.run(cache, requests, opts)
         cache.drain()
         cache.check_invariants()
         stats = cache.stats()
         events = _events_report(publisher, cache) if publisher is not None else None
+        pss = cache.host_pool.pss_bytes()  # while every rank still maps a shared segment:
+        if cache.agreement.world_size > 1:
+            cache.agreement.min_int(0)  # nobody closes before every rank measured
         if sink is not None:
             stats.update(sink.totals.as_dict())  # type: ignore[attr-defined]
     wall = time.perf_counter() - t0
@@ -102,7 +114,8 @@ def replay_rank(
         l1_capacity_pages=stats["l1_capacity_pages"],
         l2_capacity_pages=stats["l2_capacity_pages"],
         l2_used_pages=stats["l2_capacity_pages"] - stats["l2_free_pages"],
-        host_bytes=cache.host_pool.split.used_bytes,
+        host_bytes=_host_bytes(cache, stats),
+        host_pss_bytes=pss,
         stats=stats,
         samples=samples,
         **_run_info(args, config, tpb),
@@ -111,11 +124,28 @@ def replay_rank(
     if events is not None:
         events["fraction_of_wall"] = round(events["publish_s"] / max(wall, 1e-9), 5)
         report["kv_events"] = events
+    if before:
+        report["continuation"] = continuation(before, stats, report_from or 0)
     if args.plot and rank == 0 and config.cp_size == 1:
         from hicache_cp.harness.plot import plot_replay
 
         plot_replay(samples, args.plot)
     return report
+
+
+def _host_bytes(cache: HiCache, stats: dict[str, Any]) -> int:
+    """This rank's host bytes for L2: its private pool, or its share of the node segment's copies."""
+    if "node_copy_bytes" in stats:
+        return int(stats["node_copy_bytes"]) * int(stats["node_copies"]) // int(stats["node_ranks"])
+    return cache.host_pool.split.used_bytes
+
+
+def continuation(before: dict[str, Any], after: dict[str, Any], start: int) -> dict[str, Any]:
+    """The hits of the requests after a snapshot (`before`) to the end (`after`)."""
+    diff = {k: int(after[k]) - int(before.get(k, 0))
+            for k in ("requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens")}  # fmt: skip
+    hits = diff["l1_hit_tokens"] + diff["l2_hit_tokens"]
+    return {"from_request": start, **diff, "hit_rate": round(hits / diff["prompt_tokens"], 6) if diff["prompt_tokens"] else 0.0}
 
 
 def _start_metrics(args: argparse.Namespace, cache: HiCache, rank: int) -> Any:

@@ -144,6 +144,7 @@ def cli_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "cp_size": args.cp_size,
         "pd_timeout_s": getattr(args, "pd_timeout_s", None),
         "pd_per_layer": getattr(args, "pd_per_layer", None),
+        "node_segment": getattr(args, "node_segment", None),
     }
     # Flags that size a field another way: with --set for that field as well, which wins is unclear. Refused.
     sized = {"l1_pages": ("--l1-pages", args.l1_pages), "host_budget_bytes": ("--l2-gib/--l2-fraction",
@@ -212,6 +213,7 @@ def build_config(args: argparse.Namespace, requests: list[TraceRequest],
                           defaults_source=f"default:{getattr(args, 'command', None) or 'command'}",
                           fixed=config_overrides(args), fixed_source=engine_source)  # fmt: skip
     check_processes("cp_size", base.config.cp_size, base.sources["cp_size"])
+    check_processes("--node-ranks", getattr(args, "node_ranks", None) or 1, "cli:--node-ranks")
     _check_machine(base, args)
     tpb = tokens_per_block(args, base.config)
     if tpb % base.config.page_size:
@@ -220,7 +222,7 @@ def build_config(args: argparse.Namespace, requests: list[TraceRequest],
     values = {**base.config.to_dict(), "l1_pages": sizing.l1_physical_pages, "host_budget_bytes": sizing.host_budget_bytes}
     sources = {**base.sources, "l1_pages": sizing.l1_source, "host_budget_bytes": sizing.l2_source}
     resolved = ResolvedConfig(Config.from_dict(values), sources)
-    _check_memory(resolved.config, args.device)
+    _check_memory(resolved.config, args.device, getattr(args, "node_ranks", None) or 1)
     return resolved, sizing
 
 
@@ -279,12 +281,14 @@ def _check_machine(resolved: ResolvedConfig, args: argparse.Namespace) -> None:
                          f"--instances {getattr(args, 'instances', 1)} have several (drop --plot or run one)")  # fmt: skip
 
 
-def _check_memory(config: Config, device: str) -> None:
+def _check_memory(config: Config, device: str, node_ranks: int = 1) -> None:
     """Refuse pools this machine cannot hold, with the numbers, before allocating any."""
     layout = config.layout()
-    ranks = config.cp_size  # every rank runs on this machine
+    ranks = max(config.cp_size, node_ranks)  # every rank runs on this machine
     l1_bytes = config.l1_pages * layout.bytes_per_page
     l2_bytes = int(config.host_budget_bytes)
+    if config.node_segment and config.cp_size == 1 and config.node_sharing != "per_rank":
+        l2_bytes //= ranks  # one copy for the node's ranks
     if device == "cpu":
         checks.fits_host_memory(f"L1 + L2 of {ranks} rank(s)", ranks * (l1_bytes + l2_bytes))
     else:

@@ -50,13 +50,25 @@ def build_tree_cache(ctx: TreeCacheBuildContext, *, env: dict[str, str] | None =
     runner = getattr(worker, "model_runner", None)
     cache = HiCacheCpRadixCache(
         ctx.params, draft_pools=tuple(ctx.params.mtp_draft_device_pools),
-        agreement=agreement or cache_group_agreement(ctx), env=env,
+        agreement=agreement or cache_group_agreement(ctx), env=_with_model_id(ctx, env),
         forward_stream=getattr(runner, "forward_stream", None),
     )  # fmt: skip
     if worker is not None and hasattr(worker, "register_hicache_layer_transfer_counter"):
         # The TP worker calls set_consumer at the start of every forward: the hooks' forward boundary.
         worker.register_hicache_layer_transfer_counter(cache.hooks[Model.TARGET])
     return cache
+
+
+def _with_model_id(ctx: TreeCacheBuildContext, env: dict[str, str] | None) -> dict[str, str]:
+    """The settings' environment, with the served model (path and revision) as the node
+    tier's model identity unless one is set: a restarted server adopts only its own model's
+    segment (with `HICACHE_NODE_SEGMENT`, docs/node-tier.md)."""
+    import os
+
+    env = dict(os.environ if env is None else env)
+    args = ctx.server_args
+    env.setdefault("HICACHE_NODE_MODEL_ID", f"{getattr(args, 'model_path', '')}@{getattr(args, 'revision', None) or 'main'}")
+    return env
 
 
 def cache_group_agreement(ctx: TreeCacheBuildContext) -> Any:

@@ -14,7 +14,10 @@ these from a source is an error naming the field and its source, as is
 any invalid value (`ConfigError`, raised at server start).
 
 Main keys: `host_budget_bytes` (per TP rank, all parts together, or "auto"),
-`l2_free_room`, `eviction_policy`, `io_backend`, `pin_host`, `debug_checks`.
+`l2_free_room`, `eviction_policy`, `io_backend`, `pin_host`, `debug_checks`;
+`node_segment` (`HICACHE_NODE_SEGMENT`) puts L2 in one shared segment for the
+node's TP ranks, kept across a server restart (docs/node-tier.md; the served
+model's path is its identity there).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ from hicache_cp.integrations.vllm.events import VLLMEncoder, connector_log
 from hicache_cp.integrations.vllm.metadata import HiCacheMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.scheduler import SchedulerSide
-from hicache_cp.integrations.vllm.settings import ConnectorSettings
+from hicache_cp.integrations.vllm.settings import ConnectorSettings, node_settings
 from hicache_cp.integrations.vllm.worker import WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1 or getattr(parallel, "decode_context_parallel_size", 1) != 1:
             raise ValueError("hicache-cp's vLLM connector supports tensor parallelism only (no PP, no DCP)")
+        if settings.node_segment:  # one copy for the node: the workers' KV must be the same (MLA)
+            settings = node_settings(settings, vllm_config)
         layers = vllm_config.model_config.hf_text_config.num_hidden_layers
         plan = KVPlan.from_kv_cache_config(kv_cache_config, layers)
         self.scheduler_side: SchedulerSide | None = None

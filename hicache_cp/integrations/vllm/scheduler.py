@@ -48,6 +48,9 @@ from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.remote import RemoteCopyEngine, resolve_op
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
 from hicache_cp.io.verify import failure_from_report
+from hicache_cp.cache.node_tier import NodeTier
+from hicache_cp.cp.agreement import LocalAgreement
+from hicache_cp.io.base import CopyFailed
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -91,6 +94,10 @@ class SchedulerSide:
                  events: EventLog | None = None) -> None:  # fmt: skip
         self.settings = settings
         self.events = events  # L2/L3 KV events for vLLM's publisher (`take_events`), when it publishes
+        config = settings.cache_config(plan.layout)
+        # The node tier: this process keeps the journal (and adopts it); the workers hold the copy.
+        self.node = NodeTier(config, config.layout(), LocalAgreement(), settings.host_budget_bytes,
+                             session=settings.node_session, writer=True) if config.node_segment else None  # fmt: skip
         self.cache = self._make_cache(plan)
         self.plan = plan
         self._layout = self.cache.layout.describe()
@@ -226,6 +233,8 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.cache.close()
+        if self.node is not None:
+            self.node.close()
 
     def reset(self) -> bool:
         """vLLM's `reset_prefix_cache(reset_connector=True)`: a new, empty cache (its
@@ -245,7 +254,7 @@ class SchedulerSide:
         device_pool = DevicePool(layout, 2)  # unused: vLLM owns the device pages
         host_pool = HostPool(layout, self.settings.host_budget_bytes, memory=False)
         return HiCache(config, device_pool=device_pool, host_pool=host_pool,
-                       engine=RemoteCopyEngine(device_pool, host_pool), events=self.events)  # fmt: skip
+                       engine=RemoteCopyEngine(device_pool, host_pool), events=self.events, node=self.node)  # fmt: skip
 
     def _release(self, st: _Req) -> None:
         if st.match is not None:

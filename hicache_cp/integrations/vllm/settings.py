@@ -14,12 +14,17 @@ Keys (all optional except the budget):
     io_backend                           "auto" (default: "direct" on CUDA, "cpu" otherwise), "direct", "cpu"
     pin_host                             pin L2 for CUDA; default: when CUDA is available
     debug_checks                         check the cache's invariants after every operation (tests)
+    node_segment                         the node tier: L2 in this named shared segment, one copy for
+                                         every worker (MLA models), kept across restarts (docs/node-tier.md)
+    node_adopt, node_drop_on_close       adopt what a previous engine left (default true); remove the
+                                         segment at an orderly shutdown (default false)
 
 Unknown keys are an error (a typo would otherwise silently keep a default).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +36,7 @@ from hicache_cp.layout import KVLayout, Part
 _KEYS = {
     "host_budget_gib", "host_budget_bytes", "eviction_policy", "l2_free_room", "io_backend", "pin_host", "debug_checks",
     "verify_restores",
+    "node_segment", "node_adopt", "node_drop_on_close",
 }
 
 
@@ -43,7 +49,11 @@ class ConnectorSettings:
     pin_host: bool | None = None
     debug_checks: bool = False
     verify_restores: str = "all"  # hicache_cp.checksum: all, sample or off
-
+    node_segment: str = ""
+    node_adopt: bool = True
+    node_drop_on_close: bool = False
+    node_model_id: str = ""  # set by the connector: vLLM's model and revision
+    node_session: int = 0  # set by the connector: one number for the scheduler and every worker
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
@@ -92,7 +102,26 @@ class ConnectorSettings:
             pin_host=self.pin_host,
             debug_checks=self.debug_checks,
             verify_restores=self.verify_restores,
+            node_segment=self.node_segment,
+            node_adopt=self.node_adopt,
+            node_drop_on_close=self.node_drop_on_close,
+            node_model_id=self.node_model_id,
         )
         if config.layout() != layout:
             raise ConfigError(f"the cache layout {config.layout().describe()} differs from vLLM's {layout.describe()}")
         return config
+
+
+def node_settings(settings: ConnectorSettings, vllm_config: Any) -> ConnectorSettings:
+    """The node tier's facts only vLLM's config knows: one session for the scheduler and
+    every worker (vLLM's instance id), the model's identity in the segment's fingerprint,
+    and whether the workers' KV is the same (MLA; TP-sharded heads are refused)."""
+    import hashlib
+
+    model = vllm_config.model_config
+    if not model.use_mla:
+        raise ConfigError("kv_connector_extra_config: node_segment keeps one copy of KV every worker holds "
+                          "alike (MLA models); this model's KV is sharded over the TP workers")  # fmt: skip
+    session = int.from_bytes(hashlib.blake2b(str(vllm_config.instance_id).encode(), digest_size=8).digest(), "little")
+    model_id = f"{model.model}@{getattr(model, 'revision', None) or 'main'}"
+    return dataclasses.replace(settings, node_session=session, node_model_id=model_id)

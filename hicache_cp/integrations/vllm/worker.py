@@ -43,6 +43,8 @@ from collections.abc import Mapping
 import torch
 
 from hicache_cp import BackupOp, BackupState, DevicePool, HostPool, LoadOp, LoadState, Model, Part
+from hicache_cp.cache.node_tier import NodeTier
+from hicache_cp.cp.agreement import LocalAgreement
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
@@ -59,6 +61,8 @@ class WorkerSide:
 
     def __init__(self, plan: KVPlan, settings: ConnectorSettings) -> None:
         self.plan = plan
+        self.settings = settings
+        self.node: NodeTier | None = None
         self.config = settings.cache_config(plan.layout)
         self.layout = self.config.layout()
         self.device_pool: DevicePool | None = None
@@ -78,7 +82,13 @@ class WorkerSide:
         buffers = self.plan.device_buffers(kv_caches)
         self.device_pool = DevicePool(self.layout, self.plan.num_blocks, buffers=buffers)
         checked = self.config.verify_restores is not Verify.OFF  # restored pages are checked here (io.verify)
-        self.host_pool = HostPool(self.layout, self.config.host_budget_bytes, pin=self.config.pin_host, checksums=checked)
+        if self.config.node_segment:  # the node's one copy (every worker writes each save, alike)
+            self.node = NodeTier(self.config, self.layout, LocalAgreement(), self.config.host_budget_bytes,
+                                 session=self.settings.node_session, writer=False)  # fmt: skip
+            self.host_pool = self.node.host_pool(self.config.pin_host)
+        else:
+            self.host_pool = HostPool(self.layout, self.config.host_budget_bytes, pin=self.config.pin_host,
+                                      checksums=checked)  # fmt: skip
         self.engine = make_engine(self.config.io_backend, self.device_pool, self.host_pool)
         self.engine.verify = self.config.verify_restores
         logger.info(
@@ -269,6 +279,8 @@ class WorkerSide:
             self.engine.close()
         if self.host_pool is not None:
             self.host_pool.close()
+        if self.node is not None:
+            self.node.close()
 
     def _engine(self, meta: HiCacheMetadata | None) -> CopyEngine:
         if self.engine is None or self.host_pool is None:

@@ -1,0 +1,12 @@
+"""The node tier's pieces that know the segment, not the cache (docs/node-tier.md).
+
+    geometry   the byte map of a segment, its fingerprint and compatibility
+    segment    NodeSegment: the opening protocol (join, adopt, clean) and the header
+    journal    the directory of committed objects: commit, release, checksums
+    share      which pages of a backup each rank writes into the node's one copy
+    checksums  the CPU checksum of a (page, part, layer) unit
+    adopt      rebuild a tree of host copies from a journal
+
+The cache's side (hooks into backups, commits, frees and matches) is
+`hicache_cp.cache.node_tier`.
+"""
