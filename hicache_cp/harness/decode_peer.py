@@ -52,7 +52,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -124,7 +124,19 @@ class DecodePeer:
     def __init__(self, layout: KVLayout, pages: int, *, authkey: bytes, host: str = "127.0.0.1",
                  port: int = 0, adapter: TransferEngineAdapter | None = None, whole_prompt: bool = False,
                  drain_s: float = DEFAULT_DRAIN_S) -> None:
-        check_authkey(authkey)
+        try:  # first: a port in use is refused before any buffer is made
+            self.listener = listen(host, port, authkey)
+        except OSError as exc:
+            raise InputError(f"decode peer control port {host}:{port}: {exc.strerror or exc}") from None
+        self.address: tuple[str, int] = self.listener.address
+        try:
+            self._build(layout, pages, host, adapter, whole_prompt, drain_s)
+        except BaseException:
+            self.listener.close()
+            raise
+
+    def _build(self, layout: KVLayout, pages: int, host: str, adapter: TransferEngineAdapter | None,
+               whole_prompt: bool, drain_s: float) -> None:
         self.layout = layout
         self.pages = pages
         self.whole_prompt = whole_prompt
@@ -141,9 +153,6 @@ class DecodePeer:
             self.adapter.register(arena.ptr, arena.nbytes)
         self.descriptor = RegistrationDescriptor.from_buffers(
             "decode", layout, {part: a.ptr for part, a in self.arenas.items()}, pages)
-        self._authkey = authkey
-        self.listener = listen(host, port, authkey)
-        self.address: tuple[str, int] = self.listener.address  # type: ignore[assignment]
         self.rooms: dict[int, _DecodeRoom] = {}
         self._closed_ids: deque[int] = deque(maxlen=CLOSED_MEMORY)
         self.rejected: list[str] = []
@@ -174,12 +183,9 @@ class DecodePeer:
         threading.Thread(target=self._reap_loop, name="decode-reaper", daemon=True).start()
         while not self._stop.is_set():
             try:
-                conn = self.listener.accept()
-            except Exception as exc:  # a client that fails the authkey challenge must not stop the server
-                if self._stop.is_set():
-                    return
-                logger.warning("decode peer: accept failed: %s", exc)
-                continue
+                conn = self.listener.accept()  # authenticated; a failed or silent challenge never gets here
+            except OSError:  # the listener was closed
+                return
             if self._stop.is_set():
                 conn.close()
                 return
@@ -232,7 +238,7 @@ class DecodePeer:
                         "unknown_aborts": self.unknown_aborts, "decode_aborts": self.decode_aborts}
         if op == "shutdown":
             self._stop.set()
-            threading.Thread(target=self._wake_accept, daemon=True).start()
+            self.listener.close()  # wakes serve_forever's accept
             return {"ok": True}
         raise ValueError(f"unknown op {op!r} (ops: hello, open, done, abort, cancel, stats, shutdown)")
 
@@ -437,21 +443,9 @@ class DecodePeer:
         return count, mismatches
 
     # -- teardown ------------------------------------------------------------
-    def _wake_accept(self) -> None:
-        """Unblock `listener.accept()` so serve_forever sees the stop flag."""
-        try:
-            Client(self.address, authkey=self._authkey).close()
-        except Exception:  # the listener may already be closed
-            pass
-
     def close(self) -> None:
-        if not self._stop.is_set():
-            self._stop.set()
-            self._wake_accept()
-        try:
-            self.listener.close()
-        except OSError:
-            pass
+        self._stop.set()
+        self.listener.close()  # wakes serve_forever's accept
         if self._own_adapter:
             self.adapter.close()
         else:
