@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hicache_cp.harness import lifetime
+
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
@@ -26,6 +28,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        lifetime.raise_if_interrupted()  # an interrupted run commits no result
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
