@@ -105,7 +105,7 @@ runpy.run_module("hicache_cp", run_name="__main__")
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_interpreter_winds_down_is_not_lost(sig: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _WIND_DOWN.format(sig=sig), "bench-alloc", "--ops", "200"],
+    proc = subprocess.run([sys.executable, "-c", _WIND_DOWN.format(sig=sig), "replay", "--limit", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 128 + getattr(signal, sig), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and f"interrupted by {sig}" in proc.stderr, proc.stderr[-2000:]
