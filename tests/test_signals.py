@@ -109,3 +109,92 @@ def test_a_signal_while_the_interpreter_winds_down_is_not_lost(sig: str) -> None
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 128 + getattr(signal, sig), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and f"interrupted by {sig}" in proc.stderr, proc.stderr[-2000:]
+
+
+# mode -> (command after `python -m hicache_cp`, children a working run has, what stderr shows once it works)
+MODES = {
+    "pd": (["replay", "--pd"], 1, "req/s"),
+    "cp2": (["replay", "--cp-size", "2"], 2, "req/s"),
+    "l3_instances2": (["replay", "--l3", "mooncake", "--instances", "2"], 3, "req/s"),
+    "hf_cp2": (["replay", "--engine", "hf", "--cp-size", "2"], 2, "req/s"),
+    "decode_peer": (["decode-peer", "--pages", "64"], 0, ""),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["start-up", "mid-run"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_mode_exits_128_plus_the_signal(mode: str, phase: str, tmp_path: Path) -> None:
+    """SIGINT to the process group (Ctrl-C) at start-up, SIGTERM to the parent mid-run
+    (modes alternate which phase gets which): exit 128 + signal within seconds, no
+    traceback, no child left, no report written."""
+    import psutil
+    from test_processes import _alive, _descendants, _trace, _wait_or_dump_stacks, _workers
+
+    from conftest import mooncake_store_available
+
+    command, children, working = MODES[mode]
+    if "--l3" in command and not mooncake_store_available():
+        pytest.skip("mooncake (store and master) not installed")
+    if mode in ("pd", "decode_peer", "l3_instances2"):
+        pytest.importorskip("mooncake.engine", reason="Mooncake TransferEngine not importable")
+    flip = list(MODES).index(mode) % 2
+    sig = (signal.SIGINT, signal.SIGTERM)[(phase == "mid-run") ^ flip]
+    out_json = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "hicache_cp", *command]
+    if command[0] == "replay":
+        cmd += ["--trace", str(_trace(tmp_path / "long.jsonl", n=4000)), "--no-verify", "--json", str(out_json)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR",
+           "HICACHE_CP_PD_AUTHKEY": "k" * 40}  # fmt: skip
+    err_path = tmp_path / "stderr.txt"
+    out_path = tmp_path / "stdout.txt"
+    with err_path.open("wb") as err, out_path.open("wb") as out:
+        parent = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=err, start_new_session=True)
+    seen: dict[int, psutil.Process] = {}
+
+    def look() -> int:
+        for p in _workers(_descendants(parent.pid)):
+            seen.setdefault(p.pid, p)
+        return len(_workers(_descendants(parent.pid)))
+
+    try:
+        deadline = time.monotonic() + 240
+        if phase == "start-up":  # the first child exists (or, without children, the CLI is importing)
+            while look() < min(1, children):
+                assert time.monotonic() < deadline and parent.poll() is None, err_path.read_text()[-2000:]
+                time.sleep(0.02)
+            time.sleep(0.3 if children == 0 else 0.0)
+        else:  # every child up and the work going on
+            def working_now() -> bool:
+                text = err_path.read_text(errors="replace") + out_path.read_text(errors="replace")
+                return look() >= children and (working in text if working else "control" in text)
+
+            while not working_now():
+                assert time.monotonic() < deadline, f"{mode}: not working within 240 s: {err_path.read_text()[-2000:]}"
+                assert parent.poll() is None, err_path.read_text()[-2000:]
+                time.sleep(0.2)
+            time.sleep(1.0)
+            look()
+        assert parent.poll() is None, "the run finished before the signal: make the trace longer"
+        if sig == signal.SIGINT:
+            os.killpg(parent.pid, sig)
+        else:
+            os.kill(parent.pid, sig)
+        t0 = time.monotonic()
+        rc = _wait_or_dump_stacks(parent, err_path)
+        stderr = err_path.read_text(errors="replace")
+        assert rc == 128 + sig, f"{mode} {phase} {sig.name}: exit {rc}, stderr:\n{stderr[-3000:]}"
+        assert "Traceback" not in stderr and "Fatal Python error" not in stderr, stderr[-3000:]
+        left = _alive(list(seen.values()))
+        while left and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+            left = _alive(list(seen.values()))
+        assert left == [], f"{mode} {phase}: still running after the signal: {left}"
+        assert not out_json.exists(), "an interrupted run wrote its report"
+    finally:
+        for p in [parent, *seen.values()]:
+            try:
+                p.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        parent.wait(timeout=10)
