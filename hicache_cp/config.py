@@ -256,6 +256,8 @@ class Config:
                 raise ConfigError(f"config file {path} does not exist") from None
             except tomllib.TOMLDecodeError as exc:
                 raise ConfigError(f"config file {path}: {exc}") from None
+            except UnicodeDecodeError as exc:  # TOML is UTF-8 text
+                raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
             except OSError as exc:
                 raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
             _check_toml_types(loaded, f"toml:{path}")
@@ -360,6 +362,8 @@ def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
     for name in names - {"name"} - lists:
         if name in over and (not isinstance(over[name], int) or isinstance(over[name], bool)):
             raise ConfigError(f"model_layout.{name}: expected an integer, got {over[name]!r}")
+    if "name" in over and not isinstance(over["name"], str):
+        raise ConfigError(f"model_layout.name: expected a string, got {over['name']!r}")
     return dataclasses.replace(base, **over)
 
 

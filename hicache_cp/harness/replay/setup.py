@@ -31,7 +31,7 @@ from hicache_cp.config import Config, ResolvedConfig
 from hicache_cp.cp.agreement import LocalAgreement
 from hicache_cp.cache.hicache import host_budget
 from hicache_cp.harness import checks
-from hicache_cp.harness.engines import config_overrides
+from hicache_cp.harness.engines import config_overrides, model_bytes
 from hicache_cp.harness.errors import InputError, require
 from hicache_cp.harness.trace import TraceRequest, load_trace, unique_blocks
 from hicache_cp.harness.workload import default_workload
@@ -199,7 +199,7 @@ def build_config(args: argparse.Namespace, requests: list[TraceRequest],
     values = {**base.config.to_dict(), "l1_pages": sizing.l1_physical_pages, "host_budget_bytes": sizing.host_budget_bytes}
     sources = {**base.sources, "l1_pages": sizing.l1_source, "host_budget_bytes": sizing.l2_source}
     resolved = ResolvedConfig(Config.from_dict(values), sources)
-    _check_memory(resolved.config, args.device)
+    _check_memory(resolved.config, args.device, model_bytes(args))
     return resolved, sizing
 
 
@@ -258,14 +258,16 @@ def _check_machine(resolved: ResolvedConfig, args: argparse.Namespace) -> None:
                          f"--instances {getattr(args, 'instances', 1)} have several (drop --plot or run one)")  # fmt: skip
 
 
-def _check_memory(config: Config, device: str) -> None:
-    """Refuse pools this machine cannot hold, with the numbers, before allocating any."""
+def _check_memory(config: Config, device: str, model: int = 0) -> None:
+    """Refuse pools, and an engine's model (`model` bytes per rank, built on the rank's
+    device), that this machine cannot hold, with the numbers, before allocating any."""
     layout = config.layout()
     ranks = config.cp_size  # every rank runs on this machine
     l1_bytes = config.l1_pages * layout.bytes_per_page
     l2_bytes = int(config.host_budget_bytes)
+    with_model = " + the model" if model else ""
     if device == "cpu":
-        checks.fits_host_memory(f"L1 + L2 of {ranks} rank(s)", ranks * (l1_bytes + l2_bytes))
+        checks.fits_host_memory(f"L1 + L2{with_model} of {ranks} rank(s)", ranks * (l1_bytes + l2_bytes + model))
     else:
         checks.fits_host_memory(f"L2 of {ranks} rank(s)", ranks * l2_bytes)
-        checks.fits_device_memory("L1 of one rank", l1_bytes, device)
+        checks.fits_device_memory(f"L1{with_model} of one rank", l1_bytes + model, device)
