@@ -187,14 +187,9 @@ class Config:
             )
         try:
             layout = self.layout()
+            layout.check_aligned()
         except ValueError as exc:
             raise ConfigError(f"model_layout: {exc}") from None
-        for p in layout.parts:
-            if p.page_bytes % 8:
-                raise ConfigError(
-                    f"model_layout: {p.part.value} page of {p.page_bytes} bytes is not a multiple of 8 "
-                    f"(bytes_per_token {p.bytes_per_token} x page_size {self.page_size})"
-                )
         if self.l3.pages_per_object is None:  # what runs is recorded: the pages of MIN_OBJECT_TOKENS
             self.l3 = dataclasses.replace(self.l3, pages_per_object=self.l3.object_pages(self.page_size))
         if isinstance(self.host_budget_bytes, int) and self.host_budget_bytes < 2 * layout.bytes_per_page:
@@ -211,6 +206,14 @@ class Config:
         """The free-room target of `tier` ("l1" or "l2") in pages."""
         value = self.l1_free_room if tier == "l1" else self.l2_free_room
         return int(value * capacity) if isinstance(value, float) else int(value)
+
+    def check_free_room(self, tier: str, capacity: int) -> None:
+        """ConfigError when `tier`'s free-room target (a page count) is not below its
+        `capacity` in pages: eviction would empty the tier after every allocation."""
+        target = self.free_room_pages(tier, capacity)
+        if target >= capacity:
+            raise ConfigError(f"{tier}_free_room: {target} pages kept free, but {tier.upper()} holds {capacity} "
+                              f"pages; give a fraction in [0, 1) or fewer pages")
 
     # ---- sources ------------------------------------------------------------------------
 
@@ -327,6 +330,13 @@ class ResolvedConfig:
 
     config: Config
     sources: dict[str, str]
+
+    def check_free_room(self, tier: str, capacity: int) -> None:
+        """`Config.check_free_room`, its error naming the field's source."""
+        try:
+            self.config.check_free_room(tier, capacity)
+        except ConfigError as exc:
+            raise ConfigError(_with_source(str(exc), self.sources)) from None
 
     def report(self) -> dict[str, dict[str, Any]]:
         """{field: {"value": ..., "source": ...}}, JSON-ready, for result files."""

@@ -542,13 +542,15 @@ def layout_from_args(args: argparse.Namespace) -> KVLayout:
             raise InputError(f"--state-layers {s!r}: expected comma-separated layer ids or 'all'") from None
 
     try:
-        return KVLayout.build(
+        layout = KVLayout.build(
             page_size=args.page_size, num_layers=args.num_layers, kv_bytes_per_token=args.kv_bytes,
             state_bytes_per_token=args.state_bytes, state_layers=ids(args.state_layers),
             draft_layers=args.draft_layers, draft_kv_bytes_per_token=args.draft_kv_bytes,
             draft_state_bytes_per_token=args.draft_state_bytes if args.draft_layers else 0)
+        layout.check_aligned()  # what the prefill side's config refuses, refused here too
     except ValueError as exc:  # the layout flags describe no valid model
         raise InputError(f"layout: {exc}") from None
+    return layout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
