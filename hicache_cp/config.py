@@ -36,7 +36,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,7 +196,7 @@ class Config:
             self.l3 = dataclasses.replace(self.l3, pages_per_object=self.l3.object_pages(self.page_size))
         if isinstance(self.host_budget_bytes, int) and self.host_budget_bytes < 2 * layout.bytes_per_page:
             raise ConfigError(
-                f"host_budget_bytes: {self.host_budget_bytes} is below two logical pages "
+                f"host_budget_bytes: {self.host_budget_bytes} bytes is below two logical pages "
                 f"({2 * layout.bytes_per_page} bytes: every layer of every part, page 0 is the dummy)"
             )
 
@@ -214,6 +216,28 @@ class Config:
         if target >= capacity:
             raise ConfigError(f"{tier}_free_room: {target} pages kept free, but {tier.upper()} holds {capacity} "
                               f"pages; give a fraction in [0, 1) or fewer pages")
+
+    def check_host(self, *, cuda: bool, memory_bytes: int | None = None) -> None:
+        """ConfigError for what this process cannot honour: an io backend that
+        copies with CUDA, or `pin_host = true`, without CUDA; a fixed
+        `host_budget_bytes` above all the memory of this machine or container
+        (`memory_bytes`, default `hostmem.sizing`'s total)."""
+        from hicache_cp.io.base import CUDA_BACKENDS
+
+        if not cuda and self.io_backend in CUDA_BACKENDS:
+            raise ConfigError(f"io_backend: {self.io_backend} copies with CUDA, which this process does not have "
+                              "(use cpu or auto)")
+        if not cuda and self.pin_host is True:
+            raise ConfigError("pin_host: true needs CUDA to pin host memory, which this process does not have "
+                              "(use false or auto)")
+        if isinstance(self.host_budget_bytes, int):
+            if memory_bytes is None:
+                from hostmem.sizing import host_memory
+
+                memory_bytes = host_memory(reserve_bytes=0).total_bytes
+            if self.host_budget_bytes > memory_bytes:
+                raise ConfigError(f"host_budget_bytes: {self.host_budget_bytes / 2**30:.4g} GiB per rank, but this "
+                                  f"machine (or container) has {memory_bytes / 2**30:.4g} GiB in all")
 
     # ---- sources ------------------------------------------------------------------------
 
@@ -331,10 +355,10 @@ class ResolvedConfig:
     config: Config
     sources: dict[str, str]
 
-    def check_free_room(self, tier: str, capacity: int) -> None:
-        """`Config.check_free_room`, its error naming the field's source."""
+    def check(self, check: Callable[[Config], None]) -> None:
+        """Run `check(config)` (e.g. `Config.check_free_room`); its ConfigError names the field's source."""
         try:
-            self.config.check_free_room(tier, capacity)
+            check(self.config)
         except ConfigError as exc:
             raise ConfigError(_with_source(str(exc), self.sources)) from None
 
@@ -437,8 +461,8 @@ def _merge_l3(values: dict[str, Any], sources: dict[str, str], fields: dict[str,
 
 
 def _with_source(message: str, sources: dict[str, str]) -> str:
-    """`message` ("field: ...", "l3.field: ...") with the source of that field appended."""
-    head = message.split(":", 1)[0].strip()
+    """`message` ("field: ...", "l3.field ...": it starts with the field) with the source of that field appended."""
+    head = re.match(r"[\w.]*", message.strip()).group(0)  # type: ignore[union-attr]
     source = sources.get(head) or sources.get(head.split(".", 1)[0])
     if source is None or "(from " in message:
         return message

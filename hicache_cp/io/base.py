@@ -210,6 +210,10 @@ BUILTIN: dict[str, str] = {
 }
 
 
+#: The built-in backends that copy with CUDA (the others run anywhere).
+CUDA_BACKENDS = ("hybrid", "kernel", "direct", "staging")
+
+
 def register_backend(name: str) -> Callable[[EngineFactory], EngineFactory]:
     """Class decorator adding an io backend to the registry under `name`."""
 

@@ -36,6 +36,7 @@ from hicache_cp.harness.engines import config_overrides, model_bytes
 from hicache_cp.harness.errors import InputError, require
 from hicache_cp.harness.trace import TraceRequest, load_trace, unique_blocks
 from hicache_cp.harness.workload import default_workload
+from hicache_cp.io.base import CUDA_BACKENDS
 
 EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to matter
 TRACE_L2_FRACTION = 0.1
@@ -202,8 +203,8 @@ def build_config(args: argparse.Namespace, requests: list[TraceRequest],
     sources = {**base.sources, "l1_pages": sizing.l1_source, "host_budget_bytes": sizing.l2_source}
     resolved = ResolvedConfig(Config.from_dict(values), sources)
     cp = resolved.config.cp_size
-    resolved.check_free_room("l1", (resolved.config.l1_pages - 1) * cp)  # what the pools will hold, logical
-    resolved.check_free_room("l2", sizing.l2_logical_pages)
+    resolved.check(lambda c: c.check_free_room("l1", (c.l1_pages - 1) * cp))  # what the pools will hold, logical
+    resolved.check(lambda c: c.check_free_room("l2", sizing.l2_logical_pages))
     _check_memory(resolved.config, args.device, model_bytes(args))
     return resolved, sizing
 
@@ -241,8 +242,6 @@ def size(args: argparse.Namespace, resolved: ResolvedConfig, requests: list[Trac
     return Sizing(footprint, l1, l2, math.ceil(l1 / cp) + 1, budget, l1_source, l2_source)
 
 
-#: io backends that copy with CUDA (the others run anywhere).
-CUDA_BACKENDS = ("hybrid", "kernel", "direct", "staging")
 
 
 def _check_machine(resolved: ResolvedConfig, args: argparse.Namespace) -> None:
