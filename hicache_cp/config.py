@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
 import re
 import tomllib
@@ -46,6 +47,8 @@ from typing import Any
 from hicache_cp.errors import ConfigError
 from hicache_cp.l3.config import L3Config
 from hicache_cp.layout import KVLayout
+
+logger = logging.getLogger(__name__)
 
 
 class WritePolicy(enum.Enum):
@@ -401,9 +404,16 @@ def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
     return dataclasses.replace(base, **over)
 
 
+#: Set to 1 (true, yes, on) to refuse an unknown `HICACHE_*` variable instead of warning.
+STRICT_ENV = "HICACHE_STRICT_ENV"
 #: `HICACHE_*` variables that are not config fields (read where they are used).
-#: Any other `HICACHE_*` variable is refused: a misspelt one would be ignored.
+#: Any other `HICACHE_*` variable is ignored with a WARNING naming the closest
+#: setting (once per process), as vLLM does for `VLLM_*`: a machine where
+#: another program sets such a variable can still run hicache-cp. With
+#: `HICACHE_STRICT_ENV=1` it is refused (ConfigError), as vLLM's
+#: `fail_on_environ_validation` does: a misspelt setting then stops the run.
 NON_FIELD_ENV = frozenset({
+    STRICT_ENV,  # config: refuse unknown HICACHE_* variables
     "HICACHE_CP_RANK_TIMEOUT_S",  # harness.launch: deadline of a multi-process run
     "HICACHE_CP_PD_AUTHKEY",  # harness.decode_peer: the control channel's secret
     "HICACHE_COMMIT",  # harness.provenance: the commit recorded in results
@@ -414,9 +424,11 @@ NON_FIELD_ENV = frozenset({
 
 def _from_env(env: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(top-level fields, [l3] fields) from `HICACHE_<FIELD>` and `HICACHE_L3_<FIELD>`;
-    an unknown `HICACHE_*` variable raises ConfigError naming the closest field."""
+    an unknown `HICACHE_*` variable is a WARNING naming the closest field (ConfigError
+    under `HICACHE_STRICT_ENV`, see `NON_FIELD_ENV`). Nothing outside the prefix is read."""
     import difflib
 
+    strict = _flag(env, STRICT_ENV)
     fields = {f"HICACHE_{f.name.upper()}": f.name for f in dataclasses.fields(Config) if f.name not in ("model_layout", "l3")}
     l3_fields = {f"HICACHE_L3_{name.upper()}": name for name in L3Config.field_names()}
     out: dict[str, Any] = {}
@@ -428,10 +440,28 @@ def _from_env(env: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         elif key in l3_fields:
             l3[l3_fields[key]] = L3Config.coerce(l3_fields[key], raw, source=f"env:{key}")
         elif key not in NON_FIELD_ENV:
-            close = difflib.get_close_matches(key, [*fields, *l3_fields, *NON_FIELD_ENV], n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"environment variable {key} is not a hicache-cp setting{hint}")
+            names = [*fields, *l3_fields, *NON_FIELD_ENV]  # compared without the prefix they all share
+            close = difflib.get_close_matches(key[8:], [n[8:] for n in names], n=1)
+            hint = f"; did you mean HICACHE_{close[0]}?" if close else ""
+            message = f"environment variable {key} is not a hicache-cp setting{hint}"
+            if strict:
+                raise ConfigError(f"{message} ({STRICT_ENV} refuses unknown HICACHE_* variables)")
+            if key not in _WARNED:
+                _WARNED.add(key)
+                logger.warning("%s; ignored (%s=1 refuses it)", message, STRICT_ENV)
     return out, l3
+
+
+#: Unknown variables already warned about in this process.
+_WARNED: set[str] = set()
+
+
+def _flag(env: Any, key: str) -> bool:
+    """A boolean variable: unset, 0/false/no/off or 1/true/yes/on; ConfigError otherwise."""
+    raw = str(env.get(key, "")).strip().lower()
+    if raw not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise ConfigError(f"{key}={env[key]!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+    return raw in ("1", "true", "yes", "on")
 
 
 def _check_toml_types(loaded: dict[str, Any], source: str) -> None:
