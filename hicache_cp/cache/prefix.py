@@ -156,6 +156,13 @@ class Prefixes:
             new_node.last_access = s.clock
             s.policy.on_insert(match.tokens[: new_node.end_position * ps], new_node, s.clock)
             took.append((new_node, dup))
+        below = match.last_node  # the prefix the forward read: a load of it aborted and was not recomputed?
+        while below is not None and below.stale_load is None:
+            below = below.parent
+        if below is not None:  # computed on invalid KV: stale for good, as at the abort (`_mark_stale_below`)
+            for node, _ in took:
+                node.stale_load = below.stale_load
+                s.tree.refresh_family(node)
         if backup is not None:
             self._attach_backup(backup, new_node, took)
             # pages the tree took from this request and holds without any host copy
