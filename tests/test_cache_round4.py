@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -34,13 +35,23 @@ from hicache_cp.radix import HostState
 
 
 class OtherRankCopying(LocalAgreement):
-    """One rank of a CP group whose other rank, while `copying`, still has copies in flight."""
+    """One rank of a CP group whose other rank still has copies in flight: of every op
+    while `copying`, or of the ops in `held` only (`watch` names the cache whose ops
+    vote, in the order `Lifecycle.poll` sends them: backups, loads, then L3's)."""
 
     def __init__(self) -> None:
         self.copying = False
+        self.held: set[int] = set()  # ids of ops (load, backup, prefetch)
+        self.cache: Any = None
+
+    def watch(self, cache: Any) -> None:
+        self.cache = cache
 
     def reduce(self, votes: Sequence[Vote]) -> list[Vote]:
-        return [Vote(ok=v.ok, settled=v.settled and not self.copying) for v in votes]
+        ids = [op.id for op in [*self.cache._state.backups, *self.cache._state.loads]] if self.cache else []
+        ids += [None] * (len(votes) - len(ids))
+        return [Vote(ok=v.ok, settled=v.settled and not self.copying and i not in self.held)
+                for v, i in zip(votes, ids)]  # fmt: skip
 
 
 def _computed_on_a_failing_load(make_cache):  # type: ignore[no-untyped-def]
@@ -49,6 +60,7 @@ def _computed_on_a_failing_load(make_cache):  # type: ignore[no-untyped-def]
     still copies: the load is FAILING, nothing is decided for the backup yet."""
     faults, agreement = Faults(), OtherRankCopying()
     cache = make_cache(l1_pages=32, host_pages=32, fault=faults, agreement=agreement)
+    agreement.watch(cache)
     prefix = tokens_of(71, 72)
     _l2_only_then_fail_next_load(cache, faults, prefix)
     used = cache.host_pool.allocator.used_pages
@@ -56,7 +68,7 @@ def _computed_on_a_failing_load(make_cache):  # type: ignore[no-untyped-def]
     assert r.load is not None and r.bk is not None and r.bk.after == [r.load] and r.node is not None
     wait_copies(cache)
     assert r.load.error is not None and r.bk.local_vote() == Vote(ok=True, settled=True)  # every copy landed
-    agreement.copying = True
+    agreement.held = {r.load.id}  # the other rank still copies the load; the backup landed everywhere
     cache.poll()
     assert r.load.state is LoadState.FAILING
     return cache, agreement, r, used
@@ -68,7 +80,7 @@ def test_a_backup_on_a_failing_load_does_not_commit_when_its_copies_land(make_ca
     assert r.bk.state is not BackupState.COMMITTED and r.node.host_state is HostState.PENDING
     cache.poll()
     assert r.bk.state is not BackupState.COMMITTED and not r.node.host_visible
-    agreement.copying = False  # the other rank's copies returned: the load aborts, the backup with it
+    agreement.held = set()  # the other rank's copies returned: the load aborts, the backup with it
     cache.poll()
     assert r.load.state is LoadState.ABORTED and r.bk.state is BackupState.ABORTED
     assert r.node.host_state is HostState.NONE and r.node.stale_load is r.load
@@ -77,7 +89,7 @@ def test_a_backup_on_a_failing_load_does_not_commit_when_its_copies_land(make_ca
 
 def test_a_failed_load_leaves_nothing_of_the_requests_landed_backups_in_l2(make_cache) -> None:
     cache, agreement, r, used = _computed_on_a_failing_load(make_cache)
-    agreement.copying = False
+    agreement.held = set()
     cache.poll()
     assert r.bk.state is BackupState.ABORTED
     assert cache.host_pool.allocator.used_pages == used  # the backup's reservation is free again
