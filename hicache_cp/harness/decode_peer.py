@@ -581,9 +581,7 @@ def run(args: argparse.Namespace) -> int:
                       whole_prompt=args.whole_prompt)
     print(f"decode-peer control {peer.address[0]}:{peer.address[1]} engine {peer.session_id}", flush=True)
     try:
-        peer.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        peer.serve_forever()  # until `shutdown`; SIGINT/SIGTERM unwind through here (130/143, `lifetime`)
     finally:
         peer.close()
     return 0
