@@ -1,17 +1,25 @@
 """`python -m hicache_cp ...`: the CLI (an entry point, part of the harness layer).
 
-SIGINT/SIGTERM before the CLI takes over its signals (`lifetime.stop_on_signals`)
-end the process with one line and 130/143, no KeyboardInterrupt traceback: the
-handler is installed before the CLI's imports (torch takes a second or more).
+SIGINT/SIGTERM before the CLI takes over its signals (`lifetime.stop_on_signals`),
+and after it gave them back, end the process with one line and 130/143, no
+KeyboardInterrupt traceback: the handler is installed before the CLI's imports,
+and it ends the process at once (`os._exit`): nothing has started yet, or the
+run's own clean-up is over, and an exception raised here while the interpreter
+winds down (an atexit callback, a finalizer) would be dropped and end in 0.
 """
 
+import os
 import signal
 import sys
 
 
 def _early_stop(signum: int, frame: object) -> None:
-    sys.stderr.write(f"hicache-cp: interrupted by {signal.Signals(signum).name}\n")
-    raise SystemExit(128 + signum)  # unwinds the import without a traceback
+    try:
+        sys.stderr.write(f"hicache-cp: interrupted by {signal.Signals(signum).name}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        os._exit(128 + signum)
 
 
 for _sig in (signal.SIGINT, signal.SIGTERM):

@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
+import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,8 @@ from hicache_cp.checksum import Verify
 from hicache_cp.errors import ConfigError
 from hicache_cp.l3.config import L3Config
 from hicache_cp.layout import KVLayout
+
+logger = logging.getLogger(__name__)
 
 
 class WritePolicy(enum.Enum):
@@ -209,19 +214,14 @@ class Config:
             )
         try:
             layout = self.layout()
+            layout.check_aligned()
         except ValueError as exc:
             raise ConfigError(f"model_layout: {exc}") from None
-        for p in layout.parts:
-            if p.page_bytes % 8:
-                raise ConfigError(
-                    f"model_layout: {p.part.value} page of {p.page_bytes} bytes is not a multiple of 8 "
-                    f"(bytes_per_token {p.bytes_per_token} x page_size {self.page_size})"
-                )
         if self.l3.pages_per_object is None:  # what runs is recorded: the pages of MIN_OBJECT_TOKENS
             self.l3 = dataclasses.replace(self.l3, pages_per_object=self.l3.object_pages(self.page_size))
         if isinstance(self.host_budget_bytes, int) and self.host_budget_bytes < 2 * layout.bytes_per_page:
             raise ConfigError(
-                f"host_budget_bytes: {self.host_budget_bytes} is below two logical pages "
+                f"host_budget_bytes: {self.host_budget_bytes} bytes is below two logical pages "
                 f"({2 * layout.bytes_per_page} bytes: every layer of every part, page 0 is the dummy)"
             )
 
@@ -233,6 +233,36 @@ class Config:
         """The free-room target of `tier` ("l1" or "l2") in pages."""
         value = self.l1_free_room if tier == "l1" else self.l2_free_room
         return int(value * capacity) if isinstance(value, float) else int(value)
+
+    def check_free_room(self, tier: str, capacity: int) -> None:
+        """ConfigError when `tier`'s free-room target (a page count) is not below its
+        `capacity` in pages: eviction would empty the tier after every allocation."""
+        target = self.free_room_pages(tier, capacity)
+        if target >= capacity:
+            raise ConfigError(f"{tier}_free_room: {target} pages kept free, but {tier.upper()} holds {capacity} "
+                              f"pages; give a fraction in [0, 1) or fewer pages")
+
+    def check_host(self, *, cuda: bool, memory_bytes: int | None = None) -> None:
+        """ConfigError for what this process cannot honour: an io backend that
+        copies with CUDA, or `pin_host = true`, without CUDA; a fixed
+        `host_budget_bytes` above all the memory of this machine or container
+        (`memory_bytes`, default `hostmem.sizing`'s total)."""
+        from hicache_cp.io.base import CUDA_BACKENDS
+
+        if not cuda and self.io_backend in CUDA_BACKENDS:
+            raise ConfigError(f"io_backend: {self.io_backend} copies with CUDA, which this process does not have "
+                              "(use cpu or auto)")
+        if not cuda and self.pin_host is True:
+            raise ConfigError("pin_host: true needs CUDA to pin host memory, which this process does not have "
+                              "(use false or auto)")
+        if isinstance(self.host_budget_bytes, int):
+            if memory_bytes is None:
+                from hostmem.sizing import host_memory
+
+                memory_bytes = host_memory(reserve_bytes=0).total_bytes
+            if self.host_budget_bytes > memory_bytes:
+                raise ConfigError(f"host_budget_bytes: {self.host_budget_bytes / 2**30:.4g} GiB per rank, but this "
+                                  f"machine (or container) has {memory_bytes / 2**30:.4g} GiB in all")
 
     # ---- sources ------------------------------------------------------------------------
 
@@ -278,6 +308,8 @@ class Config:
                 raise ConfigError(f"config file {path} does not exist") from None
             except tomllib.TOMLDecodeError as exc:
                 raise ConfigError(f"config file {path}: {exc}") from None
+            except UnicodeDecodeError as exc:  # TOML is UTF-8 text
+                raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
             except OSError as exc:
                 raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
             _check_toml_types(loaded, f"toml:{path}")
@@ -349,6 +381,13 @@ class ResolvedConfig:
     config: Config
     sources: dict[str, str]
 
+    def check(self, check: Callable[[Config], None]) -> None:
+        """Run `check(config)` (e.g. `Config.check_free_room`); its ConfigError names the field's source."""
+        try:
+            check(self.config)
+        except ConfigError as exc:
+            raise ConfigError(_with_source(str(exc), self.sources)) from None
+
     def report(self) -> dict[str, dict[str, Any]]:
         """{field: {"value": ..., "source": ...}}, JSON-ready, for result files."""
         values = self.config.to_dict()
@@ -383,12 +422,21 @@ def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
     for name in names - {"name"} - lists:
         if name in over and (not isinstance(over[name], int) or isinstance(over[name], bool)):
             raise ConfigError(f"model_layout.{name}: expected an integer, got {over[name]!r}")
+    if "name" in over and not isinstance(over["name"], str):
+        raise ConfigError(f"model_layout.name: expected a string, got {over['name']!r}")
     return dataclasses.replace(base, **over)
 
 
+#: Set to 1 (true, yes, on) to refuse an unknown `HICACHE_*` variable instead of warning.
+STRICT_ENV = "HICACHE_STRICT_ENV"
 #: `HICACHE_*` variables that are not config fields (read where they are used).
-#: Any other `HICACHE_*` variable is refused: a misspelt one would be ignored.
+#: Any other `HICACHE_*` variable is ignored with a WARNING naming the closest
+#: setting (once per process), as vLLM does for `VLLM_*`: a machine where
+#: another program sets such a variable can still run hicache-cp. With
+#: `HICACHE_STRICT_ENV=1` it is refused (ConfigError), as vLLM's
+#: `fail_on_environ_validation` does: a misspelt setting then stops the run.
 NON_FIELD_ENV = frozenset({
+    STRICT_ENV,  # config: refuse unknown HICACHE_* variables
     "HICACHE_CP_RANK_TIMEOUT_S",  # harness.launch: deadline of a multi-process run
     "HICACHE_CP_PD_AUTHKEY",  # harness.decode_peer: the control channel's secret
     "HICACHE_COMMIT",  # harness.provenance: the commit recorded in results
@@ -399,9 +447,11 @@ NON_FIELD_ENV = frozenset({
 
 def _from_env(env: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(top-level fields, [l3] fields) from `HICACHE_<FIELD>` and `HICACHE_L3_<FIELD>`;
-    an unknown `HICACHE_*` variable raises ConfigError naming the closest field."""
+    an unknown `HICACHE_*` variable is a WARNING naming the closest field (ConfigError
+    under `HICACHE_STRICT_ENV`, see `NON_FIELD_ENV`). Nothing outside the prefix is read."""
     import difflib
 
+    strict = _flag(env, STRICT_ENV)
     fields = {f"HICACHE_{f.name.upper()}": f.name for f in dataclasses.fields(Config) if f.name not in ("model_layout", "l3")}
     l3_fields = {f"HICACHE_L3_{name.upper()}": name for name in L3Config.field_names()}
     out: dict[str, Any] = {}
@@ -413,10 +463,28 @@ def _from_env(env: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         elif key in l3_fields:
             l3[l3_fields[key]] = L3Config.coerce(l3_fields[key], raw, source=f"env:{key}")
         elif key not in NON_FIELD_ENV:
-            close = difflib.get_close_matches(key, [*fields, *l3_fields, *NON_FIELD_ENV], n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"environment variable {key} is not a hicache-cp setting{hint}")
+            names = [*fields, *l3_fields, *NON_FIELD_ENV]  # compared without the prefix they all share
+            close = difflib.get_close_matches(key[8:], [n[8:] for n in names], n=1)
+            hint = f"; did you mean HICACHE_{close[0]}?" if close else ""
+            message = f"environment variable {key} is not a hicache-cp setting{hint}"
+            if strict:
+                raise ConfigError(f"{message} ({STRICT_ENV} refuses unknown HICACHE_* variables)")
+            if key not in _WARNED:
+                _WARNED.add(key)
+                logger.warning("%s; ignored (%s=1 refuses it)", message, STRICT_ENV)
     return out, l3
+
+
+#: Unknown variables already warned about in this process.
+_WARNED: set[str] = set()
+
+
+def _flag(env: Any, key: str) -> bool:
+    """A boolean variable: unset, 0/false/no/off or 1/true/yes/on; ConfigError otherwise."""
+    raw = str(env.get(key, "")).strip().lower()
+    if raw not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        raise ConfigError(f"{key}={env[key]!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+    return raw in ("1", "true", "yes", "on")
 
 
 def _check_toml_types(loaded: dict[str, Any], source: str) -> None:
@@ -474,8 +542,8 @@ def _merge_l3(values: dict[str, Any], sources: dict[str, str], fields: dict[str,
 
 
 def _with_source(message: str, sources: dict[str, str]) -> str:
-    """`message` ("field: ...", "l3.field: ...") with the source of that field appended."""
-    head = message.split(":", 1)[0].strip()
+    """`message` ("field: ...", "l3.field ...": it starts with the field) with the source of that field appended."""
+    head = re.match(r"[\w.]*", message.strip()).group(0)  # type: ignore[union-attr]
     source = sources.get(head) or sources.get(head.split(".", 1)[0])
     if source is None or "(from " in message:
         return message

@@ -126,6 +126,10 @@ class BudgetSplit:
         return sum(self.bytes_per_part.values())
 
 
+#: Bytes a page of every part is a multiple of (`KVLayout.check_aligned`).
+PAGE_ALIGN = 8
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """All parts of the logical object. Build with `KVLayout.build`."""
@@ -175,6 +179,14 @@ class KVLayout:
         elif draft_state_bytes_per_token:
             raise ValueError("draft_state_bytes_per_token set but the model has no draft layers")
         return cls(page_size, num_layers, draft_layers, tuple(parts))
+
+    def check_aligned(self) -> None:
+        """ValueError naming the first part whose page is not a multiple of
+        `PAGE_ALIGN` bytes (what every tier, the copy engines and PD require)."""
+        for p in self.parts:
+            if p.page_bytes % PAGE_ALIGN:
+                raise ValueError(f"{p.part.value} page of {p.page_bytes} bytes is not a multiple of {PAGE_ALIGN} "
+                                 f"(bytes_per_token {p.bytes_per_token} x page_size {self.page_size})")
 
     def part(self, part: Part) -> PartLayout:
         for p in self.parts:

@@ -277,8 +277,10 @@ def test_internal_errors_exit_3_not_2(monkeypatch, capsys) -> None:  # type: ign
 
 
 ENV_CASES = [
-    ("unknown-variable", {"HICACHE_L1_PAGS": "5"}, "HICACHE_L1_PAGS is not a hicache-cp setting; did you mean HICACHE_L1_PAGES?"),
-    ("unknown-l3-variable", {"HICACHE_L3_PAGES_PER_OBJ": "5"}, "did you mean HICACHE_L3_PAGES_PER_OBJECT?"),
+    ("unknown-variable-strict", {"HICACHE_L1_PAGS": "5", "HICACHE_STRICT_ENV": "1"},
+     "HICACHE_L1_PAGS is not a hicache-cp setting; did you mean HICACHE_L1_PAGES?"),
+    ("unknown-l3-variable-strict", {"HICACHE_L3_PAGES_PER_OBJ": "5", "HICACHE_STRICT_ENV": "1"},
+     "did you mean HICACHE_L3_PAGES_PER_OBJECT?"),
     ("l3-variable-bad-value", {"HICACHE_L3_PAGES_PER_OBJECT": "abc"}, "(from env:HICACHE_L3_PAGES_PER_OBJECT)"),
     ("rank-timeout-not-a-number", {"HICACHE_CP_RANK_TIMEOUT_S": "abc"}, "HICACHE_CP_RANK_TIMEOUT_S='abc'"),
     ("rank-timeout-negative", {"HICACHE_CP_RANK_TIMEOUT_S": "-1"}, "HICACHE_CP_RANK_TIMEOUT_S='-1'"),

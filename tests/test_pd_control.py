@@ -4,7 +4,10 @@ Asserts: the control channel never unpickles (a pickle from a client that
 passed the authkey challenge is refused, its side effect never runs); short
 authkeys are refused on both sides and by `decode-peer` (exit 2); the peer
 listens on 127.0.0.1; `pd_timeout_s` and `pd_per_layer` follow defaults < TOML
-< env < --set < flag and bad values are refused with the field's name.
+< env < --set < flag and bad values are refused with the field's name. Idle,
+slow and silent connections never hold up a client with the key (each
+challenge runs apart, under a deadline, on both sides); a port in use is bad
+input (exit 2).
 """
 
 from __future__ import annotations
@@ -160,3 +163,142 @@ def test_replay_pd_flags_need_pd(capsys: pytest.CaptureFixture[str]) -> None:
     assert "need --pd" in capsys.readouterr().err
     assert main(["replay", "--pd", "--limit", "2", "--pd-timeout-s", "nan"]) == 2
     assert "pd_timeout_s" in capsys.readouterr().err
+
+
+def _raw_connections(address: tuple[str, int], n: int) -> list:
+    import socket
+
+    return [socket.create_connection(address, timeout=10) for _ in range(n)]
+
+
+def test_idle_and_slow_connections_never_hold_up_a_client_with_the_key() -> None:
+    """Many connections that never answer the challenge (idle), answer it a byte
+    at a time (slow), or read it and stay silent, more of them than challenges may
+    run at once: a client with the key is still served while they all stay open."""
+    from hicache_cp.harness.decode_peer import DecodePeer, control_request
+    from hicache_cp.pd.control import MAX_PENDING_HANDSHAKES
+
+    key = new_authkey()
+    peer = DecodePeer(_layout(), 4, authkey=key)
+    peer.start()
+    stop = threading.Event()
+    idle = _raw_connections(peer.address, MAX_PENDING_HANDSHAKES + 16)
+    slow = _raw_connections(peer.address, 8)
+    silent = _raw_connections(peer.address, 4)
+
+    def trickle() -> None:  # one byte of a wrong answer every 50 ms
+        while not stop.wait(0.05):
+            for s in slow:
+                try:
+                    s.send(b"x")
+                except OSError:
+                    pass
+
+    for s in silent:
+        s.recv(64)  # the challenge arrived; never answered
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    replies: list[dict] = []
+    client = threading.Thread(target=lambda: replies.append(control_request(peer.address, key, {"op": "stats"}, 30)),
+                              daemon=True)
+    try:
+        client.start()
+        client.join(30)
+        assert replies and replies[0]["ok"], "a client with the key waited behind connections that never authenticate"
+    finally:
+        stop.set()
+        for s in idle + slow + silent:
+            s.close()
+        peer.close()
+
+
+def test_a_silent_connection_is_cut_at_the_handshake_deadline() -> None:
+    from hicache_cp.pd.control import ControlListener
+
+    key = new_authkey()
+    listener = ControlListener("127.0.0.1", 0, key, handshake_timeout_s=0.2)
+    try:
+        (s,) = _raw_connections(listener.address, 1)
+        got = b""
+        while True:  # the challenge, then EOF once the deadline cut the connection
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        assert got, "the challenge never came"
+        s.close()
+        deadline = time.monotonic() + 10
+        while listener.timed_out == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert listener.timed_out == 1 and listener.refused == 0
+    finally:
+        listener.close()
+    with pytest.raises(OSError, match="closed"):
+        listener.accept()
+
+
+def test_a_client_gives_up_on_a_peer_that_never_challenges() -> None:
+    """The prefill side connects to something that accepts and stays silent: its
+    connect ends with TimeoutError instead of hanging."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    errors: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            ControlClient(server.getsockname()[:2], new_authkey(), connect_timeout_s=0.2)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    t = threading.Thread(target=connect, daemon=True)
+    try:
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "the client hung on a silent peer"
+        assert len(errors) == 1 and isinstance(errors[0], TimeoutError), errors
+    finally:
+        server.close()
+
+
+def test_listen_refuses_a_short_key_on_its_own() -> None:
+    from hicache_cp.pd.control import listen
+
+    for bad in (b"", b"k" * 31, "x" * 40):
+        with pytest.raises(ValueError, match="at least 32 bytes"):
+            listen("127.0.0.1", 0, bad)  # type: ignore[arg-type]
+
+
+def test_a_wrong_key_is_refused_and_the_listener_keeps_serving() -> None:
+    from multiprocessing.connection import AuthenticationError
+
+    from hicache_cp.pd.control import connect, listen
+
+    key = new_authkey()
+    listener = listen("127.0.0.1", 0, key)
+    try:
+        with pytest.raises(AuthenticationError):
+            connect(listener.address, new_authkey())
+        c = connect(listener.address, key)
+        server_side = listener.accept()
+        c.send_bytes(b"{}")
+        assert server_side.recv_bytes() == b"{}"
+        c.close()
+        server_side.close()
+        assert listener.refused == 1
+    finally:
+        listener.close()
+
+
+def test_decode_peer_on_a_port_in_use_is_bad_input(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from hicache_cp.harness.cli import main
+
+    monkeypatch.setenv("HICACHE_CP_PD_AUTHKEY", new_authkey().hex())
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["decode-peer", "--pages", "4", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "in use" in err and "internal error" not in err

@@ -76,8 +76,8 @@ class EngineL1:
         op.sources = list(match.host_nodes)  # their identity was checked by match_prefix
         try:
             self.lifecycle._submit_all_layers(op, Direction.H2D)
-        except CopyFailed:  # copies already submitted write into the engine's pages: let them return
-            for t in op.inflight:
+        except CopyFailed as exc:  # copies already submitted write into the engine's pages: let them return
+            for t in [*op.inflight, *exc.submitted]:
                 try:
                     t.wait()
                 except Exception:  # the submission's own failure is what the caller gets

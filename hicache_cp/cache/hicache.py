@@ -120,6 +120,8 @@ class HiCache:
             for pool in (device_pool, host_pool):
                 if pool.layout != layout or pool.cp_size != config.cp_size:
                     raise ValueError("pools were built for another layout or cp_size than the config")
+            config.check_free_room("l1", device_pool.allocator.capacity)
+            config.check_free_room("l2", host_pool.allocator.capacity)
             engine = engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {}))
             # The node tier's copies are written in slices by several ranks: it keeps their
             # checksums in its segment and checks adopted pages itself (`node_verify`).

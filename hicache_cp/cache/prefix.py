@@ -190,6 +190,13 @@ class Prefixes:
             s.policy.on_insert(match.tokens[: new_node.end_position * ps], new_node, s.clock)
             s.device_changed(new_node, stored=True)
             took.append((new_node, dup))
+        below = match.last_node  # the prefix the forward read: a load of it aborted and was not recomputed?
+        while below is not None and below.stale_load is None:
+            below = below.parent
+        if below is not None:  # computed on invalid KV: stale for good, as at the abort (`_mark_stale_below`)
+            for node, _ in took:
+                node.stale_load = below.stale_load
+                s.tree.refresh_family(node)
         if backup is not None:
             backup.request = match.request
             backup.tags = self.lifecycle.identity(match.tokens, start, start + len(device_pages))

@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         with lifetime.stop_on_signals():
-            return _main(argv)
+            code = _main(argv)
+            lifetime.raise_if_interrupted()  # a signal whose exception was swallowed: still 128 + signal
+            return code
     except (lifetime.Interrupted, KeyboardInterrupt) as exc:
         code = exc.exit_code if isinstance(exc, lifetime.Interrupted) else 130
         with contextlib.suppress(OSError):

@@ -52,7 +52,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -126,7 +126,19 @@ class DecodePeer:
     def __init__(self, layout: KVLayout, pages: int, *, authkey: bytes, host: str = "127.0.0.1",
                  port: int = 0, adapter: TransferEngineAdapter | None = None, whole_prompt: bool = False,
                  drain_s: float = DEFAULT_DRAIN_S) -> None:
-        check_authkey(authkey)
+        try:  # first: a port in use is refused before any buffer is made
+            self.listener = listen(host, port, authkey)
+        except OSError as exc:
+            raise InputError(f"decode peer control port {host}:{port}: {exc.strerror or exc}") from None
+        self.address: tuple[str, int] = self.listener.address
+        try:
+            self._build(layout, pages, host, adapter, whole_prompt, drain_s)
+        except BaseException:
+            self.listener.close()
+            raise
+
+    def _build(self, layout: KVLayout, pages: int, host: str, adapter: TransferEngineAdapter | None,
+               whole_prompt: bool, drain_s: float) -> None:
         self.layout = layout
         self.pages = pages
         self.whole_prompt = whole_prompt
@@ -143,9 +155,6 @@ class DecodePeer:
             self.adapter.register(arena.ptr, arena.nbytes)
         self.descriptor = RegistrationDescriptor.from_buffers(
             "decode", layout, {part: a.ptr for part, a in self.arenas.items()}, pages)
-        self._authkey = authkey
-        self.listener = listen(host, port, authkey)
-        self.address: tuple[str, int] = self.listener.address  # type: ignore[assignment]
         self.rooms: dict[int, _DecodeRoom] = {}
         self._closed_ids: deque[int] = deque(maxlen=CLOSED_MEMORY)
         self.rejected: list[str] = []
@@ -178,12 +187,9 @@ class DecodePeer:
         threading.Thread(target=self._reap_loop, name="decode-reaper", daemon=True).start()
         while not self._stop.is_set():
             try:
-                conn = self.listener.accept()
-            except Exception as exc:  # a client that fails the authkey challenge must not stop the server
-                if self._stop.is_set():
-                    return
-                logger.warning("decode peer: accept failed: %s", exc)
-                continue
+                conn = self.listener.accept()  # authenticated; a failed or silent challenge never gets here
+            except OSError:  # the listener was closed
+                return
             if self._stop.is_set():
                 conn.close()
                 return
@@ -237,7 +243,7 @@ class DecodePeer:
                         "unknown_aborts": self.unknown_aborts, "decode_aborts": self.decode_aborts}
         if op == "shutdown":
             self._stop.set()
-            threading.Thread(target=self._wake_accept, daemon=True).start()
+            self.listener.close()  # wakes serve_forever's accept
             return {"ok": True}
         raise ValueError(f"unknown op {op!r} (ops: hello, open, done, abort, cancel, stats, shutdown)")
 
@@ -476,21 +482,9 @@ class DecodePeer:
         return count, mismatches
 
     # -- teardown ------------------------------------------------------------
-    def _wake_accept(self) -> None:
-        """Unblock `listener.accept()` so serve_forever sees the stop flag."""
-        try:
-            Client(self.address, authkey=self._authkey).close()
-        except Exception:  # the listener may already be closed
-            pass
-
     def close(self) -> None:
-        if not self._stop.is_set():
-            self._stop.set()
-            self._wake_accept()
-        try:
-            self.listener.close()
-        except OSError:
-            pass
+        self._stop.set()
+        self.listener.close()  # wakes serve_forever's accept
         if self._own_adapter:
             self.adapter.close()
         else:
@@ -587,13 +581,15 @@ def layout_from_args(args: argparse.Namespace) -> KVLayout:
             raise InputError(f"--state-layers {s!r}: expected comma-separated layer ids or 'all'") from None
 
     try:
-        return KVLayout.build(
+        layout = KVLayout.build(
             page_size=args.page_size, num_layers=args.num_layers, kv_bytes_per_token=args.kv_bytes,
             state_bytes_per_token=args.state_bytes, state_layers=ids(args.state_layers),
             draft_layers=args.draft_layers, draft_kv_bytes_per_token=args.draft_kv_bytes,
             draft_state_bytes_per_token=args.draft_state_bytes if args.draft_layers else 0)
+        layout.check_aligned()  # what the prefill side's config refuses, refused here too
     except ValueError as exc:  # the layout flags describe no valid model
         raise InputError(f"layout: {exc}") from None
+    return layout
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -624,9 +620,7 @@ def run(args: argparse.Namespace) -> int:
                       whole_prompt=args.whole_prompt)
     print(f"decode-peer control {peer.address[0]}:{peer.address[1]} engine {peer.session_id}", flush=True)
     try:
-        peer.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        peer.serve_forever()  # until `shutdown`; SIGINT/SIGTERM unwind through here (130/143, `lifetime`)
     finally:
         peer.close()
     return 0

@@ -20,6 +20,15 @@ Every process the harness starts (CP ranks, L3 instances, the decode peer,
   signals while it starts children (a start cut short leaves a child reading
   a truncated pickle), then unwinds. A signal whose `Interrupted` Python drops
   (raised inside a finalizer) is delivered again.
+- **Never lost.** A signal that arrives while a module is being imported is
+  deferred until the import is over (delivered again every few milliseconds):
+  an exception raised there can cross a C++ extension's initialisation
+  (torch's, through pybind11), which either swallows it, so the run went on
+  and exited 0, or aborts the process. And should an `Interrupted` still be
+  swallowed somewhere, the run cannot end as a success: `raise_if_interrupted`
+  (called before any output file is committed and between requests) raises it
+  again, and the CLI turns a recorded signal into 128 + signal whatever
+  `run` returned.
 
 Linux only (prctl); elsewhere the first two rules still hold.
 """
@@ -36,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import resource_tracker
+from types import FrameType
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -68,14 +78,27 @@ class Interrupted(BaseException):
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise `Interrupted` (once) in the main thread while the block runs."""
+    """SIGINT and SIGTERM raise `Interrupted` (once) in the main thread while the block runs
+    (deferred while an import runs; `raise_if_interrupted` raises it again inside the block)."""
     fired: list[int] = []
 
-    def handler(signum: int, frame: object) -> None:
+    deferred: list[int] = []  # the signal held back while an import runs
+    timer: list[threading.Timer] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
         if fired:  # already unwinding: let the clean-up finish
             logger.warning("%s again while stopping; still stopping", signal.Signals(signum).name)
             return
+        if _importing(frame):  # raising here may cross a C++ module's init: deliver it after the import
+            deferred[:1] = deferred[:1] or [signum]
+            if not timer or not timer[0].is_alive():
+                timer[:] = [_deliver_again(deferred[0])]
+            return
+        signum = deferred[0] if deferred else signum
+        if timer:
+            timer[0].cancel()
         fired.append(signum)
+        _signalled.append(signum)
         if _deferring:  # starting children: raised when the starts are done (`_signals_deferred`)
             _pending.append(signum)
             return
@@ -92,13 +115,12 @@ def stop_on_signals() -> Iterator[None]:
             return
         logger.debug("%s dropped inside %r; delivering it again", exc, info.object)
         fired.clear()
-        again = threading.Timer(_REDELIVER_AFTER_S, signal.pthread_kill, (threading.main_thread().ident, exc.signum))
-        again.daemon = True
-        again.start()
+        _deliver_again(exc.signum)
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield
         return
+    _signalled.clear()
     old = {s: signal.signal(s, handler) for s in _HANDLED}
     previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
@@ -107,10 +129,44 @@ def stop_on_signals() -> Iterator[None]:
         sys.unraisablehook = previous_hook
         for s, h in old.items():
             signal.signal(s, h)
+        if timer:
+            timer[0].cancel()
+        _signalled.clear()
 
 
 _deferring: list[bool] = []
 _pending: list[int] = []
+#: Signals `stop_on_signals` raised as `Interrupted` in this process (the first one counts).
+_signalled: list[int] = []
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether the interrupted frame runs inside an import (importlib's frames are on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _deliver_again(signum: int) -> threading.Timer:
+    """Send `signum` to the main thread again in `_REDELIVER_AFTER_S` (from a timer thread)."""
+    again = threading.Timer(_REDELIVER_AFTER_S, signal.pthread_kill, (threading.main_thread().ident, signum))
+    again.daemon = True
+    again.start()
+    return again
+
+
+def signalled() -> int | None:
+    """The signal `stop_on_signals` turned into `Interrupted` in this process, if any."""
+    return _signalled[0] if _signalled else None
+
+
+def raise_if_interrupted() -> None:
+    """Raise `Interrupted` again if a signal came and its exception was swallowed on the way
+    (so the run goes on): called where a run commits a result, never during clean-up."""
+    if _signalled:
+        raise Interrupted(_signalled[0])
 
 
 @contextlib.contextmanager

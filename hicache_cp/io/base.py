@@ -37,7 +37,7 @@ import abc
 import time
 import enum
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,7 +65,15 @@ class TicketState(enum.Enum):
 
 
 class CopyFailed(RuntimeError):
-    """A copy did not land; carries the part, layer and direction."""
+    """A copy did not land; carries the part, layer and direction.
+
+    Raised by a submission refused part-way, it carries the tickets of the copies
+    that submission had already started (`submitted`): they still read and write
+    their pages, and the caller waits for them before it gives those pages up."""
+
+    def __init__(self, *args: object, submitted: Sequence[CopyTicket] = ()) -> None:
+        super().__init__(*args)
+        self.submitted: list[CopyTicket] = list(submitted)
 
 
 class CopyTicket(abc.ABC):
@@ -174,8 +182,16 @@ class CopyEngine(abc.ABC):
     def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """`submit_layer` for each (parts, layer) of `jobs`, in order, all at once (the
         all-layer paths: a load, the all-layer backup); a backend may share the
-        ordering calls among them."""
-        return [self.submit_layer(plan, parts, layer) for parts, layer in jobs]
+        ordering calls among them. A layer refused with CopyFailed raises it with
+        the earlier layers' tickets (`CopyFailed.submitted`)."""
+        out: list[list[CopyTicket | None]] = []
+        try:
+            for parts, layer in jobs:
+                out.append(self.submit_layer(plan, parts, layer))
+        except CopyFailed as exc:
+            exc.submitted += [t for tickets in out for t in tickets if t is not None]
+            raise
+        return out
 
     def _prepare(self, plan: CopyPlan) -> None:
         """Backend hook of `plan`: check and precompute whatever every layer shares."""
@@ -223,6 +239,10 @@ BUILTIN: dict[str, str] = {
     "cpu": "hicache_cp.io.cpu",
     "direct": "hicache_cp.io.dma",
 }
+
+
+#: The built-in backends that copy with CUDA (the others run anywhere).
+CUDA_BACKENDS = ("hybrid", "kernel", "direct", "staging")
 
 
 def register_backend(name: str) -> Callable[[EngineFactory], EngineFactory]:

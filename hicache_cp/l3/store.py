@@ -30,9 +30,10 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
-from hicache_cp.errors import HiCacheError
+from hicache_cp.errors import ConfigError, HiCacheError
 from hicache_cp.l3.config import L3Config
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,23 @@ def reachable(master: str, timeout_s: float, name: str = "l3") -> None:
                            f"({error.strerror or error})", details={"master": master, "client": name})  # fmt: skip
 
 
+def rdma_devices(sys_root: Path | str = Path("/sys")) -> list[str]:
+    """The RDMA devices this host has (the names under /sys/class/infiniband), sorted."""
+    root = Path(sys_root) / "class" / "infiniband"
+    try:
+        return sorted(p.name for p in root.iterdir())
+    except OSError:  # no such class: no RDMA stack, no device
+        return []
+
+
+def check_protocol(config: L3Config, sys_root: Path | str = Path("/sys")) -> None:
+    """ConfigError for `protocol = "rdma"` on a host with no RDMA device (the store
+    would set up, fall back to another transport and be recorded as rdma)."""
+    if config.protocol == "rdma" and not rdma_devices(sys_root):
+        raise ConfigError(f"l3.protocol: rdma, but this host has no RDMA device ({Path(sys_root)}/class/infiniband "
+                          "is empty or missing); use tcp")
+
+
 class MooncakeStore:
     """`KVStore` over one `MooncakeDistributedStore` client (TCP or RDMA).
 
@@ -191,6 +209,7 @@ class MooncakeStore:
         except ImportError as exc:
             raise L3Error("setup", "mooncake.store is not importable (install mooncake-transfer-engine)",
                           details={"error": str(exc)}) from exc  # fmt: skip
+        check_protocol(config)
         reachable(config.master, config.connect_timeout_s, name)
         client = MooncakeDistributedStore()
         rc = client.setup(

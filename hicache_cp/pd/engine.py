@@ -68,6 +68,9 @@ class TransferError(HiCacheError):
     transfers: int | None = None
     nbytes: int | None = None
     detail: str = ""
+    #: A submission refused part-way: the engine batches submitted before the
+    #: refusal (still in flight; their owner must drain them before reusing pages).
+    batch: Batch | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         ctx = [f"{k}={v}" for k, v in (("peer", self.peer), ("code", self.code),
@@ -187,7 +190,10 @@ class TransferEngineAdapter:
         Splits into engine batches of at most ``max_in_flight`` and first waits
         for this peer's oldest batches until the new one fits under the cap.
         Raises TransferError if the engine refuses a batch; engine batches
-        already submitted for this call stay in flight and are abandoned.
+        already submitted for this call stay in flight, are drained by the
+        reaper (`abandon`) and travel with the error (`TransferError.batch`):
+        the caller tracks them like any batch of its own before it reuses the
+        pages they read or write.
         """
         n = len(srcs)
         if not n == len(dsts) == len(lens):
@@ -202,7 +208,8 @@ class TransferEngineAdapter:
             if bid == 0:
                 self.abandon(batch)
                 raise TransferError("batch_transfer_async_write", peer=peer, code=0, transfers=len(s), nbytes=nbytes,
-                                    detail=f"engine refused batch {lo // step + 1} of {-(-n // step)}")
+                                    detail=f"engine refused batch {lo // step + 1} of {-(-n // step)}",
+                                    batch=batch if batch.parts else None)
             eb = _EngineBatch(bid, len(s), nbytes)
             with self._lock:
                 self._in_flight.setdefault(peer, deque()).append(eb)

@@ -399,6 +399,8 @@ class PdSender:
             try:
                 batch = self.adapter.submit_write(room.peer, plan.srcs, plan.dsts, plan.lens)
             except TransferError as exc:
+                if exc.batch is not None:  # refused part-way: what went out may still land; the abort drains it
+                    room.in_flight.append(exc.batch)
                 room.deferred_failure = str(exc)
                 return
             self.adapter.watch(batch)

@@ -34,7 +34,7 @@ from hicache_cp.harness.engines.base import Engine, EngineRun, RunOptions, progr
 from hicache_cp.harness.trace import TraceRequest, request_tokens
 
 __all__ = ["ENGINES", "Engine", "EngineRun", "RunOptions", "SyntheticEngine", "add_engine_arguments",
-           "config_overrides", "make_engine", "progress_bar"]  # fmt: skip
+           "config_overrides", "make_engine", "model_bytes", "progress_bar"]  # fmt: skip
 
 ENGINES = ("synthetic", "hf")
 
@@ -104,6 +104,15 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     from hicache_cp.harness.engines.hf import config_overrides as hf_overrides
 
     return hf_overrides(args)
+
+
+def model_bytes(args: argparse.Namespace) -> int:
+    """Memory the chosen engine's model takes per rank, on the rank's device (0: none)."""
+    if (getattr(args, "engine", None) or "synthetic") != "hf":
+        return 0
+    from hicache_cp.harness.engines.hf import model_bytes as hf_model_bytes
+
+    return hf_model_bytes(args)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -89,6 +89,11 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"model_layout": hf_model.layout_of(p.name), "page_size": p.page_size}
 
 
+def model_bytes(args: argparse.Namespace) -> int:
+    """Memory one rank's model takes to build, where it is built (`hf_model.build_bytes`)."""
+    return hf_model.build_bytes(hf_model.preset(args.hf_preset).name)
+
+
 class HfEngine:
     """The `Engine` of a real model; see the module docstring."""
 

@@ -64,7 +64,8 @@ class HfFault:
         fields = head.split(":")
         kinds = ", ".join(k.value for k in FaultKind)
         parts = ", ".join(p.value for p in Part)
-        if len(fields) != 3 or not rank.isdigit() or not fields[2].isdigit() or not (nth or "1").isdigit() or nth == "0":
+        numbers = (rank, fields[-1], nth or "1")  # ASCII digits only: int() also reads "١" and str.isdigit() "²"
+        if len(fields) != 3 or not all(n.isascii() and n.isdigit() for n in numbers) or nth == "0":
             raise InputError(f"--hf-fault {text!r}: expected KIND:PART:LAYER@RANK[#N] (kinds: {kinds}; parts: {parts})")
         try:
             kind, part = FaultKind(fields[0]), Part(fields[1])

@@ -249,9 +249,25 @@ def build(preset_name: str, device: str | torch.device = "cpu", seed: int = 0) -
 
 
 @functools.lru_cache(maxsize=None)
+def _meta(preset_name: str) -> HfModel:
+    """A preset's modules built without memory (meta device): shapes only."""
+    return _construct(preset(preset_name), torch.device("meta"), 0)
+
+
 def layout_of(preset_name: str) -> ModelLayout:
-    """The cache layout of a preset, read off the modules built without memory (meta device)."""
-    return _construct(preset(preset_name), torch.device("meta"), 0).model_layout()
+    """The cache layout of a preset, read off its modules built on the meta device."""
+    return _meta(preset_name).model_layout()
+
+
+def build_bytes(preset_name: str) -> int:
+    """Memory `build` may take where it builds a preset (per process), an upper
+    bound: every parameter of the target and the draft in fp32 (the initialiser
+    runs in fp32) and its cast to the preset's dtype side by side, plus the buffers."""
+    m = _meta(preset_name)
+    modules = (m.target, m.draft)
+    params = sum(p.numel() for mod in modules for p in mod.parameters())
+    buffers = sum(b.numel() * b.element_size() for mod in modules for b in mod.buffers())
+    return params * (4 + m.preset.torch_dtype.itemsize) + buffers
 
 
 def _construct(p: HfPreset, device: torch.device, seed: int) -> HfModel:

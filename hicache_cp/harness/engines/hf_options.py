@@ -12,6 +12,10 @@ import math
 from hicache_cp.harness.errors import InputError
 
 HF_PRESETS = ("tiny", "dsv32-width")
+#: `--spec-steps` default, and its bound: each step is one forward per checked request
+#: from the restored prefix and one from the recompute (MTP drafts propose 1-7 tokens).
+SPEC_STEPS = 4
+MAX_SPEC_STEPS = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--check-outputs", type=int, default=0, metavar="N",
                    help="compare the last-token logits of N hit requests, and their MTP draft's logits and "
                         "proposed token, with a full recompute")
-    g.add_argument("--spec-steps", type=int, default=4, metavar="K",
+    g.add_argument("--spec-steps", type=int, default=SPEC_STEPS, metavar="K",
                    help="with --check-outputs: K steps of greedy MTP speculation from each checked request's "
                         "restored prefix and from a recompute; their accept lengths are compared (0: off)")
     g.add_argument("--hf-fault", action="append", metavar="KIND:PART:LAYER@RANK",
@@ -81,6 +85,11 @@ def check(args: argparse.Namespace, page_size: int) -> None:
     for name in ("check_outputs", "recompute_samples", "spec_steps", "ttft_probe"):
         if getattr(args, name) < 0:
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.spec_steps > MAX_SPEC_STEPS:
+        raise InputError(f"--spec-steps must be at most {MAX_SPEC_STEPS}, got {args.spec_steps}")
+    if args.spec_steps != SPEC_STEPS and not args.check_outputs:  # it would be ignored without a word
+        raise InputError(f"--spec-steps {args.spec_steps} speculates from the requests --check-outputs N checks; "
+                         "it needs --check-outputs")
     if not (math.isfinite(args.time_scale) and args.time_scale > 0):  # nan/inf: no arrival ever comes
         raise InputError(f"--time-scale must be a finite number > 0, got {args.time_scale}")
     from hicache_cp.harness.engines.hf_faults import HfFault  # checked before any work

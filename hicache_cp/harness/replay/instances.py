@@ -257,6 +257,8 @@ def run_instance(
 
     if args.instances > 1:
         args = argparse.Namespace(**{**vars(args), "plot": None})  # one plot file, several writers
+    if args.metrics_port is not None:  # instance i serves on P + i, as CP rank r does (the setup checked them free)
+        args = argparse.Namespace(**{**vars(args), "metrics_port": args.metrics_port + index})
     report = replay_rank(args, config, requests, sink_factory=sink_factory, progress=index == 0)
     stats = report.get("stats", {})
     for k, v in stats.items():

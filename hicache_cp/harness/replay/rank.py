@@ -17,6 +17,7 @@ from typing import Any
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.cp.agreement import Agreement
+from hicache_cp.harness import lifetime
 from hicache_cp.harness.engines import RunOptions, make_engine
 from hicache_cp.harness.engines.synthetic import RequestSink
 from hicache_cp.harness.provenance import command_line, git_commit, machine
@@ -79,6 +80,7 @@ def replay_rank(
         def on_request(i: int) -> None:
             if publisher is not None:
                 publisher.flush()  # this request's events, one batch
+            lifetime.raise_if_interrupted()  # a signal whose exception was swallowed stops the run here
             if i % every == 0 or i == len(requests) - 1:
                 samples.append(_sample(i, cache))
             if report_from is not None and i == report_from - 1:

@@ -29,13 +29,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache_cp.config import Config, ResolvedConfig
+from hicache_cp.errors import ConfigError
 from hicache_cp.cp.agreement import LocalAgreement
 from hicache_cp.cache.hicache import host_budget
 from hicache_cp.harness import checks
-from hicache_cp.harness.engines import config_overrides
+from hicache_cp.harness.engines import config_overrides, model_bytes
 from hicache_cp.harness.errors import InputError, require
 from hicache_cp.harness.trace import TraceRequest, load_trace, unique_blocks
 from hicache_cp.harness.workload import default_workload
+from hicache_cp.io.base import CUDA_BACKENDS
 
 EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to matter
 TRACE_L2_FRACTION = 0.1
@@ -215,6 +217,7 @@ def build_config(args: argparse.Namespace, requests: list[TraceRequest],
     check_processes("cp_size", base.config.cp_size, base.sources["cp_size"])
     check_processes("--node-ranks", getattr(args, "node_ranks", None) or 1, "cli:--node-ranks")
     _check_machine(base, args)
+    _check_unused(base, args)
     tpb = tokens_per_block(args, base.config)
     if tpb % base.config.page_size:
         raise InputError(f"--tokens-per-block {tpb} is not a multiple of the page size ({base.config.page_size})")
@@ -222,7 +225,10 @@ def build_config(args: argparse.Namespace, requests: list[TraceRequest],
     values = {**base.config.to_dict(), "l1_pages": sizing.l1_physical_pages, "host_budget_bytes": sizing.host_budget_bytes}
     sources = {**base.sources, "l1_pages": sizing.l1_source, "host_budget_bytes": sizing.l2_source}
     resolved = ResolvedConfig(Config.from_dict(values), sources)
-    _check_memory(resolved.config, args.device, getattr(args, "node_ranks", None) or 1)
+    cp = resolved.config.cp_size
+    resolved.check(lambda c: c.check_free_room("l1", (c.l1_pages - 1) * cp))  # what the pools will hold, logical
+    resolved.check(lambda c: c.check_free_room("l2", sizing.l2_logical_pages))
+    _check_memory(resolved.config, args.device, model_bytes(args), getattr(args, "node_ranks", None) or 1)
     return resolved, sizing
 
 
@@ -259,8 +265,6 @@ def size(args: argparse.Namespace, resolved: ResolvedConfig, requests: list[Trac
     return Sizing(footprint, l1, l2, math.ceil(l1 / cp) + 1, budget, l1_source, l2_source)
 
 
-#: io backends that copy with CUDA (the others run anywhere).
-CUDA_BACKENDS = ("hybrid", "kernel", "direct", "staging")
 
 
 def _check_machine(resolved: ResolvedConfig, args: argparse.Namespace) -> None:
@@ -281,16 +285,59 @@ def _check_machine(resolved: ResolvedConfig, args: argparse.Namespace) -> None:
                          f"--instances {getattr(args, 'instances', 1)} have several (drop --plot or run one)")  # fmt: skip
 
 
-def _check_memory(config: Config, device: str, node_ranks: int = 1) -> None:
-    """Refuse pools this machine cannot hold, with the numbers, before allocating any."""
+#: The --l3-* flags and the [l3] field each one sets (a flag beats the config's value).
+L3_FLAGS = {"l3_master": ("--l3-master", "master"), "l3_pages_per_object": ("--l3-pages-per-object", "pages_per_object"),
+            "l3_segment_mib": ("--l3-segment-mib", "segment_bytes"), "l3_write_queue": ("--l3-write-queue",
+            "write_queue_pages")}  # fmt: skip
+
+
+def _check_unused(resolved: ResolvedConfig, args: argparse.Namespace) -> None:
+    """Settings the run would ignore or contradict, from any source: refused, naming it.
+
+    PD fields without --pd, [l3] fields with L3 off (unless the config itself turned
+    L3 off: a section kept with ``enabled = false``), an --l3-* flag against the
+    same field given by --set, and ``l3.protocol = "rdma"`` without an RDMA device."""
+    config, sources = resolved.config, resolved.sources
+    given = {k: v for k, v in sources.items() if v != "default" and not v.startswith("default:")}
+    if not args.pd:
+        for name in ("pd_timeout_s", "pd_per_layer"):
+            if name in given:
+                raise InputError(f"{name} (from {given[name]}) configures PD, which this run does not use; "
+                                 f"drop it or add --pd")
+    use_l3 = getattr(args, "l3", None) is not None or config.l3.enabled
+    turned_off = "l3.backend" in given and not config.l3.enabled
+    if not use_l3 and not turned_off:
+        for key in sorted(k for k in given if k.startswith("l3.") and k != "l3.backend"):
+            raise InputError(f"{key} (from {given[key]}) configures L3, which is off; drop it, or add --l3 mooncake "
+                             f"(or l3.backend = \"mooncake\")")
+    for dest, (flag, field) in L3_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None and sources.get(f"l3.{field}") == "cli":
+            mine = value << 20 if dest == "l3_segment_mib" else value
+            if mine != getattr(config.l3, field):
+                raise InputError(f"--set l3.{field}={getattr(config.l3, field)} contradicts {flag} {value}; give one")
+    if use_l3:
+        from hicache_cp.l3.store import check_protocol
+
+        try:
+            check_protocol(config.l3)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from {sources.get('l3.protocol', 'default')})") from None
+
+
+def _check_memory(config: Config, device: str, model: int = 0, node_ranks: int = 1) -> None:
+    """Refuse pools, and an engine's model (`model` bytes per rank, built on the rank's
+    device), that this machine cannot hold, with the numbers, before allocating any.
+    `node_ranks`: the ranks of one node the run starts (they share a node segment)."""
     layout = config.layout()
     ranks = max(config.cp_size, node_ranks)  # every rank runs on this machine
     l1_bytes = config.l1_pages * layout.bytes_per_page
     l2_bytes = int(config.host_budget_bytes)
     if config.node_segment and config.cp_size == 1 and config.node_sharing != "per_rank":
         l2_bytes //= ranks  # one copy for the node's ranks
+    with_model = " + the model" if model else ""
     if device == "cpu":
-        checks.fits_host_memory(f"L1 + L2 of {ranks} rank(s)", ranks * (l1_bytes + l2_bytes))
+        checks.fits_host_memory(f"L1 + L2{with_model} of {ranks} rank(s)", ranks * (l1_bytes + l2_bytes + model))
     else:
         checks.fits_host_memory(f"L2 of {ranks} rank(s)", ranks * l2_bytes)
-        checks.fits_device_memory("L1 of one rank", l1_bytes, device)
+        checks.fits_device_memory(f"L1{with_model} of one rank", l1_bytes + model, device)

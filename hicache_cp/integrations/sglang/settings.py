@@ -14,10 +14,19 @@ these from a source is an error naming the field and its source, as is
 any invalid value (`ConfigError`, raised at server start).
 
 Main keys: `host_budget_bytes` (per TP rank, all parts together, or "auto"),
-`l2_free_room`, `eviction_policy`, `io_backend`, `pin_host`, `debug_checks`;
-`node_segment` (`HICACHE_NODE_SEGMENT`) puts L2 in one shared segment for the
-node's TP ranks, kept across a server restart (docs/node-tier.md; the served
-model's path is its identity there).
+`l2_free_room`, `eviction_policy`, `io_backend`, `pin_host`, `debug_checks`,
+`verify_restores`; `node_segment` (`HICACHE_NODE_SEGMENT`) puts L2 in one
+shared segment for the node's TP ranks, kept across a server restart
+(docs/node-tier.md; the served model's path is its identity there).
+
+Keys the plug-in cannot honour are refused when a source sets them, with the
+source: `l1_free_room` (SGLang evicts its own device tree), `write_threshold`
+(another write policy), `pd_timeout_s` and `pd_per_layer` (the plug-in does
+no PD); `l2_exclusive` is refused with the write-back it needs. So is what
+this process cannot run (`Config.check_host`): an io backend that copies with
+CUDA, or `pin_host = true`, without CUDA, and a budget above all the memory of
+the machine. Every error is a `ConfigError` raised by `resolve`, before
+anything is built.
 """
 
 from __future__ import annotations
@@ -34,13 +43,31 @@ CONFIG_ENV = "HICACHE_CP_CONFIG"
 
 #: Fields SGLang decides; a source that sets them is refused.
 ENGINE_FIELDS = ("page_size", "model", "model_layout", "l1_pages", "cp_size")
+#: Fields that do nothing under SGLang, and why; a source that sets them is refused.
+UNHONOURED = {
+    "l1_free_room": "SGLang evicts its own device tree",
+    "write_threshold": "the plug-in backs up write-through, never after hits",
+    "pd_timeout_s": "the plug-in does no PD transfers",
+    "pd_per_layer": "the plug-in does no PD transfers",
+}
 
 
-def resolve(kv: SGLangKV, env: Mapping[str, str] | None = None) -> ResolvedConfig:
-    """The cache's configuration for SGLang's pools `kv` (see the module docstring)."""
+def resolve(kv: SGLangKV, env: Mapping[str, str] | None = None, *, cuda: bool | None = None) -> ResolvedConfig:
+    """The cache's configuration for SGLang's pools `kv` (see the module docstring).
+
+    `cuda`: whether this process can use CUDA (default: torch says)."""
     env = dict(os.environ if env is None else env)
     path = env.pop(CONFIG_ENV, None) or None
     base = Config.resolve(path, env)
+    unhonoured = [f"{name} (from {base.sources[name]}): {why}" for name, why in UNHONOURED.items()
+                  if base.sources[name] != "default"]  # fmt: skip
+    if unhonoured:
+        raise ConfigError(f"hicache-cp under SGLang cannot honour {'; '.join(unhonoured)}")
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    base.check(lambda c: c.check_host(cuda=cuda))
     fixed = [f"{name} (from {base.sources[name]})" for name in ENGINE_FIELDS if base.sources[name] not in ("default", "preset")]
     if fixed:
         raise ConfigError(

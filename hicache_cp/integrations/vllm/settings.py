@@ -14,17 +14,25 @@ Keys (all optional except the budget):
     io_backend                           "auto" (default: "direct" on CUDA, "cpu" otherwise), "direct", "cpu"
     pin_host                             pin L2 for CUDA; default: when CUDA is available
     debug_checks                         check the cache's invariants after every operation (tests)
+    verify_restores                      "all" (default), "sample" or "off": restored pages checked against
+                                         their checksums (docs/integrity.md)
     node_segment                         the node tier: L2 in this named shared segment, one copy for
                                          every worker (MLA models), kept across restarts (docs/node-tier.md)
     node_adopt, node_drop_on_close       adopt what a previous engine left (default true); remove the
                                          segment at an orderly shutdown (default false)
 
 Unknown keys are an error (a typo would otherwise silently keep a default).
+Every bad value is a `ConfigError` naming its key, raised by `from_extra_config`
+before anything is built (the budget as given: nan, inf, under a byte, or above
+all the memory of the machine; a value of the wrong type; an io backend that
+copies with CUDA, or `pin_host = true`, in a process without CUDA), or by
+`cache_config` where the model's layout decides (a budget below two pages).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +41,16 @@ from hicache_cp.config import Config, ModelLayout
 from hicache_cp.errors import ConfigError
 from hicache_cp.layout import KVLayout, Part
 
+SOURCE = "kv_connector_extra_config"
 _KEYS = {
     "host_budget_gib", "host_budget_bytes", "eviction_policy", "l2_free_room", "io_backend", "pin_host", "debug_checks",
     "verify_restores",
     "node_segment", "node_adopt", "node_drop_on_close",
 }
+
+
+def _error(key: str, message: str) -> ConfigError:
+    return ConfigError(f"{key}: {message} (from {SOURCE})")
 
 
 @dataclass(frozen=True)
@@ -54,23 +67,50 @@ class ConnectorSettings:
     node_drop_on_close: bool = False
     node_model_id: str = ""  # set by the connector: vLLM's model and revision
     node_session: int = 0  # set by the connector: one number for the scheduler and every worker
+    budget_key: str = "host_budget_bytes"  # the key the budget was given under (errors name it)
+
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, cuda: bool | None = None) -> ConnectorSettings:
+        """The settings, every value checked (see the module docstring). `cuda`:
+        whether this process can use CUDA (default: torch says)."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigError(f"{SOURCE}: expected a mapping of settings, got {type(extra).__name__} {extra!r}")
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _KEYS)
         if unknown:
-            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(_KEYS)}")
+            raise ConfigError(f"{SOURCE}: unknown key(s) {unknown}; known: {sorted(_KEYS)}")
         if ("host_budget_gib" in extra) == ("host_budget_bytes" in extra):
-            raise ConfigError("kv_connector_extra_config: give exactly one of host_budget_gib, host_budget_bytes")
-        if "host_budget_gib" in extra:
-            gib = extra.pop("host_budget_gib")
-            if isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib <= 0:
-                raise ConfigError(f"kv_connector_extra_config: host_budget_gib must be a positive number, got {gib!r}")
-            extra["host_budget_bytes"] = int(gib * (1 << 30))
-        budget = extra["host_budget_bytes"]
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            raise ConfigError(f"kv_connector_extra_config: host_budget_bytes must be a positive int, got {budget!r}")
-        return cls(**extra)
+            raise ConfigError(f"{SOURCE}: give exactly one of host_budget_gib, host_budget_bytes")
+        key = "host_budget_gib" if "host_budget_gib" in extra else "host_budget_bytes"
+        value = extra.pop(key)
+        if key == "host_budget_gib":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise _error(key, f"must be a positive finite number of GiB, got {value!r}")
+            budget = int(value * (1 << 30))
+            if budget < 1:
+                raise _error(key, f"{value!r} GiB is less than a byte")
+        else:
+            budget = value
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+                raise _error(key, f"must be a positive int, got {budget!r}")
+        settings = cls(host_budget_bytes=budget, budget_key=key, **extra)
+        probe = settings._config(Config().model_layout, Config().page_size)  # every value, before any layout
+        if cuda is None:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        settings._named(lambda: probe.check_host(cuda=cuda))
+        return settings
+
+    def _named(self, check: Any) -> Any:
+        """Run `check()`; a ConfigError comes back naming the key as given and the source."""
+        try:
+            return check()
+        except ConfigError as exc:
+            field, _, rest = str(exc).partition(":")
+            if field == "host_budget_bytes":
+                field = self.budget_key
+            raise _error(field, rest.strip()) from None
 
     def cache_config(self, layout: KVLayout) -> Config:
         """The cache's `Config` for this layout: write-through (the layer hooks
@@ -90,9 +130,15 @@ class ConnectorSettings:
             draft_kv_bytes_per_token=p[Part.DRAFT_KV].bytes_per_token if Part.DRAFT_KV in p else 0,
             draft_state_bytes_per_token=p[Part.DRAFT_STATE].bytes_per_token if Part.DRAFT_STATE in p else 0,
         )
-        config = Config(
+        config = self._config(model, layout.page_size)
+        if config.layout() != layout:
+            raise ConfigError(f"the cache layout {config.layout().describe()} differs from vLLM's {layout.describe()}")
+        return config
+
+    def _config(self, model: ModelLayout | None, page_size: int) -> Config:
+        return self._named(lambda: Config(
             model_layout=model,
-            page_size=layout.page_size,
+            page_size=page_size,
             host_budget_bytes=self.host_budget_bytes,
             l1_pages=2,
             write_policy="write_through",
@@ -106,10 +152,7 @@ class ConnectorSettings:
             node_adopt=self.node_adopt,
             node_drop_on_close=self.node_drop_on_close,
             node_model_id=self.node_model_id,
-        )
-        if config.layout() != layout:
-            raise ConfigError(f"the cache layout {config.layout().describe()} differs from vLLM's {layout.describe()}")
-        return config
+        ))
 
 
 def node_settings(settings: ConnectorSettings, vllm_config: Any) -> ConnectorSettings:
