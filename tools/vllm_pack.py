@@ -49,12 +49,14 @@ sys.path.insert(0, str(REPO / "tools"))
 from device_pack import add_tree, pip_download  # noqa: E402
 SHIMS = REPO / "tools" / "vllm_shims"
 
-#: Distributions that vLLM 0.33.0's imports load (in these tests: the scheduler,
-#: the KV-connector API, config, the OffloadingConnector) and that the device image
-#: does not have. Found by importing under the tests here and subtracting the
-#: image's package list (/work/.library/device/KINDS.md, "Python packages already there").
+#: Distributions that vLLM 0.33.0's imports load (the scheduler, the KV-connector API,
+#: config, the OffloadingConnector, and the GPU model runner's model loader, which imports
+#: compressed-tensors for its quantization log) and that the device image does not have.
+#: Found by importing those modules here and subtracting the image's package list
+#: (/work/.library/device/KINDS.md, "Python packages already there").
 CARRY = [
-    "annotated-types", "apache-tvm-ffi", "cachetools", "cbor2", "fastapi", "httpcore2", "httpx2",
+    "annotated-types", "apache-tvm-ffi", "cachetools", "cbor2", "compressed-tensors", "fastapi", "httpcore2", "httpx2",
+    "loguru",
     "llguidance", "msgspec", "openai", "opentelemetry-api", "orjson", "oss-harmony",
     "partial-json-parser", "pybase64", "pydantic", "pydantic_core", "pyzmq", "sniffio",
     "starlette", "truststore", "typing-inspection", "typing_extensions", "xgrammar",
