@@ -540,6 +540,32 @@ def test_a_round_that_admits_nothing_never_waits_for_a_flush(make_cpu_server) ->
     clean(s)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_round_that_admits_nothing_never_waits_for_a_flush_on_cuda(make_cuda_server) -> None:
+    """The CPU test's stall with CUDA copies: the copy engine's D2H stream is kept busy
+    (about 0.2 s) before A's forward, so A's backup is still copying at the flush after
+    A's batch. B's admission evicts A's pages, its eviction waiting for those copies on
+    the GPU (a bounded host wait), and every byte B and the later L2 hit read verifies."""
+    s = make_cuda_server(device_pages=12)
+    a, b = prompt(122, 8), prompt(123, 8)
+    ra = s.submit(a)
+    reqs = s.prepare_batch()  # allocation first (SGLang's Triton kernels compile on first use)
+    with torch.cuda.stream(s.tree_cache.cache.engine.stream(Direction.D2H)):
+        torch.cuda._sleep(400_000_000)
+    s.run_batch(reqs)  # forward, checkpoint, flush
+    (op,) = [op for flow in s.tree_cache._flows.values() for op in flow.backups]
+    assert ra.finished() and op.active
+    rb = s.submit(b)
+    s.run_until_idle(max_steps=50)
+    assert rb.finished() and s.admissions[rb.rid] == (0, 0) and s.tree_cache.stats.eviction_waits == 1
+    s.settle()
+    assert s.tree_cache.cache.stats()["backups_committed"] == 2
+    evict_device(s)
+    assert serve(s, a).host_hit_length == 8 * PAGE
+    clean(s)
+
+
 @pytest.mark.parametrize("consumer_index", [-1, 0, 1, 2])
 def test_a_forward_start_finishes_the_previous_forwards_backups_whatever_the_index(
     make_cpu_server, consumer_index: int

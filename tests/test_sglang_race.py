@@ -22,9 +22,9 @@ import torch
 
 pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
-from hicache_cp.harness.bench.sglang_race_server import import_sglang_configs  # noqa: E402
+from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
 
-import_sglang_configs()  # SGLang's configs package, on a CPU torch too (see there)
+import_sglang()  # SGLang's configs package, on a CPU torch too (see hicache_cp.harness.sglang.env)
 
 from hicache_cp.harness.bench.sglang_race import run_backend, table  # noqa: E402
 from hicache_cp.harness.bench.sglang_race_forward import token_bytes_torch  # noqa: E402

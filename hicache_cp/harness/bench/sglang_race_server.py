@@ -71,19 +71,6 @@ TREE_CALLS = (
 HOOK_CALLS = ("wait_until", "set_consumer")
 
 
-def import_sglang_configs() -> None:
-    """SGLang's configs package with the real torchvision where it loads (the device image has
-    one), else as the CPU harness imports it (`env.import_sglang`: a torchvision stand-in for
-    that one import). The stand-in must not replace a working torchvision: transformers, which
-    then finds torchvision available, imports `torchvision.transforms.v2`, which it lacks."""
-    try:
-        import torchvision  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent, or a CUDA build that does not load beside a CPU torch
-        import_sglang()
-        return
-    import sglang.srt.configs  # noqa: F401
-
-
 class Stalled(RuntimeError):
     """A scheduling round of `radix` or hicache-cp admitted nothing while requests waited."""
 
@@ -227,7 +214,7 @@ class RaceServer(SGLangPrefillServer):
         extra = {"enable_hierarchical_cache": True, "hicache_ratio": spec.host_ratio,
                  "hicache_io_backend": spec.sglang_io_backend, "hicache_mem_layout": spec.sglang_layout,
                  "hicache_write_policy": "write_through", "disable_overlap_schedule": True} if hicache else {}  # fmt: skip
-        import_sglang_configs()
+        import_sglang()
         self.server_args = publish_server_args(workdir, page_size=spec.page_size, **extra)
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.managers.schedule_policy import SchedulePolicy
