@@ -131,7 +131,8 @@ def main() -> int:
     import_sglang()
     command = " ".join(["tools/sglang_jit_check.py", *sys.argv[1:]])
     result: dict[str, Any] = {"commit": git_commit(), "machine": machine(), "command": command,
-                              "gpu": torch.cuda.get_device_name(0), "cases": []}  # fmt: skip
+                              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                              "cases": []}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sglang-jit-") as tmp:
         for case in args.cases:
             pools, layout = case.split(":")
