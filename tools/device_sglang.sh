@@ -4,7 +4,7 @@
 # sglang.Engine three ways. Prepare here, then (each call <= 10 min, carry [".sglang", ".devdata"]):
 #
 #   .venv/bin/python tools/sglang_pack.py            # here: .sglang/ (sources, wheels, stand-in; ~37 MiB)
-#   mkdir -p .devdata && cp ../shared/traces/synthetic_trace.jsonl .devdata/
+#   mkdir -p .devdata && cp /work/shared/traces/synthetic_trace.jsonl .devdata/   # the shared trace
 #   run: HICACHE_COMMIT=<hash> STEPS="setup import jit tests race" RACE_LIMIT=100 bash tools/device_sglang.sh  # call 1
 #   run: HICACHE_COMMIT=<hash> STEPS="setup engine" ENGINE_MODELS="deepseek llama" bash tools/device_sglang.sh  # call 2
 #   run: HICACHE_COMMIT=<hash> STEPS=smoke bash tools/device_sglang.sh                    # every step small, ~5 min

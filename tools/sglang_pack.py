@@ -6,7 +6,7 @@
 
 The SGLang wheel cannot be installed on the device image: it pins torch 2.14.1
 (the image has 2.11), and its `sgl-kernel` 0.4.10 binary does not load there
-(five torch C++ symbols missing; PLATFORM.md). What runs there is SGLang's
+(five torch C++ symbols missing; docs/platform.md). What runs there is SGLang's
 Python over the image's torch, its own JIT kernels (built on the device by its
 `load_jit` with nvcc and apache-tvm-ffi) and its torch/Triton fallbacks. This
 packs, into the ignored folder `.sglang/`:
