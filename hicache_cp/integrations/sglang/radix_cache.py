@@ -56,11 +56,12 @@ checkpoint locks nothing: a backup only needs the device slots it reads
 until its copies (and their checksums) have run, and an eviction that frees
 such slots waits for exactly those copies, bounded by their own transfer
 (their forward has finished: the request's results were processed). The
-decision stays at the flush and concerns host pages only. A load with no device room is no hit: `init_load_back`
-returns 0 and SGLang recomputes. A load the copy engine refuses at the
-forward's start fails its request like a load that fails in flight. A
-committed host copy lacking a part raises `ConsistencyError` from
-`match_prefix` (never a target-only hit).
+decision stays at the flush and concerns host pages only.
+
+A load with no device room is no hit: `init_load_back` returns 0 and SGLang
+recomputes. A load the copy engine refuses at the forward's start fails its
+request like a load that fails in flight. A committed host copy lacking a
+part raises `ConsistencyError` from `match_prefix` (never a target-only hit).
 
 The scheduler thread never reads a device tensor per request: page ids
 reach the host in one batched read per forward (`page_ids.HostIndices`).
