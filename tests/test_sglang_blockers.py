@@ -462,10 +462,12 @@ def test_a_backup_reading_slots_freed_as_duplicates_is_waited_for_before_reuse(m
     clean(s)
 
 
-def test_device_eviction_before_the_flush_keeps_slots_an_undecided_backup_reads(make_cpu_server) -> None:
+def test_device_eviction_before_the_flush_waits_for_the_copies_that_read_its_slots(make_cpu_server) -> None:
     """Between a request's checkpoint and the after-batch flush its backup is undecided
-    (its D2H held in flight): SGLang's device tree holds the request's pages locked, so an
-    eviction then frees none of them. Once the flush decided the backup, they evict."""
+    (its D2H held in flight). SGLang's device tree holds the request's pages unlocked, so
+    an eviction then frees them, but it returns only once the copies reading them have
+    returned: nothing can allocate those slots under a copy. The backup is still decided
+    at the flush, and commits whole."""
     from conftest import Faults
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -476,19 +478,91 @@ def test_device_eviction_before_the_flush_keeps_slots_an_undecided_backup_reads(
     s.tree_cache.cache.engine.fault = faults
     reqs = s.prepare_batch()
     faults.hold()
+    done = threading.Event()
     try:
         s.run_forward(reqs)
         s.process_results(reqs)  # checkpoint: inserted into the device tree, backup undecided
+        (op,) = [op for flow in s.tree_cache._flows.values() for op in flow.backups]
+        assert s.tree_cache.protected_size() == 0 and s.tree_cache.evictable_size() == 5 * PAGE
         free = s.allocator.available_size()
-        s.tree_cache.evict(EvictParams(num_tokens=10**9))
-        assert s.allocator.available_size() == free and s.tree_cache.protected_size() == 5 * PAGE
+
+        def evict() -> None:
+            s.tree_cache.evict(EvictParams(num_tokens=10**9))
+            done.set()
+
+        worker = threading.Thread(target=evict)
+        worker.start()
+        time.sleep(0.3)
+        assert not done.is_set() and op.inflight  # the eviction waits for the held copies
     finally:
         faults.open()
+    worker.join(timeout=30)
+    assert done.is_set() and s.tree_cache.stats.eviction_waits == 1
+    assert s.allocator.available_size() == free + 5 * PAGE and op.active  # freed; the decision is the flush's
     s.tree_cache.cache.engine.fault = None
-    s.settle()  # the flush decides the backup and unlocks the path
+    s.settle()
     assert s.tree_cache.cache.stats()["backups_committed"] == 1 and req.finished_reason is not None
+    assert serve(s, a).host_hit_length == 5 * PAGE  # the copy it waited for is whole
+    clean(s)
+
+
+def test_a_round_that_admits_nothing_never_waits_for_a_flush(make_cpu_server) -> None:
+    """SGLang 0.5.23's scheduler calls nothing of a registered tree cache in a round that
+    admits nothing and runs no batch (`on_idle` returns early while requests wait,
+    `check_hicache_events` is for its own HiCache, `flush_pending_backups` follows a
+    batch). A's backup is still copying at the flush after A's batch, so it is undecided
+    until some later flush; B needs the device pages A's path holds. B's admission evicts
+    them (the copies that read them have returned by then), so the server goes on: no
+    decision is needed to free device room, and A's copy still commits whole later."""
+    from conftest import Faults
+
+    s = make_cpu_server(device_pages=12)  # 11 pages of room: A's 8 and B's 9 do not fit together
+    a, b = prompt(120, 8), prompt(121, 8)
+    faults = Faults()
+    s.tree_cache.cache.engine.fault = faults
+    faults.hold()  # A's D2H waits at the gate: undecided at the flush after A's batch
+    ra = s.submit(a)
+    s.step()  # forward, checkpoint (A inserted into SGLang's tree), flush
+    assert ra.finished()
+    (op,) = [op for flow in s.tree_cache._flows.values() for op in flow.backups]
+    assert op.active
+    faults.open()
+    for ticket in op.inflight:  # the copies return; nothing polls them before the next flush
+        ticket.wait()
+    s.tree_cache.cache.engine.fault = None
+    rb = s.submit(b)
+    s.run_until_idle(max_steps=50)  # SGLang's rounds: admission (match, PrefillAdder, evict) and the batch
+    assert rb.finished() and s.admissions[rb.rid] == (0, 0)
+    s.settle()
+    assert s.tree_cache.cache.stats()["backups_committed"] == 2
     evict_device(s)
-    assert serve(s, a).host_hit_length == 5 * PAGE
+    assert serve(s, a).host_hit_length == 8 * PAGE  # A's copy, decided after its pages left the device
+    clean(s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_round_that_admits_nothing_never_waits_for_a_flush_on_cuda(make_cuda_server) -> None:
+    """The CPU test's stall with CUDA copies: the copy engine's D2H stream is kept busy
+    (about 0.2 s) before A's forward, so A's backup is still copying at the flush after
+    A's batch. B's admission evicts A's pages, its eviction waiting for those copies on
+    the GPU (a bounded host wait), and every byte B and the later L2 hit read verifies."""
+    s = make_cuda_server(device_pages=12)
+    a, b = prompt(122, 8), prompt(123, 8)
+    ra = s.submit(a)
+    reqs = s.prepare_batch()  # allocation first (SGLang's Triton kernels compile on first use)
+    with torch.cuda.stream(s.tree_cache.cache.engine.stream(Direction.D2H)):
+        torch.cuda._sleep(400_000_000)
+    s.run_batch(reqs)  # forward, checkpoint, flush
+    (op,) = [op for flow in s.tree_cache._flows.values() for op in flow.backups]
+    assert ra.finished() and op.active
+    rb = s.submit(b)
+    s.run_until_idle(max_steps=50)
+    assert rb.finished() and s.admissions[rb.rid] == (0, 0) and s.tree_cache.stats.eviction_waits == 1
+    s.settle()
+    assert s.tree_cache.cache.stats()["backups_committed"] == 2
+    evict_device(s)
+    assert serve(s, a).host_hit_length == 8 * PAGE
     clean(s)
 
 

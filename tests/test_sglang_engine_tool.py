@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("sglang_engine_tool", ROOT / "tools" / "sglang_engine.py")
 tool = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
@@ -56,3 +58,50 @@ def test_hicache_cp_gets_the_bytes_of_sglangs_host_pool() -> None:
     # DeepSeek: 8 layers of 512 + 64 bf16; Llama: 8 layers of K and V, 2 heads of 128, bf16
     assert tool.token_bytes(tool.MODELS["deepseek"]) == 8 * 576 * 2
     assert tool.token_bytes(tool.MODELS["llama"]) == 8 * 2 * 2 * 128 * 2
+
+
+# ---- the engine's arguments, checked by SGLang 0.5.23 itself (no engine starts) ------------------
+
+
+def _check_args(model: str) -> list[dict]:
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "sglang_engine.py"), "--check-args", "--model", model],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0 and len(rows) == 3, (out.stdout[-3000:], out.stderr[-3000:])
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["deepseek", "llama"])
+def test_every_modes_arguments_pass_sglangs_own_server_args(model: str) -> None:
+    """Each mode's `sglang.Engine` arguments go through SGLang's `ServerArgs` and its
+    resolution (the plug-in registered through its entry point), with CUDA claimed here:
+    a misspelt or refused argument fails here, not in a device call."""
+    pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
+    rows = {r["mode"]: r["resolved"] for r in _check_args(model)}
+    for mode, resolved in rows.items():
+        assert resolved["page_size"] == 64 and resolved["attention_backend"] == "triton", mode
+        assert resolved["sampling_backend"] == "pytorch" and resolved["disable_cuda_graph"] is True, mode
+    assert rows["hicache-cp"]["radix_cache_backend"] == "hicache-cp"
+    assert rows["hicache-cp"]["enable_hierarchical_cache"] is False
+    assert rows["sglang-hicache"]["enable_hierarchical_cache"] is True and rows["sglang-hicache"]["hicache_ratio"] == 4.0
+    assert rows["sglang-hicache"]["hicache_io_backend"] == "kernel" and rows["sglang-hicache"]["radix_cache_backend"] is None
+    assert rows["none"]["radix_cache_backend"] is None and rows["none"]["enable_hierarchical_cache"] is False
+
+
+@pytest.mark.slow
+def test_a_value_sglangs_command_line_refuses_is_named() -> None:
+    pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
+    from hicache_cp.harness.sglang.env import import_sglang
+
+    import_sglang()
+    tool.check_cli_values({"page_size": 64, "attention_backend": "triton", "disable_cuda_graph": True})
+    with pytest.raises(ValueError, match=r"--hicache-write-policy 'write_thru': SGLang accepts \['write_back'"):
+        tool.check_cli_values({"hicache_write_policy": "write_thru"})
+    with pytest.raises(ValueError, match="--page-size 'sixty-four'"):
+        tool.check_cli_values({"page_size": "sixty-four"})

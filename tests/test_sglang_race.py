@@ -22,9 +22,9 @@ import torch
 
 pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
-from hicache_cp.harness.bench.sglang_race_server import import_sglang_configs  # noqa: E402
+from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
 
-import_sglang_configs()  # SGLang's configs package, on a CPU torch too (see there)
+import_sglang()  # SGLang's configs package, on a CPU torch too (see hicache_cp.harness.sglang.env)
 
 from hicache_cp.harness.bench.sglang_race import run_backend, table  # noqa: E402
 from hicache_cp.harness.bench.sglang_race_forward import token_bytes_torch  # noqa: E402
@@ -93,6 +93,7 @@ def test_hicache_cp_serves_the_evicted_prefix_from_host_with_every_byte_right(po
         # one request at a time, none aborted: every prompt token came from one place
         assert row["device_hit_tokens"] + row["host_hit_tokens"] + row["computed_tokens"] == row["prompt_tokens"]
         assert row["tree_cache_ms_per_request"] > 0 and "tree.match_prefix" in row["calls"]
+        assert row["idle_rounds"] == 0  # no round admitted nothing while a request waited (no stall)
     radix, ours = rows["radix"], rows["hicache-cp"]
     assert radix["host_hit_tokens"] == 0 and radix["device_hit_tokens"] == 0  # the prefix was evicted
     assert ours["host_hit_tokens"] == 6 * 64  # its six whole pages came back from host memory
@@ -101,6 +102,15 @@ def test_hicache_cp_serves_the_evicted_prefix_from_host_with_every_byte_right(po
     assert "hook.wait_until" in ours["calls"] and ours["hook_ms_per_request"] > 0
     assert ours["host_pool_bytes"] <= ours["host_bytes_spec"]
     assert "| hicache-cp |" in table(list(rows.values()))
+
+
+def test_a_round_that_admits_nothing_fails_the_run_at_once(tmp_path: Path) -> None:
+    """A prompt longer than the device pool is never admitted: the first round that admits
+    nothing while it waits is a stall (nothing the race calls would change it), recorded as
+    the row's error rather than 10,000 empty rounds."""
+    long = [req(0, tuple(range(1, 7)), tail=4 * 64)]  # 3,328 tokens for a 15-page (960-token) pool
+    row = run_backend(spec("radix"), long, tokens_per_block=512, workdir=tmp_path)
+    assert row["phase"] == "serve" and row["error"].startswith("Stalled: radix: a round admitted none"), row
 
 
 def test_a_wrong_byte_in_a_reused_prefix_is_counted(tmp_path: Path) -> None:

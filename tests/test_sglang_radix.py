@@ -508,6 +508,7 @@ ACTIONS = st.lists(
         st.tuples(st.just("evict"), st.just(0)),
         st.tuples(st.just("retract"), st.integers(0, 3)),
         st.tuples(st.just("fail_load"), st.integers(0, 3)),
+        st.tuples(st.just("evict_undecided"), st.integers(0, 3)),
     ),
     min_size=1,
     max_size=8,
@@ -520,7 +521,9 @@ def test_random_sequences_keep_every_byte_and_every_invariant(make_cpu_server, a
     """Prompts 0-3 share a 2-page system prefix; L2 holds 12 pages (evictions happen), chunks of
     2 pages. After every action: the cache's invariants, no byte read that prefill did not
     compute (except the one forward a failed load fed, which is failed), SGLang's allocator
-    whole (free + tree == capacity), nothing held."""
+    whole (free + tree == capacity), nothing held. `evict_undecided`: a request served with
+    slow D2H copies, its device pages evicted while its backup is still undecided (the
+    eviction waits for the copies), then decided by the next flush."""
     from conftest import Faults
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -533,6 +536,13 @@ def test_random_sequences_keep_every_byte_and_every_invariant(make_cpu_server, a
             serve(s, prompts[i])
         elif action == "evict":
             evict_device(s)
+        elif action == "evict_undecided":
+            s.tree_cache.cache.engine.fault = lambda direction, part, layer: time.sleep(0.002 * (direction is Direction.D2H))
+            s.submit(prompts[i])
+            s.run_until_idle()  # the flush after its batch finds its copies still in flight
+            evict_device(s)
+            s.tree_cache.cache.engine.fault = None
+            s.settle()
         elif action == "retract":
             req = s.submit(prompts[i])
             s.step()

@@ -5,24 +5,33 @@
 #
 #   .venv/bin/python tools/sglang_pack.py            # here: .sglang/ (sources, wheels, stand-in; ~37 MiB)
 #   mkdir -p .devdata && cp <the Mooncake-format trace> .devdata/synthetic_trace.jsonl
-#   run: HICACHE_COMMIT=<hash> STEPS="setup import jit race" bash tools/device_sglang.sh   # call 1, ~6-7 min
-#   run: HICACHE_COMMIT=<hash> STEPS="setup tests engine" bash tools/device_sglang.sh     # call 2, ~8-9 min
+#   run: HICACHE_COMMIT=<hash> STEPS="setup import jit tests race" RACE_LIMIT=100 bash tools/device_sglang.sh  # call 1
+#   run: HICACHE_COMMIT=<hash> STEPS="setup engine" ENGINE_MODELS="deepseek llama" bash tools/device_sglang.sh  # call 2
 #   run: HICACHE_COMMIT=<hash> STEPS=smoke bash tools/device_sglang.sh                    # every step small, ~5 min
-#   (a Llama engine once hicache-cp has MHA pools: STEPS="setup engine" ENGINE_MODELS=llama, ~5 min)
 #
-# Steps (each independent: one that fails or times out is logged and the next runs; each log in
-# $DEST starts with the commit, the machine and the command; files named <what>-<gpu>-<commit>):
+# A CPU rehearsal (no GPU; the venv holds SGLang and every wheel): WHEELS=0 skips the setup's
+# install, and each step runs as far as a CPU lets it (the trace fakes CUDA, the GPU tests
+# collect and skip, the race runs radix and hicache-cp on CPU, the engine only checks its
+# arguments with ENGINE_ARGS=--check-args):
+#   WHEELS=0 PYTHON=.venv/bin/python OUT=/tmp/rehearsal STEPS="setup import jit tests race engine" \
+#     RACE_ARGS="--limit 4 --layers 4 --dim 64 --device-pages 64" ENGINE_ARGS=--check-args bash tools/device_sglang.sh
+#
+# Steps, run in this order whatever the order of STEPS (each independent: one that fails or times
+# out is logged and the next runs; each log in $DEST starts with the commit, the machine and the
+# command; files named <what>-<gpu>-<commit>):
 #   setup    .sglang/whl/*.whl into $SITE (pip --no-index --no-deps --target), sglang-src.tar.gz over it
-#            (SGLang, its cp312 Rust tree core, the sgl_kernel stand-in, hicache-cp's plug-in entry point)
+#            (SGLang, its cp312 Rust tree core, the sgl_kernel stand-in, hicache-cp's plug-in entry point);
+#            WHEELS=0: nothing installed, the versions printed
 #   import   tools/sglang_pack.py trace: SGLang's modules imported on the GPU, the stand-in names they
 #            import, whether the Rust tree core loads                       -> sglang-import-*.json
 #   jit      tools/sglang_jit_check.py: SGLang's HiCache JIT kernels built by its own load_jit, a
 #            byte-exact host<->device round trip through its controller (MLA, MHA; page_first,
 #            layer_first)                                                   -> sglang-jit-*.json
+#   tests    pytest -m gpu: the GPU tests of tests/test_sglang_radix.py, test_sglang_blockers.py and
+#            test_sglang_race.py (their CPU tests run in CI)               -> sglang-tests-*.log, junit
 #   race     hicache-cp bench-sglang: radix / hicache-cp / SGLang's HiCache on the shared trace and the
-#            embedded workload, MLA and DSA pools (RACE_ARGS adds flags)    -> sglang-race-*.json
-#   tests    pytest tests/test_sglang_radix.py tests/test_sglang_race.py tests/test_sglang_pack.py
-#            tests/test_l3_sglang.py (their GPU tests included)             -> sglang-tests-*.log, junit
+#            embedded workload, MLA and DSA pools (RACE_ARGS adds flags; it gets what the deadline
+#            leaves, and its JSON is written after each workload)         -> sglang-race-*.json
 #   engine   tools/sglang_engine.py for each of ENGINE_MODELS (default "deepseek"; "llama" too)
 #                                                                           -> sglang-engine-<model>-*.json
 #   smoke    setup, then every step small (import subset, jit on MLA page_first, race of 20 requests on
@@ -69,9 +78,11 @@ if want setup; then
   step setup
   run "sglang-setup-$TAG" 180 bash -c '
     set -e
-    rm -rf "$0" && mkdir -p "$0"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$0" .sglang/whl/*.whl
-    tar -xzf .sglang/sglang-src.tar.gz -C "$0"
+    if [ "${WHEELS:-1}" = 1 ]; then
+      rm -rf "$0" && mkdir -p "$0"
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$0" .sglang/whl/*.whl
+      tar -xzf .sglang/sglang-src.tar.gz -C "$0"
+    fi
     "$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|triton|numpy|transformers|huggingface.hub|tokenizers) " || true
     "$PY" -c "import transformers, tvm_ffi, sglang, torch; print(\"transformers\", transformers.__version__, transformers.__file__); print(\"tvm_ffi\", tvm_ffi.__file__); print(\"sglang\", sglang.__file__); print(\"torch\", torch.__version__, torch.version.cuda)"
     which nvcc && nvcc --version | tail -2
@@ -97,22 +108,22 @@ if want jit; then
   run "sglang-jit-$TAG" 300 "$PY" tools/sglang_jit_check.py --json "$DEST/sglang-jit-$TAG.json" $cases
 fi
 
+if want tests; then
+  step "the SGLang plug-in's GPU tests"
+  files="tests/test_sglang_radix.py tests/test_sglang_blockers.py tests/test_sglang_race.py"
+  [ "$SMOKE" = 1 ] && files="tests/test_sglang_race.py"
+  # shellcheck disable=SC2086
+  run "sglang-tests-$TAG" 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs -o faulthandler_timeout=120 \
+    --continue-on-collection-errors -o junit_family=xunit1 --junitxml="$DEST/sglang-tests-$TAG.xml" $files
+fi
+
 if want race; then
   step "the race: hicache-cp against SGLang's HiCache, one process, one GPU"
   args=${RACE_ARGS:-}
   [ "$SMOKE" = 1 ] && args="--limit 20 --layers 8 --workloads embedded $args"
   # shellcheck disable=SC2086 - RACE_ARGS is a list of flags
-  run "sglang-race-$TAG" 330 "$PY" -m hicache_cp -v bench-sglang --json "$DEST/sglang-race-$TAG.json" \
+  run "sglang-race-$TAG" 480 "$PY" -m hicache_cp -v bench-sglang --json "$DEST/sglang-race-$TAG.json" \
     --limit "${RACE_LIMIT:-150}" $args
-fi
-
-if want tests; then
-  step "the SGLang plug-in's tests on CUDA"
-  files="tests/test_sglang_radix.py tests/test_sglang_race.py tests/test_sglang_pack.py tests/test_l3_sglang.py"
-  [ "$SMOKE" = 1 ] && files="tests/test_sglang_race.py"
-  # shellcheck disable=SC2086
-  run "sglang-tests-$TAG" 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs -o faulthandler_timeout=120 --continue-on-collection-errors \
-    -o junit_family=xunit1 --junitxml="$DEST/sglang-tests-$TAG.xml" $files
 fi
 
 if want engine; then

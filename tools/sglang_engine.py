@@ -30,6 +30,13 @@ here), prompt tokens from device / host / computed (SGLang's own
 `none` run's, the engine's start time, and the error where a mode failed.
 JSON with commit, machine and command; one line per mode on stdout as it
 finishes.
+
+`--check-args` starts no engine: each mode's arguments go through SGLang's own
+`ServerArgs` and its resolution (what `sglang.Engine` does before it starts a
+process), with the plug-in loaded through SGLang's plug-in entry point; where
+there is no GPU, torch claims one (an H100) and the `sgl_kernel` stand-in is on
+the path, as `tools/sglang_pack.py trace` does. It prints each mode's resolved
+cache and attention settings and fails on the first argument SGLang refuses.
 """
 
 from __future__ import annotations
@@ -112,6 +119,72 @@ def engine_kwargs(mode: str, args: argparse.Namespace, model_dir: Path, host_rat
         kw.update(enable_hierarchical_cache=True, hicache_ratio=host_ratio, hicache_io_backend="kernel",
                   hicache_mem_layout="page_first", hicache_write_policy="write_through")  # fmt: skip
     return kw
+
+
+RESOLVED = ("attention_backend", "sampling_backend", "radix_cache_backend", "enable_hierarchical_cache",
+            "hicache_ratio", "hicache_io_backend", "hicache_mem_layout", "hicache_write_policy", "page_size",
+            "max_total_tokens", "chunked_prefill_size", "disable_cuda_graph", "disable_overlap_schedule")  # fmt: skip
+
+
+def check_args(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each mode's engine arguments through SGLang's `ServerArgs(**kwargs)` and
+    `resolve_once()` (see the module docstring); one record per mode, with the error
+    where SGLang refused them."""
+    import torch
+
+    if not torch.cuda.is_available():
+        tools = Path(__file__).resolve().parent
+        sys.path[:0] = [str(tools / "sglang_shims"), str(tools)]
+        import sglang_pack
+
+        sglang_pack.fake_cuda_for_imports()
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()  # as sglang.Engine does first: hicache-cp registers through its entry point
+    out = []
+    with tempfile.TemporaryDirectory(prefix="sglang-engine-args-") as tmp:
+        model_dir = Path(tmp)
+        (model_dir / "config.json").write_text(json.dumps(MODELS[args.model]))
+        for mode in args.modes:
+            row: dict[str, Any] = {"mode": mode, "model": args.model}
+            try:
+                kwargs = engine_kwargs(mode, args, model_dir, args.host_ratio)
+                check_cli_values(kwargs)
+                server_args = ServerArgs(**kwargs)
+                server_args.resolve_once()
+                row["resolved"] = {k: getattr(server_args, k) for k in RESOLVED}
+                backend = server_args.radix_cache_backend
+                if backend is not None and get_radix_cache_factory(backend) is None:
+                    raise ValueError(f"--radix-cache-backend {backend}: not registered by any loaded plug-in")
+            except Exception as exc:  # noqa: BLE001 - the outcome is the record
+                row["error"] = f"{type(exc).__name__}: {exc}"[:800]
+            out.append(row)
+    return out
+
+
+def check_cli_values(kwargs: dict[str, Any]) -> None:
+    """Each value against SGLang's own command-line definition of its argument (choices
+    and type; `ServerArgs(**kwargs)` checks the names only). Raises ValueError naming the
+    argument; arguments without a command line (`no_cli` fields) are left to ServerArgs."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    actions = {a.dest: a for a in parser._actions}  # noqa: SLF001 - argparse keeps no public map
+    for key, value in kwargs.items():
+        action = actions.get(key)
+        if action is None or isinstance(value, bool):
+            continue
+        flag = action.option_strings[0] if action.option_strings else key
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"{flag} {value!r}: SGLang accepts {sorted(map(str, action.choices))}")
+        if callable(action.type):
+            try:
+                action.type(str(value))
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+                raise ValueError(f"{flag} {value!r}: {exc}") from exc
 
 
 def run_child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -231,6 +304,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per mode")
     ap.add_argument("--quick", action="store_true", help="2 groups x 2 rounds of 1,024-token prefixes (smoke)")
+    ap.add_argument("--check-args", action="store_true", help="check every mode's arguments with SGLang's ServerArgs; start nothing")
     ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -240,6 +314,11 @@ def main() -> int:
         prompt = args.prefix_tokens + args.suffix_tokens + args.new_tokens
         args.device_tokens = -(-int(prompt * 2.2) // PAGE) * PAGE
     os.environ.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
+    if args.check_args:
+        checked = check_args(args)
+        for row in checked:
+            print(json.dumps(row, default=str), flush=True)
+        return 1 if any("error" in row for row in checked) else 0
     if args.child:
         try:
             row = run_child(args.child, args)
@@ -268,13 +347,13 @@ def main() -> int:
         print(json.dumps({k: v for k, v in row.items() if k not in ("requests", "stderr_tail", "traceback")}), flush=True)
         if "error" in row:
             print(row.get("traceback") or row.get("stderr_tail", ""), flush=True)
-    summarise(rows)
+        summarise(rows)
+        if args.json:  # after every mode: a call cut short keeps the modes that ran
+            command = " ".join(["tools/sglang_engine.py", *sys.argv[1:]])
+            write_json(args.json, {"commit": git_commit(), "machine": machine(), "command": command,
+                                   "model": MODELS[args.model], "modes": rows,
+                                   "config": {k: v for k, v in vars(args).items() if k != "json"}})  # fmt: skip
     print(table(rows))
-    if args.json:
-        command = " ".join(["tools/sglang_engine.py", *sys.argv[1:]])
-        write_json(args.json, {"commit": git_commit(), "machine": machine(), "command": command,
-                               "model": MODELS[args.model], "modes": rows,
-                               "config": {k: v for k, v in vars(args).items() if k != "json"}})  # fmt: skip
     ok = all("error" not in r and r.get("greedy_identical_to_none", True) for r in rows.values())
     return 0 if ok else 1
 

@@ -44,9 +44,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache_cp.harness.bench.sglang_race import failure_record  # noqa: E402
-from hicache_cp.harness.bench.sglang_race_server import RaceServer, RaceSpec, import_sglang_configs  # noqa: E402
+from hicache_cp.harness.bench.sglang_race_server import RaceServer, RaceSpec  # noqa: E402
 from hicache_cp.harness.outputs import write_json  # noqa: E402
 from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
+from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
 
 CASES = (("mla", "page_first"), ("mla", "layer_first"), ("mha", "page_first"), ("mha", "layer_first"))
 
@@ -127,10 +128,11 @@ def main() -> int:
     ap.add_argument("--cases", nargs="+", default=[f"{p}:{lay}" for p, lay in CASES], help="pools:layout")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
-    import_sglang_configs()
+    import_sglang()
     command = " ".join(["tools/sglang_jit_check.py", *sys.argv[1:]])
     result: dict[str, Any] = {"commit": git_commit(), "machine": machine(), "command": command,
-                              "gpu": torch.cuda.get_device_name(0), "cases": []}  # fmt: skip
+                              "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                              "cases": []}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sglang-jit-") as tmp:
         for case in args.cases:
             pools, layout = case.split(":")

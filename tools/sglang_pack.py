@@ -89,7 +89,8 @@ TRACE_MODULES = (
     "sglang.srt.model_executor.model_runner", "sglang.srt.models.deepseek_v2", "sglang.srt.models.llama",
     "sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.attention.torch_native_backend",
     "sglang.srt.layers.sampler", "sglang.srt.model_loader.loader", "sglang.srt.entrypoints.engine",
-    "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager", "sglang.srt.plugins",
+    "hicache_cp.integrations.sglang.radix_cache",  # what the scheduler's plug-in loader imports
 )  # fmt: skip
 
 SKIP_DIRS = ("srt/rust_extensions", "multimodal_gen")
@@ -267,6 +268,21 @@ def _fake_cuda() -> None:
     torch.cuda.current_device = lambda: 0
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
     torch.cuda.get_device_name = lambda *a, **k: "NVIDIA H100 80GB HBM3"
+
+
+def fake_cuda_for_imports() -> None:
+    """What the trace child does before importing SGLang on a machine without a GPU: torch
+    claims one (`_fake_cuda`, with 80 GiB free for SGLang's memory sizing), the torchvision
+    stand-in where torch is a CPU build, sgl-kernel's version check off. Process-wide:
+    call it in a process of its own (the trace child, `tools/sglang_engine.py --check-args`)."""
+    import torch
+
+    os.environ.setdefault("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "1")
+    cpu_build = not torch_has_cuda_build()  # before `_fake_cuda` names a CUDA version
+    _fake_cuda()
+    torch.cuda.mem_get_info = lambda *a, **k: (80 << 30, 80 << 30)
+    if cpu_build:
+        _stand_in_torchvision()
 
 
 def _stand_in_torchvision() -> None:

@@ -17,8 +17,9 @@ consecutive layers of one op and part go in one launch. Until its checksums
 ran a ticket is PENDING; a mismatch makes it FAILED with the IntegrityError
 (`make_compute_wait` still waits for the copy only: the forward never waits
 for a check, the op's decision does). The device pages a backup reads stay
-unchanged until it is decided (its pages are held), so checksumming them
-after the copy sees the bytes the copy read.
+unchanged until its tickets completed (their owner reuses them only once the
+op is decided or its tickets were waited for: `wait` runs the checksums too),
+so checksumming them after the copy sees the bytes the copy read.
 
 Runs on the thread that drives the engine (the one that queries its tickets).
 """

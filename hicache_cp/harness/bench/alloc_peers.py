@@ -308,9 +308,9 @@ def load_sglang_host_kv_cache() -> tuple[type | None, dict[str, str]]:
 
     Returns ``(None, info)`` with the reason when sglang is missing, is not
     version 0.5.23, or its module does not import. SGLang is imported as
-    installed (`hicache_cp.harness.sglang.env.import_sglang`: torchvision is a
-    stand-in while `sglang.srt.configs` imports, since a CPU torch has no
-    working torchvision).
+    installed (`hicache_cp.harness.sglang.env.import_sglang`: where torchvision
+    does not import, as beside a CPU torch, it is a stand-in while
+    `sglang.srt.configs` imports).
     """
     try:
         from importlib.metadata import PackageNotFoundError, version
@@ -332,8 +332,8 @@ def load_sglang_host_kv_cache() -> tuple[type | None, dict[str, str]]:
         "impl": "sglang",
         "version": installed,
         "code": f"{_SGLANG_BASE}.HostKVCache.alloc/free as installed ({module.__file__})",
-        "import_route": "sglang imported as installed; torchvision is a stand-in during the import of "
-        "sglang.srt.configs only (hicache_cp.harness.sglang.env)",
+        "import_route": "sglang imported as installed; torchvision, where it does not import, is a stand-in "
+        "during the import of sglang.srt.configs only (hicache_cp.harness.sglang.env)",
     }
 
 

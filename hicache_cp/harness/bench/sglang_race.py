@@ -179,7 +179,7 @@ def _measure(server: RaceServer, prompt_tokens: int, calibration: list[tuple[int
         "calibration": [{"new_tokens": n, "ms": ms} for n, ms in calibration],
         "exposed_load_ms": exposed["load"], "exposed_backup_ms": exposed["backup"],
         "tree_core": server.tree_core(),
-        "idle_flushes": server.idle_flushes,
+        "idle_rounds": server.idle_rounds,
         "sglang_layout": server.race.sglang_layout if server.race.backend == "sglang-hicache" else None,
         "plugin": vars(server.tree_cache.stats) if server.race.backend == "hicache-cp" else None,
     }  # fmt: skip

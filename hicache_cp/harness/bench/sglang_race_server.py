@@ -23,12 +23,13 @@ changes:
   `prepare_for_extend` (`Scheduler.get_next_batch_to_run`);
 - a round that admits nothing while requests wait: SGLang 0.5.23's scheduler
   then calls nothing of a registered tree cache (`check_hicache_events` only
-  for its own HiCache, `flush_pending_backups` only after a batch), so
-  hicache-cp's backups that had not landed at the last flush keep their
-  device pages locked and the server stalls for good. The race calls
-  `flush_pending_backups` in such a round (the call the plug-in needs from an
-  idle scheduler) and counts it (`idle_flushes`), so the run goes on and the
-  count says how often a real server would have hung;
+  for its own HiCache, `flush_pending_backups` only after a batch), and the
+  race calls nothing either; it counts such rounds (`idle_rounds`). Without
+  a batch in flight nothing changes between them for `radix` or hicache-cp
+  (its undecided backups never hold device pages: `radix_cache`), so for
+  those one such round is a server stalled for good, and the race fails it
+  at once (`Stalled`); SGLang's HiCache may make progress in one (its
+  events are checked each round);
 - the forward: `sglang_race_forward.RaceForward` (bytes made and checked on
   the device, a compute-bound stand-in for the model);
 - the clock: `SchedulerClock` times, on the scheduler thread, every call the
@@ -70,17 +71,8 @@ TREE_CALLS = (
 HOOK_CALLS = ("wait_until", "set_consumer")
 
 
-def import_sglang_configs() -> None:
-    """SGLang's configs package with the real torchvision where it loads (the device image has
-    one), else as the CPU harness imports it (`env.import_sglang`: a torchvision stand-in for
-    that one import). The stand-in must not replace a working torchvision: transformers, which
-    then finds torchvision available, imports `torchvision.transforms.v2`, which it lacks."""
-    try:
-        import torchvision  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent, or a CUDA build that does not load beside a CPU torch
-        import_sglang()
-        return
-    import sglang.srt.configs  # noqa: F401
+class Stalled(RuntimeError):
+    """A scheduling round of `radix` or hicache-cp admitted nothing while requests waited."""
 
 
 @dataclass(frozen=True)
@@ -222,11 +214,15 @@ class RaceServer(SGLangPrefillServer):
         extra = {"enable_hierarchical_cache": True, "hicache_ratio": spec.host_ratio,
                  "hicache_io_backend": spec.sglang_io_backend, "hicache_mem_layout": spec.sglang_layout,
                  "hicache_write_policy": "write_through", "disable_overlap_schedule": True} if hicache else {}  # fmt: skip
-        import_sglang_configs()
+        import_sglang()
         self.server_args = publish_server_args(workdir, page_size=spec.page_size, **extra)
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.managers.schedule_policy import SchedulePolicy
 
+        self.groups = None
+        # One rank, SGLang's normal loop: the forward runs on the scheduler's stream (no overlap).
+        self.schedule_stream = torch.cuda.default_stream() if spec.device != "cpu" else None
+        self.forward_stream = None
         self.pools = build_race_pools(spec)
         self.target, self.drafts, self.params = self.pools.target, (), self.pools.params
         self.req_to_token_pool, self.allocator = self.params.req_to_token_pool, self.params.token_to_kv_pool_allocator
@@ -247,7 +243,7 @@ class RaceServer(SGLangPrefillServer):
         self._rid = 0
         self._batch: Any = None
         self.admissions: dict[str, tuple[int, int]] = {}
-        self.idle_flushes = 0
+        self.idle_rounds = 0
 
     # ---- the tree caches, as SGLang builds them -----------------------------------------------
 
@@ -337,9 +333,13 @@ class RaceServer(SGLangPrefillServer):
             checkpoint_kv_cache(self.chunked_req, self.tree_cache)
         reqs = self._schedule()
         if not reqs:
-            if self.race.backend == "hicache-cp" and self.waiting:
-                self.idle_flushes += 1  # see the module docstring: a stalled round decides what landed
-                self.tree_cache.flush_pending_backups()
+            if self.waiting:
+                self.idle_rounds += 1
+                if not hicache:
+                    raise Stalled(f"{self.race.backend}: a round admitted none of {len(self.waiting)} waiting requests "
+                                  f"(device free {self.allocator.available_size()}, evictable "
+                                  f"{self.tree_cache.evictable_size()}, protected {self.tree_cache.protected_size()} "
+                                  "tokens) and nothing else would ever change that")  # fmt: skip
             return []
         if self.chunked_req is not None:
             self.chunked_req.inflight_middle_chunks += 1

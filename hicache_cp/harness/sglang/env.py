@@ -3,14 +3,20 @@
 Two things stand between SGLang's scheduler-side modules and a CPU machine:
 
 - `sglang.srt.configs` (imported by its memory pools) imports the configs of
-  every multimodal model, and three of them import `torchvision.transforms`
-  at module level for image preprocessing. PyPI's torchvision is a CUDA build
-  whose operators do not load beside a CPU torch (importing it raises), and
-  installing it breaks `transformers` for the whole environment. So, for the
-  duration of that one import only, `torchvision` is a stand-in module whose
-  every attribute raises when used; it is removed from `sys.modules`
-  afterwards, and transformers' own probe still reports torchvision absent.
-  Nothing that runs here preprocesses an image.
+  every multimodal model, and some of them import `torchvision.transforms`
+  at module level for image preprocessing. Where torchvision is installed
+  (the GPU image has 0.26) it is imported as it is. Where it is not (a CPU
+  torch: PyPI's torchvision is a CUDA build whose operators do not load
+  beside it, and installing it breaks `transformers` for the whole
+  environment), and only there, `torchvision` is a stand-in module for the
+  duration of that one import, whose every attribute raises when used; it is
+  removed from `sys.modules` afterwards. It never executes: nothing that runs
+  here preprocesses an image, and transformers' own probe (is the package
+  findable?) reports torchvision absent, so transformers imports nothing
+  from it. A stand-in beside an installed torchvision would be found by that
+  probe, and transformers would import `torchvision.transforms.v2` from it
+  and fail; an installed torchvision that does not import fails
+  transformers the same way, so that is an error naming it.
 - Its process-wide runtime context (`sglang.srt.runtime_context.publish`)
   must hold a `ServerArgs` before pools are built. `publish_server_args`
   publishes a real `ServerArgs` for a tiny model directory (a DeepSeek-V3
@@ -23,6 +29,7 @@ Two things stand between SGLang's scheduler-side modules and a CPU machine:
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
@@ -78,8 +85,12 @@ def _stand_in(name: str) -> types.ModuleType:
 
 
 def import_sglang() -> None:
-    """Import SGLang's configs package once (see the module docstring); idempotent."""
+    """Import SGLang's configs package once, with the torchvision stand-in only where
+    torchvision is not installed (see the module docstring); idempotent."""
     if "sglang.srt.configs" in sys.modules:
+        return
+    if torchvision_loads():
+        import sglang.srt.configs  # noqa: F401
         return
     from transformers.utils import import_utils
 
@@ -92,6 +103,24 @@ def import_sglang() -> None:
     finally:
         for name in added:
             sys.modules.pop(name, None)
+
+
+def torchvision_loads() -> bool:
+    """True where torchvision is installed and imports; False where it is not installed
+    (the stand-in's case). An installed torchvision that does not import raises
+    ImportError naming it: transformers, which finds it installed, would import it too."""
+    if "torchvision" in sys.modules:
+        return True
+    if importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - e.g. a CUDA build's operators beside a CPU torch
+        raise ImportError(
+            f"torchvision is installed but does not import ({type(exc).__name__}: {exc}); transformers finds it "
+            "installed and would import it for SGLang's configs: install the build matching torch, or uninstall it"
+        ) from exc
+    return True
 
 
 def publish_server_args(workdir: Path, model: dict[str, Any] | None = None, **server_args: Any) -> Any:

@@ -32,20 +32,36 @@ scheduler calls (the model is FlexKV's tree cache, `storage/flexkv/`):
                                  SGLang's insert; failed, or refused at the forward's start
                                  -> nothing of the request enters either tree and it
                                  finishes with an error (its forward read the failed
-                                 pages); the inserted path stays locked until its backups
-                                 are decided
+                                 pages); the inserted path stays evictable, its last node
+                                 noted as read by the request's undecided backups
     flush_pending_backups()      after each batch: poll (commit: visible to match_prefix;
-                                 abort: released), unlock decided paths, L2 free room
+                                 abort: released), L2 free room
+    evict(params)                SGLang's eviction (it evicts only when it needs room); the
+                                 copies still reading the slots it freed are waited for
+                                 before it returns, so nothing reuses them under a copy
     free_kv_row / on_release     slots go back to SGLang only once no copy into or out of
                                  them is in flight
     release_aborted_request      an aborted attempt drops its offer and its locks
 
 All-or-nothing, visibility on commit, free room and eviction are hicache-cp's
-rules (`HiCache`). A load with no device room is no hit: `init_load_back`
-returns 0 and SGLang recomputes. A load the copy engine refuses at the
-forward's start fails its request like a load that fails in flight. A
-committed host copy lacking a part raises `ConsistencyError` from
-`match_prefix` (never a target-only hit).
+rules (`HiCache`).
+
+Device room never waits for a decision. SGLang 0.5.23's scheduler calls
+nothing of a registered tree cache in a round that admits nothing and runs
+no batch (its `on_idle` returns early while requests wait; it calls
+`check_hicache_events` only for its own HiCache, and `flush_pending_backups`
+only after a batch). A device path held until its backups are decided
+would then stall for good a queue whose admission needs those pages. So a
+checkpoint locks nothing: a backup only needs the device slots it reads
+until its copies (and their checksums) have run, and an eviction that frees
+such slots waits for exactly those copies, bounded by their own transfer
+(their forward has finished: the request's results were processed). The
+decision stays at the flush and concerns host pages only.
+
+A load with no device room is no hit: `init_load_back` returns 0 and SGLang
+recomputes. A load the copy engine refuses at the forward's start fails its
+request like a load that fails in flight. A committed host copy lacking a
+part raises `ConsistencyError` from `match_prefix` (never a target-only hit).
 
 The scheduler thread never reads a device tensor per request: page ids
 reach the host in one batched read per forward (`page_ids.HostIndices`).
@@ -75,12 +91,12 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from sglang.srt.mem_cache.base_prefix_cache import (
     CacheRequestHandle,
     EvictParams,
+    EvictResult,
     InitLoadBackParams,
     MatchPrefixParams,
     MatchResult,
-    TreeLock,
 )
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from hicache_cp import Agreement, BackupOp, HiCache, LoadOp, LoadState, Model
 from hicache_cp import MatchResult as HostMatch
@@ -113,7 +129,6 @@ class _Flow:
     loaded_slots: torch.Tensor | None = None  # request-owned slots the load writes, until checkpoint
     kv: Any = None  # the request's ReqKvInfo (its row), to find the flow when SGLang frees slots
     backups: list[BackupOp] = field(default_factory=list)
-    locks: list[tuple[TreeLock, list[BackupOp]]] = field(default_factory=list)
     freed: list[tuple[int, int]] = field(default_factory=list)  # row positions SGLang's insert freed
 
     @property
@@ -142,6 +157,7 @@ class PluginStats:
     refused_loads: int = 0  # offers without device room (SGLang recomputed)
     reserved_pages: int = 0  # write-through reservations
     duplicate_waits: int = 0  # backups whose source slots SGLang freed as duplicates (waited for)
+    eviction_waits: int = 0  # evictions that waited for a backup still reading the slots they freed
 
 
 class HiCacheCpRadixCache(RadixCache):
@@ -159,6 +175,11 @@ class HiCacheCpRadixCache(RadixCache):
         """`forward_stream`: the model runner's forward stream (the fence of copies the
         scheduler thread submits); None where there is none (CPU)."""
         self._flows: dict[CacheRequestHandle, _Flow] = {}
+        # SGLang's device nodes whose slots undecided backups may still read (keyed by the
+        # inserted path's last node: its ancestors evict only after it), and the backups of
+        # the nodes the eviction in progress deleted.
+        self._read_by: dict[TreeNode, list[BackupOp]] = {}
+        self._evicted_reads: list[BackupOp] = []
         super().__init__(params)
         target = params.token_to_kv_pool_allocator.get_kvcache()
         self.kv = SGLangKV.from_pools(target, draft_pools)
@@ -324,24 +345,54 @@ class HiCacheCpRadixCache(RadixCache):
         self._wait_for_freed_sources(req, flow)
         pending = [op for op in flow.backups if op.active]
         if pending and req.last_node is not self.root_node:
-            flow.locks.append((self.lock(req.last_node), pending))
+            self._note_readers(req.last_node, pending)
         flow.backups = pending
 
     def flush_pending_backups(self) -> None:
-        """After every batch: commit or abort what landed, unlock decided paths, free room."""
+        """After every batch: commit or abort what landed (decided copies read no slot), free room."""
         self._finish_forward()
         self.cache.poll()
         for flow in list(self._flows.values()):
             flow.backups = [op for op in flow.backups if op.active]
-            keep = []
-            for lock, ops in flow.locks:
-                if any(op.active for op in ops):
-                    keep.append((lock, ops))
-                else:
-                    self.unlock(lock)
-            flow.locks = keep
+        for node, ops in list(self._read_by.items()):
+            ops[:] = [op for op in ops if op.active]
+            if not ops:
+                del self._read_by[node]
         self._forget_idle()
         self.cache.ensure_free()
+
+    # ---- device eviction -----------------------------------------------------------------
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        """SGLang's eviction; before it returns (so before anything can allocate a freed
+        slot again) the copies of undecided backups that read the freed slots are waited
+        for. A host wait only where such a backup is still copying: bounded by that copy,
+        whose forward has finished (see the module docstring). O(evicted nodes)."""
+        try:
+            return super().evict(params)
+        finally:
+            ops, self._evicted_reads = self._evicted_reads, []
+            for op in ops:
+                op.reap()  # non-blocking: copies that returned leave flight
+            busy = [op for op in ops if op.inflight]
+            if busy:
+                self.stats.eviction_waits += 1
+                logger.debug("hicache-cp: eviction waits for %d backups reading its slots", len(busy))
+                _wait_copies(busy)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        """SGLang's eviction deletes `node` (its slots were just freed): its readers are
+        waited for when the eviction returns (`evict`)."""
+        ops = self._read_by.pop(node, None)
+        if ops:
+            self._evicted_reads.extend(ops)
+        super()._delete_leaf(node)
+
+    def _note_readers(self, node: TreeNode, ops: list[BackupOp]) -> None:
+        """`ops` read slots of the path ending at `node` (SGLang splits keep `node` as the
+        deepest part, and an ancestor is a leaf only once `node` was evicted)."""
+        known = self._read_by.setdefault(node, [])
+        known.extend(op for op in ops if op not in known)
 
     # ---- freeing -------------------------------------------------------------------------
 
@@ -398,6 +449,8 @@ class HiCacheCpRadixCache(RadixCache):
         for handle in list(self._flows):
             self._drop_offer(handle)
         self._flows.clear()
+        self._read_by.clear()
+        self._evicted_reads.clear()
         self._staged.clear()
         self.indices.resolve()
         self.cache.drain()
@@ -508,7 +561,7 @@ class HiCacheCpRadixCache(RadixCache):
 
     def _forget_idle(self) -> None:
         for handle, flow in list(self._flows.items()):
-            idle = flow.kv is None and flow.match is None and not flow.locks and not flow.backups and not flow.load_staged
+            idle = flow.kv is None and flow.match is None and not flow.backups and not flow.load_staged
             if idle and (flow.load is None or not flow.load.active):
                 del self._flows[handle]
 
