@@ -19,7 +19,8 @@ cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/vllm-site}
 DEFAULT_STEPS="ops smoke race"
 source tools/device_env.sh
-export HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# vLLM's own switch off its FlashInfer sampler (flashinfer is not on the image; PyTorch sampling runs)
+export HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 LOG=$DEST/vllm-race.log
 {
 header "STEPS=\"$STEPS\" bash tools/device_vllm_race.sh"
