@@ -67,7 +67,7 @@ MODELS: dict[str, dict[str, Any]] = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 1024,
         "intermediate_size": 4096, "moe_intermediate_size": 512, "num_hidden_layers": 8,
         "num_nextn_predict_layers": 0, "num_attention_heads": 8, "num_key_value_heads": 8, "n_routed_experts": 8,
-        "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 8, "kv_lora_rank": 512,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 8, "moe_layer_freq": 1, "kv_lora_rank": 512,
         "q_lora_rank": 768, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
         "vocab_size": 32000, "max_position_embeddings": 32768, "torch_dtype": "bfloat16", "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
