@@ -98,7 +98,7 @@ class Evictor:
 
     def ensure_free(self) -> None:
         """Evict each tier back up to its free-room target when under it."""
-        self.release_quarantine()
+        self.s.release_quarantine()
         self.drop_loaded_copies()
         self.make_room("l1", 0, 0)
         self.make_room("l2", 0, 0)
@@ -132,7 +132,7 @@ class Evictor:
         through `CacheState.drop_host_copy(node, Removal.INTEGRITY)`, which announces
         it (HOST removed), makes the node tier's journal forget it (never adopted
         again) and clears its identity tags at once; its pages are freed once no
-        active load reads them (`release_quarantine`). `others` are pages the node
+        active load reads them (`CacheState.release_quarantine`). `others` are pages the node
         named but another copy holds (a stale copy's): left alone. Returns the pages
         dropped. O(nodes + pages)."""
         s = self.s
@@ -148,23 +148,7 @@ class Evictor:
                            s.rank, node, node.num_pages, reason)  # fmt: skip
             s.drop_host_copy(node, Removal.INTEGRITY, others)
             s.tree.prune(node)
-        self.release_quarantine()
         return dropped
-
-    def release_quarantine(self) -> None:
-        """Free dropped copies' pages that no active load reads any more. O(dropped + loading pages)."""
-        s = self.s
-        if not s.quarantine:
-            return
-        reading = [op.host_pages for op in s.loads if op.active]
-        busy = np.concatenate(reading) if reading else np.empty(0, np.int64)
-        keep: list[np.ndarray] = []
-        for pages in s.quarantine:
-            if len(busy) and np.isin(pages, busy).any():
-                keep.append(pages)
-            elif len(pages):
-                s.free_host_pages(pages, forgotten=True)  # journal and tags forgot them at the drop
-        s.quarantine = keep
 
     def make_room(self, tier: str, need: int, first_position: int) -> bool:
         """Evict until `tier` has `need` pages for these positions plus its

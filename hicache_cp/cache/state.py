@@ -108,7 +108,7 @@ class CacheState:
     l3: L3Hooks | None = None  # the L3 tier, when configured (cache.tier3)
     events: EventLog | None = None  # KV cache events for routers, when asked for (hicache_cp.events)
     #: L2 pages of copies dropped after a failed check, freed once no active load reads them
-    #: (`drop_host_copy` with `Removal.INTEGRITY`, `Evictor.release_quarantine`).
+    #: (`drop_host_copy` with `Removal.INTEGRITY`, `release_quarantine`).
     quarantine: list[np.ndarray] = field(default_factory=list)
     node: NodeHooks | None = None  # the node tier, when configured (cache.node_tier)
 
@@ -179,9 +179,25 @@ class CacheState:
             pages = self.l3.on_evict_l2(pages)
         if failed:
             self.quarantine.append(pages)
+            self.release_quarantine()
         else:
             self.free_host_pages(pages, forgotten=True)
         self.tree.refresh_family(node)
+
+    def release_quarantine(self) -> None:
+        """Free dropped copies' pages that no active load reads any more (their journal
+        entries and tags went at the drop). O(dropped + loading pages)."""
+        if not self.quarantine:
+            return
+        reading = [op.host_pages for op in self.loads if op.active]
+        busy = np.concatenate(reading) if reading else np.empty(0, np.int64)
+        keep: list[np.ndarray] = []
+        for pages in self.quarantine:
+            if len(busy) and np.isin(pages, busy).any():
+                keep.append(pages)
+            elif len(pages):
+                self.free_host_pages(pages, forgotten=True)
+        self.quarantine = keep
 
     def device_changed(self, node: Node, stored: bool) -> None:
         """`node` got L1 pages (`stored`) or lost them: announced (DEVICE) when the
