@@ -69,9 +69,11 @@ def keys(tokens: np.ndarray) -> list[bytes]:
 # ---- two ranks: the shared checksum table --------------------------------------------------------
 
 
-def _flip_in_the_other_ranks_slice(ctx: RankContext, name: str) -> dict[str, Any]:
+def _flip_in_the_other_ranks_slice(ctx: RankContext, name: str, device: str = "cpu") -> dict[str, Any]:
+    """The story on one rank; `device` cuda:0: L1 and the checks on the GPU (tests/test_node_gpu.py)."""
     log = EventLog(media=[Medium.HOST])
-    cache = HiCache(config(name, node_drop_on_close=True), agreement=ctx.agreement, events=log)
+    gpu = {"io_backend": "auto", "pin_host": True} if device != "cpu" else {}
+    cache = HiCache(config(name, node_drop_on_close=True, **gpu), agreement=ctx.agreement, events=log, device=device)
     try:
         server = ReferenceServer(cache)
         clean, bad = prompt(1), prompt(2)
@@ -114,7 +116,11 @@ def _flip_in_the_other_ranks_slice(ctx: RankContext, name: str) -> dict[str, Any
 
 
 def test_a_flip_in_another_ranks_slice_is_caught_by_this_ranks_load_and_dropped_everywhere(seg_name: str) -> None:
-    results = spawn_ranks(_flip_in_the_other_ranks_slice, 2, (seg_name,), timeout_s=TIMEOUT_S, backend="gloo")
+    check_flip_in_another_ranks_slice(seg_name, "cpu")
+
+
+def check_flip_in_another_ranks_slice(seg_name: str, device: str) -> None:
+    results = spawn_ranks(_flip_in_the_other_ranks_slice, 2, (seg_name, device), timeout_s=TIMEOUT_S, backend="gloo")
     for rank, r in enumerate(results):
         assert r["slice"] == [3, 6]
         assert r["mismatches"] == 0 and r["complete"], (rank, r)  # nothing corrupt was served, on any rank
