@@ -121,7 +121,8 @@ class HiCache:
             engine = engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {}))
             engine.verify = verify = config.verify_restores  # (the node tier's checksum table is shared)
             if verify is not Verify.OFF and host_pool.arenas and not host_pool.has_checksums:
-                raise ValueError(f"verify_restores = {verify.value} needs a host pool with checksums (HostPool(checksums=True))")
+                raise ValueError(f"verify_restores = {verify.value} needs a host pool with "
+                                 "checksums (HostPool(checksums=True))")  # fmt: skip
             self._state = CacheState(
                 config=config,
                 layout=layout,
@@ -578,11 +579,10 @@ class HiCache:
     def close(self, *, discard: bool = False) -> None:
         """Stop the L3 workers and the io engine, release pinned host memory.
 
-        `discard` (a reset: `drain` first): what L2 holds is thrown away, so the
-        node tier's journal forgets every copy and the next cache on the segment
-        starts empty instead of adopting them. An L3 call still running after
-        `l3.close_timeout_s` may still touch the L2 arenas: they are then left
-        mapped (logged)."""
+        `discard` (a reset, after `drain`): the node tier's journal forgets every
+        copy, so the next cache on the segment adopts none. An L3 call still
+        running after `l3.close_timeout_s` may still touch the L2 arenas: they are
+        then left mapped (logged)."""
         if discard and self._node is not None:
             self._node.clear()
         arenas_free = self._tier3.close() if self._tier3 is not None else True

@@ -480,7 +480,9 @@ class Lifecycle:
         rows = sample_positions(n, op.id, s.config.verify_restores)
         if rows is None or s.node is None or s.config.verify_restores is Verify.OFF:
             return rows
-        host = op.host_pages if s.cp_size == 1 else op.host_pages[cp_mapping.owned_mask(op.device_pages, s.rank, s.cp_size)]
+        host = op.host_pages
+        if s.cp_size > 1:  # this rank's rows: the pages it owns, in op order (`_physical`)
+            host = host[cp_mapping.owned_mask(op.device_pages, s.rank, s.cp_size)]
         first = np.flatnonzero(s.node.first_use(host))
         return np.union1d(rows, first) if len(first) else rows
 

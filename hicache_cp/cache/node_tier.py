@@ -41,6 +41,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +85,10 @@ def node_geometry(config: Config, layout: KVLayout, budget_bytes: int, world: in
     """The segment `config` asks for: one copy of a pool of `budget_bytes` per rank
     (replicated: one for the node), the model named by `node_model_id` or `model`."""
     sharing = sharing_of(config)
+    checked = config.verify_restores is not Verify.OFF  # a checksum table for each copy
     return NodeGeometry(
         layout, config.node_model_id or config.model, layout.split_budget(budget_bytes).pages, config.cp_size,
-        1 if sharing is Sharing.REPLICATED else world, sharing, config.l3.kv_dtype, config.verify_restores is not Verify.OFF,
+        1 if sharing is Sharing.REPLICATED else world, sharing, config.l3.kv_dtype, checked,
     )  # fmt: skip
 
 
@@ -153,8 +155,10 @@ class NodeTier:
         for what, mine in (("pages", n), ("identity tags", digest)):
             low, high = self.agreement.min_int(mine), -self.agreement.min_int(-mine)
             if low != mine or high != mine:
-                raise ConsistencyError(f"node ranks adopted different journals ({what})", rank=self.node_rank,
-                                       details={what: mine, "min": low, "max": high, "segment": self.segment.path})  # fmt: skip
+                raise ConsistencyError(
+                    f"node ranks adopted different journals ({what})", rank=self.node_rank,
+                    details={what: mine, "min": low, "max": high, "segment": self.segment.path},
+                )  # fmt: skip
         if self.journal.writer and len(self.adoption.dropped):
             self.journal.release(self.adoption.dropped)
         for node in self.adoption.nodes:
@@ -206,7 +210,7 @@ class NodeTier:
 
     # -- hooks of the cache -------------------------------------------------------------
 
-    def on_committed(self, nodes: list[Node]) -> None:
+    def on_committed(self, nodes: Sequence[Node]) -> None:
         """A backup committed `nodes`: the writer journals them, parents first."""
         if not self.journal.writer:
             return

@@ -70,7 +70,7 @@ class NodeHooks(Protocol):
     def share(self, first_position: int, num_pages: int) -> tuple[int, int] | None:
         """`[lo, hi)` of a backup's pages this rank copies; None: what it owns, as without the tier."""
 
-    def on_committed(self, nodes: list[Node]) -> None:
+    def on_committed(self, nodes: Sequence[Node]) -> None:
         """A backup committed these nodes' host copies (the journal records them)."""
 
     def on_free(self, pages: np.ndarray, failed: bool = False) -> None:
