@@ -151,8 +151,7 @@ class Config:
     node_segment: str = ""
     node_segment_dir: str = ""  # where it lives: "" picks /dev/shm or a hugetlbfs mount with room
     node_sharing: str = "auto"  # auto (replicated at cp_size 1, per_rank under CP), replicated, per_rank
-    node_adopt: bool = True  # a restarted engine keeps what the segment holds (same layout only)
-    node_verify: bool = True  # keep checksums; check every adopted page before its first use
+    node_adopt: bool = True  # a restarted engine keeps what the segment holds (same layout, checks on)
     node_drop_on_close: bool = False  # an orderly close removes the segment (its last user does)
     node_numa: str = "auto"  # auto (interleave over several memory nodes), interleave, local
     node_model_id: str = ""  # the model's identity in the segment's fingerprint (default: `model`)
@@ -501,7 +500,7 @@ def _check_toml_types(loaded: dict[str, Any], source: str) -> None:
                           f"got {loaded['host_budget_bytes']!r} (from {source})")  # fmt: skip
 
 
-_BOOL_FIELDS = frozenset({"l2_exclusive", "debug_checks", "pin_host", "node_adopt", "node_verify", "node_drop_on_close"})
+_BOOL_FIELDS = frozenset({"l2_exclusive", "debug_checks", "pin_host", "node_adopt", "node_drop_on_close"})
 
 
 def _check_node(config: Config) -> None:
@@ -513,7 +512,7 @@ def _check_node(config: Config) -> None:
     for name in ("node_segment", "node_segment_dir", "node_sharing", "node_numa", "node_model_id"):
         if not isinstance(getattr(config, name), str):
             raise ConfigError(f"{name}: expected a string, got {getattr(config, name)!r}")
-    for name in ("node_adopt", "node_verify", "node_drop_on_close"):
+    for name in ("node_adopt", "node_drop_on_close"):
         if not isinstance(getattr(config, name), bool):
             raise ConfigError(f"{name}: expected true or false, got {getattr(config, name)!r}")
     if config.node_segment:

@@ -24,7 +24,9 @@ When each is sent (the contract; tests/test_events.py checks it):
                  An engine that owns its device pages (SGLang, vLLM) publishes its
                  GPU tier itself; the cache then never holds device pages.
     AllCleared   when a cache is built with a log: a restart, or a reset (which
-                 builds a new cache).
+                 builds a new cache); after a restart, HOST stored follows for
+                 every copy the node tier adopted, parents first
+                 (`HiCache.attach_events`).
 
 Keys: one per page, chained over the prefix (a page's key depends on every
 token before it), made by a `BlockKeyer` that the engine integration gives:

@@ -153,3 +153,13 @@ class IntegrityStats:
         for (tier, part), n in sorted(failed.items()):
             d[f"verify_failures_{tier}_{part}"] = n
         return d
+
+    def families(self, units_per_page: int, dropped_pages: int) -> dict[str, object]:
+        """The Prometheus exporter's families (`HiCache.stats()["integrity"]`): pages
+        checked per tier, failed units per tier and part, and the pages dropped."""
+        checked, failed = self.snapshot()
+        failures: dict[str, dict[str, int]] = {}
+        for (tier, part), n in failed.items():
+            failures.setdefault(tier, {})[part] = n
+        return {"checked_pages": {tier: n // max(1, units_per_page) for tier, n in checked.items()},
+                "failures": failures, "dropped_pages": dropped_pages}  # fmt: skip

@@ -412,6 +412,7 @@ class HostPool:
         memory: bool = True,
         checksums: bool = False,
         regions: Mapping[Part, SegmentRegion] | None = None,
+        sums_region: SegmentRegion | None = None,
     ) -> None:
         """`memory=False`: the allocator only, no arenas (views raise KeyError),
         for a process that decides but never copies, such as the scheduler
@@ -419,7 +420,9 @@ class HostPool:
         for the checksums of every stored page and layer (`hicache_cp.checksum`;
         `HiCache` asks for it unless `verify_restores = off`). `regions`: each
         part's arena over that region of a shared segment instead of private
-        memory (the node tier, `hicache_cp.node`; its contents are kept)."""
+        memory, and `sums_region` the checksum arena's (the node tier,
+        `hicache_cp.node`: every rank of the node reads and writes one table;
+        their contents are kept)."""
         self.layout = layout
         self.rank = rank
         self.cp_size = cp_size
@@ -450,15 +453,12 @@ class HostPool:
                 name = f"L2 {p.part.value} rank {rank}"
                 region = regions[p.part] if regions is not None else None
                 self.arenas[p.part] = HostArena(p.bytes_per_page * physical_pages, pin=pin, name=name, memory=region)
-            if checksums:
-                units = sum(p.num_slots for p in layout.parts) * physical_pages
-                self.sums_arena = HostArena(8 * units, pin=pin, background=False, name=f"L2 checksums rank {rank}")
-                flat = self.sums_arena.numpy().view(np.uint64)
-                offset = 0
-                for p in layout.parts:
-                    n = p.num_slots * physical_pages
-                    self._sums[p.part] = flat[offset : offset + n].reshape(p.num_slots, physical_pages)
-                    offset += n
+            if checksums or sums_region is not None:
+                sizes = [p.num_slots * physical_pages for p in layout.parts]
+                self.sums_arena = HostArena(8 * sum(sizes), pin=pin, background=False, memory=sums_region,
+                                            name=f"L2 checksums rank {rank}")  # fmt: skip
+                flat = np.split(self.sums_arena.numpy().view(np.uint64), np.cumsum(sizes)[:-1])
+                self._sums = {p.part: t.reshape(p.num_slots, physical_pages) for p, t in zip(layout.parts, flat)}
             for p in layout.parts:  # numpy views wait for their arena to be whole
                 self._views[p.part] = self.arenas[p.part].numpy().reshape(p.num_slots, physical_pages, p.page_bytes)
         except BaseException:
@@ -500,17 +500,6 @@ class HostPool:
     def sums_address(self, part: Part) -> int:
         """Address (host = device under UVA) of `sums(part)`'s first entry."""
         return int(self._sums[part].ctypes.data)
-
-    def read_checksums(self, physical: np.ndarray) -> dict[Part, np.ndarray]:
-        """The stored checksums of physical pages, a copy per part: uint64 [slots, n]
-        (what an object's journal entry or L3 trailer keeps). O(slots x n)."""
-        return {part: sums[:, physical] for part, sums in self._sums.items()}
-
-    def write_checksums(self, physical: np.ndarray, values: Mapping[Part, np.ndarray]) -> None:
-        """Store checksums of physical pages (`read_checksums`' shape), e.g. when a
-        copy's bytes were restored from somewhere else (a journal, an L3 object)."""
-        for part, sums in self._sums.items():
-            sums[:, physical] = values[part]
 
     def set_tags(self, pages: np.ndarray, tags: np.ndarray) -> None:
         """Record the identity (prefix hash) of the copies now held by logical `pages`."""

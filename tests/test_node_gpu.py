@@ -1,6 +1,8 @@
 """The node tier on a GPU: two rank processes on one GPU map and register one segment, back up
 and load through it, and a restarted pair adopts it; every byte of every reused page checked
-on the GPU (skipped without CUDA; tools/device_node.sh runs these).
+on the GPU, by the harness's oracle and by the library's restore checks against the segment's
+shared checksum table, and a flipped bit in one rank's slice is caught by the other's load
+(skipped without CUDA; tools/device_node.sh runs these).
 
 The ranks agree over gloo (NCCL wants one GPU per rank); their L1 pools, copy engines (the
 default `direct` DMA engine) and byte checks are on cuda:0, their L2 is the pinned segment.
@@ -52,7 +54,8 @@ def _rank(ctx: RankContext, name: str, lo: int, hi: int, drop: bool) -> dict[str
                 "examples": [str(m) for m in t.examples[:5]], "l2_hit_tokens": s["l2_hit_tokens"],
                 "hit_rate": s["hit_rate"], "bytes_d2h": s["bytes_d2h"], "bytes_h2d": s["bytes_h2d"],
                 "adopted": s["node_adopted"], "adopted_pages": s["node_adopted_pages"],
-                "verified": s["node_verified_pages"], "verify_failures": s["node_verify_failures"]}  # fmt: skip
+                "verified": s["node_verified_pages"], "verify_failures": s["node_verify_failures"],
+                "lib_checked": s["verified_units"], "lib_failures": s["verify_failures"]}  # fmt: skip
     finally:
         cache.close()
 
@@ -62,14 +65,25 @@ def test_two_processes_on_one_gpu_back_up_and_load_through_one_registered_segmen
     for r in first:
         assert r["mismatches"] == 0 and r["checked"] == r["expected"] > 0, r["examples"]
         assert r["l2_hit_tokens"] > 0 and r["bytes_h2d"] > 0  # loads read the shared copy
+        assert r["lib_checked"] > 0 and r["lib_failures"] == 0  # the GPU checks, against the shared table
     assert first[0]["hit_rate"] == first[1]["hit_rate"]
     total = sum(r["bytes_d2h"] for r in first)
     assert all(0.25 * total <= r["bytes_d2h"] <= 0.75 * total for r in first)  # each rank wrote its share
     again = spawn_ranks(_rank, 2, (seg_name, 40, 80, True), timeout_s=600, backend="gloo")
     for r in again:
         assert r["adopted"] and r["adopted_pages"] > 0 and r["verified"] > 0 and r["verify_failures"] == 0
+        assert r["lib_checked"] > 0 and r["lib_failures"] == 0
         assert r["mismatches"] == 0 and r["checked"] == r["expected"] > 0, r["examples"]
     assert find_segment(seg_name) is None
+
+
+def test_a_flip_in_another_ranks_slice_is_caught_by_the_gpu_checks_and_dropped_everywhere(seg_name: str) -> None:
+    """tests/test_node_checks.py's two-rank story with L1 and the checksum kernel on cuda:0:
+    rank 1's slice's checksums, written by its kernel into the pinned shared table, catch a
+    bit flipped in its page when rank 0 loads it."""
+    from test_node_checks import check_flip_in_another_ranks_slice
+
+    check_flip_in_another_ranks_slice(seg_name, "cuda:0")
 
 
 def test_a_segment_region_registers_and_copies_both_ways_byte_exact(seg_name: str) -> None:

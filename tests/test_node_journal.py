@@ -1,5 +1,5 @@
-"""hicache_cp.node: the segment's geometry, its opening decisions, the journal, write shares,
-checksums and adoption (no cache, no processes)."""
+"""hicache_cp.node: the segment's geometry, its opening decisions, the journal, write shares
+and adoption (no cache, no processes)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from hypothesis import strategies as st
 from hicache_cp.config import PRESETS
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.keys import chain_hashes
-from hicache_cp.layout import Part
 from hicache_cp.node.adopt import adopt
-from hicache_cp.node.checksums import unit_sums
 from hicache_cp.node.geometry import NodeGeometry, Sharing
 from hicache_cp.node.journal import COMMITTED, FREE, ROOT, Journal
 from hicache_cp.node.segment import HEADER, Decision, NodeSegment
@@ -44,17 +42,18 @@ def geometry(**over: object) -> NodeGeometry:
 def test_regions_are_aligned_disjoint_and_inside_the_segment() -> None:
     for g in (geometry(), geometry(cp_size=2, copies=2, sharing=Sharing.PER_RANK, physical_pages=33)):
         spans = sorted((g.part_offset(c, p.part), g.part_bytes(p.part)) for c in range(g.copies) for p in LAYOUT.parts)
-        assert spans[0][0] >= g.sums_offset + g.sums_bytes
+        sums = sorted((g.sums_offset(c), g.sums_bytes) for c in range(g.copies))
+        assert sums[0][0] >= g.tokens_offset + g.logical_pages * PAGE * 8 and spans[0][0] >= sums[-1][0] + sums[-1][1]
+        for (a, n), (b, _) in zip(sums, sums[1:] + spans[:1]):
+            assert a % g.align == 0 and a + n <= b
+        assert g.sums_bytes == 8 * g.physical_pages * sum(p.num_slots for p in LAYOUT.parts)  # HostPool's table
         for (a, n), (b, _) in zip(spans, spans[1:]):
             assert a % g.align == 0 and a + n <= b
         assert spans[-1][0] + spans[-1][1] <= g.total_bytes
         assert g.copy_bytes == g.physical_pages * LAYOUT.bytes_per_page
         assert g.logical_pages == (g.physical_pages - 1) * g.cp_size + 1
-    g = geometry()
-    cols = [g.unit_index(p.part, s) for p in LAYOUT.parts for s in range(p.num_slots)]
-    assert cols == list(range(g.units))
-    with pytest.raises(ValueError, match="slot"):
-        g.unit_index(Part.TARGET_STATE, 2)
+    with pytest.raises(ValueError, match="no checksum table"):
+        geometry(verify=False).sums_offset(0)
     with pytest.raises(ValueError, match="replicated"):
         geometry(cp_size=2)
 
@@ -87,21 +86,6 @@ def test_write_shares_cover_every_page_once_and_are_balanced(first: int, n: int,
 def test_single_page_ops_rotate_over_the_ranks() -> None:
     owners = [next(r for r in range(4) if write_share(p, 1, r, 4) != (0, 0)) for p in range(8)]
     assert sorted(owners[:4]) == [0, 1, 2, 3] and owners[:4] == owners[4:]
-
-
-# ---- checksums ---------------------------------------------------------------------------------
-
-
-def test_a_unit_checksum_changes_with_any_byte_of_its_unit_and_only_that_unit() -> None:
-    rng = np.random.default_rng(1)
-    views = {p.part: rng.integers(0, 256, (p.num_slots, 9, p.page_bytes), dtype=np.uint8) for p in LAYOUT.parts}
-    pages = np.array([2, 5, 7])
-    before = unit_sums(LAYOUT, views, pages)
-    assert before.shape == (3, geometry().units) and len(np.unique(before)) == before.size
-    views[Part.TARGET_STATE][1, 5, 17] ^= 0x10  # one bit of page 5, the state part's slot 1
-    after = unit_sums(LAYOUT, views, pages)
-    changed = np.argwhere(after != before)
-    assert changed.tolist() == [[1, geometry().unit_index(Part.TARGET_STATE, 1)]]
 
 
 # ---- the journal and adoption ---------------------------------------------------------------------
@@ -190,6 +174,9 @@ def test_an_entry_is_committed_only_after_its_fields_and_free_before_reuse() -> 
             writes.append(self.name)
             real[self.name][index] = value
 
+        def __getitem__(self, index: object) -> object:
+            return real[self.name][index]
+
     class Tokens(np.ndarray):
         def __setitem__(self, index: object, value: object) -> None:
             writes.append("tokens")
@@ -202,8 +189,8 @@ def test_an_entry_is_committed_only_after_its_fields_and_free_before_reuse() -> 
     assert "state" not in writes[1:-1]  # the only earlier state write is the reset to FREE, first
     assert real["state"][[3, 4]].tolist() == [COMMITTED, COMMITTED]
     writes.clear()
-    journal.release(np.array([3]))
-    assert writes == ["state"] and real["state"][3] == FREE
+    journal.release(np.array([3, 5]))  # 5 was never committed
+    assert writes == ["state"] and real["state"][3] == FREE and journal.releases == 1
 
 
 class _FakeSegment:
@@ -215,7 +202,6 @@ class _FakeSegment:
         self.geometry = g
         self.directory = np.zeros(g.logical_pages, ENTRY)
         self.tokens = np.zeros((g.logical_pages, PAGE), np.int64)
-        self.sums = np.zeros((g.copies, g.logical_pages, g.units), np.uint64)
 
 
 # ---- opening decisions ------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def _metadata_bytes(report: dict[str, Any]) -> int:
     layout = c.layout()
     g = NodeGeometry(layout, c.model, layout.split_budget(int(c.host_budget_bytes)).pages, 1, 1,
                      report["stats"]["node_sharing"], align=1)  # fmt: skip
-    return -(-(g.sums_offset + g.sums_bytes) // 4096) * 4096 + 4096 * len(layout.parts)
+    return -(-g.data_offset // 4096) * 4096 + 4096 * len(layout.parts)  # (align 1: the data follow the checksums)
 
 
 def _compare_with_today(today: dict[str, Any], node: dict[str, Any], ranks: int) -> None:

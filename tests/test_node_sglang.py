@@ -44,6 +44,10 @@ def test_a_restarted_sglang_server_serves_the_adopted_copy_checked(tmp_path: Pat
         assert r.host_hit_length == 5 * S.PAGE and again.forward.report.checked_bytes == 5 * S.PAGE * S.TOKEN_BYTES
         S.clean(again)
         assert again.tree_cache.cache.stats()["node_verified_pages"] == 5
+        again.tree_cache.reset()  # SGLang's flush_cache: the journal forgets every copy
+        stats = again.tree_cache.cache.stats()
+        assert stats["node_adopted_pages"] == 0 and stats["node_journal_commits"] == 0
+        assert again.tree_cache.cache._node.journal.committed_pages().size == 0
     finally:
         again.close()
     other = _server(tmp_path / "other-model", seg_name, HICACHE_NODE_DROP_ON_CLOSE="true")

@@ -103,7 +103,9 @@ def test_a_backup_pending_at_the_crash_is_never_adopted_and_leaks_nothing(seg_na
     node_cache(seg_name, node_drop_on_close=True).close()
 
 
-def test_an_adopted_page_that_changed_is_caught_before_its_first_use(seg_name: str) -> None:
+def test_an_adopted_page_that_changed_is_caught_at_its_first_use(seg_name: str) -> None:
+    """The restore checks catch it: the load that first reads the adopted copy fails its
+    check, the request recomputes, and the copy leaves L2 and the journal."""
     first = node_cache(seg_name)
     serve(first, REQUESTS[:24])
     victim = max((n for n in first.tree.nodes() if n.host_pages is not None), key=lambda n: n.end_position)
@@ -117,16 +119,15 @@ def test_an_adopted_page_that_changed_is_caught_before_its_first_use(seg_name: s
     first.host_pool.layer_view(first.layout.parts[0].part, 1)[page, 3] ^= 0xFF  # one byte, after the commit
     first.close()
     again = node_cache(seg_name)
-    m = again.match_prefix(tokens)
-    assert again.stats()["node_verify_failures"] == 1
-    assert m.matched_pages <= victim.first_position < len(tokens) // PAGE  # the match ends before the bad node
-    again.release(m.last_node)
     server = ReferenceServer(again)
-    server.serve(0, tokens)  # recomputed where the copy was bad; every reused byte checked
+    r = server.serve(0, tokens)  # the adopted copy matches, its load fails its check: recomputed
     again.drain()
     again.check_invariants()
+    s = again.stats()
+    assert r.l2_hit_pages > 0 and s["loads_aborted"] == 1 and s["node_verify_failures"] >= 1, s
+    assert s["verify_failures_l2_target_kv"] == 1 and s["integrity_dropped_pages"] == r.l2_hit_pages  # the load's copies
     assert server.integrity.mismatches == 0 and server.integrity.checked_units == server.integrity.expected_units
-    assert again.stats()["node_verified_pages"] >= 1
+    assert page not in again._node.journal.committed_pages()  # type: ignore[union-attr]
     again.close()
     node_cache(seg_name, node_drop_on_close=True, node_adopt=False).close()
 
@@ -142,7 +143,7 @@ def test_another_layout_starts_clean_with_one_info_line(seg_name: str, caplog: p
     assert other.stats()["node_adopted_pages"] == 0 and other.host_pool.allocator.used_pages == 0
     other.close()
     caplog.clear()
-    unchecked = node_cache(seg_name, page_size=32, host_pages=80, node_verify=False, node_drop_on_close=True)
+    unchecked = node_cache(seg_name, page_size=32, host_pages=80, verify_restores="off", node_drop_on_close=True)
     assert unchecked.stats()["node_adopted_pages"] == 0
     assert any("not adopted" in r.getMessage() for r in caplog.records)
     unchecked.close()

@@ -42,6 +42,12 @@ def test_two_workers_share_one_copy_and_a_restarted_engine_serves_it(tmp_path, s
         (step,) = again.run()
         assert step.loads and step.loads[0][2] == 5 and again.mismatches == []  # checked in both workers
         assert again.cache.stats()["node_verified_pages"] == 5
+        units = sum(p.num_slots for p in again.cache.layout.parts)
+        for w in again.workers:  # each worker's restore checks, against the segment's one checksum table
+            assert w.worker_side.engine.integrity.snapshot()[0]["l2"] == 5 * units
+        assert again.sched.reset_prefix_cache(reset_connector=True)  # a reset: the journal forgets the copy
+        assert not again.cache.tree.root.children and again.cache.stats()["node_adopted_pages"] == 0
+        assert again.cache._node.journal.committed_pages().size == 0  # nothing for a later engine to adopt
     finally:
         again.close()
     assert find_segment(seg_name) is None

@@ -51,6 +51,16 @@ MEANING: dict[str, tuple[str, tuple[str, ...]]] = {
     "l3": ("the L3 tier, the `[l3]` table below; off by default", ("--l3",)),
     "pd_timeout_s": ("PD: seconds a transfer room may stay unfinished (rule 9)", ("--pd-timeout-s",)),
     "pd_per_layer": ("PD: send each layer from the forward's layer hooks, not after insert", ("--pd-per-layer",)),
+    "node_segment": ("the node tier: L2 in this named shared segment every rank of the node maps, one copy for "
+                     "TP replicas, kept across restarts; empty: private pools (docs/node-tier.md)", ("--node-segment",)),
+    "node_segment_dir": ("where the segment lives; empty: `/dev/shm`, or a hugetlbfs mount with room", ()),
+    "node_sharing": ("`auto` (`replicated` at cp_size 1, `per_rank` under CP), `replicated` or `per_rank`", ()),
+    "node_adopt": ("a restarted engine adopts what the segment's journal holds (same layout, `verify_restores` "
+                   "not `off`); every adopted page is checked at its first load", ()),
+    "node_drop_on_close": ("an orderly close removes the segment (its last user does)", ()),
+    "node_numa": ("the segment's NUMA placement: `auto` (interleave over several memory nodes), `interleave`, "
+                  "`local`", ()),
+    "node_model_id": ("the model's identity in the segment's fingerprint; empty: `model` (the plug-ins set it)", ()),
     # [l3]
     "l3.backend": ("`none` or `mooncake`; `enabled = true` means `mooncake`", ("--l3",)),
     "l3.master": ("the Mooncake master's RPC address, HOST:PORT", ("--l3-master",)),

@@ -6,8 +6,10 @@
 # Steps (STEPS picks; default "tests firsthit"):
 #   tests     pytest -m gpu tests/test_node_gpu.py: two rank processes on cuda:0 map and register one
 #             segment, back up (each its share) and load through it, a restarted pair adopts it; every
-#             byte of every reused page checked on the GPU; a pinned arena over a segment region
-#             copies both ways byte-exact -> $DEST/node-gpu-tests.log
+#             byte of every reused page checked on the GPU (the oracle, and the restore checks' kernel
+#             against the segment's shared checksum table); a bit flipped in rank 1's slice is caught
+#             by rank 0's GPU check and dropped on both; a pinned arena over a segment region copies
+#             both ways byte-exact -> $DEST/node-gpu-tests.log
 #   firsthit  bench-node --first-hit-gib G --device cuda: a DeepSeek-V3.2-layout cache over a G GiB
 #             pinned segment (G: FIRST_HIT_GIB, default the smaller of 64 and 80% of what /dev/shm
 #             and MemAvailable leave) serves prompts, closes; a new cache opens, prefaults, registers,

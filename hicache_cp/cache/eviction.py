@@ -98,7 +98,7 @@ class Evictor:
 
     def ensure_free(self) -> None:
         """Evict each tier back up to its free-room target when under it."""
-        self.release_quarantine()
+        self.s.release_quarantine()
         self.drop_loaded_copies()
         self.make_room("l1", 0, 0)
         self.make_room("l2", 0, 0)
@@ -127,11 +127,13 @@ class Evictor:
         whose committed copy holds one of them loses that copy now, on every rank
         (the caller decided it with an agreed vote), so no match returns it again.
 
-        The one place where a failed check takes a copy out of L2 (KV event
-        publishers hook here). The pages are freed once no active load reads them
-        (`release_quarantine`) and their identity tags are cleared at once, so a
-        stale reference fails too; `others` are pages the node named but another
-        copy holds (a stale copy's): neither freed nor cleared. Returns the pages
+        The one place where a failed check takes a copy out of L2 (a load's check,
+        the identity check of a match; an adopted copy's first use is a load): it goes
+        through `CacheState.drop_host_copy(node, Removal.INTEGRITY)`, which announces
+        it (HOST removed), makes the node tier's journal forget it (never adopted
+        again) and clears its identity tags at once; its pages are freed once no
+        active load reads them (`CacheState.release_quarantine`). `others` are pages the node
+        named but another copy holds (a stale copy's): left alone. Returns the pages
         dropped. O(nodes + pages)."""
         s = self.s
         dropped = 0
@@ -140,38 +142,13 @@ class Evictor:
             held = node.host_pages
             if node.host_state is not HostState.COMMITTED or held is None or not bad.intersection(held.tolist()):
                 continue
-            node.host_pages = None
-            node.host_state = HostState.NONE
-            node.host_parts = frozenset()
             dropped += len(held)
-            if others is not None:
-                held = held[~np.isin(held, others)]
-            s.host_pool.tags[held] = 0
             s.metrics.integrity_dropped_pages += node.num_pages
             logger.warning("rank %d: the L2 copy of %s (%d pages) is dropped after a failed check: %s",
                            s.rank, node, node.num_pages, reason)  # fmt: skip
-            if s.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
-                held = s.l3.on_evict_l2(held)
-            s.quarantine.append(held)
-            s.tree.refresh_family(node)
+            s.drop_host_copy(node, Removal.INTEGRITY, others)
             s.tree.prune(node)
-        self.release_quarantine()
         return dropped
-
-    def release_quarantine(self) -> None:
-        """Free dropped copies' pages that no active load reads any more. O(dropped + loading pages)."""
-        s = self.s
-        if not s.quarantine:
-            return
-        reading = [op.host_pages for op in s.loads if op.active]
-        busy = np.concatenate(reading) if reading else np.empty(0, np.int64)
-        keep: list[np.ndarray] = []
-        for pages in s.quarantine:
-            if len(busy) and np.isin(pages, busy).any():
-                keep.append(pages)
-            elif len(pages):
-                s.free_host_pages(pages)
-        s.quarantine = keep
 
     def make_room(self, tier: str, need: int, first_position: int) -> bool:
         """Evict until `tier` has `need` pages for these positions plus its
@@ -247,11 +224,6 @@ class Evictor:
         parent = node.parent
         s.tree.prune(node)
         return parent
-
-    def drop_host_copy(self, node: Node) -> None:
-        """Evict `node`'s committed host copy now, whatever the policy says (a copy that
-        failed its check before first use, `cache.node_tier`)."""
-        self._evict_l2(node)
 
     def _evict_l2(self, node: Node) -> Node | None:
         s = self.s

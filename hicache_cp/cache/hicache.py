@@ -39,12 +39,12 @@ over one shared `state.CacheState`.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from hicache_cp.cache.budget import host_budget
 from hicache_cp.cache.engine_l1 import EngineL1
 from hicache_cp.cache.eviction import Evictor
 from hicache_cp.cache.lifecycle import Lifecycle
@@ -56,8 +56,7 @@ from hicache_cp.cache.store_events import StoreEvents
 from hicache_cp.cache.tier3 import Tier3
 from hicache_cp.checksum import Verify
 from hicache_cp.config import Config
-from hicache_cp.errors import ConfigError
-from hicache_cp.events import EventLog
+from hicache_cp.events import EventLog, Medium
 from hicache_cp.cp.agreement import Agreement, LocalAgreement
 from hicache_cp.io.base import CopyEngine, make_engine
 from hicache_cp.l3.client import L3Client, Region
@@ -71,7 +70,6 @@ from hicache_cp.ops import BackupOp, LoadOp
 from hicache_cp.policy import EvictionPolicy, make_policy
 from hicache_cp.pools import DevicePool, HostPool
 from hicache_cp.radix import Node, RadixTree
-from hostmem.sizing import host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -123,13 +121,10 @@ class HiCache:
             config.check_free_room("l1", device_pool.allocator.capacity)
             config.check_free_room("l2", host_pool.allocator.capacity)
             engine = engine or make_engine(config.io_backend, device_pool, host_pool, **(engine_options or {}))
-            # The node tier's copies are written in slices by several ranks: it keeps their
-            # checksums in its segment and checks adopted pages itself (`node_verify`).
-            verify = config.verify_restores if node is None else Verify.OFF
+            engine.verify = verify = config.verify_restores  # (the node tier's checksum table is shared)
             if verify is not Verify.OFF and host_pool.arenas and not host_pool.has_checksums:
                 raise ValueError(f"verify_restores = {verify.value} needs a host pool with "
                                  "checksums (HostPool(checksums=True))")  # fmt: skip
-            engine.verify = verify
             self._state = CacheState(
                 config=config,
                 layout=layout,
@@ -150,10 +145,9 @@ class HiCache:
             self._evictor.settle_backups = self._lifecycle.settle
             self._evictor.poll = self._lifecycle.poll
             self._node, self._own_node = node, own_node
-            if node is not None:
+            if node is not None:  # adopted copies: committed, tagged, checked at their first load
                 self._state.node = node
-                node.drop_copy = self._evictor.drop_host_copy
-                node.adopt(self._state.tree, host_pool.allocator, self._state.all_parts)
+                node.adopt(self._state.tree, host_pool)
             self._tier3: Tier3 | None = None
             if config.l3.enabled or l3_store is not None:
                 self._tier3 = self._make_tier3(l3_store)
@@ -246,17 +240,21 @@ class HiCache:
     def attach_events(self, log: EventLog) -> None:
         """Announce this cache's blocks to `log` from now on (see `hicache_cp.events`).
 
-        Only on a cache that holds nothing yet (right after construction): the
-        log first gets AllCleared, so a router drops whatever this server (or a
-        cache before it on the same log) announced. ValueError otherwise."""
+        Only right after construction (nothing in flight, nothing in L1): the log
+        first gets AllCleared, so a router drops whatever this server (or a cache
+        before it on the same log) announced, then BlockStored (HOST) for every
+        copy the node tier adopted, parents first. ValueError otherwise."""
         s = self._state
-        if s.events is not None or s.tree.root.children or s.backups or s.loads:
-            raise ValueError("attach_events: the cache already has an event log or holds blocks")
+        nodes = list(s.tree.nodes())
+        if s.events is not None or s.backups or s.loads or any(n.on_device for n in nodes):
+            raise ValueError("attach_events: the cache already has an event log or holds blocks in L1 or in flight")
         log.bind(s.layout.page_size)
         s.events = log
         if self._tier3 is not None:
             self._tier3.events = StoreEvents(log)
         log.cleared()
+        for node in sorted((n for n in nodes if n.host_visible), key=lambda n: n.first_position):
+            log.stored(Medium.HOST, node)
 
     @property
     def l3(self) -> Tier3 | None:
@@ -281,8 +279,6 @@ class HiCache:
         """
         m = self._prefixes.match_prefix(tokens)
         m.request = request
-        if self._node is not None:  # adopted pages are checked before anything loads them
-            self._node.check_first_use(m, self._lifecycle._truncate_match)
         if self._tier3 is not None:
             self._tier3.claim(m)
         self._state.debug_check()
@@ -566,12 +562,7 @@ class HiCache:
         d["verify_restores"] = s.config.verify_restores.value
         units = sum(p.num_slots for p in s.layout.parts)
         d.update(s.engine.integrity.as_dict(units))
-        checked, failed = s.engine.integrity.snapshot()
-        failures: dict[str, dict[str, int]] = {}
-        for (tier, part), n in failed.items():
-            failures.setdefault(tier, {})[part] = n
-        d["integrity"] = {"checked_pages": {tier: n // units for tier, n in checked.items()}, "failures": failures,
-                          "dropped_pages": s.metrics.integrity_dropped_pages}  # the exporter's families
+        d["integrity"] = s.engine.integrity.families(units, s.metrics.integrity_dropped_pages)
         if self._tier3 is not None:
             d.update(self._tier3.stats())
             m = s.metrics  # L3 hits are hits too
@@ -587,11 +578,15 @@ class HiCache:
         """Assert every cross-structure invariant (O(tree size)); see the docs."""
         self._state.check_invariants()
 
-    def close(self) -> None:
+    def close(self, *, discard: bool = False) -> None:
         """Stop the L3 workers and the io engine, release pinned host memory.
 
-        An L3 call still running after `l3.close_timeout_s` may still touch
-        the L2 arenas: they are then left mapped (logged)."""
+        `discard` (a reset, after `drain`): the node tier's journal forgets every
+        copy, so the next cache on the segment adopts none. An L3 call still
+        running after `l3.close_timeout_s` may still touch the L2 arenas: they are
+        then left mapped (logged)."""
+        if discard and self._node is not None:
+            self._node.clear()
         arenas_free = self._tier3.close() if self._tier3 is not None else True
         self._state.engine.close()
         if arenas_free:
@@ -604,25 +599,3 @@ class HiCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def host_budget(config: Config, agreement: Agreement, rank: int = 0) -> int:
-    """The L2 budget of this rank in bytes: the configured one, or for "auto"
-    what this machine or container can give (minus `host_reserve_bytes`),
-    shared by the ranks on the machine and agreed across CP ranks by MIN.
-
-    Raises ConfigError when "auto" leaves less than two logical pages."""
-    if config.host_budget_bytes != "auto":
-        return int(config.host_budget_bytes)
-    memory = host_memory(config.host_reserve_bytes)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.cp_size))
-    budget = agreement.min_int(memory.pool_bytes // max(1, local_ranks))
-    need = 2 * config.layout().bytes_per_page
-    if budget < need:
-        raise ConfigError(
-            f"host_budget_bytes = auto: {budget} B per rank is below two logical pages ({need} B); "
-            f"{memory.describe()}, {local_ranks} rank(s) on this machine"
-        )
-    logger.info("rank %d: host budget auto -> %.1f GiB (%s, %d local ranks)", rank, budget / 2**30, memory.describe(), local_ranks)
-    return budget
-

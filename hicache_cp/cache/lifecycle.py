@@ -264,11 +264,9 @@ class Lifecycle:
         l3_ops = s.l3.poll_ops() if s.l3 is not None else []  # L3 prefetches and write-backs vote too
         if not ops and not l3_ops:
             return
-        local = [op.local_vote() for op in ops]
-        if s.node is not None:  # this rank's checksums go in before its vote says its copies landed
-            landed = [op for op, v in zip(ops, local) if isinstance(op, BackupOp) and v.ok and v.settled]
-            s.node.before_vote(landed, s.backups)
-        votes = s.agreement.reduce(local + [op.local_vote() for op in l3_ops])
+        # A backup's vote says landed only once its checksums are stored (`io.verify`):
+        # in the node tier's shared table too, before any rank may load the copy.
+        votes = s.agreement.reduce([op.local_vote() for op in [*ops, *l3_ops]])
         self._record_copy_latencies(ops)
         decisions = list(zip(ops, votes))
         # Loads first: an aborted load fails the backups computed on top of it
@@ -384,6 +382,8 @@ class Lifecycle:
             s.metrics.loads_done += 1
             s.metrics.bytes_h2d += op.nbytes
             s.metrics.load_done_latency.observe(time.perf_counter() - op.created_at)
+            if s.node is not None:  # adopted pages passed their first check
+                s.node.on_loaded(op.host_pages)
             if s.config.l2_exclusive:
                 self.evictor.note_loaded(op.nodes)
         elif not ok:
@@ -410,7 +410,8 @@ class Lifecycle:
                     s.rank, op.id, op.request, op.num_pages, op.error or "failed on another rank",
                 )
                 if not vote.intact:  # a restore check failed on some rank: the copy is bad everywhere
-                    self.evictor.drop_host_copy(op.sources, op.host_pages, f"load {op.id}: {op.error or 'a check failed on another rank'}")
+                    why = f"load {op.id}: {op.error or 'a check failed on another rank'}"
+                    self.evictor.drop_host_copy(op.sources, op.host_pages, why)
 
     def _mark_stale_below(self, load: LoadOp) -> None:
         """Mark the L1 nodes under an aborted load's nodes stale: a forward that
@@ -459,16 +460,31 @@ class Lifecycle:
 
     def _plan(self, op: BackupOp | LoadOp, direction: Direction) -> CopyPlan:
         """The engine's plan of this rank's pages of `op` (`CopyEngine.plan`), made once;
-        a load's carries the pages its checks cover (`checksum.sample_positions`)."""
+        a load's carries the pages its checks cover (`_checked_rows`)."""
         if op.plan is None:
             if op.physical is None:
                 op.physical = self._physical(op)
             plan = self.s.engine.plan(direction, *op.physical)
             plan.request = op.request
             if direction is Direction.H2D:
-                plan.check = sample_positions(plan.num_pages, op.id, self.s.config.verify_restores)
+                plan.check = self._checked_rows(op, plan.num_pages)
             op.plan = plan
         return op.plan
+
+    def _checked_rows(self, op: BackupOp | LoadOp, n: int) -> np.ndarray | None:
+        """Which of the `n` pages this rank loads for `op` its checks cover: those
+        `verify_restores` picks (`checksum.sample_positions`; None: all) and, with the
+        node tier, every adopted page no load has checked yet: an adopted copy's first
+        use is always checked. O(n)."""
+        s = self.s
+        rows = sample_positions(n, op.id, s.config.verify_restores)
+        if rows is None or s.node is None or s.config.verify_restores is Verify.OFF:
+            return rows
+        host = op.host_pages
+        if s.cp_size > 1:  # this rank's rows: the pages it owns, in op order (`_physical`)
+            host = host[cp_mapping.owned_mask(op.device_pages, s.rank, s.cp_size)]
+        first = np.flatnonzero(s.node.first_use(host))
+        return np.union1d(rows, first) if len(first) else rows
 
     def _submit_layer(
         self, op: BackupOp | LoadOp, direction: Direction, parts: tuple[Part, ...], layer: int

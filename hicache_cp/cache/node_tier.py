@@ -5,23 +5,29 @@ Built by `HiCache` when `config.node_segment` names a segment
 
     open        NodeSegment: join this engine's segment, adopt a previous
                 engine's, or start clean (`hicache_cp.node.segment`)
-    host pool   this rank's copy's regions of the segment become the L2 arenas
-                (prefaulted keeping their contents, registered with CUDA by
-                the arenas' own pipeline)
+    host pool   this rank's copy's regions of the segment become the L2 arenas,
+                and its checksum table the checksum arena (prefaulted keeping
+                their contents, registered with CUDA by the arenas' own pipeline)
     adopt       a journal that survived is rebuilt into committed host-only
-                nodes (`hicache_cp.node.adopt`); every rank builds the same
-                tree, then one MIN agreement checks they did
+                nodes (`hicache_cp.node.adopt`) with their identity tags
+                (`HostPool.tags`, from the journal's tokens); every rank builds
+                the same tree, then MIN agreements check they did
     share       replicated pools: a backup's pages are cut into one slice per
                 rank and each rank copies only its own (`write_share`); loads
                 read every page
-    sums        once this rank's share of a backup landed, and before its
-                vote, its checksums go into the segment (`before_vote`)
     journal     the agreed commit records the op's nodes, and a page leaving L2
                 is released, both by the journal's writer (rank 0) before the
                 allocator may reuse the page
-    first use   an adopted page is checked against its checksums the first
-                time a match would load it (each rank its share, one MIN
-                agreement); a bad one is dropped and the match ends before it
+    first use   an adopted page is always checked by the load that first reads
+                it, whatever `verify_restores` samples (`first_use`), and counts
+                as verified once that load is agreed done (`on_loaded`)
+
+Checksums are the restore checks' own (`hicache_cp.checksum`,
+docs/integrity.md): the segment holds each copy's checksum table, which is
+that copy's `HostPool.sums`, so the rank that copies a slice stores its
+checksums where every rank's load compares against them, and a failed check
+takes the copy out of L2 (and the journal) on every rank through
+`Evictor.drop_host_copy`, like any failed restore.
 
 No cross-process lock is taken after opening: the tree and the allocator
 are replicated (every rank makes the same decisions at the same step),
@@ -35,27 +41,25 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hicache_cp.checksum import Verify
 from hicache_cp.config import Config
-from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.cp.agreement import Agreement
-from hicache_cp.keys import chain_hashes
-from hicache_cp.layout import KVLayout, Part
-from hicache_cp.match import MatchResult
+from hicache_cp.errors import ConsistencyError
+from hicache_cp.keys import chain_hashes, prefix_hashes
+from hicache_cp.layout import KVLayout
 from hicache_cp.node.adopt import Adoption, adopt
-from hicache_cp.node.checksums import unit_sums
 from hicache_cp.node.geometry import NodeGeometry, Sharing
 from hicache_cp.node.journal import ROOT, Journal
 from hicache_cp.node.segment import NodeSegment
 from hicache_cp.node.share import write_share
-from hicache_cp.ops import BackupOp
 from hicache_cp.pools import HostPool
-from hicache_cp.radix import HostState, Node
+from hicache_cp.radix import HostState, Node, RadixTree
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ def sharing_of(config: Config) -> Sharing:
 
 
 def node_budget(config: Config, budget_bytes: int, world: int) -> int:
-    """One copy's pool: the rank budget `budget_bytes` (`hicache.host_budget`); with
+    """One copy's pool: the rank budget `budget_bytes` (`budget.host_budget`); with
     "auto" and one copy for the node (replicated), what its `world` ranks would
     have had together."""
     if config.host_budget_bytes == "auto" and sharing_of(config) is Sharing.REPLICATED:
@@ -81,9 +85,10 @@ def node_geometry(config: Config, layout: KVLayout, budget_bytes: int, world: in
     """The segment `config` asks for: one copy of a pool of `budget_bytes` per rank
     (replicated: one for the node), the model named by `node_model_id` or `model`."""
     sharing = sharing_of(config)
+    checked = config.verify_restores is not Verify.OFF  # a checksum table for each copy
     return NodeGeometry(
         layout, config.node_model_id or config.model, layout.split_budget(budget_bytes).pages, config.cp_size,
-        1 if sharing is Sharing.REPLICATED else world, sharing, config.l3.kv_dtype, config.node_verify,
+        1 if sharing is Sharing.REPLICATED else world, sharing, config.l3.kv_dtype, checked,
     )  # fmt: skip
 
 
@@ -115,42 +120,45 @@ class NodeTier:
         t0 = time.perf_counter()
         # Without checksums nothing adopted could be checked before its first use: never adopt then.
         self.segment = NodeSegment(config.node_segment, self.geometry, session=session,
-                                   adopt=config.node_adopt and config.node_verify, numa_policy=config.node_numa,
+                                   adopt=config.node_adopt and self.geometry.verify, numa_policy=config.node_numa,
                                    directory=Path(config.node_segment_dir) if config.node_segment_dir else None)  # fmt: skip
         self.journal = Journal(self.segment, writer=self.node_rank == 0 if writer is None else writer)
         self.open_s = time.perf_counter() - t0
         self.adoption = Adoption()
         self.adopt_s = 0.0
+        #: Adopted pages no load has checked yet: their first use is checked whatever is sampled.
         self.unverified = np.zeros(self.geometry.logical_pages, dtype=bool)
-        self.verified_pages = 0
-        self.verify_failures = 0
-        self._summed: set[int] = set()  # backup ids whose share's checksums are recorded
-        self._copy_views: dict[Part, np.ndarray] | None = None
-        self.drop_copy: Callable[[Node], None] = lambda node: None  # set by the cache: the L2 eviction of one node
+        self.verified_pages = 0  # adopted pages checked by their first load
+        self.verify_failures = 0  # adopted copies dropped by a failed check before any load of them passed
 
     # -- construction -------------------------------------------------------------
 
     def host_pool(self, pin: bool | None) -> HostPool:
-        """This rank's L2: its copy's regions of the segment, through the arenas."""
+        """This rank's L2: its copy's regions of the segment, and its checksum table
+        (with `verify_restores` on), through the arenas."""
         g = self.geometry
         regions = {p.part: self.segment.region(self.copy, p.part) for p in self.layout.parts}
         return HostPool(self.layout, g.physical_pages * self.layout.bytes_per_page, cp_size=self.config.cp_size,
-                        rank=self.cp_rank, pin=pin, regions=regions)  # fmt: skip
+                        rank=self.cp_rank, pin=pin, regions=regions,
+                        sums_region=self.segment.sums_region(self.copy) if g.verify else None)  # fmt: skip
 
-    def adopt(self, tree: Any, allocator: Any, parts: frozenset) -> Adoption:
-        """Rebuild the tree from the journal (every rank alike), then agree that every rank did.
+    def adopt(self, tree: RadixTree, host_pool: HostPool) -> Adoption:
+        """Rebuild the tree from the journal (every rank alike) with the adopted copies'
+        identity tags, then agree that every rank adopted the same pages and tags.
 
-        Raises ConsistencyError when ranks adopted different page counts."""
-        from hicache_cp.errors import ConsistencyError
-
+        Raises ConsistencyError when ranks disagree."""
         t0 = time.perf_counter()
-        entries = self.journal.committed()
-        self.adoption = adopt(entries, tree, allocator, parts)
+        parts = frozenset(p.part for p in self.layout.parts)
+        self.adoption = adopt(self.journal.committed(), tree, host_pool.allocator, parts)
+        digest = self._tag(host_pool) if self.geometry.verify else 0
         n = self.adoption.pages
-        low, neg_high = self.agreement.min_int(n), -self.agreement.min_int(-n)
-        if low != n or neg_high != n:
-            raise ConsistencyError("node ranks adopted different journals", rank=self.node_rank,
-                                   details={"pages": n, "min": low, "max": neg_high, "segment": self.segment.path})  # fmt: skip
+        for what, mine in (("pages", n), ("identity tags", digest)):
+            low, high = self.agreement.min_int(mine), -self.agreement.min_int(-mine)
+            if low != mine or high != mine:
+                raise ConsistencyError(
+                    f"node ranks adopted different journals ({what})", rank=self.node_rank,
+                    details={what: mine, "min": low, "max": high, "segment": self.segment.path},
+                )  # fmt: skip
         if self.journal.writer and len(self.adoption.dropped):
             self.journal.release(self.adoption.dropped)
         for node in self.adoption.nodes:
@@ -161,6 +169,21 @@ class NodeTier:
                         "%d orphans)", self.segment.path, n, len(self.adoption.nodes), self.adopt_s,
                         len(self.adoption.dropped), self.adoption.damaged, self.adoption.orphans)  # fmt: skip
         return self.adoption
+
+    def _tag(self, host_pool: HostPool) -> int:
+        """Record the identity tag (prefix hash, `hicache_cp.keys.prefix_hashes`) of every
+        adopted page, chained from its parent's last page as the restore checks compute
+        it from a request's tokens; return a 62-bit digest of them for the agreement.
+        Parents come before their children in `adoption.nodes`. O(adopted tokens)."""
+        tags = host_pool.tags
+        digest = np.uint64(0)
+        for node in self.adoption.nodes:
+            parent = node.parent
+            before = int(tags[parent.host_pages[-1]]) if parent is not None and parent.host_pages is not None else 0
+            mine = prefix_hashes(node.tokens, self.layout.page_size, before)
+            host_pool.set_tags(node.host_pages, mine)  # type: ignore[arg-type]
+            digest ^= np.bitwise_xor.reduce(mine ^ node.host_pages.astype(np.uint64))  # type: ignore[union-attr]
+        return int(digest >> np.uint64(2))
 
     @property
     def private_copy(self) -> bool:
@@ -176,19 +199,6 @@ class NodeTier:
         stray = np.setdiff1d(self.journal.committed_pages(), kept)
         assert not len(stray), f"node segment {self.segment.path}: journal entries for pages not committed: {stray[:16]}"
 
-    def _views(self) -> dict[Part, np.ndarray]:
-        """This rank's copy in the segment: part -> uint8 [slots, physical_pages, page_bytes]
-        (read by the checksums; a process without a host pool, vLLM's scheduler, reads them too)."""
-        if self._copy_views is None:
-            g, mm = self.geometry, self.segment.segment.mm
-            assert mm is not None, "views of a closed node segment"
-            self._copy_views = {
-                p.part: np.frombuffer(mm, np.uint8, g.part_bytes(p.part), g.part_offset(self.copy, p.part)).reshape(
-                    p.num_slots, g.physical_pages, p.page_bytes)
-                for p in self.layout.parts
-            }  # fmt: skip
-        return self._copy_views
-
     # -- the write share -------------------------------------------------------------
 
     def share(self, first_position: int, num_pages: int) -> tuple[int, int] | None:
@@ -198,33 +208,7 @@ class NodeTier:
             return None
         return write_share(first_position, num_pages, self.node_rank, self.world)
 
-    def _written(self, op: BackupOp) -> tuple[np.ndarray, np.ndarray]:
-        """(logical, physical) host pages of `op` this rank wrote into its copy."""
-        host = op.host_pages
-        share = self.share(op.first_position, op.num_pages)
-        if share is not None:
-            return host[share[0] : share[1]], host[share[0] : share[1]]
-        if self.config.cp_size == 1:
-            return host, host
-        mine = cp_mapping.owned_mask(op.device_pages, self.cp_rank, self.config.cp_size)
-        return host[mine], cp_mapping.to_physical(host[mine], self.config.cp_size)
-
     # -- hooks of the cache -------------------------------------------------------------
-
-    def before_vote(self, landed: Sequence[BackupOp], active: Sequence[BackupOp]) -> None:
-        """Record the checksums of this rank's share of each backup in `landed` (every
-        layer of its share landed, no failure) before the rank votes so. O(bytes)."""
-        if not self.config.node_verify:
-            return
-        for op in landed:
-            if op.id in self._summed:
-                continue
-            logical, physical = self._written(op)
-            if len(logical):
-                self.journal.record_sums(self.copy, logical, unit_sums(self.layout, self._views(), physical))
-            self._summed.add(op.id)
-        if len(self._summed) > 2 * len(active) + 64:
-            self._summed &= {op.id for op in active}
 
     def on_committed(self, nodes: Sequence[Node]) -> None:
         """A backup committed `nodes`: the writer journals them, parents first."""
@@ -234,11 +218,32 @@ class NodeTier:
             assert node.host_pages is not None
             self.journal.commit(node.host_pages, node.first_position, node.tokens, self._key_before(node))
 
-    def on_free(self, pages: np.ndarray) -> None:
-        """`pages` leave L2 (before the allocator may reuse them)."""
+    def on_free(self, pages: np.ndarray, failed: bool = False) -> None:
+        """`pages` leave L2 (before the allocator may reuse them); `failed`: a copy
+        dropped after a failed check (counted when it was adopted and never checked)."""
         if self.journal.writer:
             self.journal.release(pages)
-        self.unverified[np.asarray(pages, np.int64)] = False
+        pages = np.asarray(pages, np.int64)
+        if failed and self.unverified[pages].any():
+            self.verify_failures += 1  # (the drop logs the WARNING)
+        self.unverified[pages] = False
+
+    def first_use(self, pages: np.ndarray) -> np.ndarray:
+        """Which logical `pages` (a load's) are adopted and not checked yet: bool, aligned. O(n)."""
+        return self.unverified[np.asarray(pages, np.int64)]
+
+    def on_loaded(self, pages: np.ndarray) -> None:
+        """A load of `pages` was agreed done: every page it read passed its check. O(n)."""
+        pages = np.asarray(pages, np.int64)
+        self.verified_pages += int(np.count_nonzero(self.unverified[pages]))
+        self.unverified[pages] = False
+
+    def clear(self) -> None:
+        """A reset: the journal forgets every copy (its writer), so that no later engine
+        adopts what this one's cache held. O(directory)."""
+        if self.journal.writer:
+            self.journal.clear()
+        self.unverified[:] = False
 
     def _key_before(self, node: Node) -> bytes:
         """The chain hash of the prefix before `node`: its parent's journal entry when the
@@ -256,53 +261,6 @@ class NodeTier:
             path.append(n.tokens)
             n = n.parent
         return chain_hashes(np.concatenate(path[::-1]), self.layout.page_size)[-1]
-
-    # -- the check before first use ----------------------------------------------------
-
-    def check_first_use(self, match: MatchResult, truncate: Callable[[MatchResult, int], None]) -> None:
-        """Check the adopted pages of `match`'s host continuation before anything loads
-        them; end the continuation before the first node that fails, and drop that
-        node's copy. One MIN agreement when the continuation holds unverified pages
-        (a replicated fact, so every rank calls it at the same step)."""
-        if not match.host_nodes:
-            return
-        pages = match.host_pages
-        todo = np.flatnonzero(self.unverified[pages])
-        if not len(todo):
-            return
-        first = match.host_nodes[0].first_position
-        lo, hi = (write_share(first, len(todo), self.node_rank, self.world)
-                  if self.sharing is Sharing.REPLICATED else (0, len(todo)))  # fmt: skip
-        mine = todo[lo:hi]
-        if self.config.cp_size > 1:
-            mine = mine[cp_mapping.owned_mask(pages[mine], self.cp_rank, self.config.cp_size)]
-        bad = len(pages)
-        if len(mine):
-            logical = pages[mine]
-            physical = cp_mapping.to_physical(logical, self.config.cp_size) if self.config.cp_size > 1 else logical
-            views = self._views()
-            wrong = (unit_sums(self.layout, views, physical) != self.journal.sums_of(self.copy, logical)).any(axis=1)
-            if wrong.any():
-                bad = int(mine[np.argmax(wrong)])
-        bad = self.agreement.min_int(bad)
-        checked = todo[todo < bad]
-        self.unverified[pages[checked]] = False
-        self.verified_pages += len(checked)
-        if bad == len(pages):
-            return
-        offset, keep = 0, 0
-        for node in match.host_nodes:
-            if offset + node.num_pages > bad:
-                break
-            offset += node.num_pages
-            keep += 1
-        victim = match.host_nodes[keep]
-        logger.warning("rank %d: node segment %s: adopted pages of %r failed their checksums before first use; "
-                       "dropped (a miss, recomputed)", self.node_rank, self.segment.path, victim)  # fmt: skip
-        self.verify_failures += 1
-        truncate(match, keep)
-        self.unverified[victim.host_pages] = False
-        self.drop_copy(victim)
 
     # -- reports and teardown ------------------------------------------------------------
 
@@ -330,6 +288,5 @@ class NodeTier:
 
     def close(self) -> bool:
         """Unmap (after the host pool closed); drop the segment if configured and last."""
-        self._copy_views = None
         return self.segment.close(drop=self.config.node_drop_on_close)
 

@@ -70,14 +70,18 @@ class NodeHooks(Protocol):
     def share(self, first_position: int, num_pages: int) -> tuple[int, int] | None:
         """`[lo, hi)` of a backup's pages this rank copies; None: what it owns, as without the tier."""
 
-    def before_vote(self, landed: Sequence[BackupOp], active: Sequence[BackupOp]) -> None:
-        """These backups' shares landed on this rank: record their checksums before voting so."""
-
     def on_committed(self, nodes: Sequence[Node]) -> None:
         """A backup committed these nodes' host copies (the journal records them)."""
 
-    def on_free(self, pages: np.ndarray) -> None:
-        """These pages leave L2, before the allocator may hand them out again."""
+    def on_free(self, pages: np.ndarray, failed: bool = False) -> None:
+        """These pages leave L2 (`failed`: dropped after a failed check), before the
+        allocator may hand them out again."""
+
+    def first_use(self, pages: np.ndarray) -> np.ndarray:
+        """Which of a load's logical `pages` were adopted and never checked (bool, aligned)."""
+
+    def on_loaded(self, pages: np.ndarray) -> None:
+        """A load of these pages was agreed done (each passed its check)."""
 
     def check_invariants(self, kept: np.ndarray) -> None:
         """`kept`: the L2 pages of committed copies and those the L3 tier holds."""
@@ -104,7 +108,7 @@ class CacheState:
     l3: L3Hooks | None = None  # the L3 tier, when configured (cache.tier3)
     events: EventLog | None = None  # KV cache events for routers, when asked for (hicache_cp.events)
     #: L2 pages of copies dropped after a failed check, freed once no active load reads them
-    #: (`Evictor.drop_host_copy`).
+    #: (`drop_host_copy` with `Removal.INTEGRITY`, `release_quarantine`).
     quarantine: list[np.ndarray] = field(default_factory=list)
     node: NodeHooks | None = None  # the node tier, when configured (cache.node_tier)
 
@@ -119,17 +123,23 @@ class CacheState:
             self.device_pool.poison(pages)
         self.device_pool.allocator.free(pages)
 
-    def free_host_pages(self, pages: np.ndarray) -> None:
-        """`free_device_pages` for L2. Their identity tags are cleared: a stale
-        reference that loads a freed page fails its check. The node tier forgets them
-        first (its journal must not name a page that may be rewritten); a copy the
-        node's ranks share is not poisoned (another rank may be writing the page's
-        next content already)."""
+    def forget_host_pages(self, pages: np.ndarray, failed: bool = False) -> None:
+        """`pages` hold no copy any more: the node tier's journal forgets them (it must
+        not name a page that may be rewritten; `failed`: after a failed check) and
+        their identity tags are cleared, so a stale reference that loads one fails
+        its check. O(pages)."""
         if self.node is not None:
-            self.node.on_free(pages)
+            self.node.on_free(pages, failed)
+        self.host_pool.tags[pages] = 0
+
+    def free_host_pages(self, pages: np.ndarray, *, forgotten: bool = False) -> None:
+        """`free_device_pages` for L2, after `forget_host_pages` (unless `forgotten`
+        already). A copy the node's ranks share is not poisoned (another rank may be
+        writing the page's next content already)."""
+        if not forgotten:
+            self.forget_host_pages(pages)
         if self.config.debug_checks and (self.node is None or self.node.private_copy):
             self.host_pool.poison(pages)
-        self.host_pool.tags[pages] = 0
         self.host_pool.allocator.free(pages)
 
     def commit_host_copy(self, node: Node, host_pages: np.ndarray | None = None) -> None:
@@ -145,12 +155,15 @@ class CacheState:
         if self.events is not None:
             self.events.stored(Medium.HOST, node)
 
-    def drop_host_copy(self, node: Node, reason: Removal) -> None:
+    def drop_host_copy(self, node: Node, reason: Removal, others: np.ndarray | None = None) -> None:
         """The one place a committed L2 copy is removed (eviction, `l2_exclusive`, a
-        failed integrity check): the node forgets it, it is announced (HOST
-        removed) and its pages are freed (those an L3 write-back still reads once
-        it is done). The caller counts it and prunes the node if it may now hold
-        nothing (`RadixTree.prune`)."""
+        failed integrity check): the node forgets it, it is announced (HOST removed),
+        the node tier's journal forgets its pages, and they are freed (those an L3
+        write-back still reads once it is done). `Removal.INTEGRITY` (a failed check,
+        agreed on every rank: `Evictor.drop_host_copy`) quarantines them instead,
+        freed once no active load reads them; `others` are pages the node named that
+        another copy holds (a stale copy's): left alone. The caller counts it and
+        prunes the node if it may now hold nothing (`RadixTree.prune`)."""
         pages = node.host_pages
         assert pages is not None and node.host_state is HostState.COMMITTED, f"{node}: no committed host copy to drop"
         if self.events is not None:
@@ -158,10 +171,33 @@ class CacheState:
         node.host_pages = None
         node.host_state = HostState.NONE
         node.host_parts = frozenset()
+        if others is not None:
+            pages = pages[~np.isin(pages, others)]
+        failed = reason is Removal.INTEGRITY
+        self.forget_host_pages(pages, failed)
         if self.l3 is not None:  # pages an L3 write-back still reads are freed when it is done
             pages = self.l3.on_evict_l2(pages)
-        self.free_host_pages(pages)
+        if failed:
+            self.quarantine.append(pages)
+            self.release_quarantine()
+        else:
+            self.free_host_pages(pages, forgotten=True)
         self.tree.refresh_family(node)
+
+    def release_quarantine(self) -> None:
+        """Free dropped copies' pages that no active load reads any more (their journal
+        entries and tags went at the drop). O(dropped + loading pages)."""
+        if not self.quarantine:
+            return
+        reading = [op.host_pages for op in self.loads if op.active]
+        busy = np.concatenate(reading) if reading else np.empty(0, np.int64)
+        keep: list[np.ndarray] = []
+        for pages in self.quarantine:
+            if len(busy) and np.isin(pages, busy).any():
+                keep.append(pages)
+            elif len(pages):
+                self.free_host_pages(pages, forgotten=True)
+        self.quarantine = keep
 
     def device_changed(self, node: Node, stored: bool) -> None:
         """`node` got L1 pages (`stored`) or lost them: announced (DEVICE) when the

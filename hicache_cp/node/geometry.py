@@ -6,9 +6,10 @@ One segment holds, in this order (offsets fixed by the geometry alone)::
                 fingerprint and its description (`header`)
     directory   one entry per logical host page, `ENTRY` (`journal`)
     tokens      the token ids of each logical page, int64 [pages, page_size]
-    sums        a checksum per (copy, logical page, unit), uint64; a unit is one
-                layer of one part, numbered part by part in layout order, slot
-                by slot (`unit_index`)
+    sums        for each copy, its checksum table: what a private `HostPool`
+                keeps in its checksum arena (`hicache_cp.checksum`), part by part
+                in layout order, each uint64 [slots, physical_pages]; present
+                when `verify` is on, each copy's starting on `align`
     data        for each copy, for each part, the part's layer-first pool
                 [slots, physical_pages, page_bytes], each starting on `align`
 
@@ -31,7 +32,8 @@ import numpy as np
 from hicache_cp.layout import KVLayout, Part
 
 #: Bumped whenever the bytes of the segment change meaning: an older segment is then not adopted.
-FORMAT_VERSION = 1
+#: 2: the checksum table is `HostPool`'s (`hicache_cp.checksum`, [part][slot, page] per copy).
+FORMAT_VERSION = 2
 HEADER_BYTES = 4096
 #: Data regions start on this boundary: a 2 MiB huge page (and a multiple of every
 #: smaller page), so no region shares a huge page with another.
@@ -69,8 +71,9 @@ class NodeGeometry:
         copies: 1 (replicated) or the number of ranks (per rank).
         sharing: what the copies are.
         kv_dtype: what the engine calls its KV dtype (part of the fingerprint).
-        verify: whether checksums are kept (a segment written without them is
-            never adopted by an engine that checks, nor the reverse).
+        verify: whether checksums are kept (`verify_restores` is not off; a
+            segment written without them is never adopted: nothing in it could
+            be checked before its first use).
         align: alignment of the data regions (bytes; a multiple of 4 KiB).
     """
 
@@ -83,6 +86,7 @@ class NodeGeometry:
     kv_dtype: str = "opaque"
     verify: bool = True
     align: int = DEFAULT_ALIGN
+    _sums: list[int] = field(init=False, repr=False, compare=False)
     _offsets: dict[tuple[int, Part], int] = field(init=False, repr=False, compare=False)
     _data: int = field(init=False, repr=False, compare=False)
     _total: int = field(init=False, repr=False, compare=False)
@@ -92,12 +96,17 @@ class NodeGeometry:
             raise ValueError(f"node geometry: copies {self.copies}, pages {self.physical_pages}, cp {self.cp_size}")
         if self.sharing is Sharing.REPLICATED and (self.copies != 1 or self.cp_size != 1):
             raise ValueError("node geometry: a replicated pool is one copy of one CP rank's pages")
-        off = _round_up(self.sums_offset + self.sums_bytes, self.align)
+        off = _round_up(self.tokens_offset + self.logical_pages * self.layout.page_size * 8, self.align)
+        sums: list[int] = []
+        for _ in range(self.copies if self.verify else 0):
+            sums.append(off)
+            off = _round_up(off + self.sums_bytes, self.align)
         offsets: dict[tuple[int, Part], int] = {}
         for copy in range(self.copies):
             for p in self.layout.parts:
                 offsets[(copy, p.part)] = off
                 off = _round_up(off + self.part_bytes(p.part), self.align)
+        object.__setattr__(self, "_sums", sums)
         object.__setattr__(self, "_offsets", offsets)
         object.__setattr__(self, "_data", offsets[(0, self.layout.parts[0].part)])
         object.__setattr__(self, "_total", off)
@@ -111,7 +120,7 @@ class NodeGeometry:
 
     @property
     def units(self) -> int:
-        """Checksum units of a page: every layer of every part."""
+        """Checksums of a page: one per layer of every part."""
         return sum(p.num_slots for p in self.layout.parts)
 
     @property
@@ -123,12 +132,15 @@ class NodeGeometry:
         return self.directory_offset + self.logical_pages * ENTRY.itemsize
 
     @property
-    def sums_offset(self) -> int:
-        return self.tokens_offset + self.logical_pages * self.layout.page_size * 8
-
-    @property
     def sums_bytes(self) -> int:
-        return self.copies * self.logical_pages * self.units * 8
+        """One copy's checksum table (`HostPool.sums` of every part): 8 bytes a unit."""
+        return self.units * self.physical_pages * 8
+
+    def sums_offset(self, copy: int) -> int:
+        """Offset of one copy's checksum table (ValueError when checksums are off)."""
+        if not self.verify:
+            raise ValueError("node geometry: a segment without checksums (verify off) has no checksum table")
+        return self._sums[copy]
 
     @property
     def data_offset(self) -> int:
@@ -151,17 +163,6 @@ class NodeGeometry:
     def part_offset(self, copy: int, part: Part) -> int:
         """Offset of one copy's pool of one part [slots, physical_pages, page_bytes]."""
         return self._offsets[(copy, part)]
-
-    def unit_index(self, part: Part, slot: int) -> int:
-        """Column of (part, compact slot) in a page's checksum row."""
-        base = 0
-        for p in self.layout.parts:
-            if p.part is part:
-                if not 0 <= slot < p.num_slots:
-                    raise ValueError(f"{part.value}: slot {slot} outside [0, {p.num_slots})")
-                return base + slot
-            base += p.num_slots
-        raise ValueError(f"the layout has no part {part.value}")
 
     # -- compatibility ----------------------------------------------------------
 

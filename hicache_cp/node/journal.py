@@ -10,9 +10,10 @@ owns it: rank 0 of the cache's agreement, or vLLM's scheduler):
 
     commit(pages, first_position, tokens, parent)  a backup committed: fields first,
                                                    then `state = COMMITTED` last
-    release(pages)                                 pages leave L2 (eviction, ...):
-                                                   `state = FREE` before the
-                                                   allocator may hand them out again
+    release(pages)                                 pages leave L2 (eviction, a failed
+                                                   check, ...): `state = FREE` before
+                                                   the allocator may hand them out again
+    clear()                                        a reset: every entry FREE
 
 Why no lock: the writer is one thread of one process, and a crash can only
 cut its stores at an instruction boundary, in program order. So an entry is
@@ -21,13 +22,11 @@ copy landed (the commit is the agreed decision), and it is FREE before its
 page is ever written again. An entry of a backup still PENDING at a crash
 was never written: it is not adopted, and its page is free after restart.
 
-Checksums: every rank writes the checksums of the pages it wrote into its
-copy's row (`record_sums`) before it votes that its copy landed, so they
-precede the commit too. `sums_of` reads them back for the check before an
-adopted page's first use. The values are the checksum function's
-(`hicache_cp.node.checksums`, or the GPU checksums of the verified-restores
-work where that is connected: a (page, part, layer) unit is the column
-`NodeGeometry.unit_index(part, slot)`).
+Checksums are not the journal's: each copy's checksum table in the segment
+is its `HostPool`'s (`HostPool.sums`, `hicache_cp.checksum`), written by
+whichever rank copied a page, before that rank votes that its copy landed;
+so they precede the commit too, and every load checks against them
+(docs/integrity.md).
 """
 
 from __future__ import annotations
@@ -123,11 +122,18 @@ class Journal:
         return keys[-1]
 
     def release(self, pages: np.ndarray) -> None:
-        """`pages` leave L2: FREE from now on (before they can be reused). O(pages)."""
+        """`pages` leave L2: FREE from now on (before they can be reused). O(pages);
+        `releases` counts the entries that were COMMITTED."""
         assert self.writer, "only the journal's writer releases"
         if len(pages):
-            self._entries()["state"][np.asarray(pages, np.int64)] = FREE
-            self.releases += len(pages)
+            state = self._entries()["state"]
+            pages = np.asarray(pages, np.int64)
+            self.releases += int(np.count_nonzero(state[pages] == COMMITTED))
+            state[pages] = FREE
+
+    def clear(self) -> None:
+        """Every entry FREE: nothing of this engine's L2 is adopted later (a reset). O(directory)."""
+        self.release(self.committed_pages())
 
     def key_of(self, page: int, position: int) -> bytes | None:
         """The chain hash of `page` if it is COMMITTED at request position `position`, else None."""
@@ -137,14 +143,6 @@ class Journal:
         return e["key"].tobytes()
 
     # -- every rank's calls ------------------------------------------------------
-
-    def record_sums(self, copy: int, pages: np.ndarray, sums: np.ndarray) -> None:
-        """Checksums [len(pages), units] of `pages` in `copy` (the pages this rank wrote)."""
-        self.seg.sums[copy, np.asarray(pages, np.int64)] = sums  # type: ignore[index]
-
-    def sums_of(self, copy: int, pages: np.ndarray) -> np.ndarray:
-        """The recorded checksums [len(pages), units] of `pages` in `copy` (a copy)."""
-        return self.seg.sums[copy, np.asarray(pages, np.int64)]  # type: ignore[index]
 
     def committed(self) -> Entries:
         """Every COMMITTED entry (page 0, the dummy, never is), copied out. O(directory)."""

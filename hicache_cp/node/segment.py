@@ -119,7 +119,7 @@ class NodeSegment:
 
     Attributes: `decision` and `reason` (why CLEAN, for the INFO line), `adopted`
     (whether this engine's session kept a previous engine's journal, whoever opened first),
-    `generation`, and numpy views of the directory, tokens and checksums.
+    `generation`, and numpy views of the directory and the tokens.
     """
 
     def __init__(self, name: str, geometry: NodeGeometry, *, session: int, adopt: bool = True,
@@ -146,9 +146,6 @@ class NodeSegment:
         self.directory = np.frombuffer(mm, ENTRY, g.logical_pages, g.directory_offset)
         self.tokens = np.frombuffer(mm, np.int64, g.logical_pages * g.layout.page_size, g.tokens_offset).reshape(
             g.logical_pages, g.layout.page_size
-        )
-        self.sums = np.frombuffer(mm, np.uint64, g.copies * g.logical_pages * g.units, g.sums_offset).reshape(
-            g.copies, g.logical_pages, g.units
         )
 
     def _open(self, adopt: bool, numa_policy: numa.NumaPolicy | str) -> tuple[Decision, str, int]:
@@ -188,10 +185,15 @@ class NodeSegment:
         g = self.geometry
         return self.segment.region(g.part_offset(copy, part), g.part_bytes(part))
 
+    def sums_region(self, copy: int) -> SegmentRegion:
+        """One copy's checksum table (`HostPool`'s checksum arena), as arena memory."""
+        g = self.geometry
+        return self.segment.region(g.sums_offset(copy), g.sums_bytes)
+
     def close(self, *, drop: bool = False) -> bool:
         """Unmap. `drop`: remove the segment once no other process maps it (the last
         user to close removes it). Returns whether this call removed it."""
-        for name in ("directory", "tokens", "sums"):
+        for name in ("directory", "tokens"):
             setattr(self, name, None)
         return self.segment.close(unlink_if_last=drop)
 
@@ -203,6 +205,6 @@ def _why_clean(head: Header, g: NodeGeometry, adopt: bool, size: int) -> str:
     if head.state is HeaderState.INITIALIZING:
         return "its last opener died while initialising it"
     if not adopt:
-        return "adoption is off (node_adopt or node_verify is false)"
+        return "adoption is off (node_adopt is false, or verify_restores is off: nothing could be checked)"
     diff = differences(head.description, g.description())
     return "; ".join(diff) if diff else f"its size is {size} B, {g.total_bytes} B expected"

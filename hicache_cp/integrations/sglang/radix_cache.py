@@ -454,7 +454,7 @@ class HiCacheCpRadixCache(RadixCache):
         self._staged.clear()
         self.indices.resolve()
         self.cache.drain()
-        self.cache.close()
+        self.cache.close(discard=True)  # the node tier's journal forgets every copy: the new cache adopts none
         self.cache = self._make_cache()
         self.copies.cache = self.cache
 

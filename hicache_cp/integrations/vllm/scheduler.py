@@ -242,7 +242,7 @@ class SchedulerSide:
         requests are in flight (vLLM then reports the reset failed)."""
         if self._jobs or self._reqs:
             return False
-        self.cache.close()
+        self.cache.close(discard=True)  # the node tier's journal forgets the old copies: none is adopted
         self.cache = self._make_cache(self.plan)
         return True
 
