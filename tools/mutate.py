@@ -546,7 +546,7 @@ FAULTS: list[Fault] = [
           "        return int(self._all_min(np.array([value], dtype=np.int64))[0])",
           "        return int(self._all_min(np.array([value], dtype=np.float32))[0])",
           ("tests/test_cp_round4.py",), "a host budget above 2**24 bytes is agreed inexactly"),
-    Fault("auto-budget-not-agreed", "hicache_cp/cache/hicache.py",
+    Fault("auto-budget-not-agreed", "hicache_cp/cache/budget.py",
           "    budget = agreement.min_int(memory.pool_bytes // max(1, local_ranks))\n",
           "    budget = memory.pool_bytes // max(1, local_ranks)\n",
           ("tests/test_cp_round4.py",), "CP ranks of one op size L2 from their own memory reading"),
