@@ -7,9 +7,10 @@ The worker's host time per step is its engine calls (docs/bench/vllm.md):
 * a load: one plan and one submission for every layer; every loaded page is
   checked against its stored checksum (CPU and CUDA alike);
 * a step with no job and nothing in flight: no engine call;
-* CUDA: a load's restore checks follow its copies, not the forward, so the
-  step's end (which reports failed loads in that step) does not wait for the
-  forward to finish.
+* CUDA: the checks' kernel is compiled at start-up (`CopyEngine.warm_up`), and
+  a load's restore checks follow its copies, not the forward, so the step's end
+  (which reports failed loads in that step) does not wait for the forward to
+  finish.
 
 Skipped where vLLM is not installed; the CUDA cases are GPU tests.
 """
@@ -102,6 +103,7 @@ def test_vllm_cuda_a_loads_checks_do_not_wait_for_the_forward(model_dir):
     compute stream (a 0.2 s spin queued after every layer's wait) is not waited for."""
     b = H.make_bench(model_dir, device="cuda")
     try:
+        assert b.worker.worker_side.engine._checks is not None  # made, kernel compiled, at start-up (warm_up)
         b.add(P)
         b.run()
         b.drop_vllm_prefix_cache()

@@ -11,7 +11,8 @@
 #   setup   .vllm/whl into $SITE (pip --no-index --no-deps), vllm-src.tar.gz over it
 #   ops     tools/vllm_ops/build.py: vLLM's own ops from the sdist's csrc -> $SITE/vllm (-> vllm-ops.json)
 #   tests   the connector's GPU tests (-m gpu): the worker's CUDA path (planned copies, restore
-#           checks on the GPU, hooks, faults) under vLLM's real Scheduler (-> vllm-race-junit.xml)
+#           checks on the GPU, hooks, faults) under vLLM's real Scheduler, and the checksum
+#           kernel's (-> vllm-race-junit.xml)
 #   smoke   tools/vllm_race.py --quick --eager: a small Llama, eager, with our connector
 #           (-> vllm-smoke.json): vLLM's runner starts, saves commit, pass 2 loads from host
 #   race    tools/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json)
@@ -44,7 +45,7 @@ if want tests; then
   step "the connector's GPU tests (-m gpu)"
   timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu -o junit_family=xunit1 \
     --junitxml="$DEST/vllm-race-junit.xml" tests/test_vllm_connector.py tests/test_vllm_plan.py \
-    tests/test_vllm_worker_cost.py tests/test_plugin_restore_checks.py 2>&1 | tail -60
+    tests/test_vllm_worker_cost.py tests/test_plugin_restore_checks.py tests/test_checksum_gpu.py 2>&1 | tail -60
   keep "${PIPESTATUS[0]}"
 fi
 

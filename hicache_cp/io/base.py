@@ -208,6 +208,12 @@ class CopyEngine(abc.ABC):
     ) -> CopyTicket:
         """Backend work: pages are validated int64 arrays of equal length."""
 
+    def warm_up(self) -> None:
+        """Pay the backend's one-time costs now, at start-up, not in the first step that
+        copies (the CUDA engines: the restore checks' state and the checksum kernel's
+        compilation, when `verify` is on). Call it after setting `verify`. May
+        synchronise. Default: nothing."""
+
     def close(self) -> None:
         """Wait for outstanding copies and release backend resources."""
 

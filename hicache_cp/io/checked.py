@@ -239,6 +239,15 @@ class GpuChecks:
         else:
             self._refs[job.event] = left
 
+    def warm_up(self) -> None:
+        """Compile the checksum kernel now: one launch per part, of device page 0 into
+        the landed array (scratch until a load's check writes it). Synchronises."""
+        page = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for p in self.engine.layout.parts:
+            checksum_gpu.launch(self.tables, p.part, 0, 1, page, int(self.landed[p.part].ctypes.data),
+                                self.engine.device_pool.physical_pages, page, self.stream)  # fmt: skip
+        self.stream.synchronize()
+
     def close(self) -> None:
         self.stream.synchronize()
         self.landed.clear()
@@ -300,6 +309,12 @@ class CheckedSubmissions:
         if checks is None:
             return out
         return [checks.wrap(plan, parts, layer, tickets) for (parts, layer), tickets in zip(jobs, out)]
+
+    def warm_up(self) -> None:
+        """The checks' state made and their kernel compiled now, while `verify` is on."""
+        checks = self._checks_on()
+        if checks is not None:
+            checks.warm_up()
 
     def _checks_on(self) -> GpuChecks | None:
         """The engine's `GpuChecks` while `verify` is on (made on first use)."""

@@ -141,6 +141,7 @@ class WorkerSide:
                                       checksums=checked)  # fmt: skip
         self.engine = make_engine(self.config.io_backend, self.device_pool, self.host_pool)
         self.engine.verify = self.config.verify_restores
+        self.engine.warm_up()  # on CUDA the checksum kernel compiles here, not in a request's step
         logger.info(
             "hicache-cp worker: L1 = vLLM's %d blocks (%s), L2 = %d pages (%.1f MiB, %s), io %s",
             self.plan.num_blocks, self.layout.describe(), self.host_pool.physical_pages,
