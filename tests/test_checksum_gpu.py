@@ -70,6 +70,19 @@ def test_kernel_equals_numpy_in_the_triton_interpreter() -> None:
     assert done.returncode == 0 and "EQUAL" in done.stdout, done.stderr[-3000:]
 
 
+@needs_triton
+def test_the_kernel_is_compiled_once_per_page_size() -> None:
+    """The first slot, the output's address and its row length change between launches
+    (an op's first landed layer, a backup's or a load's output): none selects a compiled
+    variant, so the engines' `warm_up` compiles the only ones a run launches (one per
+    page size) and no step compiles."""
+    from hicache_cp.io import checksum_gpu as g
+
+    params = {p.name: p for p in g._kernel().params}
+    assert {n for n, p in params.items() if p.do_not_specialize} == {"slot0", "out_base", "out_row"}
+    assert not params["words"].do_not_specialize  # the loop bound: its divisibility helps the loads
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("pages", [1, 37, 1024])

@@ -1,4 +1,5 @@
-"""Verified restores inside both engines' plug-ins (issue 44), on their real classes, on CPU.
+"""Verified restores inside both engines' plug-ins (issue 44), on their real classes, on CPU
+(and the vLLM case on CUDA too, a GPU test).
 
 * SGLang 0.5.23 (`--radix-cache-backend hicache-cp`): a flipped bit in an L2 copy
   fails the load's check; the plug-in fails that request (its output is not kept),
@@ -57,11 +58,15 @@ def test_sglang_a_flipped_bit_in_l2_fails_the_request_and_is_never_served_again(
 # ---- vLLM -----------------------------------------------------------------------------------
 
 
-def test_vllm_a_flipped_bit_in_l2_takes_vllms_recompute_path_and_the_copy_is_dropped(tmp_path) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_vllm_a_flipped_bit_in_l2_takes_vllms_recompute_path_and_the_copy_is_dropped(tmp_path, device) -> None:
+    """On CUDA the worker's engine checksums on the GPU (`io.checked`) what the CPU engine checks on the host."""
     pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="vLLM not installed")
     import test_vllm_bench as H
 
-    b = H.make_bench(H.write_model_dir(tmp_path / "m"), device="cpu", workers=1)
+    if device == "cuda" and not H.cuda_available():
+        pytest.skip("needs CUDA (tools/device_vllm_race.sh runs it)")
+    b = H.make_bench(H.write_model_dir(tmp_path / "m"), device=device, workers=1)
     try:
         prompt = list(range(100, 185))  # 5 whole pages
         b.add(prompt)

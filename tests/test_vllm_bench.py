@@ -129,10 +129,16 @@ TINY_DEEPSEEK = {
 }
 
 
-def write_model_dir(path: Path) -> Path:
+def write_model_dir(path: Path, layers: int = TARGET_LAYERS) -> Path:
+    """The tiny model's config in `path`, with `layers` target layers (benchmarks take more)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK))
+    (path / "config.json").write_text(json.dumps({**TINY_DEEPSEEK, "num_hidden_layers": layers,
+                                                  "first_k_dense_replace": layers}))
     return path
+
+
+def model_layers(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,7 @@ class LayerSpec:
     name: str
     salt: int  # makes each layer's bytes distinct
     indexer: bool  # the V3.2 indexer's key cache (uint8) rather than an MLA cache (float32)
-    layer: int  # the model layer it belongs to (MTP: TARGET_LAYERS)
+    layer: int  # the model layer it belongs to (MTP: the number of target layers)
     dense: bool = False  # a dense (GQA) layer: vLLM's [B, H, N, C] view, C = K then V of a head
 
     @property
@@ -160,16 +166,17 @@ class LayerSpec:
         return BLOCK * self.width * (1 if self.indexer else 4)
 
 
-def layer_specs(shape: str) -> list[LayerSpec]:
+def layer_specs(shape: str, layers: int = TARGET_LAYERS) -> list[LayerSpec]:
     """The KV layers in forward order (per model layer: indexer, then attention)."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     if shape == "v3":
-        return [LayerSpec(name, i, False, i) for i, name in enumerate(LAYERS)]
+        return [LayerSpec(name, i, False, i) for i, name in enumerate(names)]
     if shape == "llama":
-        return [LayerSpec(name, i, False, i, dense=True) for i, name in enumerate(LAYERS)]
+        return [LayerSpec(name, i, False, i, dense=True) for i, name in enumerate(names)]
     if shape != "v32":
         raise ValueError(f"unknown bench shape {shape!r}")
     out = []
-    for i in range(TARGET_LAYERS + 1):  # the last one is the MTP draft layer
+    for i in range(layers + 1):  # the last one is the MTP draft layer
         out.append(LayerSpec(f"model.layers.{i}.self_attn.indexer.k_cache", 100 + i, True, i))
         out.append(LayerSpec(f"model.layers.{i}.self_attn.attn", i, False, i))
     return out
@@ -251,24 +258,31 @@ def inject_fault(engine, hook) -> None:
 
     The CPU engine has its own hook (run on its worker thread: the copy then
     fails asynchronously). Other engines get a test double around their real
-    submission: a hook that raises skips that copy and yields a failed ticket."""
+    planned submissions (the worker's path): each part of a layer is submitted
+    on its own, and a part whose hook raises is skipped and gets a failed ticket."""
     if isinstance(engine, CpuCopyEngine):
         engine.fault = hook
         return
-    engine.__dict__.pop("_submit", None)  # back to the class's real submission
+    for name in ("submit_layer", "submit_layers"):  # back to the class's real submissions
+        engine.__dict__.pop(name, None)
     if hook is None:
         return
-    real = engine._submit
+    real = engine.submit_layer
 
-    def submit(direction, part, layer, device_pages, host_pages):
-        try:
-            hook(direction, part, layer)
-        except Exception as exc:  # noqa: BLE001 - the test's injected fault
-            nbytes = len(device_pages) * engine.layout.part(part).page_bytes
-            return FailedTicket(direction, part, layer, nbytes, exc)
-        return real(direction, part, layer, device_pages, host_pages)
+    def submit_layer(plan, parts, layer):
+        out = []
+        for part in parts:
+            try:
+                hook(plan.direction, part, layer)
+            except Exception as exc:  # noqa: BLE001 - the test's injected fault
+                nbytes = plan.num_pages * engine.layout.part(part).page_bytes
+                out.append(FailedTicket(plan.direction, part, layer, nbytes, exc))
+                continue
+            out += real(plan, (part,), layer)
+        return out
 
-    engine._submit = submit
+    engine.submit_layer = submit_layer
+    engine.submit_layers = lambda plan, jobs: [submit_layer(plan, parts, layer) for parts, layer in jobs]
 
 
 # ---- vLLM's OffloadingConnector with a host-copy worker (its CUDA copy path stood in) -------------
@@ -357,8 +371,8 @@ def wait_worker_saves(connector) -> None:
     wait for every save copy the worker has in flight, so the step's report holds
     their verdicts (the connector itself never waits for a save)."""
     side = getattr(connector, "worker_side", None)
-    for _, op in list(side._saves.values()) if side is not None else ():
-        for t in op.inflight:
+    for saves in list(side._saves) if side is not None else ():
+        for t in saves.op.inflight:
             try:
                 t.wait()
             except Exception:  # noqa: BLE001 - a failed copy: its verdict reports it
@@ -403,6 +417,7 @@ class Bench:
     held: dict[int, list[KVConnectorOutput]] = field(default_factory=dict)  # worker -> reports not yet delivered
     settle_saves: bool = True  # the GPU finished the step's saves before the host reports (deterministic)
     defer_finalize: bool = False  # vLLM's step order with a speculative draft model
+    target_layers: int = TARGET_LAYERS
     _n: int = 0
 
     def __post_init__(self) -> None:
@@ -496,8 +511,8 @@ class Bench:
         context = _GraphContext() if full_graph else _HookedContext()
         if so.has_sync_kv_loads:
             w.start_load_kv(context)
-        draft = [s for s in self.specs if s.layer >= TARGET_LAYERS]
-        target = [s for s in self.specs if s.layer < TARGET_LAYERS]
+        draft = [s for s in self.specs if s.layer >= self.target_layers]
+        target = [s for s in self.specs if s.layer < self.target_layers]
         self._layers(w, kv, target, work, hooks=not full_graph)
         if not so.has_sync_kv_loads:
             w.start_load_kv(_GraphContext())  # after the forward, outside its context
@@ -631,7 +646,8 @@ def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", worke
     """The bench with `connector` "hicache" (ours) or "offloading" (vLLM's
     OffloadingConnector with `HostCopyOffloadingWorker`), at the same host bytes.
     `extra_config`: more of our connector's settings (e.g. the node tier's)."""
-    specs = layer_specs(shape)
+    layers = model_layers(model_dir)
+    specs = layer_specs(shape, layers)
     host_bytes = host_pages * sum(s.page_bytes for s in specs)
     if connector == "hicache":
         extra = {"host_budget_bytes": host_bytes, "debug_checks": debug_checks, **(extra_config or {})}
@@ -671,4 +687,4 @@ def make_bench(model_dir: Path, *, device: str = "cpu", shape: str = "v3", worke
             assert not isinstance(side.engine, CpuCopyEngine) and side.host_pool.pinned, (side.engine.name,)
         conns.append(conn)
         kvs.append(kv)
-    return Bench(sched, conns, kvs, specs, block_hasher(), device)
+    return Bench(sched, conns, kvs, specs, block_hasher(), device, target_layers=layers)

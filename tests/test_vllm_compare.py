@@ -36,7 +36,8 @@ def test_vllm_compare_writes_both_connectors_side_by_side(tmp_path, capsys):
         assert r["from_gpu_prefix_cache"] + r["from_host"] + r["computed"] == r["prompt_tokens"], r
         assert r["from_host"] > 0 and r["blocks_stored"] > 0  # vLLM evicted, and the host tier served it
         assert r["mismatches"] == 0
-        assert r["sched_ms_per_step"]["total_ms"] > 0
+        assert r["sched_ms_per_step"]["total_ms"] > 0 and r["worker_ms_per_step"]["total_ms"] > 0
+        assert r["by_method"]["build_connector_worker_meta"]["calls"] == r["steps"] + r["report_only_steps"]
     ok, crash = report["failed_load"]
     assert ok["outcome"] == "finished" and ok["invalid_blocks_reported"] == 5 and ok["recomputed_tokens"] == 85
     assert ok["mismatches_after_recovery"] == 0 and ok["next_request_loads_from_host"] == 80

@@ -4,6 +4,7 @@ tools/vllm_race.py). The GPU run itself is tools/device_vllm_race.sh."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -83,6 +84,45 @@ def test_race_timer_splits_roles_and_closes_a_step_at_its_last_call():
     assert s["scheduler"]["steps"] == 3 and s["worker"]["steps"] == 3
     assert s["by_method"]["wait_for_save"]["calls"] == 4
     assert s["scheduler"]["mean_ms"] >= 0
+
+
+def test_race_timer_wraps_one_instance_and_closes_steps_where_told():
+    """The CPU comparison's use (tools/vllm_compare.py): one connector instance per role, steps
+    closed by the driver, wall and thread CPU time per role and method."""
+
+    class Connector:
+        def build_connector_meta(self):
+            return 2
+
+        def save_kv_layer(self):
+            return 3
+
+        def build_connector_worker_meta(self):
+            return 4
+
+    timer = vllm_race.StepTimer(explicit=True)
+    c, other = Connector(), Connector()
+    timer.wrap(c)
+    for _ in range(2):
+        assert (c.build_connector_meta(), c.save_kv_layer(), c.build_connector_worker_meta()) == (2, 3, 4)
+        other.save_kv_layer()  # another instance: not timed
+        timer.end_step()
+    s = timer.summary()
+    assert s["scheduler"]["steps"] == s["worker"]["steps"] == 2  # not closed at build_connector_meta
+    assert s["by_method"]["save_kv_layer"]["calls"] == 2
+    for role in ("scheduler", "worker"):
+        assert 0 <= s[role]["cpu_mean_ms"] and 0 <= s[role]["total_ms"]
+    assert 0 <= s["by_method"]["save_kv_layer"]["cpu_ms"]
+
+
+def test_op_build_records_commit_machine_and_command_when_it_fails(tmp_path):
+    out = tmp_path / "ops.json"
+    argv = ["--csrc", str(tmp_path / "csrc"), "--site", str(tmp_path), "--build-dir", str(tmp_path / "b"),
+            "--json", str(out)]
+    assert build.main(argv) == 1
+    report = json.loads(out.read_text())
+    assert report["commit"] and report["machine"] and report["command"] == "python3 tools/vllm_ops/build.py " + " ".join(argv)
+    assert not report["ok"] and report["error"].startswith("FileNotFoundError: vLLM sources missing")
 
 
 def test_race_identity_reports_the_largest_logprob_gap():

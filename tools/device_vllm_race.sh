@@ -4,12 +4,15 @@
 # Prepare here, then one device call:
 #
 #   .venv/bin/python tools/vllm_pack.py --sdist vllm-0.33.0.tar.gz --cutlass nvidia_cutlass-4.2.0.0-py3-none-any.whl
-#   run: HICACHE_COMMIT=<hash> bash tools/device_vllm_race.sh          # carry [".vllm"]
-#   quick: STEPS="ops smoke" ...                                         # about 4-5 minutes
+#   run: HICACHE_COMMIT=<hash> bash tools/device_vllm_race.sh          # carry [".vllm"], about 5 minutes
+#   quick: STEPS="ops smoke" ...                                         # about 2 minutes
 #
 # Steps (each logged to $OUT/vllm-race.log, which starts with commit, machine and command):
 #   setup   .vllm/whl into $SITE (pip --no-index --no-deps), vllm-src.tar.gz over it
 #   ops     tools/vllm_ops/build.py: vLLM's own ops from the sdist's csrc -> $SITE/vllm (-> vllm-ops.json)
+#   tests   the connector's GPU tests (-m gpu): the worker's CUDA path (planned copies, restore
+#           checks on the GPU, hooks, faults) under vLLM's real Scheduler, and the checksum
+#           kernel's (-> vllm-race-junit.xml)
 #   smoke   tools/vllm_race.py --quick --eager: a small Llama, eager, with our connector
 #           (-> vllm-smoke.json): vLLM's runner starts, saves commit, pass 2 loads from host
 #   race    tools/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json)
@@ -17,7 +20,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SITE=${SITE:-/tmp/vllm-site}
-DEFAULT_STEPS="ops smoke race"
+DEFAULT_STEPS="ops tests smoke race"
 source tools/device_env.sh
 # vLLM's own switch off its FlashInfer sampler (flashinfer is not on the image; PyTorch sampling runs)
 export HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -35,6 +38,14 @@ if want ops; then
   step "vLLM's ops from the sdist's csrc (tools/vllm_ops/build.py)"
   timeout "${OPS_TIMEOUT:-300}" $PY tools/vllm_ops/build.py --csrc .vllm/csrc --site "$SITE" \
     --json "$DEST/vllm-ops.json" 2>&1 | grep -v "^\[[0-9]*/[0-9]*\] " | tail -40
+  keep "${PIPESTATUS[0]}"
+fi
+
+if want tests; then
+  step "the connector's GPU tests (-m gpu)"
+  timeout "${TESTS_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu -o junit_family=xunit1 \
+    --junitxml="$DEST/vllm-race-junit.xml" tests/test_vllm_connector.py tests/test_vllm_plan.py \
+    tests/test_vllm_worker_cost.py tests/test_plugin_restore_checks.py tests/test_checksum_gpu.py 2>&1 | tail -60
   keep "${PIPESTATUS[0]}"
 fi
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/vllm_compare.py [--json bench/results/vllm-compare.json]
         [--trace /work/shared/traces/synthetic_trace.jsonl --limit 80] [--requests 60 --seed 0]
-        [--gpu-blocks 96 --host-pages 400]
+        [--gpu-blocks 96 --host-pages 400] [--shape v3 --layers 2 --batch 1] [--connectors hicache,offloading]
 
 Both connectors get the same request sequence, the same vLLM scheduler
 config (prefix caching on, chunked prefill, GPU blocks few enough that vLLM's
@@ -15,9 +15,16 @@ when submitted, the best case for vLLM's scheduler).
 
 Reported per connector: prompt tokens served from vLLM's GPU prefix cache,
 loaded from host memory and computed; blocks stored to host; engine steps;
-the connector's scheduler-side host time per step (its five scheduler calls,
-timed around vLLM's own calls of them); KV mismatches. Then the failed-load
+the connector's host time per step on the scheduler side and on the worker
+side, and per method (vLLM's calls of them timed, `vllm_race.StepTimer`;
+vLLM's worker side here copies synchronously, so its worker time holds its
+copies, ours its submissions and checks); KV mismatches. Then the failed-load
 case: every load from host fails once, and what each connector does.
+
+KV shape: `--shape v3` (MLA, the default) or `llama` (dense GQA, vLLM's own
+allocation), `--layers` target layers (2 by default; the GPU race's model has
+16). `--batch N` adds the requests N at a time (one step then schedules
+several of them), 1 by default (each runs to completion before the next).
 
 Workload: by default an embedded one (documents of 12-24 pages read by
 several requests each, each with its own 1-3 page question, in a seeded
@@ -30,12 +37,9 @@ lengths scaled down 32x). Results depend on the workload; the JSON names it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,18 +47,17 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tools"))
 
 import test_vllm_bench as H  # noqa: E402  (the bench: vLLM's Scheduler + fake model runner)
 
 from hicache_cp.harness.outputs import write_json  # noqa: E402
 from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
+from vllm_race import StepTimer  # noqa: E402  (the race's timer of the connector's calls)
 
 CONNECTORS = ("hicache", "offloading")
 LABEL = {"hicache": "hicache-cp HiCacheConnector", "offloading": "vLLM OffloadingConnector (CPU)"}
-SCHED_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-               "update_connector_output", "request_finished")
-
 
 # ---- workloads ------------------------------------------------------------------------------
 
@@ -90,43 +93,19 @@ def _prompt(keys: list[int], i: int) -> list[int]:
 # ---- one run ----------------------------------------------------------------------------------
 
 
-@dataclass
-class Timers:
-    """Host time inside the scheduler-role connector's calls, per engine step."""
-
-    current: float = 0.0
-    per_step: list[float] = field(default_factory=list)
-
-    def wrap(self, connector) -> None:
-        for name in SCHED_CALLS:
-            real = getattr(connector, name)
-
-            def timed(*a, _real=real, **k):
-                t0 = time.perf_counter()
-                try:
-                    return _real(*a, **k)
-                finally:
-                    self.current += time.perf_counter() - t0
-
-            setattr(connector, name, timed)
-
-    def end_step(self) -> None:
-        self.per_step.append(self.current)
-        self.current = 0.0
-
-
 def run_workload(connector: str, prompts: list[list[int]], model_dir: Path, gpu_blocks: int, host_pages: int,
-                 max_steps: int = 20_000) -> dict:
+                 max_steps: int = 20_000, shape: str = "v3", batch: int = 1) -> dict:
     b = H.make_bench(model_dir, connector=connector, num_blocks=gpu_blocks, host_pages=host_pages,
-                     max_batched=256, debug_checks=False)
-    timers = Timers()
-    timers.wrap(b.sched.connector)
+                     max_batched=256, debug_checks=False, shape=shape)
+    timers = StepTimer(explicit=True)
+    for role in (b.sched.connector, *b.workers):
+        timers.wrap(role)
     first: dict[str, int] = {}  # req id -> tokens computed before its first scheduled step (local + external hit)
     loaded: dict[str, int] = {}
     computed = stored = steps = idle = 0
     try:
-        for prompt in prompts:  # one request at a time, each run to completion: the order decides the hits
-            rid = b.add(prompt)
+        for i in range(0, len(prompts), batch):  # `batch` at a time, run to completion: the order decides the hits
+            rid = [b.add(prompt) for prompt in prompts[i : i + batch]][-1]
             for _ in range(max_steps):
                 if not b.sched.requests:
                     break
@@ -147,7 +126,7 @@ def run_workload(connector: str, prompts: list[list[int]], model_dir: Path, gpu_
     prompt_tokens = sum(len(p) for p in prompts)
     from_host = sum(loaded.values())
     hit = sum(first.values())
-    ms = [t * 1e3 for t in timers.per_step]
+    timing = timers.summary()
     return {
         "connector": LABEL[connector],
         "requests": len(prompts),
@@ -158,8 +137,9 @@ def run_workload(connector: str, prompts: list[list[int]], model_dir: Path, gpu_
         "blocks_stored": stored,
         "steps": steps - idle,
         "report_only_steps": idle,
-        "sched_ms_per_step": {"mean": round(statistics.fmean(ms), 4), "p50": round(statistics.median(ms), 4),
-                              "p99": round(float(np.percentile(ms, 99)), 4), "total_ms": round(sum(ms), 2)},
+        "sched_ms_per_step": _per_step(timing["scheduler"]),
+        "worker_ms_per_step": _per_step(timing["worker"]),
+        "by_method": timing["by_method"],
         "mismatches": len(b.mismatches),
     }
 
@@ -224,13 +204,20 @@ def table(results: list[dict], failures: list[dict]) -> str:
                       ("report_only_steps", "engine steps carrying only reports (blocks held for a save)"),
                       ("mismatches", "KV mismatches")):
         rows.append((name, *(str(r[key]) for r in results)))
-    rows.append(("scheduler-side ms per step (mean / p99)",
-                 *(f"{r['sched_ms_per_step']['mean']:.3f} / {r['sched_ms_per_step']['p99']:.3f}" for r in results)))
+    for key, name in (("sched_ms_per_step", "scheduler-side"), ("worker_ms_per_step", "worker-side")):
+        rows.append((f"{name} ms per step (mean / p99; mean CPU)",
+                     *(f"{r[key]['mean']:.3f} / {r[key]['p99']:.3f}; {r[key]['cpu_mean']:.3f}" for r in results)))
     rows.append(("a load from host fails", *(_failure(f) for f in failures)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
     return "\n".join(lines)
+
+
+def _per_step(role: dict) -> dict:
+    """A `StepTimer` role summary in this report's units (ms per step)."""
+    return {"mean": role["mean_ms"], "p50": role["p50_ms"], "p99": role["p99_ms"], "total_ms": role["total_ms"],
+            "cpu_mean": role["cpu_mean_ms"]}
 
 
 def _failure(f: dict) -> str:
@@ -248,12 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu-blocks", type=int, default=96, help="vLLM's GPU KV blocks of 16 tokens")
     ap.add_argument("--host-pages", type=int, default=400, help="host memory, in 16-token blocks of all layers")
+    ap.add_argument("--shape", choices=("v3", "llama"), default="v3", help="KV: MLA (v3) or dense GQA (llama)")
+    ap.add_argument("--layers", type=int, default=H.TARGET_LAYERS, help="target layers of the model")
+    ap.add_argument("--batch", type=int, default=1, help="requests added at once")
+    ap.add_argument("--connectors", default=",".join(CONNECTORS), help="which of them to run")
     args = ap.parse_args(argv)
-    for name in ("limit", "requests", "gpu_blocks", "host_pages"):
+    for name in ("limit", "requests", "gpu_blocks", "host_pages", "layers", "batch"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if args.trace is not None and not args.trace.is_file():
         ap.error(f"--trace {args.trace}: no such file")
+    connectors = args.connectors.split(",")
+    if not connectors or set(connectors) - set(CONNECTORS):
+        ap.error(f"--connectors {args.connectors!r}: a comma-separated list of {', '.join(CONNECTORS)}")
     import vllm
 
     max_pages = 60  # max_model_len 1024 of the bench
@@ -262,16 +256,20 @@ def main(argv: list[str] | None = None) -> int:
     workload = ({"trace": str(args.trace), "limit": args.limit, "pages_per_hash_block": 1} if args.trace
                 else {"embedded": "documents x questions", "requests": args.requests, "seed": args.seed})
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = H.write_model_dir(Path(tmp) / "tiny-deepseek")
-        results = [run_workload(c, prompts, model_dir, args.gpu_blocks, args.host_pages) for c in CONNECTORS]
-        failures = [failed_load(c, model_dir) for c in CONNECTORS]
+        model_dir = H.write_model_dir(Path(tmp) / "tiny-deepseek", args.layers)
+        results = [run_workload(c, prompts, model_dir, args.gpu_blocks, args.host_pages, shape=args.shape,
+                                batch=args.batch) for c in connectors]  # fmt: skip
+        failures = [failed_load(c, model_dir) for c in connectors]
+    specs = H.layer_specs(args.shape, args.layers)
     report = {
         "commit": git_commit(), "machine": machine(),
         "command": " ".join(["tools/vllm_compare.py", *(argv if argv is not None else sys.argv[1:])]),
         "vllm": vllm.__version__, "workload": workload,
         "config": {"block_size": H.BLOCK, "gpu_blocks": args.gpu_blocks, "host_pages": args.host_pages,
-                   "host_bytes": args.host_pages * H.PAGE_BYTES * len(H.LAYERS), "prefix_caching": True,
-                   "max_num_batched_tokens": 256, "kv": "2 MLA layers, float32, 3 KiB a block a layer"},
+                   "host_bytes": args.host_pages * sum(s.page_bytes for s in specs), "prefix_caching": True,
+                   "max_num_batched_tokens": 256, "batch": args.batch,
+                   "kv": f"{args.layers} {'MLA' if args.shape == 'v3' else 'dense GQA'} layers, float32, "
+                         f"{specs[0].page_bytes / 1024:g} KiB a block a layer"},
         "results": results, "failed_load": failures,
     }
     write_json(args.json, report)

@@ -53,34 +53,48 @@ WORKER_METHODS = ("handle_preemptions", "start_load_kv", "wait_for_layer_load", 
 
 
 class StepTimer:
-    """Host seconds spent in a connector's methods, per engine step and role. The step of a
-    role ends at its last call of the step (`build_connector_meta`, `build_connector_worker_meta`)."""
+    """Host seconds spent in a connector's methods, per engine step and role: wall time, and
+    the calling thread's CPU time (wall minus CPU: time it waited, for copies or for the GIL).
+    The step of a role ends at its last call of the step (`build_connector_meta`,
+    `build_connector_worker_meta`), or, with `explicit`, at `end_step()` (a driver that
+    knows where its steps end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, explicit: bool = False) -> None:
         self.steps: dict[str, list[float]] = {"scheduler": [], "worker": []}
         self._open = {"scheduler": 0.0, "worker": 0.0}
-        self.methods: dict[str, list[float]] = {}  # method -> [calls, seconds]
+        self.cpu = {"scheduler": 0.0, "worker": 0.0}  # thread CPU seconds, all steps
+        self.methods: dict[str, list[float]] = {}  # method -> [calls, seconds, CPU seconds]
+        self.explicit = explicit
 
-    def wrap(self, cls: type) -> None:
+    def wrap(self, target: object) -> None:
+        """Time `target`'s connector methods: a class (every instance, both roles) or one instance."""
         for role, names, last in (("scheduler", SCHED_METHODS, "build_connector_meta"),
                                   ("worker", WORKER_METHODS, "build_connector_worker_meta")):
             for name in names:
-                real = cls.__dict__.get(name) or getattr(cls, name, None)
+                real = (target.__dict__.get(name) if isinstance(target, type) else None) or getattr(target, name, None)
                 if real is None:
                     continue
-                setattr(cls, name, self._timed(real, role, name == last))
+                setattr(target, name, self._timed(real, role, name == last and not self.explicit))
+
+    def end_step(self) -> None:
+        """Close the step of both roles (`explicit` timers)."""
+        for role in self.steps:
+            self.steps[role].append(self._open[role])
+            self._open[role] = 0.0
 
     def _timed(self, real, role: str, closes: bool):
         def timed(*a, **kw):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             try:
                 return real(*a, **kw)
             finally:
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.thread_time() - c
+                self.cpu[role] += dc
                 self._open[role] += dt
-                m = self.methods.setdefault(real.__name__, [0, 0.0])
+                m = self.methods.setdefault(real.__name__, [0, 0.0, 0.0])
                 m[0] += 1
                 m[1] += dt
+                m[2] += dc
                 if closes:
                     self.steps[role].append(self._open[role])
                     self._open[role] = 0.0
@@ -91,8 +105,10 @@ class StepTimer:
         for role, xs in self.steps.items():
             xs = sorted(xs)
             out[role] = {"steps": len(xs), "mean_ms": _ms(sum(xs) / len(xs)) if xs else None,
-                         "p50_ms": _ms(_pct(xs, 50)), "p99_ms": _ms(_pct(xs, 99))}
-        out["by_method"] = {name: {"calls": n, "total_ms": _ms(t)} for name, (n, t) in sorted(self.methods.items())}
+                         "p50_ms": _ms(_pct(xs, 50)), "p99_ms": _ms(_pct(xs, 99)), "total_ms": _ms(sum(xs)),
+                         "cpu_mean_ms": _ms(self.cpu[role] / len(xs)) if xs else None}
+        out["by_method"] = {name: {"calls": n, "total_ms": _ms(t), "cpu_ms": _ms(c)}
+                            for name, (n, t, c) in sorted(self.methods.items())}
         return out
 
 

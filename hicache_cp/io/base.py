@@ -123,6 +123,12 @@ class CopyPlan:
     request: Any = None
     #: The checksum backend's own form of the page lists (device index tensors).
     checksum_state: Any = None
+    #: Loads on CUDA: whether the checks of what landed also wait for the work the
+    #: caller's stream queued by the time they launch (the forward so far, so a write
+    #: racing the load into its pages is seen). False: they follow the copies alone, for
+    #: an owner whose forward never writes a page it is loading and that waits for the
+    #: checks before the forward ends (vLLM's worker, `integrations.vllm.worker`).
+    checks_follow_compute: bool = True
 
     @property
     def num_pages(self) -> int:
@@ -201,6 +207,12 @@ class CopyEngine(abc.ABC):
         self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
     ) -> CopyTicket:
         """Backend work: pages are validated int64 arrays of equal length."""
+
+    def warm_up(self) -> None:
+        """Pay the backend's one-time costs now, at start-up, not in the first step that
+        copies (the CUDA engines: the restore checks' state and the checksum kernel's
+        compilation, when `verify` is on). Call it after setting `verify`. May
+        synchronise. Default: nothing."""
 
     def close(self) -> None:
         """Wait for outstanding copies and release backend resources."""

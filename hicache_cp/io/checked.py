@@ -7,8 +7,10 @@ checksums ran (`hicache_cp.io.verify` says what a check is; this module says whe
     load (H2D)    once the layer's copy landed, the kernel checksums what is in the
                   device pages now, after the work the caller's stream had queued
                   (the forward so far: a write that raced the load into the same
-                  slots is seen), into the engine's pinned landed array; when it
-                  has run, the host compares with the stored checksums
+                  slots is seen; unless the plan says its owner never writes a page
+                  it loads, `CopyPlan.checks_follow_compute`), into the engine's
+                  pinned landed array; when it has run, the host compares with the
+                  stored checksums
 
 The kernels are launched lazily, from the tickets' `query`/`wait` (the cache's
 poll and settle: control paths, never the layer hook), on a stream of their
@@ -129,7 +131,8 @@ class GpuChecks:
         previous = sync.enter()
         event = sync.event()
         try:
-            if direction is Direction.H2D:  # after what the caller's stream queued so far (the forward)
+            if direction is Direction.H2D and any(job.plan.checks_follow_compute for job in jobs):
+                # after what the caller's stream queued so far (the forward)
                 order = sync.event()
                 engine._drv.event_record(order, sync.current_stream())
                 engine._drv.stream_wait_event(self.handle, order)
@@ -236,6 +239,15 @@ class GpuChecks:
         else:
             self._refs[job.event] = left
 
+    def warm_up(self) -> None:
+        """Compile the checksum kernel now: one launch per part, of device page 0 into
+        the landed array (scratch until a load's check writes it). Synchronises."""
+        page = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for p in self.engine.layout.parts:
+            checksum_gpu.launch(self.tables, p.part, 0, 1, page, int(self.landed[p.part].ctypes.data),
+                                self.engine.device_pool.physical_pages, page, self.stream)  # fmt: skip
+        self.stream.synchronize()
+
     def close(self) -> None:
         self.stream.synchronize()
         self.landed.clear()
@@ -297,6 +309,12 @@ class CheckedSubmissions:
         if checks is None:
             return out
         return [checks.wrap(plan, parts, layer, tickets) for (parts, layer), tickets in zip(jobs, out)]
+
+    def warm_up(self) -> None:
+        """The checks' state made and their kernel compiled now, while `verify` is on."""
+        checks = self._checks_on()
+        if checks is not None:
+            checks.warm_up()
 
     def _checks_on(self) -> GpuChecks | None:
         """The engine's `GpuChecks` while `verify` is on (made on first use)."""

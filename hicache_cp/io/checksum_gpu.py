@@ -42,7 +42,11 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Only `words` (the loop bound) and the tensors' alignment select a compiled variant:
+    # the first slot, the output's address and its row length change from launch to launch
+    # (an op's first landed layer, a direction's output), and each variant would be
+    # compiled in whichever step first launched it.
+    @triton.jit(do_not_specialize=["slot0", "out_base", "out_row"])
     def checksum_pages(layer_ptrs, slot0, pages, out_base, out_row, out_index, mult_a, mult_b, salts, words,
                        BLOCK: tl.constexpr):  # fmt: skip
         p = tl.program_id(0)

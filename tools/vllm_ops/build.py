@@ -10,7 +10,8 @@ sm_90), the vLLM source files `SOURCES` and `bindings.cpp` beside this file (hic
 registers the subset of ops those files define, with vLLM's schemas), and installs the
 library as `<site>/vllm/_C_stable_libtorch.abi3.so`, replacing the packed import shim. It
 then imports it in a fresh process and lists the registered ops. Writes a JSON report
-(sources, seconds, ops, errors) whatever happens; exit status 0 only if the library loads.
+(commit, machine, command, sources, seconds, ops, errors) whatever happens; exit status 0
+only if the library loads.
 
 `.vllm/csrc` is packed by tools/vllm_pack.py (`--sdist`): the closure of the includes of
 `SOURCES` in the sdist's csrc, and of `cutlass/cutlass.h` in the nvidia-cutlass wheel's
@@ -31,6 +32,7 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))  # the repository: hicache_cp.harness.provenance
 
 #: vLLM 0.33.0 csrc files compiled (paths under csrc/); bindings.cpp says which op each defines.
 SOURCES = [
@@ -102,6 +104,9 @@ def build(csrc: Path, build_dir: Path, jobs: int, report: dict) -> Path:
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     os.environ["MAX_JOBS"] = str(jobs)
+    missing = [s for s in SOURCES if not (csrc / s).is_file()]
+    if missing:
+        raise FileNotFoundError(f"vLLM sources missing under {csrc}: {missing} (tools/vllm_pack.py --sdist packs them)")
     build_dir.mkdir(parents=True, exist_ok=True)
     includes = [str(csrc), str(csrc.parent / "cutlass" / "include"), *blas_include_dirs(build_dir, report)]
     sources = [str(HERE / "bindings.cpp"), *(str(csrc / s) for s in SOURCES)]
@@ -125,15 +130,19 @@ print(json.dumps(out))
 """
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    from hicache_cp.harness.provenance import git_commit, machine
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--csrc", type=Path, required=True, help="the packed vLLM csrc folder")
     ap.add_argument("--site", type=Path, required=True, help="where vllm/ is (the library goes into vllm/)")
     ap.add_argument("--build-dir", type=Path, default=Path("/tmp/vllm-ops-build"))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
     ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
-    report: dict = {"sources": SOURCES, "ok": False}
+    args = ap.parse_args(argv)
+    command = ["python3", "tools/vllm_ops/build.py", *(sys.argv[1:] if argv is None else argv)]
+    report: dict = {"commit": git_commit(), "machine": machine(), "command": " ".join(command),
+                    "sources": SOURCES, "ok": False}
     t0 = time.perf_counter()
     try:
         lib = build(args.csrc, args.build_dir, args.jobs, report)

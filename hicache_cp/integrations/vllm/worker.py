@@ -8,13 +8,14 @@ engine live here. The worker makes no decision: it runs the scheduler's jobs
 
     handle_preemptions     saves of requests vLLM preempted this step are waited for (their
                            blocks are free and this step may write them); rare, host-blocking
-    start_load_kv          every load job: `LoadOp`, H2D of every layer of every part submitted
-                           in forward order on the copy engine's H2D stream. When no layer hook
-                           will run (a full CUDA-graph replay), the compute stream waits for
-                           every layer here instead (no host block)
+    start_load_kv          every load job: a `LoadOp`, planned once and every layer of every
+                           part submitted in forward order in one engine call (H2D stream).
+                           When no layer hook will run (a full CUDA-graph replay), the compute
+                           stream waits for every layer here instead (no host block)
     wait_for_layer_load(l) the forward waits for layer l (`LoadOp.wait_layer`; on CUDA the
                            compute stream waits on the layer's event, the host does not block)
-    save_kv_layer(l)       every save job: `BackupOp`, D2H of layer l once attention wrote it
+    save_kv_layer(l)       the step's save jobs, copied as one `BackupOp` (`_StepSaves`):
+                           D2H of layer l once attention wrote it, one engine call
     wait_for_save          layers whose hook never fired are submitted now, after the forward
                            (a full CUDA-graph replay runs no hook: expected, DEBUG; some hooks
                            but not all: WARNING once). Never waits: saves complete
@@ -29,6 +30,25 @@ engine live here. The worker makes no decision: it runs the scheduler's jobs
                            the verdict of every job that settled: loads of this step, saves
                            of this or earlier steps (non-blocking query)
 
+Host cost per step. Each op is planned once (`CopyEngine.plan`: page lists
+checked, the backend's descriptors made for every layer), so a layer's
+submission does no per-page work; on CUDA the default engine hands a layer's
+descriptors to its issue thread (`hicache_cp.io.dma`) and the hook pays for
+one event record. The save jobs of a step share one op: one submission per
+layer whatever the number of requests, and one verdict for all of them (a
+failed copy fails every save of the step: each is then a future miss, never
+a partial hit). A load keeps its own op, so a failed load, and a failed
+restore check, name its own blocks and host copy. A step with no job and
+nothing in flight makes no engine call.
+
+Restore checks (`Config.verify_restores`, `hicache_cp.io.verify`): the
+engine checksums what each save copied and stores it beside the host copy;
+every load's landed pages are checked against it before its verdict, at the
+step's end. The checks of a load follow its copies, not the forward: vLLM
+never writes a loaded block in the step that loads it (a load ends at a
+block boundary where the request's computed tokens begin), and the step's
+end must not wait for the forward to finish.
+
 Parts read before their layer's hook: the MLA indexer's cache (Part.TARGET_STATE)
 of layer l is read by layer l's indexer before layer l's attention, so it is
 waited for at layer l-1's hook (layer 0's at `start_load_kv`); draft parts
@@ -39,21 +59,50 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hicache_cp import BackupOp, BackupState, DevicePool, HostPool, LoadOp, LoadState, Model, Part
 from hicache_cp.cache.node_tier import NodeTier
+from hicache_cp.checksum import Verify, sample_positions
 from hicache_cp.cp.agreement import LocalAgreement
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
-from hicache_cp.checksum import Verify
-from hicache_cp.io.base import CopyEngine, make_engine
+from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, Direction, make_engine
 
 logger = logging.getLogger(__name__)
 
 _STATE_OF = {Model.TARGET: Part.TARGET_STATE, Model.DRAFT: Part.DRAFT_STATE}
+
+
+@dataclass(frozen=True, slots=True)
+class _Hook:
+    """What a vLLM layer's hooks do, looked up once per layer name."""
+
+    model: Model
+    layer: int
+    saves: bool  # its save hook copies the layer (an indexer cache goes with its attention layer's)
+    last_target: bool  # the last target layer: the draft's layers are waited for at its hook
+
+
+@dataclass(eq=False)
+class _StepSaves:
+    """The save jobs of one step, copied as one `BackupOp` (one engine call per layer).
+    `sealed` once every layer was submitted (`wait_for_save` ran); decided once sealed
+    and settled, with one verdict for every job."""
+
+    meta: HiCacheMetadata
+    jobs: list[CopyJob]
+    op: BackupOp
+    plan: CopyPlan  # the op's (`CopyEngine.plan`)
+    sealed: bool = False
+
+    @property
+    def req_ids(self) -> set[str]:
+        return {job.req_id for job in self.jobs}
 
 
 class WorkerSide:
@@ -65,12 +114,13 @@ class WorkerSide:
         self.node: NodeTier | None = None
         self.config = settings.cache_config(plan.layout)
         self.layout = self.config.layout()
+        self._described = self.layout.describe()  # checked against every step's metadata
         self.device_pool: DevicePool | None = None
         self.host_pool: HostPool | None = None
         self.engine: CopyEngine | None = None
+        self._hooks: dict[str, _Hook] = {}
         self._loads: list[tuple[CopyJob, LoadOp]] = []
-        self._saves: dict[int, tuple[CopyJob, BackupOp]] = {}  # submitted, verdict not recorded yet
-        self._sealed: set[int] = set()  # saves whose every layer was submitted (`wait_for_save` ran)
+        self._saves: list[_StepSaves] = []  # submitted, verdict not recorded yet; oldest first
         self._delayed: set[str] = set()  # finished requests vLLM keeps the blocks of for us
         self._absorbed: HiCacheMetadata | None = None  # the step metadata whose `delayed` is in
         self._results: dict[int, tuple[int, str | None]] = {}
@@ -91,6 +141,7 @@ class WorkerSide:
                                       checksums=checked)  # fmt: skip
         self.engine = make_engine(self.config.io_backend, self.device_pool, self.host_pool)
         self.engine.verify = self.config.verify_restores
+        self.engine.warm_up()  # on CUDA the checksum kernel compiles here, not in a request's step
         logger.info(
             "hicache-cp worker: L1 = vLLM's %d blocks (%s), L2 = %d pages (%.1f MiB, %s), io %s",
             self.plan.num_blocks, self.layout.describe(), self.host_pool.physical_pages,
@@ -106,11 +157,10 @@ class WorkerSide:
         if not meta.preempted or not self._saves:
             return
         preempted = set(meta.preempted)
-        for job_id, (job, op) in list(self._saves.items()):
-            if job.req_id in preempted:
-                self._record(job, op, block=True)
-                del self._saves[job_id]
-                self._sealed.discard(job_id)
+        for saves in list(self._saves):
+            if saves.req_ids & preempted:
+                self._record_saves(saves, block=True)
+                self._saves.remove(saves)
 
     def start_load_kv(self, meta: HiCacheMetadata, layer_hooks: bool = True) -> None:
         """Submit every load of the step. `layer_hooks`: the forward will call
@@ -118,15 +168,9 @@ class WorkerSide:
         the compute stream waits for every layer of every load here."""
         engine = self._engine(meta)
         self._absorb(meta)
-        for job in meta.loads:
-            op = LoadOp(self.layout, job.device_pages, job.host_pages, job.first_position)
-            for model in (Model.TARGET, Model.DRAFT):
-                for layer in range(self.layout.num_layers(model)):
-                    for part in op.layers_to_submit(model, layer):
-                        ticket = engine.submit_load(part, layer, job.host_pages, job.device_pages)
-                        op.record_submit(part, layer, [ticket])
-            op.transition(LoadState.LOADING)
-            self._loads.append((job, op))
+        if meta.loads:
+            for job in meta.loads:
+                self._loads.append((job, self._start_load(engine, job)))
         if not self._loads:
             return
         if not layer_hooks:
@@ -139,15 +183,32 @@ class WorkerSide:
         elif self.layout.num_target_layers:
             self._wait_part(Part.TARGET_STATE, 0)
 
+    def _start_load(self, engine: CopyEngine, job: CopyJob) -> LoadOp:
+        """One load job: planned, then every layer of every part in one engine call. A
+        submission refused part-way fails the op (its started copies stay in flight
+        and are waited for at the step's end)."""
+        op = LoadOp(self.layout, job.device_pages, job.host_pages, job.first_position, request=job.req_id)
+        op.plan = plan = engine.plan(Direction.H2D, job.device_pages, job.host_pages)
+        plan.request = job.req_id
+        plan.check = sample_positions(plan.num_pages, job.job_id, self.config.verify_restores)
+        plan.checks_follow_compute = False  # vLLM writes no loaded block in the step (module docstring)
+        jobs = op.all_layers()
+        try:
+            op.record_layers(jobs, engine.submit_layers(plan, jobs))
+        except CopyFailed as exc:
+            op.inflight.extend(exc.submitted)
+            op.error = op.error or exc
+        op.transition(LoadState.LOADING)
+        return op
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads:
             return
-        where = self.plan.slot(layer_name)
-        last_target = where.model is Model.TARGET and where.layer == self.layout.num_target_layers - 1
+        hook = self._hook(layer_name)
         for _, op in self._loads:
-            op.wait_layer(where.layer, where.model)
-        self._wait_part(_STATE_OF[where.model], where.layer + 1)
-        if last_target:
+            op.wait_layer(hook.layer, hook.model)
+        self._wait_part(_STATE_OF[hook.model], hook.layer + 1)
+        if hook.last_target:
             for layer in range(self.layout.num_draft_layers):
                 for _, op in self._loads:
                     op.wait_layer(layer, Model.DRAFT)
@@ -161,73 +222,98 @@ class WorkerSide:
     # ---- saves --------------------------------------------------------------------------
 
     def save_kv_layer(self, layer_name: str, meta: HiCacheMetadata) -> None:
+        """Submit layer `layer_name` of the step's saves (one engine call). O(1) per call
+        after the step's first (which plans the step's saves: O(pages))."""
         if not meta.saves:
             return
-        where = self.plan.slot(layer_name)
-        if where.part in (Part.TARGET_STATE, Part.DRAFT_STATE):
+        hook = self._hook(layer_name)
+        if not hook.saves:
             return  # copied with its attention layer, whose hook comes after the indexer wrote it
-        for job in meta.saves:
-            self._submit_save(job, where.model, where.layer)
-
-    def _submit_save(self, job: CopyJob, model: Model, layer: int) -> BackupOp:
-        engine = self._engine(None)
-        entry = self._saves.get(job.job_id)
-        if entry is None:
-            op = BackupOp(self.layout, job.device_pages, job.host_pages, job.first_position, layerwise=True)
-            self._saves[job.job_id] = entry = (job, op)
-        op = entry[1]
-        for part in op.layers_to_submit(model, layer):
-            op.record_submit(part, layer, [engine.submit_backup(part, layer, job.device_pages, job.host_pages)])
+        saves = self._step_saves(meta)
+        op = saves.op
+        parts = op.layers_to_submit(hook.model, hook.layer)
+        if parts:
+            op.record_layer(parts, hook.layer, self._engine(None).submit_layer(saves.plan, parts, hook.layer))
             if op.state is BackupState.RESERVED:
                 op.transition(BackupState.WRITING)
-        return op
 
     def wait_for_save(self, meta: HiCacheMetadata | None) -> None:
         """Submit the layers no hook reported, after the forward wrote them. Never waits."""
-        for job in meta.saves if meta is not None else ():
-            entry = self._saves.get(job.job_id)
-            missing = entry[1].missing_layers() if entry is not None else None
-            if entry is not None and not missing:
-                continue
-            if entry is None:  # no hook fired for this job: a full CUDA-graph replay (or no layer hook at all)
-                logger.debug("hicache-cp worker: job %d saved after the forward (no layer hook ran)", job.job_id)
-            elif not self._warned_fallback:
+        if meta is not None and meta.saves:
+            saves = self._step_saves(meta)
+            if not saves.sealed:
+                self._submit_missing(saves)
+                saves.sealed = True
+        if meta is not None:
+            self._absorb(meta)
+
+    def _step_saves(self, meta: HiCacheMetadata) -> _StepSaves:
+        """The step's `_StepSaves`, made (and planned) at its first use. O(pages) then, O(1) after."""
+        last = self._saves[-1] if self._saves else None
+        if last is not None and last.meta is meta:
+            return last
+        engine = self._engine(None)
+        jobs = meta.saves
+        dev = jobs[0].device_pages if len(jobs) == 1 else np.concatenate([job.device_pages for job in jobs])
+        host = jobs[0].host_pages if len(jobs) == 1 else np.concatenate([job.host_pages for job in jobs])
+        op = BackupOp(self.layout, dev, host, 0, layerwise=True)
+        op.plan = plan = engine.plan(Direction.D2H, dev, host)
+        saves = _StepSaves(meta, list(jobs), op, plan)
+        self._saves.append(saves)
+        return saves
+
+    def _submit_missing(self, saves: _StepSaves) -> None:
+        """Every layer of the step's saves that no hook submitted."""
+        op, plan, engine = saves.op, saves.plan, self._engine(None)
+        if not any(op.submitted.values()):  # no hook fired: a full CUDA-graph replay (or no layer hook at all)
+            logger.debug("hicache-cp worker: %d save jobs copied after the forward (no layer hook ran)",
+                         len(saves.jobs))
+            jobs = op.all_layers()
+            op.record_layers(jobs, engine.submit_layers(plan, jobs))
+        else:
+            missing = op.missing_layers()
+            if not missing:
+                return
+            if not self._warned_fallback:
                 logger.warning(
-                    "hicache-cp worker: no save_kv_layer hook for %s of job %d; copied after the forward "
-                    "(not overlapped with it; warned once)", missing, job.job_id,
+                    "hicache-cp worker: no save_kv_layer hook for %s of the saves of %s; copied after the "
+                    "forward (not overlapped with it; warned once)", missing, sorted(saves.req_ids),
                 )
                 self._warned_fallback = True
             for model in (Model.TARGET, Model.DRAFT):
                 for layer in range(self.layout.num_layers(model)):
-                    self._submit_save(job, model, layer)
-        if meta is not None:
-            self._sealed.update(job.job_id for job in meta.saves)
-            self._absorb(meta)
+                    parts = op.layers_to_submit(model, layer)
+                    if parts:
+                        op.record_layer(parts, layer, engine.submit_layer(plan, parts, layer))
+        if op.state is BackupState.RESERVED:
+            op.transition(BackupState.WRITING)
 
     def _absorb(self, meta: HiCacheMetadata) -> None:
         """Take the step's delayed requests, once per step (several calls see its metadata)."""
         if meta is not self._absorbed:
             self._absorbed = meta
-            self._delayed.update(meta.delayed)
+            if meta.delayed:
+                self._delayed.update(meta.delayed)
 
     def _collect_saves(self) -> None:
         """Record the verdict of every sealed save whose copies settled (non-blocking)."""
-        for job_id in list(self._sealed):
-            job, op = self._saves[job_id]
-            if self._record(job, op, block=False):
-                del self._saves[job_id]
-                self._sealed.discard(job_id)
+        if self._saves:
+            self._saves = [s for s in self._saves if not (s.sealed and self._record_saves(s, block=False))]
+
+    def _record_saves(self, saves: _StepSaves, *, block: bool) -> bool:
+        """`_record` of the step's one op: its verdict goes to each of its jobs."""
+        return self._record(saves.op, saves.jobs, block=block)
 
     def _finish_loads(self) -> None:
         for job, op in self._loads:
-            self._record(job, op, block=True)
+            self._record(op, [job], block=True)
             if self._results[job.job_id][1] is not None:
                 self._load_errors.update(int(b) for b in job.device_pages)
         self._loads.clear()
 
-    def _record(self, job: CopyJob, op: LoadOp | BackupOp, *, block: bool) -> bool:
-        """Record the op's verdict for the scheduler once its copies settled; `block`
-        waits (host) for them first. Returns whether a verdict was recorded."""
+    def _record(self, op: LoadOp | BackupOp, jobs: list[CopyJob], *, block: bool) -> bool:
+        """Record the op's verdict for the scheduler, for each of `jobs`, once its copies
+        settled; `block` waits (host) for them first. Returns whether a verdict was recorded."""
         if block:
             for t in op.inflight:
                 try:
@@ -239,8 +325,10 @@ class WorkerSide:
             return False
         error = None if vote.ok and vote.settled else str(op.error or "not every layer of every part landed")
         if error is not None:
-            logger.warning("hicache-cp worker: %s job %d of %s failed: %s", op.kind, job.job_id, job.req_id, error)
-        self._results[job.job_id] = (1, error)
+            logger.warning("hicache-cp worker: %s of jobs %s (requests %s) failed: %s", op.kind,
+                           [job.job_id for job in jobs], sorted({job.req_id for job in jobs}), error)  # fmt: skip
+        for job in jobs:
+            self._results[job.job_id] = (1, error)
         return True
 
     # ---- reports ------------------------------------------------------------------------
@@ -258,7 +346,7 @@ class WorkerSide:
         if not self._delayed:
             return set()
         self._collect_saves()
-        busy = {job.req_id for job, _ in self._saves.values()}
+        busy = {job.req_id for saves in self._saves for job in saves.jobs}
         done = self._delayed - busy
         self._delayed -= done
         return done
@@ -271,10 +359,9 @@ class WorkerSide:
         return HiCacheWorkerMetadata(results)
 
     def close(self) -> None:
-        for job, op in self._saves.values():  # let every copy return before its memory goes
-            self._record(job, op, block=True)
+        for saves in self._saves:  # let every copy return before its memory goes
+            self._record_saves(saves, block=True)
         self._saves.clear()
-        self._sealed.clear()
         if self.engine is not None:
             self.engine.close()
         if self.host_pool is not None:
@@ -282,12 +369,24 @@ class WorkerSide:
         if self.node is not None:
             self.node.close()
 
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _hook(self, layer_name: str) -> _Hook:
+        """What `layer_name`'s hooks do (ValueError for a layer the plan lacks). O(1)."""
+        hook = self._hooks.get(layer_name)
+        if hook is None:
+            where = self.plan.slot(layer_name)
+            last = where.model is Model.TARGET and where.layer == self.layout.num_target_layers - 1
+            hook = _Hook(where.model, where.layer, where.part not in (Part.TARGET_STATE, Part.DRAFT_STATE), last)
+            self._hooks[layer_name] = hook
+        return hook
+
     def _engine(self, meta: HiCacheMetadata | None) -> CopyEngine:
         if self.engine is None or self.host_pool is None:
             raise RuntimeError("hicache-cp worker: copies requested before register_kv_caches")
-        if meta is not None and meta.layout and meta.layout != self.layout.describe():
+        if meta is not None and meta.layout and meta.layout != self._described:
             raise ValueError(
-                f"the scheduler's KV layout ({meta.layout}) differs from this worker's ({self.layout.describe()}): "
+                f"the scheduler's KV layout ({meta.layout}) differs from this worker's ({self._described}): "
                 f"the two processes read vLLM's KV cache config differently"
             )
         if meta is not None and meta.host_pages != self.host_pool.physical_pages:
@@ -296,4 +395,3 @@ class WorkerSide:
                 f"{self.host_pool.physical_pages}: host budget or KV layout differ between the processes"
             )
         return self.engine
-
