@@ -1,7 +1,7 @@
 """hicache-cp: the host-memory (L2) tier of the KV cache for prefill servers.
 
 What a serving engine imports is exported here; everything else is an
-implementation module. The harness (`hicache_cp.harness`: engines, replay,
+implementation module. The harness (`hicache_harness`: engines, replay,
 benchmarks, CLI) drives the library and is never imported by it.
 
     from hicache_cp import Config, HiCache, Model, Part
@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Imported on first use (PEP 562), so that `python -m hicache_cp` starts in
+# Imported on first use (PEP 562), so that `python -m hicache_harness` starts in
 # milliseconds and installs its signal handlers before torch is imported
 # (a Ctrl-C during that import otherwise ends in a KeyboardInterrupt traceback).
 _EXPORTS = {

@@ -437,9 +437,9 @@ STRICT_ENV = "HICACHE_STRICT_ENV"
 #: `fail_on_environ_validation` does: a misspelt setting then stops the run.
 NON_FIELD_ENV = frozenset({
     STRICT_ENV,  # config: refuse unknown HICACHE_* variables
-    "HICACHE_CP_RANK_TIMEOUT_S",  # harness.launch: deadline of a multi-process run
-    "HICACHE_CP_PD_AUTHKEY",  # harness.decode_peer: the control channel's secret
-    "HICACHE_COMMIT",  # harness.provenance: the commit recorded in results
+    "HICACHE_CP_RANK_TIMEOUT_S",  # hicache_harness.launch: deadline of a multi-process run
+    "HICACHE_CP_PD_AUTHKEY",  # hicache_harness.decode_peer: the control channel's secret
+    "HICACHE_COMMIT",  # hicache_harness.provenance: the commit recorded in results
     "HICACHE_CP_CONFIG",  # integrations.sglang: the TOML file the plug-in reads
     "HICACHE_PEERS",  # scripts/setup.sh: install vLLM and SGLang or not
 })  # fmt: skip

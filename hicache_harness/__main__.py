@@ -1,4 +1,4 @@
-"""`python -m hicache_cp ...`: the CLI (an entry point, part of the harness layer).
+"""`python -m hicache_harness ...`: the CLI (an entry point, part of the harness layer).
 
 SIGINT/SIGTERM before the CLI takes over its signals (`lifetime.stop_on_signals`),
 and after it gave them back, end the process with one line and 130/143, no
@@ -25,6 +25,6 @@ def _early_stop(signum: int, frame: object) -> None:
 for _sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_sig, _early_stop)
 
-from hicache_cp.harness.cli import main  # noqa: E402 - after the handlers, on purpose
+from hicache_harness.cli import main  # noqa: E402 - after the handlers, on purpose
 
 sys.exit(main())

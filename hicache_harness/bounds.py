@@ -11,7 +11,7 @@ block ``i`` of a request is the node reached by the chain ``hash_ids[:i+1]``.
 For a well-formed Mooncake trace (chained hash ids: an id always has the same
 predecessor) trie nodes and hash ids are one to one; for a hand-made trace
 that reuses an id after different prefixes, the trie view is what a radix tree
-over :func:`hicache_cp.harness.trace.request_tokens` would see, so the bounds stay
+over :func:`hicache_harness.trace.request_tokens` would see, so the bounds stay
 exact for it too.
 
 - :func:`infinite_capacity_hit_rate`: unlimited cache, every block ever
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness.trace import TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import os
 import socket
 from pathlib import Path
 
-from hicache_cp.harness.errors import InputError
+from hicache_harness.errors import InputError
 
 GIB = 1 << 30
 

@@ -34,23 +34,23 @@ import traceback
 from types import FrameType
 from typing import Any, NoReturn
 
-from hicache_cp.harness import lifetime
-from hicache_cp.harness.errors import ExitCode, IntegrityFailure, bad_input_types
+from hicache_harness import lifetime
+from hicache_harness.errors import ExitCode, IntegrityFailure, bad_input_types
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "replay": ("hicache_cp.harness.replay.command", "replay a trace through the reference server (the main job)"),
-    "bench-alloc": ("hicache_cp.harness.bench.alloc", "allocator microbenchmark on a fragmented pool"),
-    "bench-io": ("hicache_cp.harness.bench.io", "copy-engine bandwidth and overlap on the GPU"),
-    "bench-pd": ("hicache_cp.harness.bench.pd", "PD adapter throughput vs raw TransferEngine"),
-    "bench-overhead": ("hicache_cp.harness.bench.overhead", "host time of the cache's own calls per request on a trace"),
-    "bench-l3": ("hicache_cp.harness.bench.l3", "L3 tier put/get vs raw Mooncake Store calls (loopback)"),
-    "bench-pinning": ("hicache_cp.harness.bench.pinning", "time to a usable pinned host pool vs cudaHostAlloc, and its copy bandwidth"),
-    "bench-events": ("hicache_cp.harness.bench.events", "cost of publishing KV cache events, and what they buy a router"),
-    "bench-sglang": ("hicache_cp.harness.bench.sglang_race", "hicache-cp against SGLang's own HiCache, one process, one GPU"),
-    "bench-verify": ("hicache_cp.harness.bench.verify", "what the restore checks cost: replay with them on vs off, the kernel vs PCIe"),
-    "bench-node": ("hicache_cp.harness.bench.node", "the node tier: adoption time, checksum rate, host and D2H bytes per rank"),
-    "decode-peer": ("hicache_cp.harness.decode_peer", "run a decode peer that receives and verifies KV"),
-    "node-segment": ("hicache_cp.harness.node_segment", "list, show or drop the node tier's shared segments"),
+    "replay": ("hicache_harness.replay.command", "replay a trace through the reference server (the main job)"),
+    "bench-alloc": ("hicache_harness.bench.alloc", "allocator microbenchmark on a fragmented pool"),
+    "bench-io": ("hicache_harness.bench.io", "copy-engine bandwidth and overlap on the GPU"),
+    "bench-pd": ("hicache_harness.bench.pd", "PD adapter throughput vs raw TransferEngine"),
+    "bench-overhead": ("hicache_harness.bench.overhead", "host time of the cache's own calls per request on a trace"),
+    "bench-l3": ("hicache_harness.bench.l3", "L3 tier put/get vs raw Mooncake Store calls (loopback)"),
+    "bench-pinning": ("hicache_harness.bench.pinning", "time to a usable pinned host pool vs cudaHostAlloc, and its copy bandwidth"),
+    "bench-events": ("hicache_harness.bench.events", "cost of publishing KV cache events, and what they buy a router"),
+    "bench-sglang": ("hicache_harness.bench.sglang_race", "hicache-cp against SGLang's own HiCache, one process, one GPU"),
+    "bench-verify": ("hicache_harness.bench.verify", "what the restore checks cost: replay with them on vs off, the kernel vs PCIe"),
+    "bench-node": ("hicache_harness.bench.node", "the node tier: adoption time, checksum rate, host and D2H bytes per rank"),
+    "decode-peer": ("hicache_harness.decode_peer", "run a decode peer that receives and verifies KV"),
+    "node-segment": ("hicache_harness.node_segment", "list, show or drop the node tier's shared segments"),
 }
 
 

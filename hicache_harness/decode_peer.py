@@ -57,8 +57,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp.harness import checks, integrity, lifetime
-from hicache_cp.harness.errors import InputError, require
+from hicache_harness import checks, integrity, lifetime
+from hicache_harness.errors import InputError, require
 from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pd.control import ControlClient, check_authkey, listen, recv_msg, send_msg
 from hicache_cp.pd.engine import TransferEngineAdapter, quiet_mooncake_logs
@@ -458,8 +458,8 @@ class DecodePeer:
 
     def _verify_digests(self, room: _DecodeRoom) -> tuple[int, list[integrity.Mismatch]]:
         """Every (position, part, layer) unit against the digests prefill recorded
-        when it computed the page (`hicache_cp.harness.engines.hf_oracle`)."""
-        from hicache_cp.harness.engines.hf_oracle import unit_digests
+        when it computed the page (`hicache_harness.engines.hf_oracle`)."""
+        from hicache_harness.engines.hf_oracle import unit_digests
 
         import torch
 

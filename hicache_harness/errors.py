@@ -8,7 +8,7 @@
        lacks an optional dependency (the message names the extra)
     3  internal error: a bug or a broken invariant (the traceback with -v)
 
-The CLI (`hicache_cp.harness.cli.main`) is the one boundary that catches
+The CLI (`hicache_harness.cli.main`) is the one boundary that catches
 broad exceptions and turns them into these codes.
 """
 
@@ -47,7 +47,7 @@ class MissingExtra(InputError):
 
 def bad_input_types() -> tuple[type[BaseException], ...]:
     """The exception types that mean bad input (exit code 2)."""
-    from hicache_cp.harness.trace import TraceError
+    from hicache_harness.trace import TraceError
 
     return (InputError, ConfigError, TraceError)
 

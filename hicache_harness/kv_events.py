@@ -29,7 +29,7 @@ import numpy as np
 
 from hicache_cp.cache import HiCache
 from hicache_cp.events import BlockKeyer, Event, EventLog, Medium
-from hicache_cp.harness.errors import InputError
+from hicache_harness.errors import InputError
 from hicache_cp.radix import HostState
 
 FORMATS = ("sglang", "vllm")

@@ -16,7 +16,7 @@ Note: the store *clients* (Mooncake's transfer engine inside every
 Mooncake's (see docs/platform.md), and nothing here sends traffic to
 anything but 127.0.0.1.
 
-    python -m hicache_cp.harness.l3_master      # run a master until Ctrl-C
+    python -m hicache_harness.l3_master      # run a master until Ctrl-C
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hicache_cp.harness import lifetime
+from hicache_harness import lifetime
 from hicache_cp.l3.config import L3Config
 from hicache_cp.l3.store import MooncakeStore
 
@@ -193,7 +193,7 @@ def holder_process(address: str, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> 
     loopback connection, not a memcpy); yields its pid, stops it on exit."""
     code = (
         "import sys\n"
-        "from hicache_cp.harness.l3_master import StorageHolder\n"
+        "from hicache_harness.l3_master import StorageHolder\n"
         f"h = StorageHolder({address!r}, {int(segment_bytes)})\n"
         "print('ready', flush=True)\n"
         "sys.stdin.read()\n"

@@ -13,7 +13,7 @@ Runs in: the parent process (`spawn_ranks`) and one spawned child per rank
             that rank's traceback. Every wait has a deadline: no hang.
 
 The launcher knows nothing of what the ranks run: the replay passes its rank
-function in (`hicache_cp.harness.replay_ranks`).
+function in (`hicache_harness.replay_ranks`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 from hicache_cp.cp import groups as cp
 from hicache_cp.cp.agreement import DistributedAgreement
 from hicache_cp.errors import HiCacheError
-from hicache_cp.harness import lifetime
+from hicache_harness import lifetime
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp.harness.errors import ExitCode, InputError
+from hicache_harness.errors import ExitCode, InputError
 from hicache_cp.node.geometry import ENTRY, HEADER_BYTES
 from hicache_cp.node.journal import COMMITTED
 from hicache_cp.node.segment import Header

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hicache_cp.harness import lifetime
-from hicache_cp.harness.errors import InputError
+from hicache_harness import lifetime
+from hicache_harness.errors import InputError
 
 
 @contextlib.contextmanager

@@ -46,10 +46,10 @@ import numpy as np
 
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
-from hicache_cp.harness import lifetime
-from hicache_cp.harness.decode_peer import control_request, spawn_decode_peer
-from hicache_cp.harness.engines.synthetic import TailPage
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness import lifetime
+from hicache_harness.decode_peer import control_request, spawn_decode_peer
+from hicache_harness.engines.synthetic import TailPage
+from hicache_harness.trace import TraceRequest
 from hicache_cp.layout import Model
 from hicache_cp.match import MatchResult
 from hicache_cp.pd.control import new_authkey

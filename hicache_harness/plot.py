@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache_cp.harness.outputs import atomic_path
+from hicache_harness.outputs import atomic_path
 
 SAMPLE_KEYS = (
     "request",

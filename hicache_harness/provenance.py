@@ -49,7 +49,7 @@ def machine() -> str:
 
 def command_line(subcommand: str) -> str:
     """`hicache-cp SUBCOMMAND ARGS...` as this process was started (console
-    script or `python -m hicache_cp`), for the record in a result file."""
+    script or `python -m hicache_harness`), for the record in a result file."""
     argv = sys.argv[1:]
     if subcommand in argv:
         argv = argv[argv.index(subcommand) + 1 :]

@@ -26,8 +26,8 @@ import numpy as np
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.events import EventLog, Medium
-from hicache_cp.harness.engines.synthetic import ReferenceServer
-from hicache_cp.harness.kv_events import EngineFormat
+from hicache_harness.engines.synthetic import ReferenceServer
+from hicache_harness.kv_events import EngineFormat
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""`torchrun ... -m hicache_cp.harness.torchrun`: the replay with one process per CP rank under torchrun.
+"""`torchrun ... -m hicache_harness.torchrun`: the replay with one process per CP rank under torchrun.
 
-    torchrun --nproc-per-node 2 -m hicache_cp.harness.torchrun --trace t.jsonl --l2-fraction 0.1
+    torchrun --nproc-per-node 2 -m hicache_harness.torchrun --trace t.jsonl --l2-fraction 0.1
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import os
 import sys
 
 from hicache_cp.cp import groups
-from hicache_cp.harness import lifetime
-from hicache_cp.harness.replay import command, setup
-from hicache_cp.harness.replay.multirank import combine_reports
-from hicache_cp.harness.replay.rank import replay_rank
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.replay.report import print_table
+from hicache_harness import lifetime
+from hicache_harness.replay import command, setup
+from hicache_harness.replay.multirank import combine_reports
+from hicache_harness.replay.rank import replay_rank
+from hicache_harness.outputs import write_json
+from hicache_harness.replay.report import print_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,19 +24,19 @@ def main(argv: list[str] | None = None) -> int:
 
     Takes the `hicache-cp replay` options; --cp-size is the torchrun world size.
     """
-    parser = argparse.ArgumentParser(prog="python -m hicache_cp.harness.torchrun", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hicache_harness.torchrun", description=main.__doc__)
     command.add_arguments(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.pd:
-        raise SystemExit("python -m hicache_cp.harness.torchrun: --pd is not supported under torchrun; use hicache-cp replay --pd")
+        raise SystemExit("python -m hicache_harness.torchrun: --pd is not supported under torchrun; use hicache-cp replay --pd")
     # torchrun's agent is the parent: die with it, and unwind on its SIGTERM (130/143).
     lifetime.die_with_parent(os.getppid())
     try:
         with lifetime.stop_on_signals():
             return _run(args)
     except lifetime.Interrupted as exc:
-        print(f"python -m hicache_cp.harness.torchrun: {exc}", file=sys.stderr)
+        print(f"python -m hicache_harness.torchrun: {exc}", file=sys.stderr)
         return exc.exit_code
 
 

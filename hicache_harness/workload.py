@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache_cp.harness.trace import BLOCK_TOKENS, TraceRequest
+from hicache_harness.trace import BLOCK_TOKENS, TraceRequest
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache_cp.harness.launch import RankContext, spawn_ranks
+from hicache_harness.launch import RankContext, spawn_ranks
 
 TIMEOUT_S = 60.0
 GIB = 1 << 30

@@ -130,7 +130,7 @@ def test_auto_host_budget_is_the_min_over_cp_ranks(monkeypatch) -> None:
     """Two real ranks that measure 96 and 64 MiB both size L2 from 64 MiB:
     ranks replicate allocator decisions (docs/invariants.md rule 7), so capacities that
     differ per rank diverge the replicated state."""
-    from hicache_cp.harness.launch import spawn_ranks
+    from hicache_harness.launch import spawn_ranks
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     out = spawn_ranks(_auto_budget_rank, 2, ([192, 128],), timeout_s=240)

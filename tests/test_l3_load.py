@@ -147,7 +147,7 @@ def test_a_hit_on_a_page_this_instance_is_still_putting_is_no_cross_instance_hit
     leave L1 and L2 and the next request finds them in L3. The old count
     (keys this instance's retired puts stored) called those 8 pages another
     instance's."""
-    from hicache_cp.harness.replay.instances import CrossInstance
+    from hicache_harness.replay.instances import CrossInstance
 
     store = PausedPuts(stored_first=True)
     store.gate.clear()
@@ -173,7 +173,7 @@ def test_a_hit_on_a_page_this_instance_is_still_putting_is_no_cross_instance_hit
 def test_a_hit_on_a_page_another_instance_stored_counts() -> None:
     """The other side: a key this instance was putting but found present (the
     other instance stored it first) is a cross-instance hit once its put reports."""
-    from hicache_cp.harness.replay.instances import CrossInstance
+    from hicache_harness.replay.instances import CrossInstance
 
     t = CrossInstance(page_size=16)
     t.on_l3_put_started(["a", "b"])

@@ -27,7 +27,7 @@ def test_sglang_a_flipped_bit_in_l2_fails_the_request_and_is_never_served_again(
     pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
     from test_sglang_radix import PAGE, budget, clean, in_l2_only, serve
 
-    from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec
+    from hicache_harness.sglang.server import SGLangPrefillServer, ServerSpec
 
     env = {"HICACHE_HOST_BUDGET_BYTES": str(budget(64)), "HICACHE_IO_BACKEND": "cpu", "HICACHE_DEBUG_CHECKS": "true",
            "HICACHE_PIN_HOST": "false", "HICACHE_L2_FREE_ROOM": "0"}  # fmt: skip

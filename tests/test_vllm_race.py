@@ -1,6 +1,6 @@
 """The GPU run's tools, checked on CPU: the op build's bindings, the pack's include closure,
-and the race's workload, timer and greedy-identity check (tools/vllm_ops, tools/vllm_pack.py,
-tools/vllm_race.py). The GPU run itself is tools/device_vllm_race.sh."""
+and the race's workload, timer and greedy-identity check (bench/engines/vllm_ops, bench/engines/vllm_pack.py,
+bench/engines/vllm_race.py). The GPU run itself is bench/device/vllm_race.sh."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-sys.path.insert(0, str(TOOLS))
+ENGINES = Path(__file__).resolve().parent.parent / "bench" / "engines"
+sys.path.insert(0, str(ENGINES))
 
 import vllm_pack  # noqa: E402
 import vllm_race  # noqa: E402
@@ -18,7 +18,7 @@ build = vllm_pack.load_build_script()
 
 
 def test_bindings_register_exactly_the_ops_the_build_checks():
-    text = (TOOLS / "vllm_ops" / "bindings.cpp").read_text()
+    text = (ENGINES / "vllm_ops" / "bindings.cpp").read_text()
     defined: dict[str, list[str]] = {}
     for ns, body in re.findall(r"STABLE_TORCH_LIBRARY_FRAGMENT\((\w+), ops\) \{(.*?)\n\}", text, re.S):
         defined[ns] = sorted(re.findall(r'"(\w+)\(', body))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The node tier on one GPU (issue 45) in one device call, from the repository root:
 #
-#   HICACHE_COMMIT=<hash> bash tools/device_node.sh        # carry: nothing
+#   HICACHE_COMMIT=<hash> bash bench/device/node.sh        # carry: nothing
 #
 # Steps (STEPS picks; default "tests firsthit"):
 #   tests     pytest -m gpu tests/test_node_gpu.py: two rank processes on cuda:0 map and register one
@@ -16,9 +16,9 @@
 #             -> $DEST/node-h100.json, $DEST/node-firsthit.log
 # Each log starts with the commit, the machine and the command. Exit status: the first failing step's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEFAULT_STEPS="tests firsthit"
-source tools/device_env.sh
+source bench/device/env.sh
 
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv || true
 df -h /dev/shm; grep -E "MemAvailable|HugePages_(Total|Free)" /proc/meminfo
@@ -37,7 +37,7 @@ if want firsthit; then
   mem_gib=$(( $(grep MemAvailable /proc/meminfo | awk '{print $2}') / 1048576 ))
   room=$(( (shm_gib < mem_gib ? shm_gib : mem_gib) * 8 / 10 ))
   gib=${FIRST_HIT_GIB:-$(( room < 64 ? room : 64 ))}
-  cmd="$PY -m hicache_cp bench-node --first-hit-gib $gib --device cuda --replay-limit 0 --json $DEST/node-h100.json"
+  cmd="$PY -m hicache_harness bench-node --first-hit-gib $gib --device cuda --replay-limit 0 --json $DEST/node-h100.json"
   { header "$cmd"; timeout "${FIRSTHIT_TIMEOUT:-240}" $cmd 2>&1 | tail -20; } | tee "$DEST/node-firsthit.log"
   keep "${PIPESTATUS[0]}"
 fi

@@ -3,18 +3,18 @@
 # JIT kernels, the SGLang plug-in's tests on CUDA, the race against SGLang's HiCache and a real
 # sglang.Engine three ways. Prepare here, then (each call <= 10 min, carry [".sglang", ".devdata"]):
 #
-#   .venv/bin/python tools/sglang_pack.py            # here: .sglang/ (sources, wheels, stand-in; ~37 MiB)
+#   .venv/bin/python bench/engines/sglang_pack.py            # here: .sglang/ (sources, wheels, stand-in; ~37 MiB)
 #   mkdir -p .devdata && cp <the Mooncake-format trace> .devdata/synthetic_trace.jsonl
-#   run: HICACHE_COMMIT=<hash> STEPS="setup import jit tests race" RACE_LIMIT=100 bash tools/device_sglang.sh  # call 1
-#   run: HICACHE_COMMIT=<hash> STEPS="setup engine" ENGINE_MODELS="deepseek llama" bash tools/device_sglang.sh  # call 2
-#   run: HICACHE_COMMIT=<hash> STEPS=smoke bash tools/device_sglang.sh                    # every step small, ~5 min
+#   run: HICACHE_COMMIT=<hash> STEPS="setup import jit tests race" RACE_LIMIT=100 bash bench/device/sglang.sh  # call 1
+#   run: HICACHE_COMMIT=<hash> STEPS="setup engine" ENGINE_MODELS="deepseek llama" bash bench/device/sglang.sh  # call 2
+#   run: HICACHE_COMMIT=<hash> STEPS=smoke bash bench/device/sglang.sh                    # every step small, ~5 min
 #
 # A CPU rehearsal (no GPU; the venv holds SGLang and every wheel): WHEELS=0 skips the setup's
 # install, and each step runs as far as a CPU lets it (the trace fakes CUDA, the GPU tests
 # collect and skip, the race runs radix and hicache-cp on CPU, the engine only checks its
 # arguments with ENGINE_ARGS=--check-args):
 #   WHEELS=0 PYTHON=.venv/bin/python OUT=/tmp/rehearsal STEPS="setup import jit tests race engine" \
-#     RACE_ARGS="--limit 4 --layers 4 --dim 64 --device-pages 64" ENGINE_ARGS=--check-args bash tools/device_sglang.sh
+#     RACE_ARGS="--limit 4 --layers 4 --dim 64 --device-pages 64" ENGINE_ARGS=--check-args bash bench/device/sglang.sh
 #
 # Steps, run in this order whatever the order of STEPS (each independent: one that fails or times
 # out is logged and the next runs; each log in $DEST starts with the commit, the machine and the
@@ -22,9 +22,9 @@
 #   setup    .sglang/whl/*.whl into $SITE (pip --no-index --no-deps --target), sglang-src.tar.gz over it
 #            (SGLang, its cp312 Rust tree core, the sgl_kernel stand-in, hicache-cp's plug-in entry point);
 #            WHEELS=0: nothing installed, the versions printed
-#   import   tools/sglang_pack.py trace: SGLang's modules imported on the GPU, the stand-in names they
+#   import   bench/engines/sglang_pack.py trace: SGLang's modules imported on the GPU, the stand-in names they
 #            import, whether the Rust tree core loads                       -> sglang-import-*.json
-#   jit      tools/sglang_jit_check.py: SGLang's HiCache JIT kernels built by its own load_jit, a
+#   jit      bench/engines/sglang_jit_check.py: SGLang's HiCache JIT kernels built by its own load_jit, a
 #            byte-exact host<->device round trip through its controller (MLA, MHA; page_first,
 #            layer_first)                                                   -> sglang-jit-*.json
 #   tests    pytest -m gpu: the GPU tests of tests/test_sglang_radix.py, test_sglang_blockers.py and
@@ -32,16 +32,16 @@
 #   race     hicache-cp bench-sglang: radix / hicache-cp / SGLang's HiCache on the shared trace and the
 #            embedded workload, MLA and DSA pools (RACE_ARGS adds flags; it gets what the deadline
 #            leaves, and its JSON is written after each workload)         -> sglang-race-*.json
-#   engine   tools/sglang_engine.py for each of ENGINE_MODELS (default "deepseek"; "llama" too)
+#   engine   bench/engines/sglang_engine.py for each of ENGINE_MODELS (default "deepseek"; "llama" too)
 #                                                                           -> sglang-engine-<model>-*.json
 #   smoke    setup, then every step small (import subset, jit on MLA page_first, race of 20 requests on
 #            8 layers, engine --quick on deepseek)
 # A whole call stops starting steps DEADLINE seconds (default 570) after it began; each step's timeout
 # is cut to what is left. Exit status: the first failing step's.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DEFAULT_STEPS="setup import jit race"
-source tools/device_env.sh
+source bench/device/env.sh
 DEADLINE=${DEADLINE:-570}
 SITE=${SITE:-/tmp/sglang-site}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E 'h100|h200|a100|b200' | tr 'A-Z' 'a-z')
@@ -71,7 +71,7 @@ run() {
   keep "$code"
 }
 
-{ header "STEPS=\"$STEPS\" bash tools/device_sglang.sh"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } \
+{ header "STEPS=\"$STEPS\" bash bench/device/sglang.sh"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } \
   | tee "$DEST/sglang-steps-$TAG.txt"
 
 if want setup; then
@@ -94,7 +94,7 @@ if want import; then
   mods=""
   [ "$SMOKE" = 1 ] && mods="sglang.srt.mem_cache.unified_radix_cache sglang.srt.models.deepseek_v2 sglang.srt.entrypoints.engine"
   # shellcheck disable=SC2086 - mods is a list of module names
-  run "sglang-import-$TAG" 240 bash -c "$PY tools/sglang_pack.py trace --site $SITE $mods > $DEST/sglang-import-$TAG.json; rc=\$?; \
+  run "sglang-import-$TAG" 240 bash -c "$PY bench/engines/sglang_pack.py trace --site $SITE $mods > $DEST/sglang-import-$TAG.json; rc=\$?; \
     $PY -c 'import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if k != \"distributions\"})' $DEST/sglang-import-$TAG.json; \
     $PY -c 'import torch; from sglang.srt.mem_cache.rust_tree_core import extension as e; print(\"rust tree core loads:\", e.bindings.__file__)' \
       || echo 'rust tree core does not load (SGLang runs its Python core)'; exit \$rc"
@@ -105,7 +105,7 @@ if want jit; then
   cases=""
   [ "$SMOKE" = 1 ] && cases="--cases mla:page_first"
   # shellcheck disable=SC2086
-  run "sglang-jit-$TAG" 300 "$PY" tools/sglang_jit_check.py --json "$DEST/sglang-jit-$TAG.json" $cases
+  run "sglang-jit-$TAG" 300 "$PY" bench/engines/sglang_jit_check.py --json "$DEST/sglang-jit-$TAG.json" $cases
 fi
 
 if want tests; then
@@ -122,7 +122,7 @@ if want race; then
   args=${RACE_ARGS:-}
   [ "$SMOKE" = 1 ] && args="--limit 20 --layers 8 --workloads embedded $args"
   # shellcheck disable=SC2086 - RACE_ARGS is a list of flags
-  run "sglang-race-$TAG" 480 "$PY" -m hicache_cp -v bench-sglang --json "$DEST/sglang-race-$TAG.json" \
+  run "sglang-race-$TAG" 480 "$PY" -m hicache_harness -v bench-sglang --json "$DEST/sglang-race-$TAG.json" \
     --limit "${RACE_LIMIT:-150}" $args
 fi
 
@@ -133,7 +133,7 @@ if want engine; then
   if [ "$SMOKE" = 1 ]; then models=deepseek; quick=--quick; fi
   for m in $models; do
     # shellcheck disable=SC2086
-    run "sglang-engine-$m-$TAG" "${ENGINE_TIMEOUT:-420}" "$PY" tools/sglang_engine.py --model "$m" $quick \
+    run "sglang-engine-$m-$TAG" "${ENGINE_TIMEOUT:-420}" "$PY" bench/engines/sglang_engine.py --model "$m" $quick \
       --timeout "${ENGINE_MODE_TIMEOUT:-150}" --json "$DEST/sglang-engine-$m-$TAG.json" ${ENGINE_ARGS:-}
   done
 fi

@@ -3,27 +3,27 @@
 # connector, and the three-way race against vLLM's OffloadingConnector and no connector.
 # Prepare here, then one device call:
 #
-#   .venv/bin/python tools/vllm_pack.py --sdist vllm-0.33.0.tar.gz --cutlass nvidia_cutlass-4.2.0.0-py3-none-any.whl
-#   run: HICACHE_COMMIT=<hash> bash tools/device_vllm_race.sh          # carry [".vllm"]
+#   .venv/bin/python bench/engines/vllm_pack.py --sdist vllm-0.33.0.tar.gz --cutlass nvidia_cutlass-4.2.0.0-py3-none-any.whl
+#   run: HICACHE_COMMIT=<hash> bash bench/device/vllm_race.sh          # carry [".vllm"]
 #   quick: STEPS="ops smoke" ...                                         # about 4-5 minutes
 #
 # Steps (each logged to $OUT/vllm-race.log, which starts with commit, machine and command):
 #   setup   .vllm/whl into $SITE (pip --no-index --no-deps), vllm-src.tar.gz over it
-#   ops     tools/vllm_ops/build.py: vLLM's own ops from the sdist's csrc -> $SITE/vllm (-> vllm-ops.json)
-#   smoke   tools/vllm_race.py --quick --eager: a small Llama, eager, with our connector
+#   ops     bench/engines/vllm_ops/build.py: vLLM's own ops from the sdist's csrc -> $SITE/vllm (-> vllm-ops.json)
+#   smoke   bench/engines/vllm_race.py --quick --eager: a small Llama, eager, with our connector
 #           (-> vllm-smoke.json): vLLM's runner starts, saves commit, pass 2 loads from host
-#   race    tools/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json)
+#   race    bench/engines/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json)
 # Every step has its own timeout; a failed step does not stop the next. Exit: the first failure.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SITE=${SITE:-/tmp/vllm-site}
 DEFAULT_STEPS="ops smoke race"
-source tools/device_env.sh
+source bench/device/env.sh
 # vLLM's own switch off its FlashInfer sampler (flashinfer is not on the image; PyTorch sampling runs)
 export HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 LOG=$DEST/vllm-race.log
 {
-header "STEPS=\"$STEPS\" bash tools/device_vllm_race.sh"
+header "STEPS=\"$STEPS\" bash bench/device/vllm_race.sh"
 step setup
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .vllm/whl/*.whl || exit 3
 tar -xzf .vllm/vllm-src.tar.gz -C "$SITE" || exit 3
@@ -32,22 +32,22 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 
 if want ops; then
-  step "vLLM's ops from the sdist's csrc (tools/vllm_ops/build.py)"
-  timeout "${OPS_TIMEOUT:-300}" $PY tools/vllm_ops/build.py --csrc .vllm/csrc --site "$SITE" \
+  step "vLLM's ops from the sdist's csrc (bench/engines/vllm_ops/build.py)"
+  timeout "${OPS_TIMEOUT:-300}" $PY bench/engines/vllm_ops/build.py --csrc .vllm/csrc --site "$SITE" \
     --json "$DEST/vllm-ops.json" 2>&1 | grep -v "^\[[0-9]*/[0-9]*\] " | tail -40
   keep "${PIPESTATUS[0]}"
 fi
 
 if want smoke; then
   step "vllm.LLM eager, a small Llama, our connector"
-  timeout "${SMOKE_TIMEOUT:-100}" $PY tools/vllm_race.py --quick --eager --configs hicache \
+  timeout "${SMOKE_TIMEOUT:-100}" $PY bench/engines/vllm_race.py --quick --eager --configs hicache \
     --timeout 90 --json "$DEST/vllm-smoke.json" 2>&1 | tail -60
   keep "${PIPESTATUS[0]}"
 fi
 
 if want race; then
   step "the race: ours, vLLM's OffloadingConnector, no connector (CUDA graphs)"
-  timeout "${RACE_TIMEOUT:-340}" $PY tools/vllm_race.py --configs hicache,offloading,none \
+  timeout "${RACE_TIMEOUT:-340}" $PY bench/engines/vllm_race.py --configs hicache,offloading,none \
     --timeout "${RUN_TIMEOUT:-110}" --json "$DEST/vllm-race.json" 2>&1 | tail -80
   keep "${PIPESTATUS[0]}"
 fi

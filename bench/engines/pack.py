@@ -1,4 +1,4 @@
-"""What the device packers share (tools/vllm_pack.py, tools/sglang_pack.py): a package tree
+"""What the device packers share (bench/engines/vllm_pack.py, bench/engines/sglang_pack.py): a package tree
 into a tarball, and wheels for the device image's Python 3.12 on manylinux x86-64."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A real `sglang.Engine` three ways on one GPU: hicache-cp, SGLang's own HiCache, no host tier (issue 42, item 6).
 
-    python3 tools/sglang_engine.py --json $OUT/sglang-engine-h100.json [--model deepseek|llama] [--quick]
+    python3 bench/engines/sglang_engine.py --json $OUT/sglang-engine-h100.json [--model deepseek|llama] [--quick]
 
 The engine serves a tiny random model built from a config (no download, no
 tokenizer: prompts are token ids; `load_format=dummy` with a fixed seed, so
@@ -35,7 +35,7 @@ finishes.
 `ServerArgs` and its resolution (what `sglang.Engine` does before it starts a
 process), with the plug-in loaded through SGLang's plug-in entry point; where
 there is no GPU, torch claims one (an H100) and the `sgl_kernel` stand-in is on
-the path, as `tools/sglang_pack.py trace` does. It prints each mode's resolved
+the path, as `bench/engines/sglang_pack.py trace` does. It prints each mode's resolved
 cache and attention settings and fails on the first argument SGLang refuses.
 """
 
@@ -53,10 +53,10 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hicache_cp.harness.outputs import write_json  # noqa: E402
-from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.outputs import write_json  # noqa: E402
+from hicache_harness.provenance import git_commit, machine  # noqa: E402
 
 MODES = ("hicache-cp", "sglang-hicache", "none")
 PAGE = 64
@@ -81,7 +81,7 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 
-#: SGLang's own switches away from sgl-kernel (tools/sglang_shims/README.md).
+#: SGLang's own switches away from sgl-kernel (bench/engines/sglang_shims/README.md).
 ENGINE_ENV = {"SGLANG_FORCE_FUSED_OP_BACKEND": "torch", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
               "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
@@ -133,8 +133,8 @@ def check_args(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     if not torch.cuda.is_available():
-        tools = Path(__file__).resolve().parent
-        sys.path[:0] = [str(tools / "sglang_shims"), str(tools)]
+        here = Path(__file__).resolve().parent
+        sys.path[:0] = [str(here / "sglang_shims"), str(here)]
         import sglang_pack
 
         sglang_pack.fake_cuda_for_imports()
@@ -349,7 +349,7 @@ def main() -> int:
             print(row.get("traceback") or row.get("stderr_tail", ""), flush=True)
         summarise(rows)
         if args.json:  # after every mode: a call cut short keeps the modes that ran
-            command = " ".join(["tools/sglang_engine.py", *sys.argv[1:]])
+            command = " ".join(["bench/engines/sglang_engine.py", *sys.argv[1:]])
             write_json(args.json, {"commit": git_commit(), "machine": machine(), "command": command,
                                    "model": MODELS[args.model], "modes": rows,
                                    "config": {k: v for k, v in vars(args).items() if k != "json"}})  # fmt: skip

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """SGLang 0.5.23's HiCache JIT kernels, built on the device by SGLang itself, and a byte-exact round trip.
 
-    python3 tools/sglang_jit_check.py --json $OUT/sglang-jit-h100.json     # on the device (tools/device_sglang.sh jit)
+    python3 bench/engines/sglang_jit_check.py --json $OUT/sglang-jit-h100.json     # on the device (bench/device/sglang.sh jit)
 
 For each case, SGLang's own HiCache is built as `--enable-hierarchical-cache`
 builds it (`create_unified_radix_cache`: `UnifiedRadixCache`,
 `HybridCacheController`, the host pool, through
-`harness.bench.sglang_race_server.RaceServer`). Building the host pool runs
+`hicache_harness.bench.sglang_race_server.RaceServer`). Building the host pool runs
 SGLang's `can_use_hicache_jit_kernel` / `can_use_write_back_jit_kernel`,
 which compile `kvcacheio/hicache.cuh` (or `hicache_tma.cuh`) and
 `staged_write_back.cuh` with SGLang's `load_jit` (nvcc, apache-tvm-ffi) and
@@ -41,13 +41,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hicache_cp.harness.bench.sglang_race import failure_record  # noqa: E402
-from hicache_cp.harness.bench.sglang_race_server import RaceServer, RaceSpec  # noqa: E402
-from hicache_cp.harness.outputs import write_json  # noqa: E402
-from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
-from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
+from hicache_harness.bench.sglang_race import failure_record  # noqa: E402
+from hicache_harness.bench.sglang_race_server import RaceServer, RaceSpec  # noqa: E402
+from hicache_harness.outputs import write_json  # noqa: E402
+from hicache_harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.sglang.env import import_sglang  # noqa: E402
 
 CASES = (("mla", "page_first"), ("mla", "layer_first"), ("mha", "page_first"), ("mha", "layer_first"))
 
@@ -129,7 +129,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args()
     import_sglang()
-    command = " ".join(["tools/sglang_jit_check.py", *sys.argv[1:]])
+    command = " ".join(["bench/engines/sglang_jit_check.py", *sys.argv[1:]])
     result: dict[str, Any] = {"commit": git_commit(), "machine": machine(), "command": command,
                               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                               "cases": []}  # fmt: skip

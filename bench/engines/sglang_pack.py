@@ -1,8 +1,8 @@
 """Pack SGLang 0.5.23's Python, the wheels its imports need and an `sgl_kernel` stand-in, for the device.
 
-    .venv/bin/python tools/sglang_pack.py [--dest .sglang]     # here, before the device call
-    .venv/bin/python tools/sglang_pack.py trace [--site DIR]    # the import trace on CPU, CUDA faked
-    then the device call carries `.sglang` and runs tools/device_sglang.sh
+    .venv/bin/python bench/engines/sglang_pack.py [--dest .sglang]     # here, before the device call
+    .venv/bin/python bench/engines/sglang_pack.py trace [--site DIR]    # the import trace on CPU, CUDA faked
+    then the device call carries `.sglang` and runs bench/device/sglang.sh
 
 The SGLang wheel cannot be installed on the device image: it pins torch 2.14.1
 (the image has 2.11), and its `sgl-kernel` 0.4.10 binary does not load there
@@ -21,7 +21,7 @@ packs, into the ignored folder `.sglang/`:
                         only content is its `sglang.srt.plugins` entry point (the device runs
                         the project from its tree, uninstalled, and SGLang's scheduler
                         processes find `--radix-cache-backend hicache-cp` through it); and
-                        `sgl_kernel/`, the import-only stand-in of tools/sglang_shims/
+                        `sgl_kernel/`, the import-only stand-in of bench/engines/sglang_shims/
     whl/*.whl           wheels for Python 3.12 on manylinux x86-64 of what SGLang's imports need
                         that the device image lacks (KINDS.md's package list), at the versions
                         installed here (CARRY), and transformers 5.20 (SGLang pins 5.19; the
@@ -59,11 +59,11 @@ import zipfile
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench" / "engines"))
 
-from device_pack import add_tree, pip_download  # noqa: E402
-SHIMS = REPO / "tools" / "sglang_shims"
+from pack import add_tree, pip_download  # noqa: E402
+SHIMS = REPO / "bench" / "engines" / "sglang_shims"
 SGLANG_VERSION = "0.5.23"
 TRANSFORMERS = "transformers==5.20.2"
 WHEEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hicache-cp" / "sglang-wheels"
@@ -79,7 +79,7 @@ CARRY: dict[str, str | None] = {
     "traitlets": None, "truststore": None, "typing-inspection": None, "uvicorn": "0.55.0", "xgrammar": None,
 }  # fmt: skip
 
-#: The SGLang modules the device runs import (tools/device_sglang.sh: the plug-in's tests, the
+#: The SGLang modules the device runs import (bench/device/sglang.sh: the plug-in's tests, the
 #: race, SGLang's HiCache and its JIT kernels, sglang.Engine on a dense DeepSeek-V3 and a Llama).
 TRACE_MODULES = (
     "sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.managers.cache_controller",
@@ -274,7 +274,7 @@ def fake_cuda_for_imports() -> None:
     """What the trace child does before importing SGLang on a machine without a GPU: torch
     claims one (`_fake_cuda`, with 80 GiB free for SGLang's memory sizing), the torchvision
     stand-in where torch is a CPU build, sgl-kernel's version check off. Process-wide:
-    call it in a process of its own (the trace child, `tools/sglang_engine.py --check-args`)."""
+    call it in a process of its own (the trace child, `bench/engines/sglang_engine.py --check-args`)."""
     import torch
 
     os.environ.setdefault("SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK", "1")
@@ -287,11 +287,11 @@ def fake_cuda_for_imports() -> None:
 
 def _stand_in_torchvision() -> None:
     """On this CPU machine torchvision does not load beside the CPU torch: the CPU harness's
-    stand-in (hicache_cp.harness.sglang.env), kept for the whole trace, since with CUDA
+    stand-in (hicache_harness.sglang.env), kept for the whole trace, since with CUDA
     faked more of SGLang imports it than the harness's configs."""
     from transformers.utils import import_utils
 
-    from hicache_cp.harness.sglang import env
+    from hicache_harness.sglang import env
 
     import_utils.is_torchvision_available()  # cached before the stand-in exists: absent
     for name in env._STAND_INS:  # noqa: SLF001 - the harness's own stand-in, reused

@@ -1,6 +1,6 @@
 """hicache-cp's vLLM connector beside vLLM 0.33's own OffloadingConnector, under vLLM's real Scheduler (CPU).
 
-    .venv/bin/python tools/vllm_compare.py [--json bench/results/vllm-compare.json]
+    .venv/bin/python bench/engines/vllm_compare.py [--json bench/results/vllm-compare.json]
         [--trace /work/shared/traces/synthetic_trace.jsonl --limit 80] [--requests 60 --seed 0]
         [--gpu-blocks 96 --host-pages 400]
 
@@ -40,14 +40,14 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 import test_vllm_bench as H  # noqa: E402  (the bench: vLLM's Scheduler + fake model runner)
 
-from hicache_cp.harness.outputs import write_json  # noqa: E402
-from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.outputs import write_json  # noqa: E402
+from hicache_harness.provenance import git_commit, machine  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 
 CONNECTORS = ("hicache", "offloading")
@@ -77,7 +77,7 @@ def embedded_workload(requests: int, seed: int) -> list[list[int]]:
 
 
 def trace_workload(path: Path, limit: int, max_pages: int) -> list[list[int]]:
-    from hicache_cp.harness.trace import load_trace
+    from hicache_harness.trace import load_trace
 
     return [_prompt(list(r.hash_ids[:max_pages]), i) for i, r in enumerate(load_trace(path, limit=limit))]
 
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         failures = [failed_load(c, model_dir) for c in CONNECTORS]
     report = {
         "commit": git_commit(), "machine": machine(),
-        "command": " ".join(["tools/vllm_compare.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["bench/engines/vllm_compare.py", *(argv if argv is not None else sys.argv[1:])]),
         "vllm": vllm.__version__, "workload": workload,
         "config": {"block_size": H.BLOCK, "gpu_blocks": args.gpu_blocks, "host_pages": args.host_pages,
                    "host_bytes": args.host_pages * H.PAGE_BYTES * len(H.LAYERS), "prefix_caching": True,

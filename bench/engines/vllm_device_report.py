@@ -1,8 +1,8 @@
 """Turn the device run's pytest JUnit XML into bench/results/vllm-<machine>.json (commit, machine, command).
 
-    python3 tools/vllm_device_report.py --junit J.xml --log L.log --command "..." --json OUT.json [--extra K=FILE]
+    python3 bench/engines/vllm_device_report.py --junit J.xml --log L.log --command "..." --json OUT.json [--extra K=FILE]
 
-Written by tools/device_vllm.sh on the device machine; the JSON lists every
+Written by bench/device/vllm.sh on the device machine; the JSON lists every
 test with its outcome and time, the totals, the versions that ran (Python,
 torch, CUDA device, vLLM) and whatever extra JSON files the script names
 (the import check, the vllm.LLM probe).
@@ -16,9 +16,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.provenance import git_commit, machine  # noqa: E402
 
 
 def tests_of(junit: Path) -> list[dict]:

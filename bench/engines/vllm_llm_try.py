@@ -1,6 +1,6 @@
 """Issue 24, item 2: does vLLM 0.33's own GPU model runner run on the device image?
 
-    python3 tools/vllm_llm_try.py --json OUT.json      # on the device, after tools/device_vllm.sh set up vLLM
+    python3 bench/engines/vllm_llm_try.py --json OUT.json      # on the device, after bench/device/vllm.sh set up vLLM
 
 Builds `vllm.LLM` offline on a tiny random-weight Llama written from a config
 (`load_format="dummy"`: nothing downloaded; `skip_tokenizer_init`, token-id

@@ -1,7 +1,7 @@
 """Pack vLLM 0.33.0's Python sources and the packages its imports need, for the device machine.
 
-    .venv/bin/python tools/vllm_pack.py [--dest .vllm]      # here, before the device call
-    then the device call carries `.vllm` and runs tools/device_vllm.sh
+    .venv/bin/python bench/engines/vllm_pack.py [--dest .vllm]      # here, before the device call
+    then the device call carries `.vllm` and runs bench/device/vllm.sh
 
 The vLLM wheel cannot be installed on the device image: it pins torch 2.14
 (the image has 2.11) and is 336 MB, most of it compiled code that the
@@ -12,7 +12,7 @@ venv (scripts/install_vllm.sh):
                             front end), third_party/fmha_sm100 and third_party/deep_gemm
                             (CUDA sources and cubins), C/C++/CUDA headers and sources,
                             __pycache__; plus vllm's dist-info (metadata lookups), plus
-                            the shims of tools/vllm_shims/ (see that folder's README)
+                            the shims of bench/engines/vllm_shims/ (see that folder's README)
     .vllm/whl/*.whl         wheels for Python 3.12 on manylinux x86-64 of the
                             distributions vLLM's imports need that the device image
                             lacks (KINDS.md's package list), at the versions installed here
@@ -20,7 +20,7 @@ venv (scripts/install_vllm.sh):
     .vllm/csrc/, .vllm/cutlass/include/
                             with --sdist and --cutlass (both registry packages, read and built,
                             never committed): the vLLM sdist's csrc files that
-                            tools/vllm_ops/build.py compiles on the device (`SOURCES` there)
+                            bench/engines/vllm_ops/build.py compiles on the device (`SOURCES` there)
                             and every header they include from it, and the headers
                             `cutlass/cutlass.h` needs from the nvidia-cutlass wheel;
                             --fetch DIR downloads both there with pip first (see `fetch`)
@@ -43,11 +43,11 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench" / "engines"))
 
-from device_pack import add_tree, pip_download  # noqa: E402
-SHIMS = REPO / "tools" / "vllm_shims"
+from pack import add_tree, pip_download  # noqa: E402
+SHIMS = REPO / "bench" / "engines" / "vllm_shims"
 
 #: Distributions that vLLM 0.33.0's imports load (the scheduler, the KV-connector API,
 #: config, the OffloadingConnector, and the GPU model runner's model loader, which imports
@@ -101,10 +101,10 @@ def pack_sources(dest: Path) -> dict:
 
 
 def load_build_script():
-    """tools/vllm_ops/build.py as a module (by path: "build" is also a PyPI package's name)."""
+    """bench/engines/vllm_ops/build.py as a module (by path: "build" is also a PyPI package's name)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("vllm_ops_build", REPO / "tools" / "vllm_ops" / "build.py")
+    spec = importlib.util.spec_from_file_location("vllm_ops_build", REPO / "bench" / "engines" / "vllm_ops" / "build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -148,7 +148,7 @@ def _norm(path: str) -> str:
 
 
 def pack_csrc(dest: Path, sdist: Path, cutlass_wheel: Path) -> dict:
-    """The csrc files tools/vllm_ops/build.py compiles and their includes, from the sdist;
+    """The csrc files bench/engines/vllm_ops/build.py compiles and their includes, from the sdist;
     the headers cutlass/cutlass.h needs, from the nvidia-cutlass wheel."""
     sources = load_build_script().SOURCES
 
@@ -162,7 +162,7 @@ def pack_csrc(dest: Path, sdist: Path, cutlass_wheel: Path) -> dict:
             return None if m is None else tar.extractfile(m).read().decode("utf-8", "replace")
 
         roots = [f"csrc/{s}" for s in sources]
-        bindings = (REPO / "tools" / "vllm_ops" / "bindings.cpp").read_text()
+        bindings = (REPO / "bench" / "engines" / "vllm_ops" / "bindings.cpp").read_text()
         roots += [f"csrc/{inc}" for inc in _INCLUDE.findall(bindings)]
         files = include_closure(roots, read_sdist, ["csrc"])
         shutil.rmtree(dest / "csrc", ignore_errors=True)

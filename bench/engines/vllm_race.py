@@ -1,7 +1,7 @@
 """Issue 43: vLLM 0.33's own GPU model runner with hicache-cp's connector, raced against
 vLLM's OffloadingConnector and against no connector, on one GPU, at the same host bytes.
 
-    python3 tools/vllm_race.py --json OUT.json [--configs hicache,offloading,none] [--eager] [--quick]
+    python3 bench/engines/vllm_race.py --json OUT.json [--configs hicache,offloading,none] [--eager] [--quick]
 
 Each configuration runs in its own process (`--one NAME`): `vllm.LLM` offline on a random-
 weight Llama written from a config (`load_format="dummy"`, token-id prompts, no tokenizer),
@@ -34,7 +34,7 @@ import time
 import traceback
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 LLAMA = {
@@ -311,13 +311,13 @@ def main() -> int:
         args.out.write_text(json.dumps(report) + "\n")
         print(json.dumps({k: v for k, v in report.items() if k not in ("outputs", "traceback_tail")}, indent=2))
         return 0 if report["ok"] else 1
-    from hicache_cp.harness.provenance import git_commit, machine
+    from hicache_harness.provenance import git_commit, machine
 
     runs: dict[str, dict] = {}
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k in ("docs", "doc_len", "suffix_len", "gen", "gpu_blocks", "host_bytes")]
     result = {"commit": os.environ.get("HICACHE_COMMIT") or git_commit(), "machine": machine(),
-              "command": " ".join(["python3", "tools/vllm_race.py", *sys.argv[1:]]),
+              "command": " ".join(["python3", "bench/engines/vllm_race.py", *sys.argv[1:]]),
               "params": {k: v for k, v in vars(args).items() if k not in ("json", "one", "out")},
               "model": QUICK if args.quick else LLAMA, "runs": runs}
     for name in args.configs.split(","):

@@ -1,4 +1,4 @@
-"""Allocator microbenchmark: ``hicache-cp bench-alloc`` (or ``python -m hicache_cp.harness.bench.alloc``).
+"""Allocator microbenchmark: ``hicache-cp bench-alloc`` (or ``python -m hicache_harness.bench.alloc``).
 
 Measures what docs/invariants.md rule 6 asks to keep visible, the metadata cost of
 the host page allocator on a pool of realistic size, against its peers, and
@@ -67,12 +67,12 @@ import numpy as np
 import torch
 
 from hicache_cp.config import PRESETS
-from hicache_cp.harness.bench.alloc_peers import load_sglang_host_kv_cache, make_peers
-from hicache_cp.harness.bench.alloc_workload import FREE, RESERVE, SizeSource, Workload, make_workload
-from hicache_cp.harness import checks
-from hicache_cp.harness.errors import InputError
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness.bench.alloc_peers import load_sglang_host_kv_cache, make_peers
+from hicache_harness.bench.alloc_workload import FREE, RESERVE, SizeSource, Workload, make_workload
+from hicache_harness import checks
+from hicache_harness.errors import InputError
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.layout import Part
 
 logger = logging.getLogger(__name__)
@@ -526,8 +526,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hicache_cp.harness.bench.alloc``: the ``hicache-cp bench-alloc`` command."""
-    from hicache_cp.harness.cli import main as cli_main
+    """``python -m hicache_harness.bench.alloc``: the ``hicache-cp bench-alloc`` command."""
+    from hicache_harness.cli import main as cli_main
 
     return cli_main(["bench-alloc", *(sys.argv[1:] if argv is None else argv)])
 

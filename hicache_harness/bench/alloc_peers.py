@@ -308,7 +308,7 @@ def load_sglang_host_kv_cache() -> tuple[type | None, dict[str, str]]:
 
     Returns ``(None, info)`` with the reason when sglang is missing, is not
     version 0.5.23, or its module does not import. SGLang is imported as
-    installed (`hicache_cp.harness.sglang.env.import_sglang`: where torchvision
+    installed (`hicache_harness.sglang.env.import_sglang`: where torchvision
     does not import, as beside a CPU torch, it is a stand-in while
     `sglang.srt.configs` imports).
     """
@@ -321,7 +321,7 @@ def load_sglang_host_kv_cache() -> tuple[type | None, dict[str, str]]:
     if installed != SGLANG_VERSION:
         return None, {"impl": "reimplementation", "reason": f"sglang {installed} installed, the bench pins {SGLANG_VERSION}"}
     try:
-        from hicache_cp.harness.sglang.env import import_sglang
+        from hicache_harness.sglang.env import import_sglang
 
         import_sglang()
         module = importlib.import_module(_SGLANG_BASE)
@@ -333,7 +333,7 @@ def load_sglang_host_kv_cache() -> tuple[type | None, dict[str, str]]:
         "version": installed,
         "code": f"{_SGLANG_BASE}.HostKVCache.alloc/free as installed ({module.__file__})",
         "import_route": "sglang imported as installed; torchvision, where it does not import, is a stand-in "
-        "during the import of sglang.srt.configs only (hicache_cp.harness.sglang.env)",
+        "during the import of sglang.srt.configs only (hicache_harness.sglang.env)",
     }
 
 

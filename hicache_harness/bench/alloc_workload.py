@@ -5,7 +5,7 @@ allocator sees the same reserves and frees in the same order:
 
 * Request sizes: a request of ``t`` prompt tokens reserves ``ceil(t /
   page_tokens)`` pages. The ``t`` come from a Mooncake-format trace
-  (``hicache_cp.harness.trace.load_trace``) or, without one, from
+  (``hicache_harness.trace.load_trace``) or, without one, from
   :data:`EMBEDDED_TOKEN_QUANTILES`, the quantiles of the shared synthetic
   trace's ``input_length`` (1 to about 3,000 pages of 64 tokens).
 * Eviction: entries are evicted least recently used first when a reserve
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hicache_cp.harness.trace import load_trace
+from hicache_harness.trace import load_trace
 
 __all__ = ["EMBEDDED_TOKEN_QUANTILES", "RESERVE", "FREE", "SizeSource", "Workload", "make_workload"]
 
@@ -66,7 +66,7 @@ class SizeSource:
         requests = load_trace(path)
         tokens = np.array([r.input_length for r in requests if r.input_length > 0], dtype=np.int64)
         if tokens.size == 0:
-            from hicache_cp.harness.trace import TraceError
+            from hicache_harness.trace import TraceError
 
             raise TraceError(f"{path}: no request has input_length > 0")
         return cls(tokens, f"trace {path} ({tokens.size} requests)", embedded=False)

@@ -20,7 +20,7 @@ other processes share the machine).
 The engines' modules are imported, and their hash code loaded, before any
 clock starts.
 
-Router (`--router`): `harness.router.compare` on the embedded workload and
+Router (`--router`): `hicache_harness.router.compare` on the embedded workload and
 the trace: two instances routed on GPU-tier events only, then on GPU and
 host events; host-hit tokens of each.
 
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,15 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hicache_cp.harness import checks
-    from hicache_cp.harness.kv_events import FORMATS, engine_format
+    from hicache_harness import checks
+    from hicache_harness.kv_events import FORMATS, engine_format
 
     checks.in_range("--rounds", args.rounds, 1, 100)
     checks.output_file("--json", args.json)
     formats = [f for f in args.formats.split(",") if f]
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
-        from hicache_cp.harness.errors import InputError
+        from hicache_harness.errors import InputError
 
         raise InputError(f"--formats {args.formats!r}: expected a comma-separated subset of {', '.join(FORMATS)}")
     engines = {f: engine_format(f) for f in formats}  # imported and warm before any clock
@@ -98,7 +98,7 @@ def _replay_argv(args: argparse.Namespace, fmt: str | None, port: int) -> list[s
 
 
 def _replay_once(args: argparse.Namespace, fmt: str | None) -> dict[str, Any]:
-    from hicache_cp.harness.replay import command
+    from hicache_harness.replay import command
 
     parser = argparse.ArgumentParser(prog="replay")
     command.add_arguments(parser)
@@ -137,9 +137,9 @@ def _summary(runs: list[dict[str, Any]], formats: list[str]) -> dict[str, Any]:
 
 def _router(args: argparse.Namespace, fmt: Any) -> dict[str, Any]:
     from hicache_cp.config import Config
-    from hicache_cp.harness.router import compare
-    from hicache_cp.harness.trace import load_trace, request_tokens, unique_blocks
-    from hicache_cp.harness.workload import default_workload
+    from hicache_harness.router import compare
+    from hicache_harness.trace import load_trace, request_tokens, unique_blocks
+    from hicache_harness.workload import default_workload
 
     out: dict[str, Any] = {"format": fmt.name}
     workloads = [("embedded", default_workload(seed=0), 1.2)]

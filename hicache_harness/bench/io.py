@@ -75,10 +75,10 @@ import torch
 
 from hicache_cp.checksum import Verify
 from hicache_cp.config import PRESETS
-from hicache_cp.harness.bench.io_variants import VARIANTS
-from hicache_cp.harness.errors import InputError
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness.bench.io_variants import VARIANTS
+from hicache_harness.errors import InputError
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.io.base import CopyEngine, Direction, TicketState, default_backend, make_engine
 from hicache_cp.layout import KVLayout, Part
 

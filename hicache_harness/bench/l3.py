@@ -19,7 +19,7 @@ read back are compared with what was written. Reports the median of each
 over the repeats; ratio = ours / raw (GB/s). `--json PATH` writes the
 numbers with the commit, the machine and the command.
 
-    python -m hicache_cp.harness.bench.l3 --json bench/results/l3-loopback-cpu.json
+    python -m hicache_harness.bench.l3 --json bench/results/l3-loopback-cpu.json
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from pathlib import Path
 import numpy as np
 
 from hicache_cp.config import PRESETS
-from hicache_cp.harness import checks, integrity
-from hicache_cp.harness.errors import InputError, IntegrityFailure, require
+from hicache_harness import checks, integrity
+from hicache_harness.errors import InputError, IntegrityFailure, require
 from hicache_cp.errors import HiCacheError
-from hicache_cp.harness.l3_master import MooncakeMaster, holder_process
+from hicache_harness.l3_master import MooncakeMaster, holder_process
 from hicache_cp.l3.store import reachable
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.l3.client import L3Client, Region, call_spans
 from hicache_cp.l3.config import L3Config
 from hicache_cp.l3.keys import KeyScheme, PositionHashes, chunk_list

@@ -19,7 +19,7 @@
 Prints a table; `--json PATH` writes every number with the commit, the machine
 and the command. Every segment it makes is removed before it returns.
 
-    python -m hicache_cp bench-node --json bench/results/node-cpu.json
+    python -m hicache_harness bench-node --json bench/results/node-cpu.json
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from hicache_cp.config import PRESETS
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.node.adopt import adopt
 from hicache_cp.node.checksums import unit_sums
 from hicache_cp.node.geometry import NodeGeometry, Sharing
@@ -182,7 +182,7 @@ def numa_report(name: str) -> dict[str, Any]:
 
 def ranks(limit: int, name: str) -> list[dict[str, Any]]:
     """The replay on 1, 2 and 4 ranks: private L2 per rank, then one shared copy."""
-    from hicache_cp.harness.replay import command as replay
+    from hicache_harness.replay import command as replay
 
     rows = []
     for n in (1, 2, 4):
@@ -208,7 +208,7 @@ def first_hit(gib: float, device: str, name: str, prompts: int = 4, pages: int =
     """Seconds from a restarted cache's construction to its first hit on a `gib` GiB segment."""
     from hicache_cp.cache import HiCache
     from hicache_cp.config import Config
-    from hicache_cp.harness.engines.synthetic import ReferenceServer
+    from hicache_harness.engines.synthetic import ReferenceServer
 
     cuda = device.startswith("cuda")
     config = Config(model="deepseek-v3.2", page_size=64, host_budget_bytes=int(gib * GIB), l1_pages=2 * pages + 2,

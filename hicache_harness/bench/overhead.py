@@ -3,7 +3,7 @@
 The cache runs on a prefill server's scheduler thread, between the kernels
 of the forward: every microsecond in its calls delays the next launch. This
 benchmark replays a trace through the cache protocol exactly as the
-reference server does (`harness.engines.synthetic`), but computes nothing:
+reference server does (`hicache_harness.engines.synthetic`), but computes nothing:
 no KV content is generated or checked, token ids are made before the clock
 starts. What it times, with `time.perf_counter_ns` around each call, is the
 cache itself:
@@ -51,8 +51,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 
 #: Calls made once per request (at most), in protocol order.
 REQUEST_CALLS = ("match", "load_back", "alloc_device", "reserve_backup", "insert", "poll", "release", "ensure_free")
@@ -205,7 +205,7 @@ def prepare(args: argparse.Namespace) -> tuple[Any, list[Any], dict[str, Any]]:
     """The run's resolved configuration, its requests and its engine options.
 
     The inputs are checked like the replay's (bad input: InputError, exit 2 through the CLI)."""
-    from hicache_cp.harness.replay.setup import DEFAULT_METRICS_ADDR, build_config, check_args, load_requests
+    from hicache_harness.replay.setup import DEFAULT_METRICS_ADDR, build_config, check_args, load_requests
 
     # The replay's options that this benchmark fixes: one rank, the default policies, no extras.
     page_size = [] if args.page_size is None else [f"page_size={args.page_size}"]
@@ -224,8 +224,8 @@ def _variant(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options of `--io-variant` (its backend goes to `args.io_backend`)."""
     if args.io_variant is None:
         return {}
-    from hicache_cp.harness.bench.io_variants import VARIANTS
-    from hicache_cp.harness.errors import InputError
+    from hicache_harness.bench.io_variants import VARIANTS
+    from hicache_harness.errors import InputError
 
     if args.io_variant not in VARIANTS:
         raise InputError(f"--io-variant {args.io_variant!r}: unknown; known: {', '.join(VARIANTS)}")
@@ -241,11 +241,11 @@ def measure(
     """Run every request; return the result dict (see the module docstring)."""
 
     from hicache_cp.cache import HiCache
-    from hicache_cp.harness.replay.setup import tokens_per_block
+    from hicache_harness.replay.setup import tokens_per_block
 
     if args.device == "cuda":
         import torch  # only for the GPU's name: the CPU path never imports torch's CUDA side here
-    from hicache_cp.harness.trace import request_tokens
+    from hicache_harness.trace import request_tokens
 
     device = args.device  # resolved by the replay's check_args
     tpb = tokens_per_block(args, config)

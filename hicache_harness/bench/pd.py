@@ -15,7 +15,7 @@ Reports the median of each over the repeats; ratio = adapter / raw
 (target >= 0.90). `--json PATH` writes {adapter_gbps, raw_gbps, ratio,
 bytes, descriptors, pages, commit, machine, command}.
 
-    python -m hicache_cp.harness.bench.pd --pages 512 --json pd.json
+    python -m hicache_harness.bench.pd --pages 512 --json pd.json
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness import checks, integrity
-from hicache_cp.harness.decode_peer import DecodePeer, add_layout_arguments, layout_from_args
-from hicache_cp.harness.errors import ExitCode, require
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness import checks, integrity
+from hicache_harness.decode_peer import DecodePeer, add_layout_arguments, layout_from_args
+from hicache_harness.errors import ExitCode, require
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.layout import KVLayout
 from hicache_cp.pd.control import new_authkey
 from hicache_cp.pd.engine import TransferError, quiet_mooncake_logs
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     parser.add_argument("--overlap", action="store_true",
                         help="measure forward's end -> decode holds all KV, per-layer vs after-insert "
-                             "(hicache_cp.harness.bench.pd_overlap)")
+                             "(hicache_harness.bench.pd_overlap)")
     parser.add_argument("--layer-ms", type=float, default=2.0, help="--overlap: stand-in forward time per layer")
     parser.add_argument("--device", default="cpu", help="--overlap: L1 device (cpu or cuda[:N])")
 
@@ -84,7 +84,7 @@ def check_args(args: argparse.Namespace) -> KVLayout:
 def run(args: argparse.Namespace) -> int:
     layout = check_args(args)
     if args.overlap:
-        from hicache_cp.harness.bench import pd_overlap
+        from hicache_harness.bench import pd_overlap
 
         return pd_overlap.run(args, layout)
     from hicache_cp.pd.sender import PageHomes, PdSender

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness import integrity
-from hicache_cp.harness.decode_peer import DecodePeer
-from hicache_cp.harness.errors import ExitCode
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness import integrity
+from hicache_harness.decode_peer import DecodePeer
+from hicache_harness.errors import ExitCode
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.layout import KVLayout, Model
 from hicache_cp.pd.control import new_authkey
 

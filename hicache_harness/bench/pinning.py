@@ -61,10 +61,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness import checks
-from hicache_cp.harness.errors import InputError
-from hicache_cp.harness.outputs import atomic_path
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness import checks
+from hicache_harness.errors import InputError
+from hicache_harness.outputs import atomic_path
+from hicache_harness.provenance import command_line, git_commit, machine
 from hostmem import cuda
 from hostmem.arena import HostArena, TouchMode
 from hostmem.mapping import HugePages, hugetlb_pool, populate_supported, thp_mode

@@ -1,6 +1,6 @@
 """hicache-cp as SGLang's L2 beside SGLang's own tree caches, one request sequence, one process.
 
-Each backend runs in `harness.sglang.server` (SGLang 0.5.23's pools, request
+Each backend runs in `hicache_harness.sglang.server` (SGLang 0.5.23's pools, request
 objects and scheduling functions, the stand-in forward checking every prefix
 byte) with the same device capacity, page size and request sequence (a
 Mooncake-format trace or the embedded workload, one request at a time in
@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec
-from hicache_cp.harness.trace import TraceRequest, request_tokens
+from hicache_harness.sglang.server import SGLangPrefillServer, ServerSpec
+from hicache_harness.trace import TraceRequest, request_tokens
 
 
 def _percentiles(xs: list[float]) -> dict[str, float]:
@@ -93,7 +93,7 @@ def run_backend(backend: str, requests: Sequence[TraceRequest], *, tokens_per_bl
 def try_sglang_hicache(workdir: Path, page_size: int, device_pages: int) -> dict[str, Any]:
     """Build SGLang's own HiCache tree (UnifiedRadixCache + host pool + controller) as its
     factory does for --enable-hierarchical-cache; the outcome, with the exact error."""
-    from hicache_cp.harness.sglang.env import publish_server_args
+    from hicache_harness.sglang.env import publish_server_args
 
     try:
         args = publish_server_args(workdir / "sglang-hicache", page_size=page_size, enable_hierarchical_cache=True,
@@ -101,7 +101,7 @@ def try_sglang_hicache(workdir: Path, page_size: int, device_pages: int) -> dict
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 
-        from hicache_cp.harness.sglang.server import TpWorkerHooks, build_pools
+        from hicache_harness.sglang.server import TpWorkerHooks, build_pools
 
         pools = build_pools(ServerSpec(device_pages=device_pages, page_size=page_size))
         ctx = TreeCacheBuildContext(

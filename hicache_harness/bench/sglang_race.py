@@ -59,13 +59,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness import checks
-from hicache_cp.harness.bench.sglang_race_server import BACKENDS, POOLS, RaceServer, RaceSpec
-from hicache_cp.harness.errors import InputError
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
-from hicache_cp.harness.trace import TraceRequest, load_trace, request_tokens
-from hicache_cp.harness.workload import default_workload
+from hicache_harness import checks
+from hicache_harness.bench.sglang_race_server import BACKENDS, POOLS, RaceServer, RaceSpec
+from hicache_harness.errors import InputError
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
+from hicache_harness.trace import TraceRequest, load_trace, request_tokens
+from hicache_harness.workload import default_workload
 
 _REPO = Path(__file__).resolve().parents[3]
 #: Where the shared trace is looked for (first found): a device call's carried copy, the
@@ -204,7 +204,7 @@ def link_peaks() -> dict[str, float] | None:
     """The contiguous pinned copy rate each way (GB/s) on this GPU, for the exposure fractions."""
     if not torch.cuda.is_available():
         return None
-    from hicache_cp.harness.bench.io import _Gate, measure_peak
+    from hicache_harness.bench.io import _Gate, measure_peak
 
     return measure_peak(_Gate(), 256 << 20)
 

@@ -1,7 +1,7 @@
 """The race's forward: SGLang's KV pools written and read as a model's forward would, on any device.
 
 `RaceForward.run(reqs)` stands in for SGLang's model runner on one batch (the
-same calls as `harness.sglang.server.KVForward`, with the bytes made and
+same calls as `hicache_harness.sglang.server.KVForward`, with the bytes made and
 checked by torch on the pools' own device, so the race runs on CUDA):
 
     for each layer l of the target pool:
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness.sglang.kv_bytes import prefix_hashes
+from hicache_harness.sglang.kv_bytes import prefix_hashes
 
 INDEX_KEY_BYTES, INDEX_SCALE_BYTES = 128, 4  # the DSA indexer's fp8 key and its scale, per token
 
@@ -241,5 +241,5 @@ class RaceForward:
 
 
 def _salt(layer: int) -> int:
-    """The target model's salt of `layer`, as `harness.sglang.server` names it."""
+    """The target model's salt of `layer`, as `hicache_harness.sglang.server` names it."""
     return 17 * layer

@@ -1,6 +1,6 @@
 """One SGLang prefill server of the race: SGLang's pools on a device, one tree cache, its scheduler's calls.
 
-`RaceServer` is `harness.sglang.server.SGLangPrefillServer` (SGLang's request
+`RaceServer` is `hicache_harness.sglang.server.SGLangPrefillServer` (SGLang's request
 objects, `PrefillAdder`, `ScheduleBatch.prepare_for_extend`,
 `release_kv_cache`, in `event_loop_normal`'s order) with what the race
 changes:
@@ -53,9 +53,9 @@ from typing import Any
 
 import torch
 
-from hicache_cp.harness.bench.sglang_race_forward import INDEX_KEY_BYTES, INDEX_SCALE_BYTES, RaceForward
-from hicache_cp.harness.sglang.env import import_sglang, publish_server_args
-from hicache_cp.harness.sglang.server import Pools, ServerSpec, SGLangPrefillServer, TpWorkerHooks
+from hicache_harness.bench.sglang_race_forward import INDEX_KEY_BYTES, INDEX_SCALE_BYTES, RaceForward
+from hicache_harness.sglang.env import import_sglang, publish_server_args
+from hicache_harness.sglang.server import Pools, ServerSpec, SGLangPrefillServer, TpWorkerHooks
 
 BACKENDS = ("radix", "hicache-cp", "sglang-hicache")
 POOLS = ("mla", "dsa", "mha")

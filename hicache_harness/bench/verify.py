@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from hicache_cp import checksum
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import command_line, git_commit, machine
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.layout import Part
 
 TARGETS = {"replay_all_over_off": 1.10, "kernel_over_pcie": 20.0, "forward_with_checks_over_alone": 1.01}
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def replay_walls(args: argparse.Namespace) -> dict[str, Any]:
     """Median wall time of the replay in each mode over interleaved rounds."""
-    from hicache_cp.harness.replay import command
+    from hicache_harness.replay import command
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
@@ -110,7 +110,7 @@ def gpu_costs(pages: int, page_bytes: int, layers: int, forward_ms: float) -> di
     """The kernel's throughput against the PCIe link, and a forward beside the checks."""
     import torch
 
-    from hicache_cp.harness.bench.io import _Gate, _median_ms, _median_timings, measure_peak
+    from hicache_harness.bench.io import _Gate, _median_ms, _median_timings, measure_peak
     from hicache_cp.io import checksum_gpu
     from hicache_cp.layout import KVLayout
 

@@ -7,7 +7,7 @@
                 batched and chunked by a server-like scheduler (`hf`, `hf_model`,
                 `hf_forward`, `hf_oracle`, `hf_timing`, `scheduler`)
 
-The replay's rank loop (`hicache_cp.harness.replay.rank`) talks to an engine
+The replay's rank loop (`hicache_harness.replay.rank`) talks to an engine
 through the `Engine` protocol only (`base`):
 
     overrides = config_overrides(args)                # setup: fields the engine fixes, before sizing
@@ -30,8 +30,8 @@ from typing import Any
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.cp.agreement import Agreement
-from hicache_cp.harness.engines.base import Engine, EngineRun, RunOptions, progress_bar
-from hicache_cp.harness.trace import TraceRequest, request_tokens
+from hicache_harness.engines.base import Engine, EngineRun, RunOptions, progress_bar
+from hicache_harness.trace import TraceRequest, request_tokens
 
 __all__ = ["ENGINES", "Engine", "EngineRun", "RunOptions", "SyntheticEngine", "add_engine_arguments",
            "config_overrides", "make_engine", "model_bytes", "progress_bar"]  # fmt: skip
@@ -51,7 +51,7 @@ class SyntheticEngine:
         return HiCache(config, rank=rank, agreement=agreement, device=device)
 
     def run(self, cache: HiCache, requests: list[TraceRequest], opts: RunOptions) -> EngineRun:
-        from hicache_cp.harness.engines.synthetic import ReferenceServer
+        from hicache_harness.engines.synthetic import ReferenceServer
 
         server = ReferenceServer(cache, verify=opts.verify, sink=opts.sink)
         # The next request is queued while one is served: a non-waiting L3
@@ -86,7 +86,7 @@ def make_engine(args: argparse.Namespace) -> Engine:
     if name == "synthetic":
         return SyntheticEngine()
     if name == "hf":
-        from hicache_cp.harness.engines.hf import HfEngine
+        from hicache_harness.engines.hf import HfEngine
 
         return HfEngine(args)
     raise ValueError(f"unknown engine {name!r}; engines: {', '.join(ENGINES)}")
@@ -97,11 +97,11 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     (before sizing): the hf engine's model layout and page size; {} otherwise.
     Without --engine hf, refuses the hf engine's options (they would do nothing)."""
     if (getattr(args, "engine", None) or "synthetic") != "hf":
-        import hicache_cp.harness.engines.hf_options as hf_options
+        import hicache_harness.engines.hf_options as hf_options
 
         hf_options.refuse_without_hf(args)
         return {}
-    from hicache_cp.harness.engines.hf import config_overrides as hf_overrides
+    from hicache_harness.engines.hf import config_overrides as hf_overrides
 
     return hf_overrides(args)
 
@@ -110,14 +110,14 @@ def model_bytes(args: argparse.Namespace) -> int:
     """Memory the chosen engine's model takes per rank, on the rank's device (0: none)."""
     if (getattr(args, "engine", None) or "synthetic") != "hf":
         return 0
-    from hicache_cp.harness.engines.hf import model_bytes as hf_model_bytes
+    from hicache_harness.engines.hf import model_bytes as hf_model_bytes
 
     return hf_model_bytes(args)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """`--engine` and the options of every engine (no optional imports)."""
-    import hicache_cp.harness.engines.hf_options as hf_options
+    import hicache_harness.engines.hf_options as hf_options
 
     parser.add_argument("--engine", choices=ENGINES, default="synthetic",
                         help="prefill engine: the synthetic reference server (default) or a real model (hf)")  # fmt: skip

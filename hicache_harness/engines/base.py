@@ -1,4 +1,4 @@
-"""The contract between the replay and a prefill engine (see `hicache_cp.harness.engines`).
+"""The contract between the replay and a prefill engine (see `hicache_harness.engines`).
 
 `Engine` is what the replay's rank loop calls; `EngineRun` is what it gets
 back: the engine's byte checks in the replay report's terms, its rejected
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.cp.agreement import Agreement
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness.trace import TraceRequest
 
 
 @dataclass(frozen=True)

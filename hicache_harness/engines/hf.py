@@ -64,18 +64,18 @@ import torch
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config, WritePolicy
 from hicache_cp.cp.agreement import Agreement
-import hicache_cp.harness.engines.hf_model as hf_model
-import hicache_cp.harness.engines.hf_options as hf_options
-import hicache_cp.harness.engines.hf_probe as hf_probe
-from hicache_cp.harness.engines.base import EngineRun, RunOptions, progress_bar
-from hicache_cp.harness.engines.hf_cp import PrefixExchange, make_view
-from hicache_cp.harness.engines.hf_faults import FaultInjector, HfFault, check_faults
-from hicache_cp.harness.engines.hf_forward import PagedForward, ScratchKV, SeqChunk, SeqPlan
-from hicache_cp.harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_outputs
-from hicache_cp.harness.engines.hf_spec import OracleSamples, Sample, Speculator, spec_report
-from hicache_cp.harness.engines.hf_timing import Clock, copy_peak_gbps
-from hicache_cp.harness.engines.scheduler import Arrivals, Order, RequestRecord, Scheduler, SchedulerOptions, ServeResult
-from hicache_cp.harness.trace import TraceRequest, request_tokens
+import hicache_harness.engines.hf_model as hf_model
+import hicache_harness.engines.hf_options as hf_options
+import hicache_harness.engines.hf_probe as hf_probe
+from hicache_harness.engines.base import EngineRun, RunOptions, progress_bar
+from hicache_harness.engines.hf_cp import PrefixExchange, make_view
+from hicache_harness.engines.hf_faults import FaultInjector, HfFault, check_faults
+from hicache_harness.engines.hf_forward import PagedForward, ScratchKV, SeqChunk, SeqPlan
+from hicache_harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_outputs
+from hicache_harness.engines.hf_spec import OracleSamples, Sample, Speculator, spec_report
+from hicache_harness.engines.hf_timing import Clock, copy_peak_gbps
+from hicache_harness.engines.scheduler import Arrivals, Order, RequestRecord, Scheduler, SchedulerOptions, ServeResult
+from hicache_harness.trace import TraceRequest, request_tokens
 from hicache_cp.pools import DevicePool
 
 logger = logging.getLogger(__name__)

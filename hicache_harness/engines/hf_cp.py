@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness.engines.hf_forward import KVStore, LayerHooks, PagedKV, SeqPlan
-from hicache_cp.harness.engines.hf_model import HfModel
+from hicache_harness.engines.hf_forward import KVStore, LayerHooks, PagedKV, SeqPlan
+from hicache_harness.engines.hf_model import HfModel
 from hicache_cp.layout import Model, Part
 
 Buffers = dict[Part, list[torch.Tensor]]

@@ -35,7 +35,7 @@ import numpy as np
 from hicache_cp.cache import HiCache, MatchResult
 from hicache_cp.config import Config
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness.errors import InputError
+from hicache_harness.errors import InputError
 from hicache_cp.io.base import Direction
 from hicache_cp.layout import Part
 

@@ -62,7 +62,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hicache_cp.harness.engines.hf_model import HfModel
+from hicache_harness.engines.hf_model import HfModel
 from hicache_cp.layout import Model, Part
 
 

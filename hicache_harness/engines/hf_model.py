@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from hicache_cp.config import ModelLayout
-from hicache_cp.harness.errors import InputError, require
+from hicache_harness.errors import InputError, require
 from hicache_cp.layout import Part
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from hicache_cp.harness.errors import InputError
+from hicache_harness.errors import InputError
 
 HF_PRESETS = ("tiny", "dsv32-width")
 #: `--spec-steps` default, and its bound: each step is one forward per checked request
@@ -92,7 +92,7 @@ def check(args: argparse.Namespace, page_size: int) -> None:
                          "it needs --check-outputs")
     if not (math.isfinite(args.time_scale) and args.time_scale > 0):  # nan/inf: no arrival ever comes
         raise InputError(f"--time-scale must be a finite number > 0, got {args.time_scale}")
-    from hicache_cp.harness.engines.hf_faults import HfFault  # checked before any work
+    from hicache_harness.engines.hf_faults import HfFault  # checked before any work
 
     for text in getattr(args, "hf_fault", None) or ():
         HfFault.parse(text)

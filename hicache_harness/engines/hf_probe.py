@@ -50,10 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness.engines.hf_forward import LayerHooks, NoHooks, PagedForward, ScratchKV, SeqChunk, SeqPlan
-from hicache_cp.harness.engines.scheduler import RequestRecord
+from hicache_harness.engines.hf_forward import LayerHooks, NoHooks, PagedForward, ScratchKV, SeqChunk, SeqPlan
+from hicache_harness.engines.scheduler import RequestRecord
 from hicache_cp.cp.mapping import to_physical
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness.trace import TraceRequest
 from hicache_cp.io.base import Direction
 from hicache_cp.layout import Model
 

@@ -60,9 +60,9 @@ import numpy as np
 import torch
 
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness.engines.hf_cp import Buffers, PrefixExchange, PrefixSource
-from hicache_cp.harness.engines.hf_forward import ForwardResult, PagedForward, ScratchKV, SeqChunk, SeqPlan
-from hicache_cp.harness.engines.scheduler import resume_position
+from hicache_harness.engines.hf_cp import Buffers, PrefixExchange, PrefixSource
+from hicache_harness.engines.hf_forward import ForwardResult, PagedForward, ScratchKV, SeqChunk, SeqPlan
+from hicache_harness.engines.scheduler import resume_position
 from hicache_cp.layout import Model
 
 

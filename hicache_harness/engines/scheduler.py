@@ -79,11 +79,11 @@ import numpy as np
 
 from hicache_cp.cache import HiCache, MatchResult
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness.engines.hf_cp import KVView, LocalView
-from hicache_cp.harness.engines.hf_forward import PagedForward, SeqChunk, SeqPlan
-from hicache_cp.harness.engines.hf_oracle import DigestBook, Digester, IntegrityTally, RestoreGuard, UnitMismatch
-from hicache_cp.harness.engines.hf_timing import LoadTimer, Clock
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness.engines.hf_cp import KVView, LocalView
+from hicache_harness.engines.hf_forward import PagedForward, SeqChunk, SeqPlan
+from hicache_harness.engines.hf_oracle import DigestBook, Digester, IntegrityTally, RestoreGuard, UnitMismatch
+from hicache_harness.engines.hf_timing import LoadTimer, Clock
+from hicache_harness.trace import TraceRequest
 from hicache_cp.layout import Model
 from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
 from hicache_cp.keys import prefix_hashes

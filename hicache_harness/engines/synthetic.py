@@ -2,7 +2,7 @@
 
 For each request: match and lock, load back the L2 continuation per layer,
 "compute" the missing pages layer by layer (target layers, then draft
-layers) writing deterministic KV bytes (`hicache_cp.harness.integrity`) into L1,
+layers) writing deterministic KV bytes (`hicache_harness.integrity`) into L1,
 fire the target and draft layer hooks, insert, poll, unlock, settle and keep
 free room. Once the load is agreed DONE, the bytes of every reused page (the
 device-resident prefix and the loaded pages), every part and every layer,
@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness import integrity
+from hicache_harness import integrity
 from hicache_cp.cache import HiCache
-from hicache_cp.harness.integrity import Mismatch
+from hicache_harness.integrity import Mismatch
 from hicache_cp.layout import Model, PartLayout
 from hicache_cp.ops import LoadOp, LoadState
 from hicache_cp.keys import prefix_hashes

@@ -1,1 +1,1 @@
-"""`hicache-cp replay`, the main job: see `hicache_cp.harness.replay.command`."""
+"""`hicache-cp replay`, the main job: see `hicache_harness.replay.command`."""

@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from hicache_cp.config import PRESETS
-from hicache_cp.harness.replay.instances import add_l3_arguments, check_l3_args, run_instances, uses_instances
-from hicache_cp.harness.replay.multirank import run_ranks
-from hicache_cp.harness.replay.node import add_node_arguments, check_node_args, check_node_config, world_size
-from hicache_cp.harness.replay.rank import replay_rank
-from hicache_cp.harness.engines import add_engine_arguments
-from hicache_cp.harness.errors import ExitCode
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.replay.report import compute_bounds, integrity_failures, print_table
-from hicache_cp.harness.replay.setup import build_config, check_args, load_requests, tokens_per_block
+from hicache_harness.replay.instances import add_l3_arguments, check_l3_args, run_instances, uses_instances
+from hicache_harness.replay.multirank import run_ranks
+from hicache_harness.replay.node import add_node_arguments, check_node_args, check_node_config, world_size
+from hicache_harness.replay.rank import replay_rank
+from hicache_harness.engines import add_engine_arguments
+from hicache_harness.errors import ExitCode
+from hicache_harness.outputs import write_json
+from hicache_harness.replay.report import compute_bounds, integrity_failures, print_table
+from hicache_harness.replay.setup import build_config, check_args, load_requests, tokens_per_block
 from hicache_cp.policy import policy_names
 
 
@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The command: exit 0 when clean, 1 on any integrity failure (see
-    `hicache_cp.harness.errors`); bad input raises and the CLI reports it."""
+    `hicache_harness.errors`); bad input raises and the CLI reports it."""
     report = replay(args)
     failures = integrity_failures(report)
     report["integrity_failures"] = failures

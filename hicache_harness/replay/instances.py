@@ -35,12 +35,12 @@ from typing import Any
 from hicache_cp.config import Config
 from hicache_cp.l3.config import L3Config
 from hicache_cp.l3.store import L3Error, reachable
-from hicache_cp.harness import lifetime
-from hicache_cp.harness.errors import InputError
-from hicache_cp.harness.l3_master import l3_service
-from hicache_cp.harness.replay.rank import replay_rank
-from hicache_cp.harness.replay.setup import check_processes, run_timeout_s, tokens_per_block
-from hicache_cp.harness.trace import TraceRequest, unique_blocks
+from hicache_harness import lifetime
+from hicache_harness.errors import InputError
+from hicache_harness.l3_master import l3_service
+from hicache_harness.replay.rank import replay_rank
+from hicache_harness.replay.setup import check_processes, run_timeout_s, tokens_per_block
+from hicache_harness.trace import TraceRequest, unique_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from typing import Any
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.errors import ConsistencyError
-from hicache_cp.harness.engines import make_engine
-from hicache_cp.harness.engines.synthetic import RequestSink
-from hicache_cp.harness.launch import RankContext, spawn_ranks
-from hicache_cp.harness.replay.node import run_restart, world_size
-from hicache_cp.harness.replay.rank import replay_rank
-from hicache_cp.harness.replay.setup import run_timeout_s
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness.engines import make_engine
+from hicache_harness.engines.synthetic import RequestSink
+from hicache_harness.launch import RankContext, spawn_ranks
+from hicache_harness.replay.node import run_restart, world_size
+from hicache_harness.replay.rank import replay_rank
+from hicache_harness.replay.setup import run_timeout_s
+from hicache_harness.trace import TraceRequest
 
 # Counters each rank measures for its own pages: summed over ranks.
 PER_RANK_SUM_KEYS = (
@@ -65,7 +65,7 @@ def run_ranks(args: argparse.Namespace, config: Config, requests: list[TraceRequ
     peer = None
     rank_info = None
     if args.pd:
-        from hicache_cp.harness import pd_replay
+        from hicache_harness import pd_replay
 
         peer = pd_replay.start_decode_peer(args, config, requests)
         rank_info = peer.rank_info
@@ -117,7 +117,7 @@ def _sink_factory(pd_info: Any) -> Callable[[HiCache], RequestSink] | None:
     """The PD sink of a rank, built where the rank runs (never pickled)."""
     if pd_info is None:
         return None
-    from hicache_cp.harness import pd_replay
+    from hicache_harness import pd_replay
 
     return lambda cache: pd_replay.make_sink(pd_info, cache)
 

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache_cp.config import Config
-from hicache_cp.harness import checks
-from hicache_cp.harness.errors import InputError
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness import checks
+from hicache_harness.errors import InputError
+from hicache_harness.trace import TraceRequest
 
 
 def add_node_arguments(p: argparse.ArgumentParser) -> None:

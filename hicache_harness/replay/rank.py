@@ -1,6 +1,6 @@
 """One rank's replay: every request through a prefill engine and the cache.
 
-The engine (`hicache_cp.harness.engines`, `--engine`) serves the requests;
+The engine (`hicache_harness.engines`, `--engine`) serves the requests;
 this module builds the cache it asks for, collects the cache's counters and
 the engine's byte checks into the rank's report, and adds the engine's own
 keys (`EngineRun.extra`).
@@ -17,12 +17,12 @@ from typing import Any
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.cp.agreement import Agreement
-from hicache_cp.harness import lifetime
-from hicache_cp.harness.engines import RunOptions, make_engine
-from hicache_cp.harness.engines.synthetic import RequestSink
-from hicache_cp.harness.provenance import command_line, git_commit, machine
-from hicache_cp.harness.replay.setup import tokens_per_block
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness import lifetime
+from hicache_harness.engines import RunOptions, make_engine
+from hicache_harness.engines.synthetic import RequestSink
+from hicache_harness.provenance import command_line, git_commit, machine
+from hicache_harness.replay.setup import tokens_per_block
+from hicache_harness.trace import TraceRequest
 
 REPORT_KEYS = (
     "requests", "prompt_tokens", "l1_hit_tokens", "l2_hit_tokens", "miss_tokens", "hit_rate",
@@ -129,7 +129,7 @@ def replay_rank(
     if before:
         report["continuation"] = continuation(before, stats, report_from or 0)
     if args.plot and rank == 0 and config.cp_size == 1:
-        from hicache_cp.harness.plot import plot_replay
+        from hicache_harness.plot import plot_replay
 
         plot_replay(samples, args.plot)
     return report
@@ -164,7 +164,7 @@ def _start_events(args: argparse.Namespace, cache: HiCache, rank: int) -> Any:
     if getattr(args, "kv_events", None) is None or rank != 0:
         return None
     from hicache_cp.events import EventLog
-    from hicache_cp.harness.kv_events import KVEventPublisher, engine_format
+    from hicache_harness.kv_events import KVEventPublisher, engine_format
 
     fmt = engine_format(args.kv_events_format or "sglang")
     log = EventLog(fmt.keyer)
@@ -175,7 +175,7 @@ def _start_events(args: argparse.Namespace, cache: HiCache, rank: int) -> Any:
 def _events_report(publisher: Any, cache: HiCache) -> dict[str, Any]:
     """What was published and what the cache holds at the end (per medium: blocks and a digest of
     their sorted wire keys, keyed from the tree: a subscriber's rebuilt sets must match)."""
-    from hicache_cp.harness.kv_events import digest, residency
+    from hicache_harness.kv_events import digest, residency
 
     publisher.flush()
     held = residency(cache, publisher.fmt)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache_cp.harness.replay.setup import Sizing
-from hicache_cp.harness.trace import TraceRequest
+from hicache_harness.replay.setup import Sizing
+from hicache_harness.trace import TraceRequest
 
 
 def compute_bounds(requests: list[TraceRequest], sizing: Sizing, pages_per_block: int) -> dict[str, Any]:
-    from hicache_cp.harness.bounds import belady_hit_rate, infinite_capacity_hit_rate
+    from hicache_harness.bounds import belady_hit_rate, infinite_capacity_hit_rate
 
     capacity_blocks = max(1, sizing.l2_logical_pages // pages_per_block)
     inf = infinite_capacity_hit_rate(requests)

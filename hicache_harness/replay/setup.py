@@ -32,11 +32,11 @@ from hicache_cp.config import Config, ResolvedConfig
 from hicache_cp.errors import ConfigError
 from hicache_cp.cp.agreement import LocalAgreement
 from hicache_cp.cache.hicache import host_budget
-from hicache_cp.harness import checks
-from hicache_cp.harness.engines import config_overrides, model_bytes
-from hicache_cp.harness.errors import InputError, require
-from hicache_cp.harness.trace import TraceRequest, load_trace, unique_blocks
-from hicache_cp.harness.workload import default_workload
+from hicache_harness import checks
+from hicache_harness.engines import config_overrides, model_bytes
+from hicache_harness.errors import InputError, require
+from hicache_harness.trace import TraceRequest, load_trace, unique_blocks
+from hicache_harness.workload import default_workload
 from hicache_cp.io.base import CUDA_BACKENDS
 
 EMBEDDED_L2_FRACTION = 0.5  # the embedded workload is small: give L2 room to matter
@@ -108,7 +108,7 @@ def _check_kv_events(args: argparse.Namespace) -> None:
         if getattr(args, "kv_events_format", None) is not None:
             raise InputError("--kv-events-format needs --kv-events")
         return
-    from hicache_cp.harness.kv_events import check_endpoint
+    from hicache_harness.kv_events import check_endpoint
 
     host, port = check_endpoint("--kv-events", endpoint)
     require("zmq", "events", "--kv-events")
@@ -186,7 +186,7 @@ def run_timeout_s() -> float:
     """`HICACHE_CP_RANK_TIMEOUT_S`: the deadline of a multi-process run (default one hour), checked."""
     import os
 
-    from hicache_cp.harness.launch import DEFAULT_RUN_TIMEOUT_S
+    from hicache_harness.launch import DEFAULT_RUN_TIMEOUT_S
 
     raw = os.environ.get("HICACHE_CP_RANK_TIMEOUT_S")
     if raw is None:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness.sglang.kv_bytes import prefix_hashes, token_bytes
+from hicache_harness.sglang.kv_bytes import prefix_hashes, token_bytes
 
 INDEX_BYTES = 132  # the DSA indexer's key (128 fp8) and scale (4) bytes per token
 

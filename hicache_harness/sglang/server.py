@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from hicache_cp.harness.sglang.env import TINY_LLAMA, TINY_MODEL, publish_server_args
-from hicache_cp.harness.sglang.forward import INDEX_BYTES, ForwardReport, KVForward  # noqa: F401 - re-exported
+from hicache_harness.sglang.env import TINY_LLAMA, TINY_MODEL, publish_server_args
+from hicache_harness.sglang.forward import INDEX_BYTES, ForwardReport, KVForward  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)

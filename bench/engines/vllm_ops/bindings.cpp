@@ -3,7 +3,7 @@
 // module `vllm._C_stable_libtorch` (what vllm/platforms/cuda.py imports).
 //
 // This file is hicache-cp's; every function it registers is vLLM's, compiled from the
-// vLLM 0.33.0 sdist's csrc by tools/vllm_ops/build.py:
+// vLLM 0.33.0 sdist's csrc by bench/engines/vllm_ops/build.py:
 //
 //   op (namespace)                               vLLM source
 //   _C::get_cuda_view_from_cpu_tensor            csrc/cuda_view.cu

@@ -1,7 +1,7 @@
 """Build the vLLM 0.33.0 ops that vLLM's V2 GPU model runner and its OffloadingConnector run,
 from the vLLM sdist's own CUDA sources, as `vllm._C_stable_libtorch` (on the device machine).
 
-    python3 tools/vllm_ops/build.py --csrc .vllm/csrc --site /tmp/vllm-site [--jobs 16] [--json OUT]
+    python3 bench/engines/vllm_ops/build.py --csrc .vllm/csrc --site /tmp/vllm-site [--jobs 16] [--json OUT]
 
 The vLLM wheel's compiled library (92 MB) is too large to carry; vLLM's sdist has the sources.
 This compiles, with torch.utils.cpp_extension (ninja, `--jobs` in parallel) against the
@@ -12,7 +12,7 @@ library as `<site>/vllm/_C_stable_libtorch.abi3.so`, replacing the packed import
 then imports it in a fresh process and lists the registered ops. Writes a JSON report
 (sources, seconds, ops, errors) whatever happens; exit status 0 only if the library loads.
 
-`.vllm/csrc` is packed by tools/vllm_pack.py (`--sdist`): the closure of the includes of
+`.vllm/csrc` is packed by bench/engines/vllm_pack.py (`--sdist`): the closure of the includes of
 `SOURCES` in the sdist's csrc, and of `cutlass/cutlass.h` in the nvidia-cutlass wheel's
 headers (scaled_mm_entry.cu includes it for CUTLASS's status type; no CUTLASS kernel is
 built, so the capability queries answer as vLLM does in a build without them).

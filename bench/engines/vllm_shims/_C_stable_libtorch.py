@@ -1,4 +1,4 @@
-"""Shim for vLLM 0.33.0's compiled `vllm/_C_stable_libtorch.abi3.so` (tools/vllm_pack.py packs it as
+"""Shim for vLLM 0.33.0's compiled `vllm/_C_stable_libtorch.abi3.so` (bench/engines/vllm_pack.py packs it as
 `vllm/_C_stable_libtorch.py` on the device machine only; never installed here or in CI).
 
 Why: `vllm/platforms/cuda.py` imports the compiled op library at module level

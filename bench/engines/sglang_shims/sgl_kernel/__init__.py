@@ -1,5 +1,5 @@
 """Import-only stand-in for sgl-kernel 0.4.10's top-level names (see `_not_built` and
-tools/sglang_shims/README.md): packed as `sgl_kernel/` for the device machine only."""
+bench/engines/sglang_shims/README.md): packed as `sgl_kernel/` for the device machine only."""
 
 from sgl_kernel._not_built import export
 

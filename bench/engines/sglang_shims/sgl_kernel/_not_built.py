@@ -1,9 +1,9 @@
 """The one mechanism of the `sgl_kernel` stand-in: names that import and never run.
 
-`tools/sglang_pack.py` packs this package as `sgl_kernel/` for the device
-machine only (never installed here or in CI); `tools/sglang_shims/README.md`
+`bench/engines/sglang_pack.py` packs this package as `sgl_kernel/` for the device
+machine only (never installed here or in CI); `bench/engines/sglang_shims/README.md`
 says why sgl-kernel 0.4.10 itself cannot be there and, for each reason below,
-why the names it covers never execute in the runs of `tools/device_sglang.sh`.
+why the names it covers never execute in the runs of `bench/device/sglang.sh`.
 
 Every exported name is a `NotBuilt`: SGLang can import it, keep it in a
 table, take attributes of it (`scalar_types.uint4b8`: chained names are
@@ -53,7 +53,7 @@ class NotBuilt:
     def __call__(self, *args: object, **kwargs: object) -> None:
         raise NotImplementedError(
             f"{self._name}: sgl-kernel is not on this machine (its 0.4.10 binary does not load on torch 2.11); "
-            f"this import-only stand-in (tools/sglang_shims) expected it never to run: {REASONS[self._reason]}"
+            f"this import-only stand-in (bench/engines/sglang_shims) expected it never to run: {REASONS[self._reason]}"
         )
 
     def __getattr__(self, attr: str) -> NotBuilt:

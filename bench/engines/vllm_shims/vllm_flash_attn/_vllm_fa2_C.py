@@ -1,4 +1,4 @@
-"""Shim for vLLM 0.33.0's compiled `vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so` (packed by tools/vllm_pack.py
+"""Shim for vLLM 0.33.0's compiled `vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so` (packed by bench/engines/vllm_pack.py
 for the device machine only).
 
 Why: on the CUDA platform `vllm/v1/attention/backends/fa_utils.py` imports
