@@ -49,7 +49,7 @@ from hicache_cp.checksum import Verify
 from hicache_cp.errors import ConfigError
 from hicache_cp.l3.config import L3Config
 from hicache_cp.layout import KVLayout
-from hicache_cp.presets import PRESETS, ModelLayout, _layout_with
+from hicache_cp.presets import PRESETS, ModelLayout, override_layout
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class Config:
             raise ConfigError(f"model: unknown preset {model!r}; presets: {', '.join(PRESETS)}")
         layout_over = values.pop("model_layout", None)
         if isinstance(layout_over, dict):
-            values["model_layout"] = _layout_with(PRESETS[model], layout_over)
+            values["model_layout"] = override_layout(PRESETS[model], layout_over)
         elif isinstance(layout_over, ModelLayout):
             values["model_layout"] = layout_over
         elif layout_over is not None:

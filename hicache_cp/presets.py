@@ -69,7 +69,7 @@ PRESETS: dict[str, ModelLayout] = {
 }
 
 
-def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
+def override_layout(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
     names = {f.name for f in dataclasses.fields(ModelLayout)}
     unknown = sorted(set(over) - names)
     if unknown:

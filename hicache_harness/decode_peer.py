@@ -63,7 +63,7 @@ from hicache_cp.layout import KVLayout, Part
 from hicache_cp.pd.control import ControlClient, check_authkey, listen, recv_msg, send_msg
 from hicache_cp.pd.engine import TransferEngineAdapter, quiet_mooncake_logs
 from hicache_cp.pd.registration import RegistrationDescriptor, differences
-from hicache_cp.pools import LanePageAllocator
+from hicache_cp.allocator import LanePageAllocator
 from hostmem.arena import HostArena
 
 logger = logging.getLogger(__name__)

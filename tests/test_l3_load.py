@@ -250,7 +250,7 @@ def test_default_objects_hold_at_least_512_tokens(page_size: int, pages: int) ->
     """Unset, `pages_per_object` is the fewest pages holding 512 tokens (the
     master's item operations per request stay ~8x below one page per object
     at page 64), and the config records the number that runs."""
-    from hicache_cp.config import PRESETS
+    from hicache_cp.presets import PRESETS
     from hicache_cp.l3.keys import KeyScheme
 
     assert L3Config().pages_per_object is None

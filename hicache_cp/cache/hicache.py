@@ -33,7 +33,8 @@ and `drain()` (shutdown, tests).
 
 This class is a facade: the work happens in `prefix` (match, insert),
 `lifecycle` (backups and loads, decisions), `eviction` (space and free room)
-over one shared `state.CacheState`.
+over one shared `state.CacheState`; `build` sizes L2 (`host_budget`) and
+opens the L3 tier (`make_tier3`).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_harness.bench.alloc_peers import load_sglang_host_kv_cache, make_peers
 from hicache_harness.bench.alloc_workload import FREE, RESERVE, SizeSource, Workload, make_workload
 from hicache_harness import checks

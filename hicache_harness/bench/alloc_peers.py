@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.pools import LanePageAllocator
+from hicache_cp.allocator import LanePageAllocator
 from hostmem.extents import ExtentAllocator, Runs, runs_to_pages
 
 __all__ = [

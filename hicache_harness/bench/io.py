@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 from hicache_cp.checksum import Verify
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_harness.bench.io_variants import VARIANTS
 from hicache_harness.errors import InputError
 from hicache_harness.outputs import write_json

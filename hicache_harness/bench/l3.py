@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_harness import checks, integrity
 from hicache_harness.errors import InputError, IntegrityFailure, require
 from hicache_cp.errors import HiCacheError

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_harness.outputs import write_json
 from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.node.adopt import adopt
@@ -41,7 +41,7 @@ from hicache_cp.node.checksums import unit_sums
 from hicache_cp.node.geometry import NodeGeometry, Sharing
 from hicache_cp.node.journal import ROOT, Journal
 from hicache_cp.node.segment import NodeSegment
-from hicache_cp.pools import LanePageAllocator
+from hicache_cp.allocator import LanePageAllocator
 from hicache_cp.radix import RadixTree
 from hostmem import numa
 from hostmem.segment import drop_segment

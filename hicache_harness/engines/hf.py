@@ -74,7 +74,8 @@ from hicache_harness.engines.hf_forward import PagedForward, ScratchKV, SeqChunk
 from hicache_harness.engines.hf_oracle import OutputCheck, compare_logits, recompute_outputs
 from hicache_harness.engines.hf_spec import OracleSamples, Sample, Speculator, spec_report
 from hicache_harness.engines.hf_timing import Clock, copy_peak_gbps
-from hicache_harness.engines.scheduler import Arrivals, Order, RequestRecord, Scheduler, SchedulerOptions, ServeResult
+from hicache_harness.engines.scheduler import Arrivals, Order, Scheduler, SchedulerOptions, ServeResult
+from hicache_harness.engines.sequences import RequestRecord
 from hicache_harness.trace import TraceRequest, request_tokens
 from hicache_cp.pools import DevicePool
 

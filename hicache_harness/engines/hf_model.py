@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hicache_cp.config import ModelLayout
+from hicache_cp.presets import ModelLayout
 from hicache_harness.errors import InputError, require
 from hicache_cp.layout import Part
 

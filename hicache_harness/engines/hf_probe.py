@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from hicache_harness.engines.hf_forward import LayerHooks, NoHooks, PagedForward, ScratchKV, SeqChunk, SeqPlan
-from hicache_harness.engines.scheduler import RequestRecord
+from hicache_harness.engines.sequences import RequestRecord
 from hicache_cp.cp.mapping import to_physical
 from hicache_harness.trace import TraceRequest
 from hicache_cp.io.base import Direction

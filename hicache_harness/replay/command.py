@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_harness.replay.instances import add_l3_arguments, check_l3_args, run_instances, uses_instances
 from hicache_harness.replay.multirank import run_ranks
 from hicache_harness.replay.node import add_node_arguments, check_node_args, check_node_config, world_size

@@ -31,7 +31,7 @@ from typing import Any
 from hicache_cp.config import Config, ResolvedConfig
 from hicache_cp.errors import ConfigError
 from hicache_cp.cp.agreement import LocalAgreement
-from hicache_cp.cache.hicache import host_budget
+from hicache_cp.cache.build import host_budget
 from hicache_harness import checks
 from hicache_harness.engines import config_overrides, model_bytes
 from hicache_harness.errors import InputError, require
