@@ -43,13 +43,13 @@ from collections.abc import Mapping
 import torch
 
 from hicache_cp import BackupOp, BackupState, DevicePool, HostPool, LoadOp, LoadState, Model, Part
-from hicache_cp.cache.node_tier import NodeTier
-from hicache_cp.cp.agreement import LocalAgreement
+from hicache_cp import NodeTier
+from hicache_cp import LocalAgreement
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
-from hicache_cp.checksum import Verify
-from hicache_cp.io.base import CopyEngine, make_engine
+from hicache_cp import Verify
+from hicache_cp import CopyEngine, make_engine
 
 logger = logging.getLogger(__name__)
 
