@@ -336,14 +336,14 @@ def test_registration_summary_and_partition_dump(decode_peer, adapter, caplog: p
     for dump in (False, True):
         caplog.clear()
         level = logging.DEBUG if dump else logging.INFO
-        with caplog.at_level(logging.INFO, logger="hicache_cp.pd.sender"), \
+        with caplog.at_level(logging.INFO, logger="hicache_cp.pd.session"), \
                 caplog.at_level(level, logger="hicache_cp.pd.partition"):
             with one_sender(decode_peer, adapter) as (pre, s):
                 homes = pre.request(5, np.random.default_rng(29))
                 s.open_room(1800 + dump, 1800 + dump, 5)
                 s.send(1800 + dump, homes)
                 results.append(s.finish(1800 + dump))
-        summary = [r.message for r in caplog.records if r.name == "hicache_cp.pd.sender"]
+        summary = [r.message for r in caplog.records if r.name == "hicache_cp.pd.session"]
         assert any("L2: kv buffers 4 (draft kv at 3, 1), state buffers 3 (draft state at 2, 1)" in m
                    and "target_state 2 buffers layers [0, 2]" in m for m in summary), summary
         dumps = [r.message for r in caplog.records if r.name == "hicache_cp.pd.partition"]
