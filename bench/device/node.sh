@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The node tier on one GPU (issue 45) in one device call, from the repository root:
+# The node tier on one GPU host, from the repository root:
 #
-#   HICACHE_COMMIT=<hash> bash bench/device/node.sh        # carry: nothing
+#   HICACHE_COMMIT=<hash> bash bench/device/node.sh        # nothing to prepare
 #
 # Steps (STEPS picks; default "tests firsthit"):
 #   tests     pytest -m gpu tests/test_node_gpu.py: two rank processes on cuda:0 map and register one
@@ -13,7 +13,7 @@
 #             and MemAvailable leave) serves prompts, closes; a new cache opens, prefaults, registers,
 #             adopts and serves one: the seconds to that first hit, every byte checked; plus the CPU
 #             parts of bench-node (adoption against journal size, checksum rate, prefault, NUMA)
-#             -> $DEST/node-h100.json, $DEST/node-firsthit.log
+#             -> $DEST/node-$GPU.json, $DEST/node-firsthit.log
 # Each log starts with the commit, the machine and the command. Exit status: the first failing step's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,7 +37,7 @@ if want firsthit; then
   mem_gib=$(( $(grep MemAvailable /proc/meminfo | awk '{print $2}') / 1048576 ))
   room=$(( (shm_gib < mem_gib ? shm_gib : mem_gib) * 8 / 10 ))
   gib=${FIRST_HIT_GIB:-$(( room < 64 ? room : 64 ))}
-  cmd="$PY -m hicache_harness bench-node --first-hit-gib $gib --device cuda --replay-limit 0 --json $DEST/node-h100.json"
+  cmd="$PY -m hicache_harness bench-node --first-hit-gib $gib --device cuda --replay-limit 0 --json $DEST/node-$GPU.json"
   { header "$cmd"; timeout "${FIRSTHIT_TIMEOUT:-240}" $cmd 2>&1 | tail -20; } | tee "$DEST/node-firsthit.log"
   keep "${PIPESTATUS[0]}"
 fi

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Issue 42 on the device machine: SGLang 0.5.23's Python on the image's torch 2.11, its own HiCache
+# On a GPU host (SGLang not installed there): SGLang 0.5.23's Python on the image's torch 2.11, its own HiCache
 # JIT kernels, the SGLang plug-in's tests on CUDA, the race against SGLang's HiCache and a real
-# sglang.Engine three ways. Prepare here, then (each call <= 10 min, carry [".sglang", ".devdata"]):
+# sglang.Engine three ways. Prepare .sglang and .devdata here and copy them beside the tree on the
+# GPU host, then run from the repository root (each call stops starting steps after DEADLINE):
 #
 #   .venv/bin/python bench/engines/sglang_pack.py            # here: .sglang/ (sources, wheels, stand-in; ~37 MiB)
 #   mkdir -p .devdata && cp <the Mooncake-format trace> .devdata/synthetic_trace.jsonl
-#   run: HICACHE_COMMIT=<hash> STEPS="setup import jit tests race" RACE_LIMIT=100 bash bench/device/sglang.sh  # call 1
-#   run: HICACHE_COMMIT=<hash> STEPS="setup engine" ENGINE_MODELS="deepseek llama" bash bench/device/sglang.sh  # call 2
-#   run: HICACHE_COMMIT=<hash> STEPS=smoke bash bench/device/sglang.sh                    # every step small, ~5 min
+#   HICACHE_COMMIT=<hash> STEPS="setup import jit tests race" RACE_LIMIT=100 bash bench/device/sglang.sh  # call 1
+#   HICACHE_COMMIT=<hash> STEPS="setup engine" ENGINE_MODELS="deepseek llama" bash bench/device/sglang.sh  # call 2
+#   HICACHE_COMMIT=<hash> STEPS=smoke bash bench/device/sglang.sh                         # every step small, ~5 min
 #
 # A CPU rehearsal (no GPU; the venv holds SGLang and every wheel): WHEELS=0 skips the setup's
 # install, and each step runs as far as a CPU lets it (the trace fakes CUDA, the GPU tests

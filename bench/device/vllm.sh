@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Issue 24 on the device machine: vLLM 0.33.0's Python sources (no compiled parts) on the
+# On a GPU host (vLLM not installed there): vLLM 0.33.0's Python sources (no compiled parts) on the
 # image's torch 2.11 / Python 3.12, and the vLLM connector's tests on CUDA under vLLM's real
 # Scheduler. Prepare here, then one device call:
 #
 #   .venv/bin/python bench/engines/vllm_pack.py                       # here: .vllm/ (sources + wheels, ~28 MiB)
-#   run: HICACHE_COMMIT=<hash> bash bench/device/vllm.sh      # carry [".vllm"]
+#   HICACHE_COMMIT=<hash> bash bench/device/vllm.sh           # there, with .vllm/ beside the tree
 #
-# Steps (each logged to $OUT/vllm-h200.log, which starts with commit, machine and command):
+# Steps (each logged to $DEST/vllm-$GPU.log, which starts with commit, machine and command):
 #   setup    the wheels of .vllm/whl into $SITE (pip --no-index --no-deps), vllm-src.tar.gz over it
 #   import   python3 -c: torch, vllm, the platform vLLM picked, the scheduler and connector imports
-#   tests    pytest tests/test_vllm_*.py (cpu and cuda parametrisations) -> JUnit -> $OUT/vllm-h200.json
-#   llm      bench/engines/vllm_llm_try.py: vllm.LLM offline on a tiny random model (item 2), -> $OUT/vllm-llm-h200.json
+#   tests    pytest tests/test_vllm_*.py (cpu and cuda parametrisations) -> JUnit -> $DEST/vllm-$GPU.json
+#   llm      bench/engines/vllm_llm_try.py: vllm.LLM offline on a tiny random model -> $DEST/vllm-llm-$GPU.json
 # STEPS="import tests llm" by default. Exit status: the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +18,7 @@ SITE=${SITE:-/tmp/vllm-site}
 DEFAULT_STEPS="import tests llm"
 source bench/device/env.sh
 export HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
-LOG=$DEST/vllm-h200.log
+LOG=$DEST/vllm-$GPU.log
 {
 header "STEPS=\"$STEPS\" bash bench/device/vllm.sh"
 step setup
@@ -56,12 +56,12 @@ fi
 
 if want llm; then
   step "vllm.LLM offline, tiny random model (item 2)"
-  timeout "${LLM_TIMEOUT:-150}" python3 bench/engines/vllm_llm_try.py --json "$DEST/vllm-llm-h200.json" 2>&1 | tail -60
+  timeout "${LLM_TIMEOUT:-150}" python3 bench/engines/vllm_llm_try.py --json "$DEST/vllm-llm-$GPU.json" 2>&1 | tail -60
 fi
 
 step report
-python3 bench/engines/vllm_device_report.py --junit "$DEST/vllm-junit.xml" --log "$LOG" --json "$DEST/vllm-h200.json" \
-  --command "STEPS=\"$STEPS\" bash bench/device/vllm.sh" --extra "llm=$DEST/vllm-llm-h200.json"
+python3 bench/engines/vllm_device_report.py --junit "$DEST/vllm-junit.xml" --log "$LOG" --json "$DEST/vllm-$GPU.json" \
+  --command "STEPS=\"$STEPS\" bash bench/device/vllm.sh" --extra "llm=$DEST/vllm-llm-$GPU.json"
 echo "tests exit $rc"
 exit $rc
 } 2>&1 | tee "$LOG"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Issue 43 on the device machine: vLLM 0.33.0's own GPU model runner with hicache-cp's
+# On a GPU host (vLLM not installed there): vLLM 0.33.0's own GPU model runner with hicache-cp's
 # connector, and the three-way race against vLLM's OffloadingConnector and no connector.
 # Prepare here, then one device call:
 #
 #   .venv/bin/python bench/engines/vllm_pack.py --sdist vllm-0.33.0.tar.gz --cutlass nvidia_cutlass-4.2.0.0-py3-none-any.whl
-#   run: HICACHE_COMMIT=<hash> bash bench/device/vllm_race.sh          # carry [".vllm"]
+#   HICACHE_COMMIT=<hash> bash bench/device/vllm_race.sh               # there, with .vllm/ beside the tree
 #   quick: STEPS="ops smoke" ...                                         # about 4-5 minutes
 #
-# Steps (each logged to $OUT/vllm-race.log, which starts with commit, machine and command):
+# Steps (each logged to $DEST/vllm-race.log, which starts with commit, machine and command):
 #   setup   .vllm/whl into $SITE (pip --no-index --no-deps), vllm-src.tar.gz over it
 #   ops     bench/engines/vllm_ops/build.py: vLLM's own ops from the sdist's csrc -> $SITE/vllm (-> vllm-ops.json)
 #   smoke   bench/engines/vllm_race.py --quick --eager: a small Llama, eager, with our connector
