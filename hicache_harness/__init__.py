@@ -1,4 +1,6 @@
-"""The harness: what drives and measures the cache library, never imported by it.
+"""The harness: what drives and measures the cache library (`hicache_cp`, `hostmem`),
+never imported by it; a package of its own, shipped in the same distribution. Its
+command line is `hicache-cp` (also `python -m hicache_harness`).
 
     engines/      prefill engines that drive `HiCache` (the synthetic reference server)
     replay/       `hicache-cp replay`: traces through an engine, per rank or on CP ranks
