@@ -49,6 +49,7 @@ from hicache_cp.checksum import Verify
 from hicache_cp.errors import ConfigError
 from hicache_cp.l3.config import L3Config
 from hicache_cp.layout import KVLayout
+from hicache_cp.presets import PRESETS, ModelLayout, override_layout
 
 logger = logging.getLogger(__name__)
 
@@ -62,61 +63,6 @@ class WritePolicy(enum.Enum):
     # and L2 hold disjoint pages and the cache holds L1 + L2 pages of content,
     # not L2; the node is backed up again when L1 evicts it (one more D2H per
     # L2 hit).
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """A model's KV geometry (bytes per token per layer of each part)."""
-
-    name: str
-    num_layers: int
-    kv_bytes_per_token: int
-    state_bytes_per_token: int = 0
-    state_layers: tuple[int, ...] | None = None  # None: every layer owns NSA state
-    draft_layers: int = 0
-    draft_kv_bytes_per_token: int = 0
-    draft_state_bytes_per_token: int = 0
-    draft_state_layers: tuple[int, ...] | None = None  # None: every draft layer owns NSA state
-
-    def layout(self, page_size: int) -> KVLayout:
-        return KVLayout.build(
-            page_size=page_size,
-            num_layers=self.num_layers,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            state_bytes_per_token=self.state_bytes_per_token,
-            state_layers=self.state_layers,
-            draft_layers=self.draft_layers,
-            draft_kv_bytes_per_token=self.draft_kv_bytes_per_token,
-            draft_state_bytes_per_token=self.draft_state_bytes_per_token,
-            draft_state_layers=self.draft_state_layers,
-        )
-
-
-PRESETS: dict[str, ModelLayout] = {
-    # Small enough to replay a whole trace on a CPU; every part present, and
-    # index skip (state on alternate layers) so compaction is exercised.
-    "tiny": ModelLayout(
-        name="tiny",
-        num_layers=4,
-        kv_bytes_per_token=16,
-        state_bytes_per_token=8,
-        state_layers=(0, 2),
-        draft_layers=1,
-        draft_kv_bytes_per_token=16,
-        draft_state_bytes_per_token=8,
-    ),
-    # DeepSeek-V3.2 class: MLA fp8 (512 fp8 + 16 scale + 128 rope) and the
-    # NSA indexer's index K (128 fp8 + 4 scale) on every layer, one MTP layer.
-    "deepseek-v3.2": ModelLayout(
-        name="deepseek-v3.2",
-        num_layers=61,
-        kv_bytes_per_token=656,
-        state_bytes_per_token=132,
-        draft_layers=1,
-        draft_kv_bytes_per_token=656,
-        draft_state_bytes_per_token=132,
-    ),
-}
 
 
 @dataclass
@@ -357,7 +303,7 @@ class Config:
             raise ConfigError(f"model: unknown preset {model!r}; presets: {', '.join(PRESETS)}")
         layout_over = values.pop("model_layout", None)
         if isinstance(layout_over, dict):
-            values["model_layout"] = _layout_with(PRESETS[model], layout_over)
+            values["model_layout"] = override_layout(PRESETS[model], layout_over)
         elif isinstance(layout_over, ModelLayout):
             values["model_layout"] = layout_over
         elif layout_over is not None:
@@ -405,27 +351,6 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _layout_with(base: ModelLayout, over: dict[str, Any]) -> ModelLayout:
-    names = {f.name for f in dataclasses.fields(ModelLayout)}
-    unknown = sorted(set(over) - names)
-    if unknown:
-        raise ConfigError(f"model_layout: unknown field(s) {unknown}; known: {', '.join(sorted(names))}")
-    over = dict(over)
-    lists = {"state_layers", "draft_state_layers"}
-    for name in lists:
-        if over.get(name) is not None:
-            layers = over[name]
-            if not isinstance(layers, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
-                raise ConfigError(f"model_layout.{name}: expected a list of layer ids, got {layers!r}")
-            over[name] = tuple(layers)
-    for name in names - {"name"} - lists:
-        if name in over and (not isinstance(over[name], int) or isinstance(over[name], bool)):
-            raise ConfigError(f"model_layout.{name}: expected an integer, got {over[name]!r}")
-    if "name" in over and not isinstance(over["name"], str):
-        raise ConfigError(f"model_layout.name: expected a string, got {over['name']!r}")
-    return dataclasses.replace(base, **over)
-
-
 #: Set to 1 (true, yes, on) to refuse an unknown `HICACHE_*` variable instead of warning.
 STRICT_ENV = "HICACHE_STRICT_ENV"
 #: `HICACHE_*` variables that are not config fields (read where they are used).
@@ -436,9 +361,9 @@ STRICT_ENV = "HICACHE_STRICT_ENV"
 #: `fail_on_environ_validation` does: a misspelt setting then stops the run.
 NON_FIELD_ENV = frozenset({
     STRICT_ENV,  # config: refuse unknown HICACHE_* variables
-    "HICACHE_CP_RANK_TIMEOUT_S",  # harness.launch: deadline of a multi-process run
-    "HICACHE_CP_PD_AUTHKEY",  # harness.decode_peer: the control channel's secret
-    "HICACHE_COMMIT",  # harness.provenance: the commit recorded in results
+    "HICACHE_CP_RANK_TIMEOUT_S",  # hicache_harness.launch: deadline of a multi-process run
+    "HICACHE_CP_PD_AUTHKEY",  # hicache_harness.decode_peer: the control channel's secret
+    "HICACHE_COMMIT",  # hicache_harness.provenance: the commit recorded in results
     "HICACHE_CP_CONFIG",  # integrations.sglang: the TOML file the plug-in reads
     "HICACHE_PEERS",  # scripts/setup.sh: install vLLM and SGLang or not
 })  # fmt: skip

@@ -48,7 +48,7 @@ PACKAGES=(
   compressed-tensors==0.20.1
   loguru==0.7.3
   gguf==0.19.0
-  # imported by SGLang's engine and scheduler processes (tools/sglang_pack.py traces them)
+  # imported by SGLang's engine and scheduler processes (bench/engines/sglang_pack.py traces them)
   setproctitle==1.3.8
   uvicorn==0.55.0
 )
@@ -81,9 +81,9 @@ from pathlib import Path
 import numpy
 import torch
 
-from hicache_cp.harness.sglang.env import import_sglang
+from hicache_harness.sglang.env import import_sglang
 
-import_sglang()  # sglang.srt.configs with the torchvision stand-in (hicache_cp/harness/sglang/env.py)
+import_sglang()  # sglang.srt.configs with the torchvision stand-in (hicache_harness/sglang/env.py)
 base = importlib.import_module("sglang.srt.mem_cache.pool_host.base")
 for name in ("sglang.srt.mem_cache.hicache_storage", "sglang.srt.mem_cache.storage.backend_factory"):
     importlib.import_module(name)

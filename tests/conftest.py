@@ -424,7 +424,7 @@ def poll_both(c0: HiCache, c1: HiCache) -> None:
 def mooncake_store_available() -> bool:
     """Mooncake Store's client and its master binary are installed (tests that start a master)."""
     try:
-        from hicache_cp.harness.l3_master import master_binary
+        from hicache_harness.l3_master import master_binary
 
         master_binary()
         import mooncake.store  # noqa: F401

@@ -1,5 +1,7 @@
 """The package's shape holds: imports run one way, down the layers; the
-library never imports the harness; no library module outgrows ~600 lines.
+library (`hostmem`, `hicache_cp`) never imports the harness (`hicache_harness`)
+or a plug-in; the plug-ins use the library only through its public API; no
+library module outgrows ~600 lines.
 
 The layers, bottom to top (a module may import only its own layer or lower
 ones; docs/architecture.md draws the same picture):
@@ -13,20 +15,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("hostmem", "hicache_cp")
+PACKAGES = ("hostmem", "hicache_cp", "hicache_harness")
 
 LAYERS: list[tuple[str, ...]] = [
     ("hostmem",),
     ("hicache_cp.errors", "hicache_cp.layout", "hicache_cp.keys", "hicache_cp.checksum", "hicache_cp.tables",
-     "hicache_cp.cp"),
-    ("hicache_cp.radix", "hicache_cp.pools", "hicache_cp.metrics", "hicache_cp.node"),
+     "hicache_cp.cp", "hicache_cp.presets"),
+    ("hicache_cp.radix", "hicache_cp.allocator", "hicache_cp.pools", "hicache_cp.metrics", "hicache_cp.node"),
     ("hicache_cp.io",),
     ("hicache_cp.ops", "hicache_cp.policy"),
     ("hicache_cp.config", "hicache_cp.l3", "hicache_cp.match", "hicache_cp.events"),
     ("hicache_cp.cache",),
     ("hicache_cp", "hicache_cp.prometheus", "hicache_cp.pd"),
     ("hicache_cp.integrations",),
-    ("hicache_cp.harness", "hicache_cp.__main__"),
+    ("hicache_harness",),
 ]
 MAX_LIBRARY_LINES = 600
 
@@ -90,10 +92,37 @@ def test_no_import_goes_up_a_layer() -> None:
     assert not upward, "\n".join(sorted(upward))
 
 
-def test_the_library_never_imports_the_harness() -> None:
-    bad = [f"{a} imports {b}" for a, deps in GRAPH.items() if _layer(a) < _layer("hicache_cp.harness")
-           for b in deps if b.startswith("hicache_cp.harness")]  # fmt: skip
+def _library(name: str) -> bool:
+    return name.split(".")[0] in ("hostmem", "hicache_cp") and not name.startswith("hicache_cp.integrations")
+
+
+def test_the_library_never_imports_the_harness_or_a_plugin() -> None:
+    bad = [f"{a} imports {b}" for a, deps in GRAPH.items() if _library(a)
+           for b in deps if b.startswith(("hicache_harness", "hicache_cp.integrations"))]  # fmt: skip
     assert not bad, bad
+
+
+def _plugin_reaches_inside(name: str, dep: str) -> bool:
+    """A plug-in (`hicache_cp.integrations.<engine>...`) may import the public API
+    (`hicache_cp`, its `__init__`) and its own engine's folder, nothing else of the project."""
+    own = ".".join(name.split(".")[:3])
+    return dep != "hicache_cp" and dep != own and not dep.startswith(own + ".")
+
+
+def test_plugins_import_only_the_public_api() -> None:
+    plugins = [n for n in GRAPH if n.startswith("hicache_cp.integrations.")]
+    assert len(plugins) > 10, plugins  # both engines' folders are seen
+    bad = [f"{a} imports {b}" for a in plugins for b in GRAPH[a] if _plugin_reaches_inside(a, b)]
+    assert not bad, "export what a plug-in needs from hicache_cp/__init__.py:\n" + "\n".join(sorted(bad))
+
+
+def test_the_plugin_check_sees_an_internal_import() -> None:
+    assert _plugin_reaches_inside("hicache_cp.integrations.vllm.worker", "hicache_cp.io.base")
+    assert _plugin_reaches_inside("hicache_cp.integrations.vllm.worker", "hicache_cp.integrations.sglang.pools")
+    assert _plugin_reaches_inside("hicache_cp.integrations.sglang", "hostmem.arena")
+    assert not _plugin_reaches_inside("hicache_cp.integrations.vllm.worker", "hicache_cp")
+    assert not _plugin_reaches_inside("hicache_cp.integrations.vllm.worker", "hicache_cp.integrations.vllm.plan")
+    assert not _plugin_reaches_inside("hicache_cp.integrations.sglang.pools", "hicache_cp.integrations.sglang")
 
 
 def test_no_import_cycle() -> None:
@@ -145,7 +174,7 @@ def test_no_cycle_between_packages() -> None:
 
 
 def test_library_modules_stay_small() -> None:
-    big = {n: len(p.read_text().splitlines()) for n, p in MODULES.items() if _layer(n) < _layer("hicache_cp.harness")}
+    big = {n: len(p.read_text().splitlines()) for n, p in MODULES.items() if n.split(".")[0] in ("hostmem", "hicache_cp")}
     over = {n: lines for n, lines in big.items() if lines > MAX_LIBRARY_LINES}
     assert not over, f"library modules over {MAX_LIBRARY_LINES} lines: {over}"
 
@@ -156,3 +185,5 @@ def test_the_public_api_is_exported() -> None:
     for name in ("HiCache", "Config", "Model", "Part", "MatchResult", "LoadOp", "BackupOp", "ConsistencyError",
                  "HiCacheError", "ConfigError"):
         assert name in hicache_cp.__all__ and hasattr(hicache_cp, name), name
+    missing = [name for name in hicache_cp.__all__ if not hasattr(hicache_cp, name)]
+    assert not missing, f"hicache_cp.__all__ names what it cannot import: {missing}"

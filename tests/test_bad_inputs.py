@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_cp.harness.cli import main
+from hicache_harness.cli import main
 
 Setup = Callable[[Path], list[str]]
 
@@ -263,7 +263,7 @@ def test_missing_extra_names_it(argv, module, extra, tmp_path, monkeypatch, caps
 def test_internal_errors_exit_3_not_2(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """A ValueError from inside the library (here: an allocator double free) is
     a bug, not bad input: exit 3, with the traceback under -v."""
-    from hicache_cp.harness.replay import command
+    from hicache_harness.replay import command
 
     def broken(args):  # type: ignore[no-untyped-def]
         raise ValueError("L2 rank 0 lane 0: pages [3] are already free")
@@ -306,7 +306,7 @@ def test_trace_lines_split_on_newline_only(tmp_path: Path) -> None:
     """Raw U+2028 and U+0085 are valid inside a JSON string: not line ends."""
     import json
 
-    from hicache_cp.harness.trace import load_trace
+    from hicache_harness.trace import load_trace
 
     line = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2],
                        "note": "a\u2028b\u0085c\u000bd"}, ensure_ascii=False)  # fmt: skip
@@ -390,7 +390,7 @@ def test_an_interrupt_unwinding_the_cli_imports_nothing(monkeypatch, capsys) -> 
     than once per process", a traceback instead of exit 130)."""
     import signal
 
-    from hicache_cp.harness import cli, errors, lifetime
+    from hicache_harness import cli, errors, lifetime
 
     def interrupted(argv):  # type: ignore[no-untyped-def]
         raise lifetime.Interrupted(signal.SIGINT)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_cp.harness.cli import main
+from hicache_harness.cli import main
 
 Setup = Callable[[Path], list[str]]
 
@@ -193,7 +193,7 @@ def test_a_gpu_size_preset_on_a_cpu_host_is_refused_before_it_is_built(tmp_path:
     the OOM killer). The memory reading is the test's; the model is never built."""
     pytest.importorskip("transformers")
     import hostmem.sizing as sizing
-    from hicache_cp.harness.engines import hf_model
+    from hicache_harness.engines import hf_model
 
     gib = 1 << 30
     reading = sizing.HostMemory(sizing.MemorySource.MEMINFO, 24 * gib, 16 * gib, 0, 24 * gib, 16 * gib)

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache_cp.harness.bench import alloc as bench
-from hicache_cp.harness.bench import alloc_peers as peers
-from hicache_cp.harness.bench.alloc_workload import FREE, RESERVE, SizeSource, make_workload
-from hicache_cp.harness.trace import TraceRequest, write_trace
+from hicache_harness.bench import alloc as bench
+from hicache_harness.bench import alloc_peers as peers
+from hicache_harness.bench.alloc_workload import FREE, RESERVE, SizeSource, make_workload
+from hicache_harness.trace import TraceRequest, write_trace
 
 # 122 pages of 64 KiB and 30 of 256 KiB; 1024-token pages keep requests at 1..190 pages.
 SMALL = ["--pool-gib", "0.0075", "--page-bytes", "65536,262144", "--page-tokens", "1024",
@@ -171,7 +171,7 @@ def test_sizes_come_from_a_trace(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     assert main(["bench-alloc", *argv]) == 2
     err = capsys.readouterr().err.strip()

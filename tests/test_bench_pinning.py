@@ -1,4 +1,4 @@
-"""Tests for `hicache-cp bench-pinning` (hicache_cp.harness.bench.pinning).
+"""Tests for `hicache-cp bench-pinning` (hicache_harness.bench.pinning).
 
 On CPU the benchmark runs its arena parts unpinned: these tests run it for
 real at a few MiB and check the JSON it writes, the exit status on a clean
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_cp.harness.bench import pinning
-from hicache_cp.harness.bench.pinning import BenchInputError, Variant, main, parse_variant
+from hicache_harness.bench import pinning
+from hicache_harness.bench.pinning import BenchInputError, Variant, main, parse_variant
 from hostmem.arena import TouchMode
 from hostmem.cuda import cuda_available
 from hostmem.mapping import HugePages

@@ -75,7 +75,7 @@ from hicache_cp.cache import HiCache
 from hicache_cp.cache.lifecycle import prefix_loads  # noqa: E402
 from hicache_cp.cp import mapping as cp_mapping  # noqa: E402
 from hicache_cp.config import WritePolicy  # noqa: E402
-from hicache_cp.harness.bench.io_variants import register_bench_backends  # noqa: E402
+from hicache_harness.bench.io_variants import register_bench_backends  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 from hicache_cp.layout import Model, Part, PartLayout  # noqa: E402
 from hicache_cp.ops import BackupState, LoadState  # noqa: E402

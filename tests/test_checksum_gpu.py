@@ -130,7 +130,7 @@ def _cuda_cache(**cfg):  # type: ignore[no-untyped-def]
 @gpu
 @needs_cuda
 def test_backups_store_the_checksums_of_what_they_copied_and_a_flip_is_caught() -> None:
-    from hicache_cp.harness.engines.synthetic import ReferenceServer
+    from hicache_harness.engines.synthetic import ReferenceServer
 
     cache = _cuda_cache()
     with cache:
@@ -164,8 +164,8 @@ def test_a_forward_writing_into_loaded_slots_is_never_decided_done(ordered: bool
     after the copy (the forward waited on the layer) the check always sees it; racing
     the copy on another stream, either the copy's bytes win (the load is right and
     DONE) or the check sees the write: a load is DONE only with the right bytes."""
-    from hicache_cp.harness import integrity
-    from hicache_cp.harness.engines.synthetic import ReferenceServer
+    from hicache_harness import integrity
+    from hicache_harness.engines.synthetic import ReferenceServer
     from hicache_cp.keys import prefix_hashes
     from hicache_cp.ops import LoadState
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from hicache_cp.config import Config
-from hicache_cp.harness.cli import main
-from hicache_cp.harness.replay import command
-from hicache_cp.harness.replay.setup import build_config, load_requests
+from hicache_harness.cli import main
+from hicache_harness.replay import command
+from hicache_harness.replay.setup import build_config, load_requests
 
 # field: (TOML literal, env string, --set string, the three effective values)
 FIELDS: dict[str, tuple[str, str, str, tuple[Any, Any, Any]]] = {

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hicache_cp.cp import mapping as cpm
-from hicache_cp.pools import LanePageAllocator
+from hicache_cp.allocator import LanePageAllocator
 
 
 def test_docstring_example_cp2() -> None:

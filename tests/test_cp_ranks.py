@@ -1,6 +1,6 @@
 """CP shared KV across real rank processes (gloo on CPU).
 
-Every test spawns real ranks through `hicache_cp.harness.launch.spawn_ranks`: each
+Every test spawns real ranks through `hicache_harness.launch.spawn_ranks`: each
 rank runs a module-level worker of this file (spawn pickles it by name) with
 a real `DistributedAgreement`, and sends back what it saw; the test compares
 the ranks. Every wait has a deadline (spawn_ranks' timeout_s).
@@ -23,15 +23,15 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_cp.harness.replay import command as replay
+from hicache_harness.replay import command as replay
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
 from hicache_cp.io.base import Direction
-from hicache_cp.harness.launch import RankContext, RankFailed, spawn_ranks
-from hicache_cp.harness.replay.multirank import combine_reports
+from hicache_harness.launch import RankContext, RankFailed, spawn_ranks
+from hicache_harness.replay.multirank import combine_reports
 from hicache_cp.layout import Model, Part
 from hicache_cp.radix import Node
-from hicache_cp.harness.engines.synthetic import ReferenceServer
+from hicache_harness.engines.synthetic import ReferenceServer
 
 PAGE = 16  # tokens per page of the tiny preset
 TIMEOUT_S = 60.0

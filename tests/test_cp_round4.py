@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache_cp.harness.launch import RankContext, spawn_ranks
+from hicache_harness.launch import RankContext, spawn_ranks
 
 TIMEOUT_S = 60.0
 GIB = 1 << 30
@@ -30,18 +30,18 @@ def test_min_int_over_gloo_is_exact_above_2_31() -> None:
 def _auto_budget(ctx: RankContext) -> dict[str, Any]:
     """A rank whose machine shows `8 - 2 * rank` MiB free builds a cache with
     host_budget_bytes = "auto" (the reading is the test's; the pools are real)."""
-    import hicache_cp.cache.hicache as hicache_module
+    import hicache_cp.cache.build as build
     from hicache_cp.cache import HiCache
     from hicache_cp.config import Config
     from hostmem.sizing import HostMemory, MemorySource
 
     free = (8 - 2 * ctx.rank) << 20
     reading = HostMemory(MemorySource.MEMINFO, 64 << 20, free, 0, 64 << 20, free)
-    hicache_module.host_memory = lambda *a, **k: reading  # this rank's process only
+    build.host_memory = lambda *a, **k: reading  # this rank's process only
     config = Config(model="tiny", page_size=16, l1_pages=17, host_budget_bytes="auto", host_reserve_bytes=0,
                     io_backend="cpu", pin_host=False, cp_size=2)  # fmt: skip
     with HiCache(config, agreement=ctx.agreement, rank=ctx.rank) as cache:
-        return {"budget": hicache_module.host_budget(config, ctx.agreement, ctx.rank),
+        return {"budget": build.host_budget(config, ctx.agreement, ctx.rank),
                 "physical_pages": cache.host_pool.physical_pages}  # fmt: skip
 
 

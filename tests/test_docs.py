@@ -22,7 +22,7 @@ PAGES = [ROOT / "README.md", *DOCS, ROOT / "bench" / "results" / "INDEX.md"]
 PENDING = {"docs/integrations/sglang.md", "docs/integrations/vllm.md", "docs/integrity.md", "docs/node-tier.md",
            "docs/events.md"}  # fmt: skip
 #: Folders whose paths the docs cite in backticks, relative to the repository root.
-TOP = ("hostmem/", "hicache_cp/", "tests/", "bench/", "tools/", "scripts/", "examples/", "docs/")
+TOP = ("hostmem/", "hicache_cp/", "hicache_harness/", "tests/", "bench/", "tools/", "scripts/", "examples/", "docs/")
 
 
 def _rel(path: Path) -> str:
@@ -49,7 +49,7 @@ def cited(page: Path) -> list[tuple[str, Path]]:
 def code_citations() -> list[tuple[str, str]]:
     """(file, docs page) for every docs/*.md the code, scripts and tests name."""
     out = []
-    for top in ("hicache_cp", "hostmem", "bench", "tools", "tests", "scripts", "examples"):
+    for top in ("hicache_cp", "hicache_harness", "hostmem", "bench", "tools", "tests", "scripts", "examples"):
         for f in (ROOT / top).rglob("*"):
             if f.suffix in (".py", ".sh", ".toml") and "results" not in f.parts:
                 out += [(_rel(f), m) for m in re.findall(r"docs/[\w./\-]+\.md", f.read_text())]
@@ -96,7 +96,7 @@ def test_the_code_cites_the_rules_in_the_repository() -> None:
     rules = re.findall(r"^(\d+)\. \*\*", (ROOT / "docs" / "invariants.md").read_text(), re.M)
     assert [int(r) for r in rules] == list(range(1, 13))
     outside = []
-    for top in ("hicache_cp", "hostmem", "bench", "tools", "tests", "scripts"):
+    for top in ("hicache_cp", "hicache_harness", "hostmem", "bench", "tools", "tests", "scripts"):
         for f in (ROOT / top).rglob("*"):
             if f.suffix in (".py", ".sh") and "results" not in f.parts and f.name != "test_docs.py":
                 text = f.read_text()
@@ -127,12 +127,10 @@ def test_the_hash_finder_finds_hashes_and_nothing_else() -> None:
 
 def test_no_library_module_holds_a_commit_hash() -> None:
     """Library docstrings and comments state contracts; run history and its commits go to
-    docs/design/ and bench/results/ (the harness may name the runs it writes)."""
+    docs/design/ and bench/results/ (the harness, `hicache_harness`, may name the runs it writes)."""
     bad = {}
     for top in ("hicache_cp", "hostmem"):
         for f in sorted((ROOT / top).rglob("*.py")):
-            if "harness" in f.parts:
-                continue
             if found := hashes_in(f.read_text()):
                 bad[_rel(f)] = found
     assert not bad, bad
@@ -182,7 +180,7 @@ def test_the_configuration_page_would_see_a_new_default(monkeypatch) -> None:  #
 def test_every_flag_the_configuration_page_names_is_a_replay_flag() -> None:
     import argparse
 
-    from hicache_cp.harness.replay import command
+    from hicache_harness.replay import command
 
     p = argparse.ArgumentParser()
     command.add_arguments(p)
@@ -242,7 +240,7 @@ def test_report_config_l3_is_what_ran(how: str, tmp_path, monkeypatch) -> None: 
     defaults."""
     import argparse
 
-    from hicache_cp.harness.replay import command
+    from hicache_harness.replay import command
 
     p = argparse.ArgumentParser()
     command.add_arguments(p)
@@ -276,7 +274,7 @@ def test_prefetch_wait_false_serves_queued_requests_from_l3() -> None:
     store and L2 is small, so later requests find pages in L3."""
     import argparse
 
-    from hicache_cp.harness.replay import command
+    from hicache_harness.replay import command
 
     p = argparse.ArgumentParser()
     command.add_arguments(p)
@@ -319,7 +317,7 @@ def test_every_hicache_cp_command_of_the_docs_parses() -> None:
     the README's run in tests/test_readme.py)."""
     import argparse
 
-    from hicache_cp.harness.cli import build_parser
+    from hicache_harness.cli import build_parser
 
     commands = docs_commands()
     assert len(commands) >= 10

@@ -18,10 +18,10 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.20")
 
-from hicache_cp.harness.cli import main  # noqa: E402
-from hicache_cp.harness.engines import hf_model  # noqa: E402
-from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
-from hicache_cp.harness.engines.hf_oracle import recompute_logits, recompute_outputs  # noqa: E402
+from hicache_harness.cli import main  # noqa: E402
+from hicache_harness.engines import hf_model  # noqa: E402
+from hicache_harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
+from hicache_harness.engines.hf_oracle import recompute_logits, recompute_outputs  # noqa: E402
 from hicache_cp.layout import Part  # noqa: E402
 
 
@@ -107,8 +107,8 @@ def test_decode_peer_checks_every_unit_against_the_digests() -> None:
     pages pass; one flipped byte is named by position, part and layer."""
     from types import SimpleNamespace
 
-    from hicache_cp.harness.decode_peer import DecodePeer, _DecodeRoom
-    from hicache_cp.harness.engines.hf_oracle import unit_digests
+    from hicache_harness.decode_peer import DecodePeer, _DecodeRoom
+    from hicache_harness.engines.hf_oracle import unit_digests
     from hicache_cp.layout import KVLayout
 
     layout = KVLayout.build(page_size=8, num_layers=2, kv_bytes_per_token=16, state_bytes_per_token=8,

@@ -23,11 +23,11 @@ pytest.importorskip("transformers", minversion="5.20")
 from conftest import Faults, evict_all_l1  # noqa: E402
 from hicache_cp.cache import HiCache  # noqa: E402
 from hicache_cp.config import Config  # noqa: E402
-from hicache_cp.harness.engines import hf_model  # noqa: E402
-from hicache_cp.harness.engines.hf_forward import PagedForward  # noqa: E402
-from hicache_cp.harness.engines.hf_oracle import recompute_logits  # noqa: E402
-from hicache_cp.harness.engines.scheduler import SHORT_STREAK, Order, Scheduler, SchedulerOptions, ServeResult  # noqa: E402
-from hicache_cp.harness.trace import TraceRequest  # noqa: E402
+from hicache_harness.engines import hf_model  # noqa: E402
+from hicache_harness.engines.hf_forward import PagedForward  # noqa: E402
+from hicache_harness.engines.hf_oracle import recompute_logits  # noqa: E402
+from hicache_harness.engines.scheduler import SHORT_STREAK, Order, Scheduler, SchedulerOptions, ServeResult  # noqa: E402
+from hicache_harness.trace import TraceRequest  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 from hicache_cp.layout import Model, Part  # noqa: E402
 from hicache_cp.pools import DevicePool  # noqa: E402

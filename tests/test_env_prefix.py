@@ -49,7 +49,7 @@ def test_strict_mode_refuses_an_unknown_hicache_variable() -> None:
 
 def test_the_cli_runs_beside_another_programs_hicache_variable(monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     monkeypatch.setenv("HICACHE_OTHER_PROGRAM_TOKEN", "abc")
     with caplog.at_level(logging.WARNING, logger="hicache_cp.config"):

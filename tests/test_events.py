@@ -17,9 +17,9 @@ from conftest import PAGE, tiny_config
 from events_support import SHARED_TRACE
 from hicache_cp.cache import HiCache
 from hicache_cp.events import AllCleared, BlockRemoved, BlockStored, ChainKeyer, Event, EventLog, Medium, Removal
-from hicache_cp.harness.engines.synthetic import ReferenceServer
-from hicache_cp.harness.trace import load_trace, request_tokens
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.engines.synthetic import ReferenceServer
+from hicache_harness.trace import load_trace, request_tokens
+from hicache_harness.workload import default_workload
 from hicache_cp.io.base import Direction
 from hicache_cp.layout import Model
 from hicache_cp.radix import HostState

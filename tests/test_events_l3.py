@@ -17,7 +17,7 @@ from test_l3_support import MemoryStore
 
 from hicache_cp.cache import HiCache
 from hicache_cp.events import ChainKeyer, EventLog, Medium
-from hicache_cp.harness.engines.synthetic import ReferenceServer
+from hicache_harness.engines.synthetic import ReferenceServer
 from hicache_cp.l3.keys import PositionHashes
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 17, 18], [9, 10, 11, 19]]

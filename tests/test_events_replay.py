@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from events_support import SHARED_TRACE, Subscriber, WireReplay
-from hicache_cp.harness import kv_events
-from hicache_cp.harness.cli import main
+from hicache_harness import kv_events
+from hicache_harness.cli import main
 
 
 pytestmark = pytest.mark.slow

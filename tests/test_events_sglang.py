@@ -1,6 +1,6 @@
 """hicache-cp's KV events through SGLang 0.5.23's own publisher, decoded with SGLang's classes.
 
-The harness server (`hicache_cp.harness.sglang.server`: SGLang's own
+The harness server (`hicache_harness.sglang.server`: SGLang's own
 scheduling functions, pools and `--radix-cache-backend hicache-cp`) runs with
 `enable_kv_cache_events`: SGLang's radix cache records its GPU-tier events
 and the plug-in hands its L2 events (medium CPU_PINNED) to the same recorder.
@@ -23,8 +23,8 @@ pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sgla
 
 from events_support import Subscriber, WireReplay  # noqa: E402
 
-from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
-from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
+from hicache_harness.sglang.env import import_sglang  # noqa: E402
+from hicache_harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
 
 import_sglang()
 from sglang.srt.disaggregation.kv_events import KVEventBatch, StorageMedium  # noqa: E402

@@ -54,8 +54,8 @@ def test_exec_argv_reads_the_scripts_as_the_shell_would() -> None:
 @pytest.mark.slow
 def test_the_sglang_example_config_resolves_under_sglangs_pools(tmp_path: Path) -> None:
     pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
-    from hicache_cp.harness.sglang.env import import_sglang, publish_server_args
-    from hicache_cp.harness.sglang.server import ServerSpec, build_pools
+    from hicache_harness.sglang.env import import_sglang, publish_server_args
+    from hicache_harness.sglang.server import ServerSpec, build_pools
     from hicache_cp.integrations.sglang.pools import SGLangKV
     from hicache_cp.integrations.sglang.settings import CONFIG_ENV, resolve
 
@@ -74,7 +74,7 @@ def test_the_sglang_launch_parses_with_sglangs_own_parser() -> None:
     pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
     import argparse
 
-    from hicache_cp.harness.sglang.env import import_sglang
+    from hicache_harness.sglang.env import import_sglang
 
     import_sglang()
     from sglang.srt.mem_cache.registry import registered_radix_cache_backends

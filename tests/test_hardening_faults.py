@@ -116,13 +116,13 @@ class _FakeMemory:
 
 def _auto_budget_rank(ctx, mib_by_rank: list[int]):  # type: ignore[no-untyped-def]
     """Runs in a CP rank: this rank measures its own memory; build the cache."""
-    from hicache_cp.cache import HiCache, hicache
+    from hicache_cp.cache import HiCache, build
     from hicache_cp.config import Config
 
-    hicache.host_memory = lambda reserve: _FakeMemory(mib_by_rank[ctx.rank] << 20)  # type: ignore[assignment]
+    build.host_memory = lambda reserve: _FakeMemory(mib_by_rank[ctx.rank] << 20)  # type: ignore[assignment]
     config = Config(model="tiny", cp_size=ctx.world_size, host_budget_bytes="auto", l1_pages=64)
     with HiCache(config, agreement=ctx.agreement, rank=ctx.rank) as cache:
-        return {"budget": hicache.host_budget(config, ctx.agreement, ctx.rank),
+        return {"budget": build.host_budget(config, ctx.agreement, ctx.rank),
                 "l2_capacity_pages": cache.host_pool.allocator.capacity}  # fmt: skip
 
 
@@ -130,7 +130,7 @@ def test_auto_host_budget_is_the_min_over_cp_ranks(monkeypatch) -> None:
     """Two real ranks that measure 96 and 64 MiB both size L2 from 64 MiB:
     ranks replicate allocator decisions (docs/invariants.md rule 7), so capacities that
     differ per rank diverge the replicated state."""
-    from hicache_cp.harness.launch import spawn_ranks
+    from hicache_harness.launch import spawn_ranks
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     out = spawn_ranks(_auto_budget_rank, 2, ([192, 128],), timeout_s=240)

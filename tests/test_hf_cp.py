@@ -23,12 +23,12 @@ import torch
 pytest.importorskip("transformers", minversion="5.20")
 
 from hicache_cp.cp import mapping as cp_mapping  # noqa: E402
-from hicache_cp.harness.cli import main  # noqa: E402
-from hicache_cp.harness.engines import hf_model  # noqa: E402
-from hicache_cp.harness.engines.hf_cp import KVView, PrefixExchange, SharedView  # noqa: E402
-from hicache_cp.harness.engines.hf_forward import NoHooks, PagedForward, SeqChunk, SeqPlan  # noqa: E402
-from hicache_cp.harness.engines.hf_oracle import recompute_outputs  # noqa: E402
-from hicache_cp.harness.launch import RankContext, spawn_ranks  # noqa: E402
+from hicache_harness.cli import main  # noqa: E402
+from hicache_harness.engines import hf_model  # noqa: E402
+from hicache_harness.engines.hf_cp import KVView, PrefixExchange, SharedView  # noqa: E402
+from hicache_harness.engines.hf_forward import NoHooks, PagedForward, SeqChunk, SeqPlan  # noqa: E402
+from hicache_harness.engines.hf_oracle import recompute_outputs  # noqa: E402
+from hicache_harness.launch import RankContext, spawn_ranks  # noqa: E402
 from hicache_cp.layout import Part  # noqa: E402
 
 REPLAY = ["replay", "--engine", "hf", "--limit", "40", "--check-outputs", "5"]

@@ -28,15 +28,15 @@ import torch
 
 pytest.importorskip("transformers", minversion="5.20")
 
-from hicache_cp.harness.cli import main  # noqa: E402
-from hicache_cp.harness.engines import hf_model  # noqa: E402
-from hicache_cp.harness.engines.hf_cp import PrefixExchange, PrefixSource  # noqa: E402
-from hicache_cp.harness.engines.hf_faults import FaultKind, HfFault  # noqa: E402
-from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
-from hicache_cp.harness.engines.hf_oracle import OutputCheck, recompute_outputs  # noqa: E402
-from hicache_cp.harness.engines.hf_spec import Flip, Sample, SpecCheck, SpecRun, Speculator  # noqa: E402
-from hicache_cp.harness.errors import InputError  # noqa: E402
-from hicache_cp.harness.replay.report import integrity_failures  # noqa: E402
+from hicache_harness.cli import main  # noqa: E402
+from hicache_harness.engines import hf_model  # noqa: E402
+from hicache_harness.engines.hf_cp import PrefixExchange, PrefixSource  # noqa: E402
+from hicache_harness.engines.hf_faults import FaultKind, HfFault  # noqa: E402
+from hicache_harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
+from hicache_harness.engines.hf_oracle import OutputCheck, recompute_outputs  # noqa: E402
+from hicache_harness.engines.hf_spec import Flip, Sample, SpecCheck, SpecRun, Speculator  # noqa: E402
+from hicache_harness.errors import InputError  # noqa: E402
+from hicache_harness.replay.report import integrity_failures  # noqa: E402
 from hicache_cp.layout import Model, Part  # noqa: E402
 
 PS = 8
@@ -95,7 +95,7 @@ def test_the_recomputed_draft_reads_the_served_first_token(model: hf_model.HfMod
     """A near tie in the target's logits makes the served first token differ from
     the recompute's; the served draft then read another token. The oracle feeds
     the recompute's draft the served token, so only a draft-state fault moves it."""
-    from hicache_cp.harness.engines import hf as hf_engine
+    from hicache_harness.engines import hf as hf_engine
 
     m = model
     ids = np.random.default_rng(11).integers(0, m.vocab_size, 3 * PS + 7)

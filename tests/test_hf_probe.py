@@ -1,4 +1,4 @@
-"""`replay --engine hf --ttft-probe N` (harness.engines.hf_probe): L2-hit over L1-hit TTFT
+"""`replay --engine hf --ttft-probe N` (hicache_harness.engines.hf_probe): L2-hit over L1-hit TTFT
 pairs of the same prompt, and the forward's layer times with and without copies in flight.
 
 The tiny preset on CPU: the figures are not the point here (the H200's are, in
@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("transformers", minversion="5.20")
 
-from hicache_cp.harness.cli import main  # noqa: E402
-from hicache_cp.harness.engines.hf_model import layout_of  # noqa: E402
-from hicache_cp.harness.engines.hf_probe import PAIRS_PER_PROMPT  # noqa: E402
+from hicache_harness.cli import main  # noqa: E402
+from hicache_harness.engines.hf_model import layout_of  # noqa: E402
+from hicache_harness.engines.hf_probe import PAIRS_PER_PROMPT  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_bad_probe_options_are_refused_before_work(tmp_path: Path, extra: list[s
 def test_a_failing_probe_leaves_the_replay_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe is the replay's last measurement: its failure is logged with the traceback and
     named in the report (`ttft_probe_error`), and the replay's own results are still written."""
-    import hicache_cp.harness.engines.hf_probe as hf_probe
+    import hicache_harness.engines.hf_probe as hf_probe
 
     def broken(*args: object, **kwargs: object) -> dict:
         raise RuntimeError("the prefix did not become L2-only")

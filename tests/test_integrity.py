@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache_cp.harness import integrity
+from hicache_harness import integrity
 from hicache_cp.layout import Part
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 import torch
 
-from hicache_cp.harness.bench.io_variants import register_bench_backends
+from hicache_harness.bench.io_variants import register_bench_backends
 from hicache_cp.io import kernels
 from hicache_cp.io.base import CopyFailed, Direction, TicketState, backend_names, make_engine
 from hicache_cp.layout import KVLayout, Part

@@ -24,7 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_cp.harness.bench.io_variants import register_bench_backends
+from hicache_harness.bench.io_variants import register_bench_backends
 from hicache_cp.io.base import CopyFailed, Direction, TicketState, make_engine
 from hicache_cp.io.plans import DescriptorTable, PartGeometry, Runs, TableShape, layer_descriptors
 from hicache_cp.layout import KVLayout, Model, Part

@@ -17,7 +17,7 @@ import pytest
 from conftest import Faults, evict_all_l1, evict_all_l2, fill_pattern, run_request, tokens_of
 from test_l3_support import GatedStore, flush_writes, l3_cache, l3env, until, verify_l1  # noqa: F401 - fixture
 
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_cp.io.base import Direction
 from hicache_cp.l3.ops import PrefetchState
 from hicache_cp.l3.store import L3Error

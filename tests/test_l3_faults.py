@@ -150,7 +150,7 @@ def test_a_peer_holding_the_objects_dies_mid_prefetch() -> None:
     import signal
     import threading
 
-    from hicache_cp.harness.l3_master import MooncakeMaster, holder_process
+    from hicache_harness.l3_master import MooncakeMaster, holder_process
     from hicache_cp.l3.config import L3Config
     from hicache_cp.l3.store import MooncakeStore
 

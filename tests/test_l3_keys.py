@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_cp.l3.client import MAX_CHUNKS_PER_CALL, call_spans
 from hicache_cp.l3.config import L3Config
 from hicache_cp.l3.keys import KeyScheme, chain_hashes, chunk_list, layout_fingerprint

@@ -147,7 +147,7 @@ def test_a_hit_on_a_page_this_instance_is_still_putting_is_no_cross_instance_hit
     leave L1 and L2 and the next request finds them in L3. The old count
     (keys this instance's retired puts stored) called those 8 pages another
     instance's."""
-    from hicache_cp.harness.replay.instances import CrossInstance
+    from hicache_harness.replay.instances import CrossInstance
 
     store = PausedPuts(stored_first=True)
     store.gate.clear()
@@ -173,7 +173,7 @@ def test_a_hit_on_a_page_this_instance_is_still_putting_is_no_cross_instance_hit
 def test_a_hit_on_a_page_another_instance_stored_counts() -> None:
     """The other side: a key this instance was putting but found present (the
     other instance stored it first) is a cross-instance hit once its put reports."""
-    from hicache_cp.harness.replay.instances import CrossInstance
+    from hicache_harness.replay.instances import CrossInstance
 
     t = CrossInstance(page_size=16)
     t.on_l3_put_started(["a", "b"])
@@ -250,7 +250,7 @@ def test_default_objects_hold_at_least_512_tokens(page_size: int, pages: int) ->
     """Unset, `pages_per_object` is the fewest pages holding 512 tokens (the
     master's item operations per request stay ~8x below one page per object
     at page 64), and the config records the number that runs."""
-    from hicache_cp.config import PRESETS
+    from hicache_cp.presets import PRESETS
     from hicache_cp.l3.keys import KeyScheme
 
     assert L3Config().pages_per_object is None

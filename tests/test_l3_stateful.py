@@ -26,7 +26,7 @@ from conftest import PAGE, TwoRankAgreement, evict_all_l1, evict_all_l2, tiny_co
 from test_l3_support import MemoryStore
 
 from hicache_cp.cache import HiCache
-from hicache_cp.harness.engines.synthetic import ReferenceServer
+from hicache_harness.engines.synthetic import ReferenceServer
 
 # A small universe of prompts that share prefixes: page ids of chat-like turns.
 PROMPTS = [

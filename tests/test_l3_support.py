@@ -31,7 +31,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 mooncake_store = pytest.importorskip("mooncake.store", reason="Mooncake Store (mooncake-transfer-engine) not installed")
 
 from hicache_cp.cache import HiCache  # noqa: E402
-from hicache_cp.harness.l3_master import MooncakeMaster  # noqa: E402
+from hicache_harness.l3_master import MooncakeMaster  # noqa: E402
 from hicache_cp.l3.store import KVStore, L3Error, MooncakeStore, StoreCode  # noqa: E402
 
 SEGMENT = 64 << 20
@@ -43,7 +43,7 @@ class L3Env:
     shared by the tests of one module (a client's teardown costs ~1 s)."""
 
     def __init__(self) -> None:
-        from hicache_cp.harness.l3_master import StorageHolder
+        from hicache_harness.l3_master import StorageHolder
         from hicache_cp.l3.config import L3Config
 
         self.master = MooncakeMaster().start()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
 from hicache_cp.cp import mapping as cpm
-from hicache_cp.pools import LanePageAllocator
+from hicache_cp.allocator import LanePageAllocator
 
 
 def lane_runs(a: LanePageAllocator) -> list[list[tuple[int, int]]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_cp.layout import KVLayout, Model, Part
 
 

@@ -73,7 +73,7 @@ def test_cp_run_listens_on_loopback_only(tmp_path: Path) -> None:
             f.write(json.dumps({"timestamp": i, "input_length": 1536, "output_length": 1, "hash_ids": ids}) + "\n")
     port = _free_port_pair()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "hicache_cp", "replay", "--trace", str(trace), "--no-verify", "--cp-size", "2",
+    cmd = [sys.executable, "-m", "hicache_harness", "replay", "--trace", str(trace), "--no-verify", "--cp-size", "2",
            "--metrics-port", str(port)]  # fmt: skip
     with (tmp_path / "err.txt").open("wb") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
@@ -107,7 +107,7 @@ def test_cp_run_listens_on_loopback_only(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not mooncake_store_available(), reason="mooncake (store and master) not installed")
 def test_mooncake_master_listens_on_loopback_and_client_wildcards_are_the_documented_ones() -> None:
-    from hicache_cp.harness.l3_master import MooncakeMaster, StorageHolder
+    from hicache_harness.l3_master import MooncakeMaster, StorageHolder
 
     with MooncakeMaster() as master:
         assert master.proc is not None

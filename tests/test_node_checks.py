@@ -30,9 +30,9 @@ from hicache_cp.cache import HiCache
 from hicache_cp.cache.node_tier import node_geometry
 from hicache_cp.checksum import Verify
 from hicache_cp.events import AllCleared, BlockRemoved, BlockStored, ChainKeyer, EventLog, Medium, Removal
-from hicache_cp.harness.engines import crash
-from hicache_cp.harness.engines.synthetic import ReferenceServer
-from hicache_cp.harness.launch import RankContext, spawn_ranks
+from hicache_harness.engines import crash
+from hicache_harness.engines.synthetic import ReferenceServer
+from hicache_harness.launch import RankContext, spawn_ranks
 from hicache_cp.layout import Part
 from hicache_cp.node.share import write_share
 from hicache_cp.radix import HostState

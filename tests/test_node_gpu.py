@@ -2,7 +2,7 @@
 and load through it, and a restarted pair adopts it; every byte of every reused page checked
 on the GPU, by the harness's oracle and by the library's restore checks against the segment's
 shared checksum table, and a flipped bit in one rank's slice is caught by the other's load
-(skipped without CUDA; tools/device_node.sh runs these).
+(skipped without CUDA; bench/device/node.sh runs these).
 
 The ranks agree over gloo (NCCL wants one GPU per rank); their L1 pools, copy engines (the
 default `direct` DMA engine) and byte checks are on cuda:0, their L2 is the pinned segment.
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from hicache_cp.cache import HiCache
-from hicache_cp.harness.engines.synthetic import ReferenceServer
-from hicache_cp.harness.launch import RankContext, spawn_ranks
-from hicache_cp.harness.trace import request_tokens
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.engines.synthetic import ReferenceServer
+from hicache_harness.launch import RankContext, spawn_ranks
+from hicache_harness.trace import request_tokens
+from hicache_harness.workload import default_workload
 from hostmem.cuda import cuda_available, host_get_flags
 from hostmem.segment import find_segment
 

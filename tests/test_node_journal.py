@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_cp.config import PRESETS
+from hicache_cp.presets import PRESETS
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.keys import chain_hashes
 from hicache_cp.node.adopt import adopt
@@ -19,7 +19,7 @@ from hicache_cp.node.geometry import NodeGeometry, Sharing
 from hicache_cp.node.journal import COMMITTED, FREE, ROOT, Journal
 from hicache_cp.node.segment import HEADER, Decision, NodeSegment
 from hicache_cp.node.share import write_share
-from hicache_cp.pools import LanePageAllocator
+from hicache_cp.allocator import LanePageAllocator
 from hicache_cp.radix import HostState, RadixTree
 from hostmem.segment import SegmentBusy
 

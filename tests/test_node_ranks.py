@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 
 from hicache_cp.cache import HiCache
-from hicache_cp.harness.engines import crash
-from hicache_cp.harness.engines.synthetic import ReferenceServer
-from hicache_cp.harness.launch import RankContext, RankFailed, spawn_ranks
-from hicache_cp.harness.replay import command as replay
-from hicache_cp.harness.trace import request_tokens
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.engines import crash
+from hicache_harness.engines.synthetic import ReferenceServer
+from hicache_harness.launch import RankContext, RankFailed, spawn_ranks
+from hicache_harness.replay import command as replay
+from hicache_harness.trace import request_tokens
+from hicache_harness.workload import default_workload
 from hicache_cp.node.geometry import NodeGeometry
 from hostmem.segment import find_segment
 

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
-from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
-from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
+from hicache_harness.sglang.env import import_sglang  # noqa: E402
+from hicache_harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
 from hostmem.segment import find_segment  # noqa: E402
 
 import_sglang()

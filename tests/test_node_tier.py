@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from hicache_cp.cache import HiCache
-from hicache_cp.harness.engines.synthetic import ReferenceServer
-from hicache_cp.harness.trace import request_tokens
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.engines.synthetic import ReferenceServer
+from hicache_harness.trace import request_tokens
+from hicache_harness.workload import default_workload
 from hicache_cp.layout import Model
 from hostmem.segment import find_segment
 
@@ -160,7 +160,7 @@ def test_a_second_engine_cannot_take_a_segment_in_use(seg_name: str) -> None:
 
 
 def test_the_cli_lists_shows_and_drops_a_segment_but_not_one_in_use(seg_name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     cache = node_cache(seg_name)
     serve(cache, REQUESTS[:6])
@@ -179,7 +179,7 @@ def test_the_cli_lists_shows_and_drops_a_segment_but_not_one_in_use(seg_name: st
 
 
 def test_a_segment_in_another_directory_is_found_there(seg_name: str, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     cache = node_cache(seg_name, node_segment_dir=str(tmp_path))
     serve(cache, REQUESTS[:4])

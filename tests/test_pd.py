@@ -21,7 +21,7 @@ import pytest
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from hicache_cp.cp import mapping as cp_mapping
-from hicache_cp.harness import integrity  # noqa: E402
+from hicache_harness import integrity  # noqa: E402
 from hicache_cp.errors import IllegalTransition  # noqa: E402
 from hicache_cp.layout import KVLayout, Part  # noqa: E402
 from hicache_cp.pd.registration import RegistrationDescriptor, RegistrationMismatch, check_compatible  # noqa: E402
@@ -101,7 +101,7 @@ def test_check_compatible_lists_both_sides() -> None:
 # -- engine-backed ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def decode_peer():
-    from hicache_cp.harness.decode_peer import spawn_decode_peer
+    from hicache_harness.decode_peer import spawn_decode_peer
 
     proc, address = spawn_decode_peer(tiny_layout(), DECODE_PAGES, AUTHKEY)
     yield address
@@ -119,7 +119,7 @@ def adapter():
 
 
 def stats(address) -> dict:
-    from hicache_cp.harness.decode_peer import control_request
+    from hicache_harness.decode_peer import control_request
 
     return control_request(address, AUTHKEY, {"op": "stats"})
 
@@ -478,7 +478,7 @@ def test_timeout_aborts_releases_and_refuses_late_chunks(decode_peer, adapter) -
 @needs_mooncake
 @pytest.mark.mooncake
 def test_decode_peer_killed_mid_transfer(adapter) -> None:
-    from hicache_cp.harness.decode_peer import spawn_decode_peer
+    from hicache_harness.decode_peer import spawn_decode_peer
 
     layout = tiny_layout()
     proc, address = spawn_decode_peer(layout, DECODE_PAGES, AUTHKEY)

@@ -20,7 +20,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 from test_pd import AUTHKEY, needs_mooncake, tiny_layout  # noqa: E402
 
 from hicache_cp import checksum  # noqa: E402
-from hicache_cp.harness import integrity  # noqa: E402
+from hicache_harness import integrity  # noqa: E402
 from hicache_cp.layout import Part  # noqa: E402
 from hicache_cp.pd.plan import PageHomes  # noqa: E402
 from hicache_cp.pd.room import RoomState  # noqa: E402
@@ -34,7 +34,7 @@ class Side:
     in-process decode peer whose received bytes a test may corrupt (`after_wait`)."""
 
     def __init__(self, verify: bool = True) -> None:
-        from hicache_cp.harness.decode_peer import DecodePeer
+        from hicache_harness.decode_peer import DecodePeer
         from hicache_cp.pd.engine import TransferEngineAdapter
         from hicache_cp.pd.sender import PdSender
         from hicache_cp.pools import DevicePool, HostPool

@@ -45,7 +45,7 @@ def _layout():
 
 
 def test_control_channel_never_unpickles(tmp_path: Path) -> None:
-    from hicache_cp.harness.decode_peer import DecodePeer, control_request
+    from hicache_harness.decode_peer import DecodePeer, control_request
 
     key = new_authkey()
     peer = DecodePeer(_layout(), 4, authkey=key)
@@ -114,7 +114,7 @@ def test_a_late_reply_is_never_the_next_answer_and_events_survive_a_request() ->
 
 
 def test_short_authkeys_are_refused_everywhere() -> None:
-    from hicache_cp.harness.decode_peer import DecodePeer
+    from hicache_harness.decode_peer import DecodePeer
 
     assert len(new_authkey()) == MIN_AUTHKEY_BYTES == 32 and new_authkey() != new_authkey()
     for bad in (b"k", os.urandom(31), "x" * 40):
@@ -129,7 +129,7 @@ def test_short_authkeys_are_refused_everywhere() -> None:
 @pytest.mark.parametrize("key", ["", "short-key"])
 def test_decode_peer_command_refuses_a_short_key(key: str, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     monkeypatch.setenv("HICACHE_CP_PD_AUTHKEY", key)
     assert main(["decode-peer", "--pages", "4"]) == 2
@@ -157,7 +157,7 @@ def test_pd_fields_follow_the_sources(tmp_path: Path) -> None:
 
 
 def test_replay_pd_flags_need_pd(capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     assert main(["replay", "--limit", "2", "--pd-timeout-s", "5"]) == 2
     assert "need --pd" in capsys.readouterr().err
@@ -175,7 +175,7 @@ def test_idle_and_slow_connections_never_hold_up_a_client_with_the_key() -> None
     """Many connections that never answer the challenge (idle), answer it a byte
     at a time (slow), or read it and stay silent, more of them than challenges may
     run at once: a client with the key is still served while they all stay open."""
-    from hicache_cp.harness.decode_peer import DecodePeer, control_request
+    from hicache_harness.decode_peer import DecodePeer, control_request
     from hicache_cp.pd.control import MAX_PENDING_HANDSHAKES
 
     key = new_authkey()
@@ -294,7 +294,7 @@ def test_decode_peer_on_a_port_in_use_is_bad_input(monkeypatch: pytest.MonkeyPat
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     import socket
 
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     monkeypatch.setenv("HICACHE_CP_PD_AUTHKEY", new_authkey().hex())
     with socket.create_server(("127.0.0.1", 0)) as taken:

@@ -18,7 +18,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 from test_pd import AUTHKEY, DECODE_PAGES, Prefill, needs_mooncake, stats, tiny_layout  # noqa: E402
 
-from hicache_cp.harness.launch import RankContext, spawn_ranks  # noqa: E402
+from hicache_harness.launch import RankContext, spawn_ranks  # noqa: E402
 
 pytestmark = [needs_mooncake, pytest.mark.mooncake, pytest.mark.slow]
 N = 12
@@ -71,7 +71,7 @@ def _rank(ctx: RankContext, address: tuple[str, int], authkey: bytes) -> dict:
 
 
 def test_cp2_chunked_pd_owned_pages_full_layout_and_one_agreed_outcome() -> None:
-    from hicache_cp.harness.decode_peer import spawn_decode_peer
+    from hicache_harness.decode_peer import spawn_decode_peer
 
     proc, address = spawn_decode_peer(tiny_layout(), DECODE_PAGES, AUTHKEY)
     try:

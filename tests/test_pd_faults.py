@@ -40,7 +40,7 @@ DRAIN_S = 30.0  # decode side: long enough that only an acknowledgement frees an
 
 @pytest.fixture(scope="module")
 def decode_peer():
-    from hicache_cp.harness.decode_peer import spawn_decode_peer
+    from hicache_harness.decode_peer import spawn_decode_peer
 
     proc, address = spawn_decode_peer(tiny_layout(), DECODE_PAGES, AUTHKEY, drain_s=DRAIN_S)
     yield address
@@ -155,7 +155,7 @@ def test_a_per_layer_send_that_fails_on_the_feeder_fails_the_room(decode_peer, a
 def test_destination_gone_on_done_concludes_failed_loudly(adapter, caplog: pytest.LogCaptureFixture) -> None:
     """Every byte landed, then the decode peer dies: the "done" gets no answer.
     The room concludes FAILED with a WARNING, never SUCCESS."""
-    from hicache_cp.harness.decode_peer import spawn_decode_peer
+    from hicache_harness.decode_peer import spawn_decode_peer
 
     layout = tiny_layout()
     proc, address = spawn_decode_peer(layout, DECODE_PAGES, AUTHKEY)
@@ -210,7 +210,7 @@ def test_exact_page_counts_both_ways(decode_peer, adapter, monkeypatch: pytest.M
 
 # -- abort from either side, drain before reclaim ----------------------------------
 def test_decode_abort_mid_room_holds_pages_until_prefill_drained(decode_peer, adapter) -> None:
-    from hicache_cp.harness.decode_peer import control_request
+    from hicache_harness.decode_peer import control_request
 
     rng = np.random.default_rng(24)
     with one_sender(decode_peer, adapter) as (pre, s):
@@ -274,7 +274,7 @@ def test_expired_room_refuses_the_next_chunk_at_once(decode_peer, adapter) -> No
 
 
 def test_decode_peer_killed_mid_room_reclaims_and_a_new_peer_verifies(adapter) -> None:
-    from hicache_cp.harness.decode_peer import spawn_decode_peer
+    from hicache_harness.decode_peer import spawn_decode_peer
 
     layout = tiny_layout()
     proc, address = spawn_decode_peer(layout, DECODE_PAGES, AUTHKEY)
@@ -311,12 +311,12 @@ def test_decode_peer_killed_mid_room_reclaims_and_a_new_peer_verifies(adapter) -
 
 
 def test_abort_of_an_unknown_room_is_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
-    from hicache_cp.harness.decode_peer import DecodePeer, control_request
+    from hicache_harness.decode_peer import DecodePeer, control_request
 
     peer = DecodePeer(tiny_layout(), 8, authkey=AUTHKEY)
     peer.start()
     try:
-        with caplog.at_level(logging.WARNING, logger="hicache_cp.harness.decode_peer"):
+        with caplog.at_level(logging.WARNING, logger="hicache_harness.decode_peer"):
             reply = control_request(peer.address, AUTHKEY, {"op": "abort", "room": 4242, "reason": "stale"})
         assert reply["ok"] and reply["known"] is False
         assert peer.unknown_aborts == 1
@@ -336,14 +336,14 @@ def test_registration_summary_and_partition_dump(decode_peer, adapter, caplog: p
     for dump in (False, True):
         caplog.clear()
         level = logging.DEBUG if dump else logging.INFO
-        with caplog.at_level(logging.INFO, logger="hicache_cp.pd.sender"), \
+        with caplog.at_level(logging.INFO, logger="hicache_cp.pd.session"), \
                 caplog.at_level(level, logger="hicache_cp.pd.partition"):
             with one_sender(decode_peer, adapter) as (pre, s):
                 homes = pre.request(5, np.random.default_rng(29))
                 s.open_room(1800 + dump, 1800 + dump, 5)
                 s.send(1800 + dump, homes)
                 results.append(s.finish(1800 + dump))
-        summary = [r.message for r in caplog.records if r.name == "hicache_cp.pd.sender"]
+        summary = [r.message for r in caplog.records if r.name == "hicache_cp.pd.session"]
         assert any("L2: kv buffers 4 (draft kv at 3, 1), state buffers 3 (draft state at 2, 1)" in m
                    and "target_state 2 buffers layers [0, 2]" in m for m in summary), summary
         dumps = [r.message for r in caplog.records if r.name == "hicache_cp.pd.partition"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_cp.harness.cli import main
+from hicache_harness.cli import main
 
 mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake TransferEngine not importable (libibverbs1?)")
 pytestmark = pytest.mark.mooncake
@@ -77,7 +77,7 @@ def test_replay_with_pd_takes_requests_shorter_than_a_block(tmp_path: Path) -> N
 def test_replay_with_pd_exits_1_when_a_room_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One byte of one L2 page is flipped while its room is sent (and restored
     after): the decode peer's check fails that room, and the replay exits 1."""
-    from hicache_cp.harness import pd_replay
+    from hicache_harness import pd_replay
     from hicache_cp.layout import Part
 
     real_send = pd_replay.PdSink.send_request

@@ -94,7 +94,7 @@ def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def decode_peer() -> Iterator[tuple[str, int]]:
-    from hicache_cp.harness.decode_peer import spawn_decode_peer
+    from hicache_harness.decode_peer import spawn_decode_peer
 
     proc, address = spawn_decode_peer(tiny_layout(), DECODE_PAGES, AUTHKEY)
     yield address
@@ -135,7 +135,7 @@ def engine(request, monkeypatch):  # type: ignore[no-untyped-def]
 def _scattered(pre: Prefill, n: int, rng: np.random.Generator):  # type: ignore[no-untyped-def]
     """A request of n L1 pages, none consecutive: one descriptor per page, part and layer."""
     from hicache_cp.cp import mapping as cp_mapping
-    from hicache_cp.harness import integrity
+    from hicache_harness import integrity
     from hicache_cp.pd.sender import PageHomes
 
     phys = np.arange(1, 2 * n, 2, dtype=np.int64)[:n]

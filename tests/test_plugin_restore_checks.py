@@ -28,7 +28,7 @@ def test_sglang_a_flipped_bit_in_l2_fails_the_request_and_is_never_served_again(
     pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
     from test_sglang_radix import PAGE, budget, clean, in_l2_only, serve
 
-    from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec
+    from hicache_harness.sglang.server import SGLangPrefillServer, ServerSpec
 
     env = {"HICACHE_HOST_BUDGET_BYTES": str(budget(64)), "HICACHE_IO_BACKEND": "cpu", "HICACHE_DEBUG_CHECKS": "true",
            "HICACHE_PIN_HOST": "false", "HICACHE_L2_FREE_ROOM": "0"}  # fmt: skip
@@ -65,7 +65,7 @@ def test_vllm_a_flipped_bit_in_l2_takes_vllms_recompute_path_and_the_copy_is_dro
     import test_vllm_bench as H
 
     if device == "cuda" and not H.cuda_available():
-        pytest.skip("needs CUDA (tools/device_vllm_race.sh runs it)")
+        pytest.skip("needs CUDA (bench/device/vllm_race.sh runs it)")
     b = H.make_bench(H.write_model_dir(tmp_path / "m"), device=device, workers=1)
     try:
         prompt = list(range(100, 185))  # 5 whole pages

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import test_cache_stateful
 from conftest import evict_all_l1, evict_all_l2, run_request, tiny_config, tokens_of
-from hicache_cp.harness.replay import command as replay
+from hicache_harness.replay import command as replay
 from hicache_cp.policy import make_policy, policy_names
 from hicache_cp.policy.base import EvictionPolicy
 from hicache_cp.policy.ghost import GhostTable

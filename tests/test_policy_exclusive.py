@@ -24,7 +24,7 @@ import pytest
 from conftest import Faults, evict_all_l1, expected_bytes, fill_pattern, land, run_request, tokens_of
 from hicache_cp.config import Config, WritePolicy
 from hicache_cp.errors import ConfigError
-from hicache_cp.harness.replay import command as replay
+from hicache_harness.replay import command as replay
 from hicache_cp.io.base import Direction
 from hicache_cp.ops import LoadState
 from hicache_cp.radix import HostState

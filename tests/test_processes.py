@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from conftest import mooncake_store_available
-from hicache_cp.harness import lifetime
+from hicache_harness import lifetime
 
 ROOT = Path(__file__).resolve().parent.parent
 SHM = Path("/dev/shm")
@@ -127,7 +127,7 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "MC_LOG_LEVEL": "ERROR"}  # fmt: skip
     before = _sems()
-    cmd = [sys.executable, "-m", "hicache_cp", "replay", "--trace", str(trace), "--no-verify", "--json", str(out_json),
+    cmd = [sys.executable, "-m", "hicache_harness", "replay", "--trace", str(trace), "--no-verify", "--json", str(out_json),
            *flags]  # fmt: skip
     err_path = tmp_path / "stderr.txt"  # a file, not a pipe: a child left behind would hold a pipe open
     with err_path.open("wb") as err:
@@ -195,7 +195,7 @@ def test_early_sigint_exits_130_in_one_line(delay_s: float) -> None:
     """Ctrl-C while the CLI is still importing (torch takes a second or more):
     exit 130 with one line, no KeyboardInterrupt traceback."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "hicache_cp", "replay", "--limit", "3"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "hicache_harness", "replay", "--limit", "3"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     time.sleep(delay_s)
     proc.send_signal(signal.SIGINT)
@@ -230,7 +230,7 @@ def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path: Path) 
     stderr, and the run carries on (a Ctrl-C still ends it with 130)."""
     err_path = tmp_path / "stderr.txt"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "hicache_cp", "replay", "--trace", str(_trace(tmp_path / "long.jsonl")), "--no-verify"]
+    cmd = [sys.executable, "-m", "hicache_harness", "replay", "--trace", str(_trace(tmp_path / "long.jsonl")), "--no-verify"]
     with err_path.open("wb") as err:
         parent = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
@@ -242,7 +242,7 @@ def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path: Path) 
         time.sleep(1.0)
         assert parent.poll() is None, "SIGUSR1 ended the run"
         stacks = err_path.read_text(errors="replace")
-        assert "(the main thread, here)" in stacks and "hicache_cp/harness/replay" in stacks, stacks[-3000:]
+        assert "(the main thread, here)" in stacks and "hicache_harness/replay" in stacks, stacks[-3000:]
         assert stacks.count("\nThread 0x") >= 2, stacks[-3000:]  # the replay's worker threads too
         parent.send_signal(signal.SIGINT)
         assert _wait_or_dump_stacks(parent, err_path) == 130
@@ -257,7 +257,7 @@ def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(tmp_path: Path) 
 # signal mask it was born with, before `child_main` could change it.
 _FIRST_SPAWN = """
 import multiprocessing as mp, signal
-from hicache_cp.harness import lifetime
+from hicache_harness import lifetime
 
 def report(conn):
     conn.send(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
@@ -295,7 +295,7 @@ def test_a_signal_while_the_decode_peer_starts_stops_it(sig: signal.Signals, tmp
     trace = _trace(tmp_path / "long.jsonl", n=2000)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "MC_LOG_LEVEL": "ERROR"}  # fmt: skip
-    cmd = [sys.executable, "-m", "hicache_cp", "replay", "--trace", str(trace), "--no-verify", "--pd",
+    cmd = [sys.executable, "-m", "hicache_harness", "replay", "--trace", str(trace), "--no-verify", "--pd",
            "--json", str(tmp_path / "out.json")]  # fmt: skip
     err_path = tmp_path / "stderr.txt"
     with err_path.open("wb") as err:

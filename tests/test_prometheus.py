@@ -9,9 +9,9 @@ import pytest
 
 from conftest import tiny_config
 from hicache_cp.cache import HiCache
-from hicache_cp.harness.engines.synthetic import ReferenceServer
-from hicache_cp.harness.trace import request_tokens
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.engines.synthetic import ReferenceServer
+from hicache_harness.trace import request_tokens
+from hicache_harness.workload import default_workload
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -103,7 +103,7 @@ def test_replay_serves_metrics_on_loopback(monkeypatch) -> None:
     import socket
 
     from hicache_cp import prometheus
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

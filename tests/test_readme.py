@@ -89,7 +89,7 @@ def test_every_bash_line_is_one_this_module_proves() -> None:
 
 def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     """Every `hicache-cp` command in the README's bash blocks exits 0 here."""
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     commands = _hicache_commands()
     assert ["replay"] in commands, commands
@@ -141,7 +141,7 @@ def test_readme_library_command_runs(capsys) -> None:  # type: ignore[no-untyped
 
 
 def test_every_hicache_cp_command_the_readme_names_exists() -> None:
-    from hicache_cp.harness.cli import COMMANDS
+    from hicache_harness.cli import COMMANDS
 
     text = README.read_text()
     named = set(re.findall(r"`(?:\.venv/bin/)?hicache-cp ([a-z][a-z0-9-]+)", text)) | set(re.findall(r"`(bench-[a-z0-9]+)`", text))

@@ -15,16 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache_cp.harness.replay import command as R
-from hicache_cp.harness.replay.rank import REPORT_KEYS
+from hicache_harness.replay import command as R
+from hicache_harness.replay.rank import REPORT_KEYS
 from hicache_cp.cache import HiCache
-from hicache_cp.harness.cli import main
+from hicache_harness.cli import main
 from hicache_cp.config import Config
 from hicache_cp.io.base import Direction
 from hicache_cp.radix import HostState
-from hicache_cp.harness.engines.synthetic import ReferenceServer, RequestResult
-from hicache_cp.harness.trace import request_tokens
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.engines.synthetic import ReferenceServer, RequestResult
+from hicache_harness.trace import request_tokens
+from hicache_harness.workload import default_workload
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 
@@ -171,8 +171,8 @@ def test_a_checker_that_skips_a_part_fails_the_run(monkeypatch, tmp_path) -> Non
     """Integrity coverage is computed, not assumed: a checker that silently
     skips the draft parts covers fewer units than were reused, and the run
     exits 1 although no byte it did compare differs."""
-    from hicache_cp.harness.cli import main
-    from hicache_cp.harness.engines.synthetic import ReferenceServer
+    from hicache_harness.cli import main
+    from hicache_harness.engines.synthetic import ReferenceServer
     from hicache_cp.layout import Model
 
     real = ReferenceServer._units
@@ -188,7 +188,7 @@ def test_a_checker_that_skips_a_part_fails_the_run(monkeypatch, tmp_path) -> Non
 
 
 def test_checked_units_equal_expected_units(tmp_path) -> None:
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     out = tmp_path / "r.json"
     assert main(["replay", "--limit", "60", "--json", str(out)]) == 0

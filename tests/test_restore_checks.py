@@ -1,7 +1,7 @@
 """Verified restores in the library: every fault of issue 44 is detected, never served,
 and its request recomputed; the bad L2 copy is dropped and never served again.
 
-Each story runs the reference server (`harness.engines.synthetic`) over a real
+Each story runs the reference server (`hicache_harness.engines.synthetic`) over a real
 `HiCache` on the cpu io backend, injects one fault, and then checks three
 things: the library's check failed the load (`verify_failures_*`, an aborted
 load), the harness's own byte oracle saw only correct bytes (the request was
@@ -21,7 +21,7 @@ import pytest
 from hicache_cp.cache import HiCache
 from hicache_cp.checksum import Verify
 from hicache_cp.io.base import Direction
-from hicache_cp.harness.engines.synthetic import ReferenceServer
+from hicache_harness.engines.synthetic import ReferenceServer
 from hicache_cp.layout import Part
 from hicache_cp.radix import HostState
 

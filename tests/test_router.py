@@ -1,4 +1,4 @@
-"""Two instances behind a prefix-aware router that reads their KV events (`harness.router`).
+"""Two instances behind a prefix-aware router that reads their KV events (`hicache_harness.router`).
 
 Routed on the GPU tier's events only, a request whose prefix left L1 but is
 still in one instance's L2 goes wherever load sends it; routed on the GPU
@@ -13,9 +13,9 @@ import pytest
 
 from events_support import SHARED_TRACE
 from hicache_cp.config import Config
-from hicache_cp.harness.router import compare
-from hicache_cp.harness.trace import load_trace, request_tokens, unique_blocks
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.router import compare
+from hicache_harness.trace import load_trace, request_tokens, unique_blocks
+from hicache_harness.workload import default_workload
 
 PAGE = 16
 
@@ -33,7 +33,7 @@ def sized(requests, l2_fraction: float, l1_longest: float) -> Config:  # type: i
 @pytest.mark.parametrize("workload,fmt", [("embedded", "sglang"), ("embedded", "vllm"), ("trace", "sglang")])
 def test_host_tier_events_route_to_more_host_hits(workload: str, fmt: str) -> None:
     pytest.importorskip("sglang" if fmt == "sglang" else "vllm.distributed.kv_events")
-    from hicache_cp.harness.kv_events import engine_format
+    from hicache_harness.kv_events import engine_format
 
     if workload == "trace" and SHARED_TRACE is None:
         pytest.skip("the public trace (shared/traces/synthetic_trace.jsonl beside the checkout) is not here")

@@ -1,7 +1,7 @@
 """What a GPU server needs of `--radix-cache-backend hicache-cp` that CPU scenarios let through.
 
 Issue 42's blockers, each tested on SGLang 0.5.23's real classes through the
-harness (`hicache_cp.harness.sglang.server`), on CPU where a CPU test can
+harness (`hicache_harness.sglang.server`), on CPU where a CPU test can
 show the contract and on CUDA (marked `gpu`) where only the GPU can:
 
 - loads and scheduler-thread backups ordered behind the forward in flight;
@@ -39,7 +39,7 @@ from test_sglang_radix import (  # noqa: E402
 )  # fmt: skip
 
 from hicache_cp import Model, Part  # noqa: E402
-from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
+from hicache_harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
 from hicache_cp.integrations.sglang.fence import ForwardFence  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 
@@ -177,7 +177,7 @@ def test_mtp_draft_pools_reach_the_plugin_without_sglangs_hicache(tmp_path: Path
     s = SGLangPrefillServer(ServerSpec(), tmp_path / "pools")
     draft_pool = s.drafts[0]
     s.close()
-    from hicache_cp.harness.sglang.env import publish_server_args
+    from hicache_harness.sglang.env import publish_server_args
 
     publish_server_args(tmp_path / "spec", radix_cache_backend="hicache-cp")
     load_plugins()  # every scheduler process runs it: the plug-in's hooks are applied
@@ -233,7 +233,7 @@ def _dp_rank_worker(ctx, workdir: str) -> dict:
 
 
 def test_dp_ranks_agree_within_their_cache_group_not_the_tp_group(tmp_path: Path) -> None:
-    from hicache_cp.harness.launch import spawn_ranks
+    from hicache_harness.launch import spawn_ranks
 
     r0, r1 = spawn_ranks(_dp_rank_worker, 2, (str(tmp_path),), timeout_s=120)
     # Each DP rank decides alone (its cache group has one rank): no collective with a rank
@@ -292,7 +292,7 @@ def test_modes_the_plugin_cannot_serve_are_refused_at_start_naming_the_flag(
 ) -> None:
     """SGLang's own ServerArgs for each mode, handed to the factory as SGLang hands it."""
     import hicache_cp.integrations.sglang as plugin
-    from hicache_cp.harness.sglang.env import publish_server_args
+    from hicache_harness.sglang.env import publish_server_args
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     s = SGLangPrefillServer(ServerSpec(), tmp_path / "pools")

@@ -1,4 +1,4 @@
-"""`tools/sglang_engine.py`'s own logic on CPU (the engine itself runs on the device only):
+"""`bench/engines/sglang_engine.py`'s own logic on CPU (the engine itself runs on the device only):
 the prompt stream, the per-mode summary and the greedy comparison against the run without a host tier."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("sglang_engine_tool", ROOT / "tools" / "sglang_engine.py")
+_spec = importlib.util.spec_from_file_location("sglang_engine_tool", ROOT / "bench" / "engines" / "sglang_engine.py")
 tool = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 sys.modules["sglang_engine_tool"] = tool
 _spec.loader.exec_module(tool)  # type: ignore[union-attr]
@@ -69,7 +69,7 @@ def _check_args(model: str) -> list[dict]:
     import subprocess
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "sglang_engine.py"), "--check-args", "--model", model],
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "engines" / "sglang_engine.py"), "--check-args", "--model", model],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert out.returncode == 0 and len(rows) == 3, (out.stdout[-3000:], out.stderr[-3000:])
@@ -97,7 +97,7 @@ def test_every_modes_arguments_pass_sglangs_own_server_args(model: str) -> None:
 @pytest.mark.slow
 def test_a_value_sglangs_command_line_refuses_is_named() -> None:
     pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
-    from hicache_cp.harness.sglang.env import import_sglang
+    from hicache_harness.sglang.env import import_sglang
 
     import_sglang()
     tool.check_cli_values({"page_size": 64, "attention_backend": "triton", "disable_cuda_graph": True})

@@ -1,4 +1,4 @@
-"""The harness's SGLang import (`hicache_cp.harness.sglang.env.import_sglang`) where torchvision
+"""The harness's SGLang import (`hicache_harness.sglang.env.import_sglang`) where torchvision
 imports, as on the GPU image (torchvision 0.26), and where it does not, as here.
 
 The GPU image cannot be had on CPU, so a real-looking torchvision stands in for
@@ -74,7 +74,7 @@ def test_a_torchvision_that_imports_is_used_not_replaced(tmp_path: Path) -> None
     vision = real_looking_torchvision(tmp_path / "site")
     script = (
         "import sys\n"
-        "from hicache_cp.harness.sglang.env import import_sglang\n"
+        "from hicache_harness.sglang.env import import_sglang\n"
         "import_sglang()\n"
         "import torchvision, torchvision.transforms.v2\n"
         "from transformers.utils import import_utils\n"
@@ -93,7 +93,7 @@ def test_an_installed_torchvision_that_does_not_import_is_named(tmp_path: Path) 
     and would import it for SGLang's configs whatever stands in, so the import fails naming
     torchvision and the reason, instead of transformers' "Could not import module"."""
     vision = real_looking_torchvision(tmp_path / "site", broken=True)
-    script = "from hicache_cp.harness.sglang.env import import_sglang\nimport_sglang()\n"
+    script = "from hicache_harness.sglang.env import import_sglang\nimport_sglang()\n"
     out = _run(["-c", script], vision)
     assert out.returncode == 1
     assert "ImportError: torchvision is installed but does not import (RuntimeError: operator torchvision::nms" in out.stderr

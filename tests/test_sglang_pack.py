@@ -1,4 +1,4 @@
-"""`tools/sglang_pack.py` and its `sgl_kernel` stand-in (tools/sglang_shims), on CPU.
+"""`bench/engines/sglang_pack.py` and its `sgl_kernel` stand-in (bench/engines/sglang_shims), on CPU.
 
 The stand-in must let SGLang import on a CUDA machine without sgl-kernel, and
 must fail loudly the moment anything of it is called: every name raises
@@ -23,8 +23,8 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIMS = ROOT / "tools" / "sglang_shims"
-_spec = importlib.util.spec_from_file_location("sglang_pack", ROOT / "tools" / "sglang_pack.py")
+SHIMS = ROOT / "bench" / "engines" / "sglang_shims"
+_spec = importlib.util.spec_from_file_location("sglang_pack", ROOT / "bench" / "engines" / "sglang_pack.py")
 pack = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 sys.modules["sglang_pack"] = pack
 _spec.loader.exec_module(pack)  # type: ignore[union-attr]
@@ -34,7 +34,7 @@ SUBMODULES = ("elementwise", "flash_attn", "kvcacheio", "mamba", "quantization",
 
 @pytest.fixture
 def stand_in() -> Iterator[dict[str, ModuleType]]:
-    """The stand-in's modules, imported from tools/sglang_shims and removed again afterwards
+    """The stand-in's modules, imported from bench/engines/sglang_shims and removed again afterwards
     (no other test may see an `sgl_kernel` in this process)."""
     assert "sgl_kernel" not in sys.modules, "an sgl_kernel is already imported in this process"
     sys.path.insert(0, str(SHIMS))
@@ -146,7 +146,7 @@ def test_sglang_imports_with_cuda_faked_and_the_stand_in() -> None:
 def test_the_packed_tree_imports_with_cuda_faked(tmp_path: Path) -> None:
     tarball = ROOT / ".sglang" / "sglang-src.tar.gz"
     if not tarball.exists():
-        pytest.skip("not packed here (tools/sglang_pack.py)")
+        pytest.skip("not packed here (bench/engines/sglang_pack.py)")
     with tarfile.open(tarball) as tar:
         tar.extractall(tmp_path, filter="data")
     result = pack.trace([tmp_path], ["sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.models.deepseek_v2"])

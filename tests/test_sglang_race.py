@@ -4,7 +4,7 @@ On CPU the race runs SGLang's device tree (`radix`) and hicache-cp on SGLang's
 real pools and scheduling functions, with the forward writing and checking
 every byte through torch; SGLang's own HiCache cannot be built without CUDA
 (its host pool registers memory with it), and the race records where it
-stops. The GPU test runs all three backends; tools/device_sglang.sh runs it.
+stops. The GPU test runs all three backends; bench/device/sglang.sh runs it.
 
 Small pools here: latent 64 + rope 16 (160 B a token a layer), 4 layers.
 """
@@ -22,15 +22,15 @@ import torch
 
 pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
-from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
+from hicache_harness.sglang.env import import_sglang  # noqa: E402
 
-import_sglang()  # SGLang's configs package, on a CPU torch too (see hicache_cp.harness.sglang.env)
+import_sglang()  # SGLang's configs package, on a CPU torch too (see hicache_harness.sglang.env)
 
-from hicache_cp.harness.bench.sglang_race import run_backend, table  # noqa: E402
-from hicache_cp.harness.bench.sglang_race_forward import token_bytes_torch  # noqa: E402
-from hicache_cp.harness.bench.sglang_race_server import RaceServer, RaceSpec, SchedulerClock  # noqa: E402
-from hicache_cp.harness.sglang.kv_bytes import prefix_hashes, token_bytes  # noqa: E402
-from hicache_cp.harness.trace import TraceRequest  # noqa: E402
+from hicache_harness.bench.sglang_race import run_backend, table  # noqa: E402
+from hicache_harness.bench.sglang_race_forward import token_bytes_torch  # noqa: E402
+from hicache_harness.bench.sglang_race_server import RaceServer, RaceSpec, SchedulerClock  # noqa: E402
+from hicache_harness.sglang.kv_bytes import prefix_hashes, token_bytes  # noqa: E402
+from hicache_harness.trace import TraceRequest  # noqa: E402
 
 pytestmark = pytest.mark.slow  # importing SGLang costs ~10 s once per process
 
@@ -145,7 +145,7 @@ def test_sglangs_hicache_is_built_as_far_as_a_cpu_allows(tmp_path: Path) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA (tools/device_sglang.sh)")
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (bench/device/sglang.sh)")
 def test_the_race_on_cuda(tmp_path: Path) -> None:
     rows = []
     for pools in ("mla", "dsa"):
@@ -189,7 +189,7 @@ def test_mha_pools_are_written_and_checked_in_k_and_v(tmp_path: Path) -> None:
     (["--device", "tpu"], "--device 'tpu': expected auto, cpu, cuda or cuda:N"),
 ])  # fmt: skip
 def test_bad_flags_exit_2_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache_cp.harness.cli import main
+    from hicache_harness.cli import main
 
     assert main(["bench-sglang", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -5,7 +5,7 @@ pools (DSA: target with index skip and MTP draft; MHA: K and V per layer,
 GQA heads), registry and scheduling functions (`PrefillAdder`,
 `ScheduleBatch.prepare_for_extend`, `checkpoint_kv_cache`,
 `release_kv_cache`, `release_req`) drive the plug-in in the scheduler's
-order (`hicache_cp.harness.sglang.server`). A stand-in forward writes each
+order (`hicache_harness.sglang.server`). A stand-in forward writes each
 new token's deterministic bytes and checks every byte of every prefix token
 each layer reads (MLA latent, indexer keys, K and V, draft), so a wrong
 load, a late wait or a partial hit shows as mismatched bytes.
@@ -33,10 +33,10 @@ import torch
 pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
 from hicache_cp import ConsistencyError, Model, Part  # noqa: E402
-from hicache_cp.harness.sglang.env import import_sglang  # noqa: E402
-from hicache_cp.harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
+from hicache_harness.sglang.env import import_sglang  # noqa: E402
+from hicache_harness.sglang.server import SGLangPrefillServer, ServerSpec  # noqa: E402
 
-import_sglang()  # SGLang's configs package on a CPU torch (see hicache_cp.harness.sglang.env)
+import_sglang()  # SGLang's configs package on a CPU torch (see hicache_harness.sglang.env)
 from hicache_cp.io.base import CopyFailed, Direction  # noqa: E402
 
 pytestmark = pytest.mark.slow  # importing SGLang costs ~10 s once per process
@@ -483,7 +483,7 @@ def _tp_rank_worker(ctx, workdir: str) -> dict:
 
 
 def test_tp_ranks_agree_a_load_that_failed_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
-    from hicache_cp.harness.launch import spawn_ranks
+    from hicache_harness.launch import spawn_ranks
 
     r0, r1 = spawn_ranks(_tp_rank_worker, 2, (str(tmp_path),), timeout_s=240)
     # Rank 1's copy failed; the MIN all-reduce failed the load on both ranks at the same step:

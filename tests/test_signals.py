@@ -4,7 +4,7 @@ Where a signal was lost: `stop_on_signals` raised `Interrupted` from wherever
 the main thread was, and a signal handled while a module was being imported
 ran inside a C++ extension's initialisation (torch's, through pybind11), which
 either swallowed the exception (the run went on and exited 0) or aborted the
-process; and after the CLI gave its signals back, `python -m hicache_cp`'s own
+process; and after the CLI gave its signals back, `python -m hicache_harness`'s own
 handler raised SystemExit inside the interpreter's wind-down, where it is
 dropped (exit 0). Now a signal that comes during an import is held until the
 import ends, a swallowed `Interrupted` is raised again before a result is
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_cp.harness import lifetime
+from hicache_harness import lifetime
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,8 +60,8 @@ def test_a_signal_during_an_import_is_raised_after_the_import(tmp_path: Path, mo
 def test_a_swallowed_interrupt_still_exits_128_plus_signal(monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """A command whose code swallows the `Interrupted` and returns 0: the CLI still exits 143."""
-    from hicache_cp.harness import cli
-    from hicache_cp.harness.bench import alloc
+    from hicache_harness import cli
+    from hicache_harness.bench import alloc
 
     def swallowing_run(args: object) -> int:
         try:
@@ -78,7 +78,7 @@ def test_a_swallowed_interrupt_still_exits_128_plus_signal(monkeypatch: pytest.M
 
 
 def test_an_interrupted_run_commits_no_output_file(tmp_path: Path) -> None:
-    from hicache_cp.harness.outputs import write_json
+    from hicache_harness.outputs import write_json
 
     out = tmp_path / "r.json"
     with lifetime.stop_on_signals():
@@ -98,7 +98,7 @@ def late():  # registered first, so it runs last: the CLI's clean-up is long ove
     os.kill(os.getpid(), signal.{sig})
     time.sleep(2.0)
 atexit.register(late)
-runpy.run_module("hicache_cp", run_name="__main__")
+runpy.run_module("hicache_harness", run_name="__main__")
 """
 
 
@@ -111,7 +111,7 @@ def test_a_signal_while_the_interpreter_winds_down_is_not_lost(sig: str) -> None
     assert "Traceback" not in proc.stderr and f"interrupted by {sig}" in proc.stderr, proc.stderr[-2000:]
 
 
-# mode -> (command after `python -m hicache_cp`, children a working run has, what stderr shows once it works)
+# mode -> (command after `python -m hicache_harness`, children a working run has, what stderr shows once it works)
 MODES = {
     "pd": (["replay", "--pd"], 1, "req/s"),
     "cp2": (["replay", "--cp-size", "2"], 2, "req/s"),
@@ -141,7 +141,7 @@ def test_every_mode_exits_128_plus_the_signal(mode: str, phase: str, tmp_path: P
     flip = list(MODES).index(mode) % 2
     sig = (signal.SIGINT, signal.SIGTERM)[(phase == "mid-run") ^ flip]
     out_json = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "hicache_cp", *command]
+    cmd = [sys.executable, "-m", "hicache_harness", *command]
     if command[0] == "replay":
         cmd += ["--trace", str(_trace(tmp_path / "long.jsonl", n=4000)), "--no-verify", "--json", str(out_json)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MC_LOG_LEVEL": "ERROR",

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache_cp.harness.trace import (
+from hicache_harness.trace import (
     BLOCK_TOKENS,
     TraceError,
     TraceRequest,

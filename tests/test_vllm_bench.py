@@ -9,7 +9,7 @@ scheduler builds its own, the bench builds each worker's through vLLM's
 `KVOutputAggregator`, as its multiprocess executor does.
 
 Device: `device="cpu"` (CI) keeps vLLM's KV tensors on the CPU with the CPU
-copy engine; `device="cuda"` (the GPU run, tools/device_vllm.sh) puts them on
+copy engine; `device="cuda"` (the GPU run, bench/device/vllm.sh) puts them on
 the GPU in vLLM's MLA layout ([num_blocks, block_size, head_size] per layer),
 with L2 pinned host memory and the copy engine the connector picks by
 default on CUDA (`io_backend="auto"`).
@@ -117,7 +117,7 @@ def cuda_available() -> bool:
 
 #: The devices every bench test runs on; CUDA ones are GPU tests, skipped without CUDA.
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA (tools/device_vllm.sh runs these on the H200)")])]
+    not torch.cuda.is_available(), reason="needs CUDA (bench/device/vllm.sh runs these on the H200)")])]
 
 TINY_DEEPSEEK = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,

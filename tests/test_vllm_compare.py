@@ -1,4 +1,4 @@
-"""tools/vllm_compare.py: hicache-cp's connector beside vLLM's OffloadingConnector, under vLLM's real Scheduler.
+"""bench/engines/vllm_compare.py: hicache-cp's connector beside vLLM's OffloadingConnector, under vLLM's real Scheduler.
 
 A small embedded workload (CPU, a few seconds); the assertions are what the
 comparison must show whatever the numbers: both connectors serve every
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
                     reason="vLLM not installed (scripts/install_vllm.sh)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "engines"))
 
 import vllm_compare  # noqa: E402
 
@@ -29,7 +29,7 @@ def test_vllm_compare_writes_both_connectors_side_by_side(tmp_path, capsys):
     out = tmp_path / "cmp.json"
     assert vllm_compare.main(["--json", str(out), "--requests", "24", "--gpu-blocks", "64", "--host-pages", "120"]) == 0
     report = json.loads(out.read_text())
-    assert report["vllm"] == "0.33.0" and report["commit"] and report["command"].startswith("tools/vllm_compare.py")
+    assert report["vllm"] == "0.33.0" and report["commit"] and report["command"].startswith("bench/engines/vllm_compare.py")
     ours, theirs = report["results"]
     assert ours["connector"].startswith("hicache-cp") and theirs["connector"].startswith("vLLM OffloadingConnector")
     for r in (ours, theirs):

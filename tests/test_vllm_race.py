@@ -1,6 +1,6 @@
 """The GPU run's tools, checked on CPU: the op build's bindings, the pack's include closure,
-and the race's workload, timer and greedy-identity check (tools/vllm_ops, tools/vllm_pack.py,
-tools/vllm_race.py). The GPU run itself is tools/device_vllm_race.sh."""
+and the race's workload, timer and greedy-identity check (bench/engines/vllm_ops, bench/engines/vllm_pack.py,
+bench/engines/vllm_race.py). The GPU run itself is bench/device/vllm_race.sh."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-sys.path.insert(0, str(TOOLS))
+ENGINES = Path(__file__).resolve().parent.parent / "bench" / "engines"
+sys.path.insert(0, str(ENGINES))
 
 import vllm_pack  # noqa: E402
 import vllm_race  # noqa: E402
@@ -19,7 +19,7 @@ build = vllm_pack.load_build_script()
 
 
 def test_bindings_register_exactly_the_ops_the_build_checks():
-    text = (TOOLS / "vllm_ops" / "bindings.cpp").read_text()
+    text = (ENGINES / "vllm_ops" / "bindings.cpp").read_text()
     defined: dict[str, list[str]] = {}
     for ns, body in re.findall(r"STABLE_TORCH_LIBRARY_FRAGMENT\((\w+), ops\) \{(.*?)\n\}", text, re.S):
         defined[ns] = sorted(re.findall(r'"(\w+)\(', body))
@@ -87,7 +87,7 @@ def test_race_timer_splits_roles_and_closes_a_step_at_its_last_call():
 
 
 def test_race_timer_wraps_one_instance_and_closes_steps_where_told():
-    """The CPU comparison's use (tools/vllm_compare.py): one connector instance per role, steps
+    """The CPU comparison's use (bench/engines/vllm_compare.py): one connector instance per role, steps
     closed by the driver, wall and thread CPU time per role and method."""
 
     class Connector:
@@ -121,7 +121,7 @@ def test_op_build_records_commit_machine_and_command_when_it_fails(tmp_path):
             "--json", str(out)]
     assert build.main(argv) == 1
     report = json.loads(out.read_text())
-    assert report["commit"] and report["machine"] and report["command"] == "python3 tools/vllm_ops/build.py " + " ".join(argv)
+    assert report["commit"] and report["machine"] and report["command"] == "python3 bench/engines/vllm_ops/build.py " + " ".join(argv)
     assert not report["ok"] and report["error"].startswith("FileNotFoundError: vLLM sources missing")
 
 

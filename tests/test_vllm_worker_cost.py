@@ -97,7 +97,7 @@ def test_vllm_worker_plans_each_op_once_and_submits_a_layer_in_one_call(model_di
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (tools/device_vllm_race.sh runs it)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/device/vllm_race.sh runs it)")
 def test_vllm_cuda_a_loads_checks_do_not_wait_for_the_forward(model_dir):
     """The step's end waits for the loads and their checks; a forward still running on the
     compute stream (a 0.2 s spin queued after every layer's wait) is not waited for."""

@@ -11,20 +11,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_cp.harness.bounds import (
+from hicache_harness.bounds import (
     BoundResult,
     _belady,
     belady_hit_rate,
     infinite_capacity_hit_rate,
 )
-from hicache_cp.harness.trace import (
+from hicache_harness.trace import (
     BLOCK_TOKENS,
     TraceRequest,
     load_trace,
     unique_blocks,
     write_trace,
 )
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.workload import default_workload
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
 

@@ -30,8 +30,8 @@ INDEX_JSON = RESULTS / "index.json"
 INDEX_MD = RESULTS / "INDEX.md"
 OWN = {"INDEX.md", "index.json"}
 #: Where citations are looked for (relative to the repository root).
-CITING = ("README.md", "docs", "examples", "hicache_cp", "hostmem", "bench/scripts", "bench/experiments",
-          "bench/device", "tools", "tests")  # fmt: skip
+CITING = ("README.md", "docs", "examples", "hicache_cp", "hicache_harness", "hostmem", "bench/scripts", "bench/experiments",
+          "bench/engines", "bench/device", "tools", "tests")  # fmt: skip
 _HEADER = re.compile(r"#\s*commit\s+(?P<commit>[^;]+);\s*machine\s+(?P<machine>[^;]+);\s*command:\s*(?P<command>.*)")
 
 

@@ -8,7 +8,7 @@
 # On the GPU host:  AB_TREES="ab_<commit> . ab_fix" AB_ROUNDS=2 AB_TIMEOUT=150 \
 #                   AB_CMD="bench-io --backends direct --pages 64 --kernel-sm-fractions= --runs-backends= --exposure-pages 8192" \
 #                   bash bench/device/ab.sh run
-#   runs `python -P -m hicache_cp $AB_CMD --json $DEST/ab-<round>-<tree>.json` with each tree alone
+#   runs `python -P -m hicache_harness $AB_CMD --json $DEST/ab-<round>-<tree>.json` with each tree alone
 #   on PYTHONPATH (-P: the working directory's own hicache_cp is not put first), round by round
 #   (interleaved, so drift hits every tree alike); each JSON names its tree as its commit
 #   (HICACHE_COMMIT); every run's output goes to one $DEST/ab.log. Exit status: the first failing run's.
@@ -35,7 +35,7 @@ for round in $(seq "${AB_ROUNDS:-2}"); do
     label=$([ "$tree" = . ] && echo "$COMMIT" || echo "$tree")
     step "round $round: $name ($(PYTHONPATH=$tree $PY -P -c 'import hicache_cp; print(hicache_cp.__file__)'))" | tee -a "$DEST/ab.log"
     # shellcheck disable=SC2086 - AB_CMD is a command line
-    { HICACHE_COMMIT=$label PYTHONPATH=$tree timeout "${AB_TIMEOUT:-150}" $PY -P -m hicache_cp $AB_CMD \
+    { HICACHE_COMMIT=$label PYTHONPATH=$tree timeout "${AB_TIMEOUT:-150}" $PY -P -m hicache_harness $AB_CMD \
         --json "$DEST/ab-$round-$name.json" 2>&1; } | tee -a "$DEST/ab.log" | grep -E "^(exposure|overlap|targets)|rror"
     keep "${PIPESTATUS[0]}"
   done

@@ -34,14 +34,14 @@ fi
 
 if want replay; then
   step "replay cp1 on one GPU, DeepSeek-V3.2 layout"
-  timeout "${REPLAY_TIMEOUT:-170}" $PY -m hicache_cp replay --trace "$TRACE" --config bench/device/deepseek-v3.2.toml $LIMIT \
+  timeout "${REPLAY_TIMEOUT:-170}" $PY -m hicache_harness replay --trace "$TRACE" --config bench/device/deepseek-v3.2.toml $LIMIT \
     --l2-fraction 0.1 --device cuda --json "$DEST/replay-$GPU-cp1.json" 2>&1 | grep -v "replay:.*req" | tail -30
   keep "${PIPESTATUS[0]}"
 fi
 
 if want replay2; then
   step "replay cp2 on two GPUs (NCCL), DeepSeek-V3.2 layout"
-  timeout "${REPLAY_TIMEOUT:-170}" $PY -m hicache_cp replay --trace "$TRACE" --config bench/device/deepseek-v3.2.toml $LIMIT \
+  timeout "${REPLAY_TIMEOUT:-170}" $PY -m hicache_harness replay --trace "$TRACE" --config bench/device/deepseek-v3.2.toml $LIMIT \
     --l2-fraction 0.1 --device cuda --cp-size 2 --json "$DEST/cp2-${GPU}x2.json" 2>&1 | grep -v "replay:.*req" | tail -30
   keep "${PIPESTATUS[0]}"
 fi

@@ -31,12 +31,12 @@ if want tests; then
 fi
 if want verify; then
   step "bench-verify (GPU parts)"
-  run verify-gpu "${VERIFY_TIMEOUT:-120}" $PY -m hicache_cp bench-verify --skip-replay --json "$DEST/verify-gpu.json"
+  run verify-gpu "${VERIFY_TIMEOUT:-120}" $PY -m hicache_harness bench-verify --skip-replay --json "$DEST/verify-gpu.json"
 fi
 if want io; then
   step "bench-io exposure, checks on then off"
   for mode in all off; do
-    run "io-verify-$mode" "${IO_TIMEOUT:-150}" $PY -m hicache_cp bench-io --verify "$mode" --pages 1024 \
+    run "io-verify-$mode" "${IO_TIMEOUT:-150}" $PY -m hicache_harness bench-io --verify "$mode" --pages 1024 \
       --backends direct --runs-backends "" --kernel-sm-fractions "" --exposure-pages 64,1024 \
       --json "$DEST/io-verify-$mode.json"
   done

@@ -44,10 +44,10 @@ if want overhead; then
   step "bench-overhead (CUDA)"
   for r in $(seq 1 "${OVERHEAD_ROUNDS:-1}"); do
     name=overhead-$GPU$([ "$r" -gt 1 ] && echo "-r$r")
-    run "$name" "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_cp bench-overhead --trace "$TRACE" \
+    run "$name" "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_harness bench-overhead --trace "$TRACE" \
       --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" --json "$DEST/$name.json"
     for v in ${OVERHEAD_VARIANTS:-}; do
-      run "$name-$v" "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_cp bench-overhead --io-variant "$v" \
+      run "$name-$v" "${OVERHEAD_TIMEOUT:-90}" $PY -m hicache_harness bench-overhead --io-variant "$v" \
         --trace "$TRACE" --device cuda --l2-fraction 0.1 --limit "${OVERHEAD_LIMIT:-1500}" \
         --json "$DEST/$name-$v.json"
     done
@@ -68,7 +68,7 @@ fi
 if want io; then
   step "bench-io"
   # shellcheck disable=SC2086 - IO_ARGS is a list of flags
-  run io-$GPU "${IO_TIMEOUT:-240}" $PY -m hicache_cp bench-io --json "$DEST/io-$GPU.json" ${IO_ARGS:-}
+  run io-$GPU "${IO_TIMEOUT:-240}" $PY -m hicache_harness bench-io --json "$DEST/io-$GPU.json" ${IO_ARGS:-}
 fi
 if want probe; then
   step "DMA exposure probe"

@@ -46,7 +46,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --f
 if want overlap; then
   for ms in $LAYER_MS; do
     step "overlap: $PAGES pages, 62 layers x $ms ms on $DEVICE"
-    timeout 300 $PY -m hicache_cp.harness.cli bench-pd --overlap --device "$DEVICE" --pages "$PAGES" \
+    timeout 300 $PY -m hicache_harness.cli bench-pd --overlap --device "$DEVICE" --pages "$PAGES" \
       --num-layers 61 --state-layers all --layer-ms "$ms" --repeats "$REPEATS" \
       --json "$DEST/pd-overlap-$SUFFIX-${ms}ms.json" 2>&1 | grep -v "^E[0-9]\{4\} \|^WARNING: Logging" | tail -6 || rc=1
   done
@@ -56,7 +56,7 @@ if want replay; then
   for mode in after-insert per-layer; do
     step "replay --pd on the embedded workload, $mode, --device $DEVICE"
     flag=$([ "$mode" = per-layer ] && echo --pd-per-layer || true)
-    timeout 300 $PY -m hicache_cp.harness.cli replay --pd $flag --device "$DEVICE" --limit "$LIMIT" \
+    timeout 300 $PY -m hicache_harness.cli replay --pd $flag --device "$DEVICE" --limit "$LIMIT" \
       --json "$DEST/pd-replay-$SUFFIX-$mode.json" 2>&1 | grep -E "pd_|integrity|hit_rate|error" | head -30 || rc=1
   done
 fi
@@ -66,15 +66,15 @@ if want serve; then
   mkdir -p .devdata
   $PY - "$TRACE" <<'EOF2' || exit 1
 import sys
-from hicache_cp.harness.trace import write_trace
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.trace import write_trace
+from hicache_harness.workload import default_workload
 long = [r for r in default_workload(seed=0) if r.full_blocks >= 16]  # >= 8192 tokens at 512 a block
 write_trace(sys.argv[1], long)
 EOF2
   for mode in after-insert per-layer; do
     step "serve: $PRESET on $DEVICE with --pd, $mode"
     flag=$([ "$mode" = per-layer ] && echo --pd-per-layer || true)
-    timeout 240 $PY -m hicache_cp.harness.cli replay --engine hf --hf-preset "$PRESET" --device "$DEVICE" \
+    timeout 240 $PY -m hicache_harness.cli replay --engine hf --hf-preset "$PRESET" --device "$DEVICE" \
       --trace "$TRACE" --tokens-per-block "$TPB" --l2-fraction 0.5 --l1-pages 400 --arrivals trace \
       --limit "$PD_LIMIT" --pd $flag --json "$DEST/pd-serve-$SUFFIX-$mode.json" 2>&1 \
       | grep -v "hf replay:" | grep -E "pd_|integrity|ttft|error" | head -30 || rc=1

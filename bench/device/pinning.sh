@@ -44,7 +44,7 @@ BASE=${BASE_GIB:-64}
 SIZES=$BASE
 if [ "${LARGE:-0}" -gt 64 ]; then SIZES="$BASE,$LARGE"; fi
 echo "=== bench-pinning --gib $SIZES ($(date +%T))" | tee -a "$DEST/pinning-$GPU.log"
-timeout 480 $PY -m hicache_cp.harness.bench.pinning --gib "$SIZES" --json "$DEST/pinning-$GPU.json" 2>&1 \
+timeout 480 $PY -m hicache_harness.bench.pinning --gib "$SIZES" --json "$DEST/pinning-$GPU.json" 2>&1 \
   | tee -a "$DEST/pinning-$GPU.log" | grep -v '^\[bench-pinning\] .*: {' | tail -40
 rc=${PIPESTATUS[0]}
 echo "=== done: tests rc=$trc, bench rc=$rc ($(date +%T))" | tee -a "$DEST/pinning-$GPU.log"

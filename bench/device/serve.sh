@@ -47,8 +47,8 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,pci
 
 $PY - "$TRACE" <<'EOF' || exit 1
 import sys
-from hicache_cp.harness.trace import write_trace
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.trace import write_trace
+from hicache_harness.workload import default_workload
 long = [r for r in default_workload(seed=0) if r.full_blocks >= 16]  # >= 8192 tokens at 512 a block
 write_trace(sys.argv[1], long)
 print(f"{len(long)} requests of >= 16 blocks -> {sys.argv[1]}")
@@ -60,13 +60,13 @@ COMMON=(--engine hf --hf-preset "$PRESET" --device "$DEVICE" --trace "$TRACE" --
 
 if want serve; then
   step "serve: dsv32-width with L2, then L2 off; byte and output oracles"
-  timeout 330 $PY -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$LIMIT" --check-outputs 8 \
+  timeout 330 $PY -m hicache_harness.cli replay "${COMMON[@]}" --limit "$LIMIT" --check-outputs 8 \
     --recompute-samples 8 --compare-no-l2 --ttft-probe "${PROBE:-8}" --json "$DEST/serve-$GPU.json" 2>&1 | grep -v "hf replay:" | tail -45
 fi
 
 if want pd; then
   step "pd: the same server shipping every request's KV to a decode peer (Mooncake, GPU memory)"
-  timeout 200 $PY -m hicache_cp.harness.cli replay "${COMMON[@]}" --limit "$PD_LIMIT" --pd \
+  timeout 200 $PY -m hicache_harness.cli replay "${COMMON[@]}" --limit "$PD_LIMIT" --pd \
     --json "$DEST/serve-pd-$GPU.json" 2>&1 | grep -v "hf replay:" | tail -30
 fi
 

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness.bench.io import _Gate, _median_ms
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import git_commit, machine
+from hicache_harness.bench.io import _Gate, _median_ms
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import git_commit, machine
 from hicache_cp.io.cudadrv import MEMCPY_ATTRIBUTES_BYTES, SRC_ACCESS_ORDER_STREAM, driver
 
 PAGE_BYTES = 41984

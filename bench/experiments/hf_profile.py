@@ -29,8 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hicache_cp.harness.engines import hf_model  # noqa: E402
-from hicache_cp.harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
+from hicache_harness.engines import hf_model  # noqa: E402
+from hicache_harness.engines.hf_forward import PagedForward, PagedKV, ScratchKV, SeqChunk, SeqPlan  # noqa: E402
 
 
 def _sync(device: torch.device) -> float:
@@ -170,12 +170,12 @@ def main() -> int:
 
     trace = ROOT / ".devdata" / "serve-6k.jsonl"
     if not trace.is_file():
-        from hicache_cp.harness.trace import write_trace
-        from hicache_cp.harness.workload import default_workload
+        from hicache_harness.trace import write_trace
+        from hicache_harness.workload import default_workload
 
         trace.parent.mkdir(exist_ok=True)
         write_trace(trace, [r for r in default_workload(seed=0) if r.full_blocks >= 16])
-    from hicache_cp.harness.cli import main as cli
+    from hicache_harness.cli import main as cli
 
     argv = ["replay", "--engine", "hf", "--hf-preset", args.preset, "--device", args.device, "--trace", str(trace),
             "--tokens-per-block", "384", "--l2-fraction", "0.5", "--l1-pages", "300", "--arrivals", "asap",

@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp.harness.bench.io import _Gate, _page_sets, _pools, measure_peak
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import git_commit, machine
+from hicache_harness.bench.io import _Gate, _page_sets, _pools, measure_peak
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import git_commit, machine
 from hicache_cp.io import kernels
 from hicache_cp.io.base import Direction, make_engine
 from hicache_cp.io.runs import run_starts

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from hicache_cp.cache import HiCache  # noqa: E402
 from hicache_cp.config import Config  # noqa: E402
-from hicache_cp.harness.engines import hf_model  # noqa: E402
+from hicache_harness.engines import hf_model  # noqa: E402
 from hicache_cp.layout import Model  # noqa: E402
 
 PS, L1, L2, DOC_PAGES = 64, 300, 873, 132

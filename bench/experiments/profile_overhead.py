@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache_cp.harness.bench import overhead
-from hicache_cp.harness.provenance import git_commit, machine
+from hicache_harness.bench import overhead
+from hicache_harness.provenance import git_commit, machine
 
 #: The cache calls whose callees are listed (pstats matches these as regular expressions).
 FOCUS = (r"lifecycle\.py:\d+\(load_back\)", r"lifecycle\.py:\d+\(_submit_all_layers\)",

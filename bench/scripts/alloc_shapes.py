@@ -13,7 +13,7 @@ owner and records every copy op the cache makes (backups D2H, loads H2D):
              hicache-cp's own `DevicePool` (`LanePageAllocator`, runs first)
     sglang   SGLang 0.5.23's scheduler functions and its paged token-to-KV
              allocator (a sorted free list), hicache-cp as its tree cache
-             (`harness.sglang.SGLangPrefillServer`, CPU)
+             (`hicache_harness.sglang.SGLangPrefillServer`, CPU)
     vllm     vLLM 0.33's real `Scheduler` and `BlockPool` (the
              `FreeKVCacheBlockQueue`, LRU order), hicache-cp's connector
              (`tests/test_vllm_bench.py`, CPU)
@@ -53,11 +53,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from hicache_cp.harness.outputs import write_json  # noqa: E402
-from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
-from hicache_cp.harness.replay import command as replay_command  # noqa: E402
-from hicache_cp.harness.replay.setup import load_requests  # noqa: E402
-from hicache_cp.harness.trace import TraceRequest, request_tokens  # noqa: E402
+from hicache_harness.outputs import write_json  # noqa: E402
+from hicache_harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.replay import command as replay_command  # noqa: E402
+from hicache_harness.replay.setup import load_requests  # noqa: E402
+from hicache_harness.trace import TraceRequest, request_tokens  # noqa: E402
 from hicache_cp.io.base import CopyEngine, Direction  # noqa: E402
 from hicache_cp.io.runs import coalesce_in_order, coalesce_pairs, runs_of  # noqa: E402
 from hicache_cp.layout import Part  # noqa: E402
@@ -231,8 +231,8 @@ def run_replay(shape: Shape, requests: list[TraceRequest]) -> list[OpShape]:
 
 
 def run_sglang(shape: Shape, requests: list[TraceRequest]) -> list[OpShape]:
-    from hicache_cp.harness.bench.sglang import _token_bytes
-    from hicache_cp.harness.sglang.server import ServerSpec, SGLangPrefillServer
+    from hicache_harness.bench.sglang import _token_bytes
+    from hicache_harness.sglang.server import ServerSpec, SGLangPrefillServer
 
     spec = ServerSpec(backend="hicache-cp", page_size=PAGE, device_pages=shape.l1_pages, check_bytes=False,
                       chunk_tokens=CHUNK_PAGES * PAGE,
@@ -256,7 +256,7 @@ def run_sglang(shape: Shape, requests: list[TraceRequest]) -> list[OpShape]:
 
 def run_vllm(shape: Shape, requests: list[TraceRequest]) -> list[OpShape]:
     sys.path.insert(0, str(REPO / "tests"))
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "bench" / "engines"))
     import test_vllm_bench as H
     import vllm_compare
 

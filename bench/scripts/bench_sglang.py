@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""hicache-cp under SGLang 0.5.23 beside SGLang's own tree caches (hicache_cp.harness.bench.sglang).
+"""hicache-cp under SGLang 0.5.23 beside SGLang's own tree caches (hicache_harness.bench.sglang).
 
     .venv/bin/python bench/scripts/bench_sglang.py                       # shared trace + embedded workload
     .venv/bin/python bench/scripts/bench_sglang.py --limit 200 --json bench/results/sglang-side-by-side.json
@@ -14,11 +14,11 @@ import logging
 import sys
 from pathlib import Path
 
-from hicache_cp.harness.bench.sglang import side_by_side, table
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import git_commit, machine
-from hicache_cp.harness.trace import load_trace
-from hicache_cp.harness.workload import default_workload
+from hicache_harness.bench.sglang import side_by_side, table
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import git_commit, machine
+from hicache_harness.trace import load_trace
+from hicache_harness.workload import default_workload
 
 SHARED_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "synthetic_trace.jsonl"
 

@@ -12,7 +12,7 @@ Python alone costs, and what a change to it saves, on a machine without a GPU:
   driver time, driver-lock waits and the worker's GIL share are absent by
   construction. These numbers are a lower bound for analysis, never a
   benchmark of the GPU path;
-* `replay`: bench-overhead's own replay (`harness.bench.overhead.serve`, its
+* `replay`: bench-overhead's own replay (`hicache_harness.bench.overhead.serve`, its
   options and pool sizing) over that engine, so that its table of every call
   compares line by line with an `overhead-<gpu>.json` of the same options.
 
@@ -38,12 +38,12 @@ import numpy as np
 
 from hicache_cp.cache import HiCache
 from hicache_cp.config import Config
-from hicache_cp.harness.bench import overhead
-from hicache_cp.harness.errors import InputError
-from hicache_cp.harness.outputs import write_json
-from hicache_cp.harness.provenance import git_commit, machine
-from hicache_cp.harness.replay.setup import tokens_per_block
-from hicache_cp.harness.trace import request_tokens
+from hicache_harness.bench import overhead
+from hicache_harness.errors import InputError
+from hicache_harness.outputs import write_json
+from hicache_harness.provenance import git_commit, machine
+from hicache_harness.replay.setup import tokens_per_block
+from hicache_harness.trace import request_tokens
 from hicache_cp.io.base import CopyEngine, Direction
 from hicache_cp.io.cuda import EngineSync, PartInfo
 from hicache_cp.io.dma import HOOK_WORKER_ABOVE, WORKER_ABOVE, DirectCopyEngine

@@ -58,9 +58,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hicache_cp.harness.bench.io import _Gate, _gbps, _median_ms, measure_overlap, measure_peak  # noqa: E402
-from hicache_cp.harness.outputs import write_json  # noqa: E402
-from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.bench.io import _Gate, _gbps, _median_ms, measure_overlap, measure_peak  # noqa: E402
+from hicache_harness.outputs import write_json  # noqa: E402
+from hicache_harness.provenance import git_commit, machine  # noqa: E402
 from hicache_cp.io.base import Direction, TicketState, make_engine  # noqa: E402
 from hicache_cp.layout import KVLayout, Part  # noqa: E402
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("io-vs-sglang: needs CUDA", file=sys.stderr)
         return 2
-    from hicache_cp.harness.bench.io_variants import VARIANTS
+    from hicache_harness.bench.io_variants import VARIANTS
 
     pool_pages = 2 * args.pages + 1
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ at its default, L2 / 8 but at least 3 longest requests). A variant is
 disjoint pages, so the cache holds L1 + L2 pages of content); LRU under
 write_through is the baseline of every gap. `gap` is
 (hit - lru) / (belady - lru): 0 is LRU, 1 is the block-level Belady bound
-at the L2 capacity (`hicache_cp.harness.bounds`); the replay's hit rate
+at the L2 capacity (`hicache_harness.bounds`); the replay's hit rate
 also counts partial tail tokens as misses, so 1 is out of reach. A policy
 qualifies as the default when it is at or above LRU in every cell and at
 least `--target` on the trace at 10%.
@@ -36,8 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
-from hicache_cp.harness.replay import command as replay  # noqa: E402
+from hicache_harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.replay import command as replay  # noqa: E402
 from hicache_cp.policy import policy_names  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"

@@ -5,7 +5,7 @@ workloads of the README's table?
 
     .venv/bin/python bench/scripts/policy_workloads.py [--fractions 0.05,0.1,0.25] [--policies ...]
 
-The workloads come from the embedded generator (`harness.workload`), seeded:
+The workloads come from the embedded generator (`hicache_harness.workload`), seeded:
 
 - `multiturn`: chat sessions that extend their own prefix turn by turn
   (the generator's defaults, another seed than the embedded workload);
@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hicache_cp.harness.provenance import git_commit, machine  # noqa: E402
-from hicache_cp.harness.trace import write_trace  # noqa: E402
-from hicache_cp.harness.workload import default_workload  # noqa: E402
+from hicache_harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.trace import write_trace  # noqa: E402
+from hicache_harness.workload import default_workload  # noqa: E402
 from policy_sweep import DEFAULT_VARIANTS, sweep  # noqa: E402
 
 WORKLOADS = {

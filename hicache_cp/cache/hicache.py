@@ -33,7 +33,8 @@ and `drain()` (shutdown, tests).
 
 This class is a facade: the work happens in `prefix` (match, insert),
 `lifecycle` (backups and loads, decisions), `eviction` (space and free room)
-over one shared `state.CacheState`.
+over one shared `state.CacheState`; `build` sizes L2 (`host_budget`) and
+opens the L3 tier (`make_tier3`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp.cache.budget import host_budget
+from hicache_cp.cache.build import host_budget, make_tier3
 from hicache_cp.cache.engine_l1 import EngineL1
 from hicache_cp.cache.eviction import Evictor
 from hicache_cp.cache.lifecycle import Lifecycle
@@ -59,11 +60,8 @@ from hicache_cp.config import Config
 from hicache_cp.events import EventLog, Medium
 from hicache_cp.cp.agreement import Agreement, LocalAgreement
 from hicache_cp.io.base import CopyEngine, make_engine
-from hicache_cp.l3.client import L3Client, Region
-from hicache_cp.l3.keys import KeyScheme
-from hicache_cp.l3.metrics import L3Metrics
 from hicache_cp.l3.ops import PrefetchOp, PrefetchState
-from hicache_cp.l3.store import KVStore, MooncakeStore
+from hicache_cp.l3.store import KVStore
 from hicache_cp.layout import KVLayout, Model
 from hicache_cp.metrics import CacheMetrics
 from hicache_cp.ops import BackupOp, LoadOp
@@ -150,7 +148,7 @@ class HiCache:
                 node.adopt(self._state.tree, host_pool)
             self._tier3: Tier3 | None = None
             if config.l3.enabled or l3_store is not None:
-                self._tier3 = self._make_tier3(l3_store)
+                self._tier3 = make_tier3(self._state, self._evictor, l3_store)
             if events is not None:
                 self.attach_events(events)
         except BaseException:
@@ -163,28 +161,6 @@ class HiCache:
             if own_node and node is not None:
                 node.close()
             raise
-
-    def _make_tier3(self, store: KVStore | None) -> Tier3:
-        """The L3 tier over `store` (default: a Mooncake Store client per
-        `config.l3`, closed with the cache; a store handed in stays the caller's)."""
-        s, cfg = self._state, self._state.config.l3
-        name = f"l3 rank {s.rank}"
-        own = store is None
-        store = store or MooncakeStore.open(cfg, name=name)
-        try:
-            regions = [Region(p.part, s.host_pool.arenas[p.part].ptr, s.host_pool.arenas[p.part].nbytes)
-                       for p in s.layout.parts]  # fmt: skip
-            checked = s.host_pool if s.config.verify_restores is not Verify.OFF else None
-            scheme = KeyScheme(s.layout, s.config.model, cfg, s.cp_size, s.rank, checksums=checked is not None)
-            client = L3Client(store, scheme, cfg, regions, s.host_pool.physical_pages, L3Metrics(), name=name,
-                              close_store=own, checksums=checked, integrity=s.engine.integrity)  # fmt: skip
-        except BaseException:
-            if own:
-                store.close()
-            raise
-        tier3 = Tier3(s, self._evictor, client, cfg)
-        s.l3 = tier3
-        return tier3
 
     # ---- what the cache is built of (read-only views) ---------------------------------
 

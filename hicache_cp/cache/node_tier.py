@@ -73,7 +73,7 @@ def sharing_of(config: Config) -> Sharing:
 
 
 def node_budget(config: Config, budget_bytes: int, world: int) -> int:
-    """One copy's pool: the rank budget `budget_bytes` (`budget.host_budget`); with
+    """One copy's pool: the rank budget `budget_bytes` (`build.host_budget`); with
     "auto" and one copy for the node (replicated), what its `world` ranks would
     have had together."""
     if config.host_budget_bytes == "auto" and sharing_of(config) is Sharing.REPLICATED:

@@ -1,6 +1,6 @@
 """Context-parallel process groups: one process per CP rank.
 
-Runs in: every CP rank's process. `hicache_cp.harness.launch` spawns the ranks of a
+Runs in: every CP rank's process. `hicache_harness.launch` spawns the ranks of a
 replay on one machine; under torchrun each rank calls `init_process_group()`
 with no arguments and the torchrun environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is used:
@@ -11,7 +11,7 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT) is used:
     ...
     destroy_process_group()
 
-    torchrun --nproc-per-node 2 -m hicache_cp.harness.torchrun --trace t.jsonl --l2-fraction 0.1
+    torchrun --nproc-per-node 2 -m hicache_harness.torchrun --trace t.jsonl --l2-fraction 0.1
 
 Backends: gloo when CUDA is absent (the agreement tensor stays on the CPU),
 NCCL when it is present (the agreement tensor lives on the rank's GPU,

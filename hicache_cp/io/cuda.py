@@ -46,7 +46,7 @@ Backends:
              of few runs goes to the DMA engines. Benchmark variant.
 
 Only `direct` (and `cpu`, `io.cpu`) are built in; the benchmark variants join the
-registry when `hicache_cp.harness.bench.io_variants` registers them.
+registry when `hicache_harness.bench.io_variants` registers them.
 
 Host memory must be pinned (HostPool(pin=True)) and mapped at the same
 address on the device (UVA, every 64-bit Linux CUDA host); the engine checks

@@ -120,7 +120,7 @@ class DirectCopyEngine(CudaCopyEngine):
     """One DMA per run of pages consecutive on both sides; see the module docstring.
 
     Options, each one the benchmarks still measure against the default
-    (`hicache_cp.harness.bench.io_variants`): a planned layer of more than
+    (`hicache_harness.bench.io_variants`): a planned layer of more than
     `worker_above` descriptors is issued by a worker thread (`io.issue`; None:
     always on the caller's thread); the worker issues a layer of at most `whole`
     descriptors (`load_whole` for loads, when given) in one driver call, a longer
@@ -265,7 +265,7 @@ class StagingCopyEngine(CudaCopyEngine):
     """Device gather/scatter through a bounded device staging buffer + DMA per host run.
 
     A benchmark variant, not a product setting: not in the built-in registry
-    (`hicache_cp.harness.bench.io_variants` registers it).
+    (`hicache_harness.bench.io_variants` registers it).
 
     Backup: pairs sorted by host page; `index_select` of the device pages into
     staging (HBM speed), then one DMA per run of consecutive host pages.

@@ -5,7 +5,7 @@ their mapped device address: one launch per layer and part whatever the page
 pattern, at the price of SMs taken from the forward while the copy runs.
 `hybrid` sends copies of few runs to the DMA engines instead. They follow the
 contract of `hicache_cp.io.cuda` but are not in the built-in registry: the
-benchmarks register them (`hicache_cp.harness.bench.io_variants`) to measure
+benchmarks register them (`hicache_harness.bench.io_variants`) to measure
 them beside the `direct` default (docs/design/copy-engines.md has why they lost).
 """
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.keys import chain_hashes
 from hicache_cp.l3.config import FORMAT_VERSION, L3Config
 from hicache_cp.layout import KVLayout, PartLayout
@@ -139,6 +140,11 @@ class KeyScheme:
         """This rank's positions in [lo, hi)."""
         pos = np.arange(lo, hi, dtype=np.int64)
         return pos if self.cp_size == 1 else pos[pos % self.cp_size == self.rank]
+
+    def physical(self, host: np.ndarray, first: int, obj: L3Object) -> np.ndarray:
+        """This rank's physical L2 pages holding `obj`, given the logical L2 pages
+        `host` of a run of positions that starts at `first`."""
+        return cp_mapping.to_physical(host[obj.positions - first], self.cp_size)
 
 
 def chunk_list(

@@ -6,7 +6,7 @@ Modules: `engine` (the one adapter over Mooncake's TransferEngine),
 transfer state machine with deadlines and the drain before reclaim), `plan`
 (page homes and coalesced descriptors), `feeder` (per-layer submissions off
 the forward's thread), `result` (a room's outcome, the partition dump), `sender` (prefill side, `PdSender`). The decode peer
-that receives and verifies every byte is `hicache_cp.harness.decode_peer`.
+that receives and verifies every byte is `hicache_harness.decode_peer`.
 Mooncake is imported lazily, so importing this package does not need it.
 """
 

@@ -18,7 +18,7 @@ client, and at most ``MAX_PENDING_HANDSHAKES`` challenges run at once (a new
 connection past that cuts the oldest one). `ControlClient` bounds its own
 connect and challenge the same way.
 
-Messages (see `hicache_cp.harness.decode_peer` for the ops): a request has
+Messages (see `hicache_harness.decode_peer` for the ops): a request has
 ``op`` and ``seq``; its reply echoes ``seq``. The decode side may also push
 an *event* at any time (``{"event": "abort", "room": id, "reason": ...}``);
 `ControlClient` keeps events aside (`take_events`) while it waits for a

@@ -42,8 +42,10 @@ Contracts (docs/invariants.md rules 8-10):
   with a WARNING (rule 9).
 * Metrics count the bytes and descriptors actually submitted.
 
-Logging: the registration summary (buffer counts per part, the draft
-state's start index, logical layer ids) at INFO on connect. The logger
+The control channel to the decode peer (handshake, requests, its abort
+events) is `session.DecodeSession`; this module keeps the rooms and the
+transfers. Logging: the registration summary (buffer counts per part, the
+draft state's start index, logical layer ids) at INFO on connect. The logger
 ``hicache_cp.pd.partition`` at DEBUG dumps each room's transfer partition
 (per part: positions, source tier and page, decode page) at finish; it has
 no other effect.
@@ -62,13 +64,13 @@ from hicache_cp.cp.agreement import Agreement
 from hicache_cp.errors import ConsistencyError, IntegrityError
 from hicache_cp.pd import verify as pd_verify
 from hicache_cp.layout import KVLayout, Part
-from hicache_cp.pd.control import ControlClient
 from hicache_cp.pd.engine import TransferEngineAdapter, TransferError, TransferTimeout
 from hicache_cp.pd.feeder import LayerFeeder
 from hicache_cp.pd.plan import L1, L2, PageHomes, TransferPlan, plan_transfer, tier_name
-from hicache_cp.pd.registration import RegistrationDescriptor, RegistrationMismatch, check_compatible
+from hicache_cp.pd.registration import RegistrationDescriptor
 from hicache_cp.pd.result import RoomResult, dump_partition, partition_log, room_result
 from hicache_cp.pd.room import DEFAULT_DRAIN_S, DEFAULT_TIMEOUT_S, Room, RoomFailed, RoomState, RoomTable
+from hicache_cp.pd.session import DecodeSession
 from hicache_cp.pools import DevicePool, HostPool
 
 logger = logging.getLogger(__name__)
@@ -111,9 +113,8 @@ class PdSender:
         self.agreement = agreement
         self.device_pool, self.host_pool = device_pool, host_pool
         self.verify = bool(host_pool is not None and host_pool.has_checksums) if verify is None else verify
-        self.decode_address = tuple(decode_address)
-        self._authkey = authkey
-        self.connect_timeout_s = connect_timeout_s
+        self.session = DecodeSession(decode_address, authkey, rank=rank, cp_size=cp_size,
+                                     connect_timeout_s=connect_timeout_s)
         self._own_adapter = adapter is None
         self.adapter = adapter if adapter is not None else TransferEngineAdapter()
         self.sources: dict[int, RegistrationDescriptor] = {}
@@ -137,79 +138,41 @@ class PdSender:
                 self.adapter.register(base, nbytes)
                 self._registered.append(base)
         self.rooms = RoomTable(self.adapter.abandon, timeout_s, drain=self.adapter.drain, drain_s=drain_s)
-        self._ctl: ControlClient | None = None
         self._lock = threading.Lock()  # room state vs the feeder's submissions
         self._feeder: LayerFeeder | None = None
         self._marks: dict[int, threading.Thread] = {}  # forward-end watchers by room
         self._unannounced: set[int] = set()  # aborted rooms whose drain ended after the abort call
         self.decode_aborts = 0  # rooms the decode side aborted
-        self.peer: str | None = None
-        self.dest: RegistrationDescriptor | None = None
-        self.whole_prompt = False  # the decode side asks for the partial last page too
 
-    # -- control channel -------------------------------------------------------
+    # -- control channel (`session.DecodeSession`) --------------------------------
+    @property
+    def peer(self) -> str | None:
+        """The decode side's transfer-engine session, once connected."""
+        return self.session.peer
+
+    @property
+    def dest(self) -> RegistrationDescriptor | None:
+        """The decode side's registration, once connected."""
+        return self.session.dest
+
+    @property
+    def whole_prompt(self) -> bool:
+        """The decode side asks for the partial last page too."""
+        return self.session.whole_prompt
+
     def connect(self) -> None:
         """Handshake: exchange registration descriptors; RegistrationMismatch on any disagreement."""
-        if self._ctl is not None:
-            return
-        self._ctl = ControlClient(self.decode_address, self._authkey)
-        try:
-            reply = self._request({"op": "hello", "rank": self.rank, "cp_size": self.cp_size,
-                                   "descriptors": [d.to_dict() for d in self.sources.values()]},
-                                  self.connect_timeout_s)
-            dest = RegistrationDescriptor.from_dict(reply["descriptor"])
-            diffs: list[tuple[str, object, object]] = []
-            for desc in self.sources.values():
-                try:
-                    check_compatible(desc, dest)
-                except RegistrationMismatch as exc:
-                    diffs += [(f"{desc.tier} {w}", a, b) for w, a, b in exc.differences]
-            if diffs or not reply["ok"]:
-                raise RegistrationMismatch("prefill", "decode", diffs or [("decode", None, reply.get("error"))])
-        except BaseException:
-            self._drop_conn()
-            raise
-        self.dest = dest
-        self.peer = reply["session"]
-        self.whole_prompt = bool(reply.get("whole_prompt", False))
-        self._log_registration()
-
-    def _log_registration(self) -> None:
-        """The registration summary, once per connection (INFO)."""
-        for desc in [*self.sources.values(), self.dest]:
-            assert desc is not None
-            parts = "; ".join(f"{p.part} {p.slots} buffers layers {p.layer_ids} {p.page_bytes} B/page"
-                              for p in desc.parts)
-            logger.info("PD registration rank %d %s: kv buffers %d (draft kv at %d, %d), state buffers %d "
-                        "(draft state at %d, %d); %s", self.rank, desc.tier, desc.kv_count, desc.draft_kv_start,
-                        desc.draft_kv_count, desc.state_count, desc.draft_state_start, desc.draft_state_count, parts)
-        logger.info("PD rank %d -> decode %s (control %s:%d), whole prompt %s", self.rank, self.peer,
-                    *self.decode_address, self.whole_prompt)
+        self.session.connect(self.sources)
 
     def _request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
-        if self._ctl is None:
-            raise ConnectionError("no control connection to the decode peer")
-        return self._ctl.request(msg, timeout)
+        return self.session.request(msg, timeout)
 
     def _drop_conn(self) -> None:
-        if self._ctl is not None:
-            self._ctl.close()
-        self._ctl = None
+        self.session.drop()
 
     def _handle_events(self) -> None:
         """Decode-initiated aborts: fail the room, drain, then acknowledge."""
-        if self._ctl is None:
-            return
-        try:
-            events = self._ctl.poll_events()
-        except (OSError, EOFError, ValueError) as exc:
-            logger.warning("PD rank %d: control channel lost while polling: %s", self.rank, exc)
-            self._drop_conn()
-            return
-        for ev in events:
-            if ev.get("event") != "abort":
-                logger.warning("PD rank %d: unknown control event %r", self.rank, ev.get("event"))
-                continue
+        for ev in self.session.abort_events():
             room_id = int(ev["room"])
             room = self.rooms.rooms.get(room_id)
             self.decode_aborts += 1
@@ -512,7 +475,7 @@ class PdSender:
 
     def _tell_abort(self, room_id: int, reason: str | None) -> None:
         """Best effort: the decode peer frees the room's pages (nothing of ours can land any more)."""
-        if self._ctl is None:
+        if not self.session.connected:
             return
         try:
             self._request({"op": "abort", "room": room_id, "rank": self.rank, "reason": reason}, 2.0)

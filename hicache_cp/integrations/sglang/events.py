@@ -29,8 +29,8 @@ import numpy as np
 from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, StorageMedium
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from hicache_cp.events import AllCleared, Event, EventLog, Key, Medium
-from hicache_cp.events import BlockStored as Stored
+from hicache_cp import AllCleared, Event, EventLog, BlockKey as Key, Medium
+from hicache_cp import BlockStored as Stored
 
 MEDIUM = {Medium.DEVICE: StorageMedium.GPU.value, Medium.HOST: StorageMedium.CPU.value,
           Medium.STORE: StorageMedium.EXTERNAL.value}  # fmt: skip

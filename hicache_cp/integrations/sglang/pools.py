@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from hicache_cp.config import ModelLayout
-from hicache_cp.layout import KVLayout, Model, Part
+from hicache_cp import ModelLayout
+from hicache_cp import KVLayout, Model, Part
 
 
 @dataclass(frozen=True)

@@ -106,8 +106,8 @@ from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies, LayerHooks
 from hicache_cp.integrations.sglang.page_ids import HostIndices
 from hicache_cp.integrations.sglang.pools import SGLangKV
 from hicache_cp.integrations.sglang.settings import resolve
-from hicache_cp.io.base import CopyFailed
-from hicache_cp.pools import DevicePool
+from hicache_cp import CopyFailed
+from hicache_cp import DevicePool
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req

@@ -35,8 +35,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from hicache_cp.config import Config, ResolvedConfig
-from hicache_cp.errors import ConfigError
+from hicache_cp import Config, ResolvedConfig
+from hicache_cp import ConfigError
 from hicache_cp.integrations.sglang.pools import SGLangKV
 
 CONFIG_ENV = "HICACHE_CP_CONFIG"

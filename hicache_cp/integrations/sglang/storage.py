@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from hicache_cp.l3.config import FORMAT_VERSION, L3Config
-from hicache_cp.l3.store import L3Error, MooncakeStore
+from hicache_cp import L3_FORMAT_VERSION as FORMAT_VERSION, L3Config
+from hicache_cp import L3Error, MooncakeStore
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from vllm.distributed.kv_events import (
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
-from hicache_cp.events import AllCleared, Event, EventLog, Key, Medium
-from hicache_cp.events import BlockStored as Stored
+from hicache_cp import AllCleared, Event, EventLog, BlockKey as Key, Medium
+from hicache_cp import BlockStored as Stored
 
 _LOW64 = (1 << 64) - 1
 MEDIUM = {Medium.DEVICE: MEDIUM_GPU, Medium.HOST: MEDIUM_CPU, Medium.STORE: MEDIUM_STORAGE}

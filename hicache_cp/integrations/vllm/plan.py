@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from hicache_cp.layout import KVLayout, Model, Part
+from hicache_cp import KVLayout, Model, Part
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 

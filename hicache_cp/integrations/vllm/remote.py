@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hicache_cp.io.base import CopyEngine, CopyFailed, CopyTicket, Direction, TicketState
-from hicache_cp.layout import Part
+from hicache_cp import CopyEngine, CopyFailed, CopyTicket, Direction, TicketState
+from hicache_cp import Part
 
 
 class RemoteTicket(CopyTicket):

@@ -42,15 +42,15 @@ import numpy as np
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from hicache_cp import BackupOp, DevicePool, HiCache, HostPool, LoadOp, LoadState, MatchResult, Model
-from hicache_cp.events import EventLog
+from hicache_cp import EventLog
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.remote import RemoteCopyEngine, resolve_op
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
-from hicache_cp.io.verify import failure_from_report
-from hicache_cp.cache.node_tier import NodeTier
-from hicache_cp.cp.agreement import LocalAgreement
-from hicache_cp.io.base import CopyFailed
+from hicache_cp import failure_from_report
+from hicache_cp import NodeTier
+from hicache_cp import LocalAgreement
+from hicache_cp import CopyFailed
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -37,9 +37,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_cp.config import Config, ModelLayout
-from hicache_cp.errors import ConfigError
-from hicache_cp.layout import KVLayout, Part
+from hicache_cp import Config, ModelLayout
+from hicache_cp import ConfigError
+from hicache_cp import KVLayout, Part
 
 SOURCE = "kv_connector_extra_config"
 _KEYS = {

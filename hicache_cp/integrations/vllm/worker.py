@@ -65,13 +65,20 @@ import numpy as np
 import torch
 
 from hicache_cp import BackupOp, BackupState, DevicePool, HostPool, LoadOp, LoadState, Model, Part
-from hicache_cp.cache.node_tier import NodeTier
-from hicache_cp.checksum import Verify, sample_positions
-from hicache_cp.cp.agreement import LocalAgreement
+from hicache_cp import (
+    CopyEngine,
+    CopyFailed,
+    CopyPlan,
+    Direction,
+    LocalAgreement,
+    NodeTier,
+    Verify,
+    make_engine,
+    sample_positions,
+)
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
-from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, Direction, make_engine
 
 logger = logging.getLogger(__name__)
 

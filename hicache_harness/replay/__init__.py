@@ -1,0 +1,1 @@
+"""`hicache-cp replay`, the main job: see `hicache_harness.replay.command`."""
