@@ -106,9 +106,10 @@ print(json.dumps({"block_size": args.block_size, "model": args.model, "kv_connec
 
 
 @pytest.mark.slow
-def test_the_vllm_launch_parses_with_vllms_own_parser() -> None:
+def test_the_vllm_launch_parses_with_vllms_own_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     """In a child process: vLLM infers its device when it builds the parser, which takes
-    VLLM_TARGET_DEVICE=cpu on a machine without a GPU."""
+    VLLM_TARGET_DEVICE=cpu on a machine without a GPU. The settings are checked as on a
+    serving host (2 TiB of memory): the example's 64 GiB is refused on a smaller machine."""
     pytest.importorskip("vllm", reason="vllm not installed (scripts/install_vllm.sh)")
     argv = exec_argv(EXAMPLES / "vllm" / "serve.sh")
     assert argv[:2] == ["vllm", "serve"]
@@ -120,6 +121,10 @@ def test_the_vllm_launch_parses_with_vllms_own_parser() -> None:
     assert got["block_size"] == 64 and got["role"] == "kv_both" and got["policy"] == "recompute"
     module = importlib.import_module(got["module"])
     assert hasattr(module, got["kv_connector"]), (got["module"], got["kv_connector"])
+    import types
+
+    import hostmem.sizing
     from hicache_cp.integrations.vllm.settings import ConnectorSettings
 
+    monkeypatch.setattr(hostmem.sizing, "host_memory", lambda **_: types.SimpleNamespace(total_bytes=2 << 40))
     assert ConnectorSettings.from_extra_config(got["extra"]).host_budget_bytes == 64 << 30
