@@ -284,3 +284,54 @@ def test_readme_performance_rows_are_their_files_numbers() -> None:
             assert f"{size['cuda_host_alloc']['alloc_s']:.1f} s for `cudaHostAlloc`" in row
         else:
             pytest.fail(f"no check for the row of {name}")
+
+
+def _engine_section() -> str:
+    text = README.read_text()
+    start = text.index("## Against the engines' own host tiers")
+    return text[start : text.index("\n## ", start + 3)]
+
+
+def _row(section: str, label: str) -> list[str]:
+    line = next(ln for ln in section.splitlines() if ln.startswith(f"| {label} |"))
+    return [c.strip() for c in line.strip("|").split("|")[1:]]
+
+
+#: The device runs the README's engine tables quote (its pages name them; the README names no commit).
+ENGINE_RESULTS = ("sglang-engine-deepseek-h100-4056c2c.json", "sglang-race-h100-4056c2c.json", "vllm-race-h100-5f944f4.json")
+
+
+def test_readme_engine_tables_are_their_files_numbers() -> None:
+    """The three-way tables quote the device runs' JSON (numbers rounded as shown)."""
+    section = _engine_section()
+    files = ENGINE_RESULTS
+    for page, name in (("sglang", files[0]), ("sglang", files[1]), ("vllm", files[2])):
+        assert f"docs/bench/{page}.md" in section and name in (ROOT / "docs" / "bench" / f"{page}.md").read_text()
+    sg = json.loads((ROOT / "bench" / "results" / files[0]).read_text())["modes"]
+    cols = [sg["hicache-cp"], sg["sglang-hicache"], sg["none"]]
+    assert _row(section, "TTFT p50 / p90, ms") == [f"{m['ttft_p50_ms']:.1f} / {m['ttft_p90_ms']:.1f}" for m in cols]
+    assert _row(section, "requests with half their prompt from host: TTFT p50, ms")[:2] == [
+        f"{m['half_from_host_ttft_p50_ms']:.1f}" for m in cols[:2]]  # fmt: skip
+    assert _row(section, "prompt tokens from host / computed") == [
+        f"{m['host_tokens']:,} / {m['computed_tokens']:,}" for m in cols]  # fmt: skip
+    assert all(m["greedy_identical_to_none"] for m in cols)
+
+    race = json.loads((ROOT / "bench" / "results" / files[1]).read_text())["workloads"]
+    mla = {(r["backend"], wl): r["tree_cache_ms_per_request"] for wl, rows in race.items() for r in rows
+           if r["pools"] == "mla" and "tree_cache_ms_per_request" in r}  # fmt: skip
+    ours = sorted(v for (b, _), v in mla.items() if b == "hicache-cp")
+    theirs = sorted(v for (b, _), v in mla.items() if b == "sglang-hicache")
+    assert f"{ours[0]:.1f}-{ours[-1]:.1f} ms" in section and f"{theirs[0]:.1f}-{theirs[-1]:.1f} ms" in section
+    assert all(r.get("mismatched_bytes", 0) == 0 for rows in race.values() for r in rows)
+
+    vl = json.loads((ROOT / "bench" / "results" / files[2]).read_text())
+    runs = [vl["runs"][k] for k in ("hicache", "offloading", "none")]
+    ttft = _row(section, "TTFT p50 / p90 of host hits, ms")
+    for cell, r in zip(ttft, runs, strict=True):
+        t = r["ttft_ms"]["pass2"]
+        assert cell.startswith(f"{t['p50']:.1f} / {t['p90']:.1f}"), (cell, t)
+    assert _row(section, "prompt tokens from host") == [f"{r['host_tokens']:,}" for r in runs]
+    assert _row(section, "batch throughput, tokens/s") == [f"{r['batch']['tokens_per_s']:,.0f}" for r in runs]
+    worker = [r["connector_host_time_per_step"]["worker"]["mean_ms"] for r in runs[:2]]
+    assert _row(section, "worker host time per step, mean ms")[:2] == [f"{w:.2f}" for w in worker]
+    assert all(vl["identity"][k]["identical"] for k in ("hicache", "offloading"))
