@@ -35,10 +35,9 @@ Strength, per page (two byte strings of the same length, P = false match):
   certainty (the salts differ and fmix64 is a bijection), so a page and its
   checksum moved together to the wrong place fail.
 
-Cost: two 64-bit multiply-adds per 8 bytes. numpy (`checksums`) runs as a
-blocked integer matrix-vector product, about 3 GB/s on one core; the GPU
-kernel is a single pass over the pages (docs/integrity.md has the
-measurements).
+Cost: two 64-bit multiply-adds per 8 bytes. numpy (`checksums`) runs as
+integer sums of products over cache-sized steps; the GPU kernel is a single
+pass over the pages (docs/integrity.md has the measurements).
 """
 
 from __future__ import annotations
@@ -58,8 +57,12 @@ _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 #: Seeds of the multipliers and of the (part, layer) salts: part of the definition.
 MULTIPLIER_SEED = 0x48_49_43_41_43_48_45_31  # "HICACHE1"
 SALT_SEED = 0x49_4E_54_45_47_52_49_54  # "INTEGRIT"
-#: Pages hashed per matrix-vector product: keeps the uint64 temporaries in cache.
-_ROWS = 16
+#: Bytes of pages `raw_sums` hashes per step: the step's rows and the scratch of their
+#: high halves (as many bytes again) stay in one core's L2 cache.
+_STEP_BYTES = 1 << 19
+#: At most this many 64-bit words in all: one matrix-vector product each (the lowest fixed
+#: cost); above it einsum's sums of products (about twice matmul's speed on integers).
+_SMALL_WORDS = 4096
 
 
 class Verify(enum.Enum):
@@ -140,24 +143,31 @@ def multipliers(words: int) -> tuple[np.ndarray, np.ndarray]:
 def raw_sums(pages: np.ndarray) -> np.ndarray:
     """The multilinear sums (before the salt) of each row of `pages` (uint8 [n, page_bytes]).
 
-    O(bytes), no per-page Python work: one integer matrix-vector product per
-    `_ROWS` pages (uint64 products and sums wrap mod 2**64). Allocates
-    O(_ROWS x words) scratch."""
+    O(bytes), no per-page Python work: per step of about `_STEP_BYTES` of rows,
+    one pass for the high halves and two integer sums of products (uint64
+    products and sums wrap mod 2**64), so a step's rows and its scratch stay in
+    a core's L2 cache. Allocates O(min(n * page_bytes, _STEP_BYTES)) scratch;
+    numpy releases the GIL inside each pass."""
     n, page_bytes = pages.shape
     if page_bytes % 8:
         raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
     words = page_bytes // 8
     x = (pages if pages.flags.c_contiguous else np.ascontiguousarray(pages)).view(np.uint64)
     a, b = multipliers(words)
-    if n <= _ROWS:
-        return x @ a + (x >> _SHIFT32) @ b
+    if x.size <= _SMALL_WORDS:  # a few small pages: matmul's fixed cost is the lowest
+        out = x @ a
+        out += (x >> _SHIFT32) @ b
+        return out
+    rows = max(1, _STEP_BYTES // page_bytes)
     out = np.empty(n, dtype=np.uint64)
-    hi = np.empty((_ROWS, words), dtype=np.uint64)
-    for lo in range(0, n, _ROWS):
-        rows = x[lo : lo + _ROWS]
-        high = hi[: len(rows)]
-        np.right_shift(rows, _SHIFT32, out=high)
-        out[lo : lo + _ROWS] = rows @ a + high @ b
+    high = np.empty((min(rows, n), words), dtype=np.uint64)
+    for lo in range(0, n, rows):
+        step = x[lo : lo + rows]
+        hi = high[: len(step)]
+        np.right_shift(step, _SHIFT32, out=hi)
+        part = out[lo : lo + rows]
+        np.einsum("ij,j->i", step, a, out=part)
+        part += np.einsum("ij,j->i", hi, b)
     return out
 
 

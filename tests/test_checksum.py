@@ -57,9 +57,13 @@ def test_numpy_checksum_equals_the_definition(data: st.DataObject, words: int, p
 
 
 def test_blocked_and_single_row_paths_agree() -> None:
-    block = np.random.default_rng(1).integers(0, 256, (37, 4096), dtype=np.uint8)
+    # 300 pages of 4 KiB: several steps of `_STEP_BYTES` and a partial last one (einsum),
+    # against each page alone (a matrix-vector product)
+    n = 300
+    assert n * 4096 > 2 * checksum._STEP_BYTES and (n * 4096) % checksum._STEP_BYTES
+    block = np.random.default_rng(1).integers(0, 256, (n, 4096), dtype=np.uint8)
     whole = checksum.checksums(block, Part.TARGET_KV, 3)
-    rows = np.concatenate([checksum.checksums(block[i : i + 1], Part.TARGET_KV, 3) for i in range(37)])
+    rows = np.concatenate([checksum.checksums(block[i : i + 1], Part.TARGET_KV, 3) for i in range(n)])
     assert np.array_equal(whole, rows)
     strided = checksum.checksums(np.ascontiguousarray(block[::2]), Part.TARGET_KV, 3)
     assert np.array_equal(strided, whole[::2])
