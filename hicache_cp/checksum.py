@@ -83,20 +83,12 @@ SAMPLE_EVERY = 8
 def fmix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser (a bijection of uint64), element-wise on a uint64 array
     (a new array; array products wrap silently)."""
-    return fmix64_inplace(np.array(x, dtype=np.uint64))
-
-
-def fmix64_inplace(x: np.ndarray) -> np.ndarray:
-    """`fmix64` of a writable uint64 array, in place (returns it): eight element-wise
-    passes and one scratch array of x's size."""
-    t = x >> _S30
-    x ^= t
+    x = np.array(x, dtype=np.uint64)
+    x ^= x >> _S30
     x *= _M1
-    np.right_shift(x, _S27, out=t)
-    x ^= t
+    x ^= x >> _S27
     x *= _M2
-    np.right_shift(x, _S31, out=t)
-    x ^= t
+    x ^= x >> _S31
     return x
 
 
@@ -183,7 +175,7 @@ def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:
     """The checksum of each page (uint8 [n, page_bytes]) as `part`'s `layer`: uint64 [n]."""
     x = raw_sums(pages)
     x ^= salt(part, layer, pages.shape[1])
-    return fmix64_inplace(x)
+    return fmix64(x)
 
 
 def checksums_by_layer(pages: np.ndarray, part: Part, layers: list[int], n: int) -> np.ndarray:
@@ -192,7 +184,7 @@ def checksums_by_layer(pages: np.ndarray, part: Part, layers: list[int], n: int)
     every layer of a part."""
     x = raw_sums(pages).reshape(len(layers), n)
     x ^= salts(part, layers, pages.shape[1])[:, None]
-    return fmix64_inplace(x)
+    return fmix64(x)
 
 
 def sample_positions(n: int, op_id: int, verify: Verify) -> np.ndarray | None:

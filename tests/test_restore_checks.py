@@ -35,7 +35,7 @@ def check_path(request, monkeypatch):  # type: ignore[no-untyped-def]
     """Every story on both paths of the cpu backend's checks: batched on the asking
     thread (small copies), and on the copy worker right after the copy (large ones)."""
     if request.param == "on-worker":
-        monkeypatch.setattr("hicache_cp.io.cpu.WORKER_CHECK_BYTES", dict.fromkeys(Direction, 0))
+        monkeypatch.setattr("hicache_cp.io.cpu.WORKER_CHECK_BYTES", 0)
     return request.param
 
 

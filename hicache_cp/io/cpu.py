@@ -13,13 +13,11 @@ makes the copy slow. The real copy still runs for every copy it lets pass.
 (direction, part, layer, device_pages, host_pages): a test writes into the
 pages there (a torn backup, a forward racing a load).
 
-Checksums (`hicache_cp.io.verify`): a backup's from the rows its copy gathered,
-on its worker right after the copy, stored beside the host copy; a load's of
-what landed in the device pages, compared with the stored ones (the copy FAILS
-with an IntegrityError on a mismatch), on its worker after a large copy
-(`WORKER_CHECK_BYTES`), else in one batch for the op's landed layers on the
-thread that asks a ticket's state. As on CUDA, the forward
-(`make_compute_wait`) waits for the copy and the op's decision for the check.
+Checksums (`hicache_cp.io.verify`), once a copy is done, on the thread that
+asks its ticket (`CpuTicket`): a backup's from the device pages it copied,
+stored beside the host copy; a load's of what landed in the device pages,
+compared with the stored ones (the copy FAILS with an IntegrityError on a
+mismatch).
 """
 
 from __future__ import annotations
@@ -40,20 +38,16 @@ FaultHook = Callable[[Direction, Part, int], None]
 #: A copy of at least this many bytes has its checks run on its worker thread, right
 #: after the copy: numpy's large loops release the GIL, so they run beside the caller on
 #: another core. Smaller ones are checked in batches on the thread that asks (a worker's
-#: many small numpy calls would contend for the GIL with the caller instead). A backup
-#: hashes the rows its copy just gathered, while they are in cache (a batch would gather
-#: them again), and nothing waits for it but its op's vote: every backup on its worker.
-#: A load re-reads the landed pages and the forward waits for its layer: from 1 MiB.
-WORKER_CHECK_BYTES = {Direction.D2H: 0, Direction.H2D: 1 << 20}
+#: many small numpy calls would contend for the GIL with the caller instead).
+WORKER_CHECK_BYTES = 1 << 20
 LandedHook = Callable[[Direction, Part, int, np.ndarray, np.ndarray], None]
 
 
 class CpuTicket(CopyTicket):
     """A copy on a worker thread, and its checks (`verify.HostChecks` of its op), run
-    once the copy is done on the thread that first asks its state (the cache's poll or
-    settle: no worker thread contends for the GIL with small numpy calls, and all the
-    layers landed by then are checked in one batch); a load whose landed pages fail
-    their check FAILS with the IntegrityError."""
+    once the copy is done on the thread that first asks (the cache's poll or settle,
+    the forward's wait: no worker thread contends for the GIL with small numpy
+    calls); a load whose landed pages fail their check FAILS with the IntegrityError."""
 
     def __init__(
         self, future: cf.Future[None], direction: Direction, part: Part, layer: int, nbytes: int,
@@ -96,11 +90,7 @@ class CpuTicket(CopyTicket):
             raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
 
     def make_compute_wait(self) -> None:
-        """Block until the copy landed: the forward waits for the copy, never for a batched
-        check (as on CUDA); the op's decision does (`query`, `wait`)."""
-        exc = self._future.exception()
-        if exc is not None:
-            raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
+        self.wait()
 
     @property
     def error(self) -> BaseException | None:
@@ -149,7 +139,7 @@ class CpuCopyEngine(CopyEngine):
         nbytes = len(device_pages) * self.layout.part(part).page_bytes
         if checks is None and verify.active(self):  # an unplanned copy: checks of its own
             checks = self._checks(direction, device_pages, host_pages, None, None)
-        on_worker = checks if checks is not None and nbytes >= WORKER_CHECK_BYTES[direction] else None
+        on_worker = checks if checks is not None and nbytes >= WORKER_CHECK_BYTES else None
         future = self._workers[direction].submit(
             self._copy, direction, part, layer, dev, host, device_pages, host_pages, on_worker
         )

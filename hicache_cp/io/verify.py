@@ -111,57 +111,48 @@ class HostChecks:
         self.pending: list[Any] = []
 
     def run(self) -> None:
-        """Check every done copy not checked yet: per part one gather and one pass of
-        `raw_sums` over all its layers, one salt-and-finalise pass over every part; a
-        backup stores, a load compares (and warns only for the layers that fail)."""
-        ready: dict[Part, list[Any]] = {}
-        pending = []
-        for t in self.pending:
-            state = self._done(t)  # True: landed, False: failed, None: in flight
-            if state is None:
-                pending.append(t)
-            elif state:
-                ready.setdefault(t.part, []).append(t)
+        states = [self._done(t) for t in self.pending]
+        ready = [t for t, st in zip(self.pending, states) if st is not None]
+        self.pending = [t for t, st in zip(self.pending, states) if st is None]
+        by_part: dict[Part, list[Any]] = {}
+        for t, st in zip(ready, [st for st in states if st is not None]):
+            if st:
+                by_part.setdefault(t.part, []).append(t)
             else:
                 t.checked(None)  # its copy failed: that is its error
-        self.pending = pending
-        n = len(self.device_pages)
-        if not ready or not n:
-            for group in ready.values():
+        dp, hp, n = self.device_pages, self.host_pages, len(self.device_pages)
+        if not n or not by_part:
+            for group in by_part.values():
                 for t in group:
                     t.checked(None)
             return
-        blocks, raws, salts = [], [], []
-        for part, group in ready.items():
+        # Every part's multilinear sums, then one salt-and-finalise pass over all of them.
+        blocks, raws, salted = [], [], []
+        for part, group in by_part.items():
             layout = self.engine.layout.part(part)
             layers = [t.layer for t in group]
             slots = [layout.slot(layer) for layer in layers]
-            blocks.append((part, group, slots))
+            blocks.append((part, group, np.asarray(slots, dtype=np.int64)))
             raws.append(checksum.raw_sums(self._rows(part, slots)))
-            salts.append(checksum.salts(part, layers, layout.page_bytes))
-        flat = (np.concatenate(raws) if len(raws) > 1 else raws[0]).reshape(-1, n)
-        flat ^= (np.concatenate(salts) if len(salts) > 1 else salts[0])[:, None]
-        sums_all = checksum.fmix64_inplace(flat)
+            salted.append(np.repeat(checksum.salts(part, layers, layout.page_bytes), n))
+        flat = np.concatenate(raws) if len(raws) > 1 else raws[0]
+        flat ^= np.concatenate(salted) if len(salted) > 1 else salted[0]
+        sums_all = checksum.fmix64(flat).reshape(-1, n)
+        row = 0
         if not self.d2h:
             self.engine.integrity.count_checked("l2", sums_all.size)
-        hp, row = self.host_pages, 0
-        for part, group, slots in blocks:
+        for part, group, rows in blocks:
             sums = sums_all[row : row + len(group)]
             row += len(group)
             stored = self.engine.host_pool.sums(part)
-            index = _slot_index(slots)
             if self.d2h:
-                stored[index, hp] = sums
+                stored[rows[:, None], hp[None, :]] = sums
                 for t in group:
                     t.checked(None)
                 continue
-            bad = sums != stored[index, hp]
-            if not bad.any():
-                for t in group:
-                    t.checked(None)
-                continue
+            bad = sums != stored[rows[:, None], hp[None, :]]
             for t, wrong, got in zip(group, bad, sums):
-                t.checked(compare(self.engine, part, t.layer, got, hp, self.device_pages, self.request, counted=True)
+                t.checked(compare(self.engine, part, t.layer, got, hp, dp, self.request, counted=True)
                           if wrong.any() else None)  # fmt: skip
 
     def _rows(self, part: Part, slots: list[int]) -> np.ndarray:
@@ -169,17 +160,8 @@ class HostChecks:
         (one gather when the part is one buffer and the slots are consecutive)."""
         pool, dp = self.engine.device_pool, self.device_pages
         buf = pool.buffers.get(part)
-        index = _slot_index(slots)
-        if isinstance(index, slice) and hasattr(buf, "numpy"):
-            block = buf.numpy()[index, dp]  # type: ignore[union-attr]
+        if hasattr(buf, "numpy") and slots == list(range(slots[0], slots[0] + len(slots))):
+            block = buf.numpy()[slots[0] : slots[0] + len(slots), dp]  # type: ignore[union-attr]
             return block.reshape(-1, block.shape[-1])
         views = [pool.layer_view(part, slot)[dp] for slot in slots]
         return views[0] if len(views) == 1 else np.concatenate(views)
-
-
-def _slot_index(slots: list[int]) -> slice | np.ndarray:
-    """`slots` as an index of the first axis, broadcasting against a page list on the
-    second: a slice when they are consecutive, else a column of slot numbers."""
-    if slots[-1] - slots[0] == len(slots) - 1 and slots == list(range(slots[0], slots[-1] + 1)):
-        return slice(slots[0], slots[-1] + 1)
-    return np.asarray(slots, dtype=np.int64)[:, None]
