@@ -41,6 +41,7 @@ _EXPORTS = {
     "hicache_cp.ops": ("BackupOp", "BackupState", "LoadOp", "LoadState"),
     "hicache_cp.pools": ("DevicePool", "HostPool"),
     "hicache_cp.presets": ("PRESETS", "ModelLayout"),
+    "hicache_cp.prometheus": ("Exporter", "start_exporter"),
 }  # fmt: skip
 #: Exported under a name that says what it is (public name -> module, name there).
 _RENAMED = {
@@ -82,6 +83,7 @@ __all__ = [
     "DistributedAgreement",
     "Event",
     "EventLog",
+    "Exporter",
     "HiCache",
     "HiCacheError",
     "HostPool",
@@ -110,5 +112,6 @@ __all__ = [
     "failure_from_report",
     "make_engine",
     "sample_positions",
+    "start_exporter",
     "__version__",
 ]

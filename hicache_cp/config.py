@@ -365,6 +365,7 @@ NON_FIELD_ENV = frozenset({
     "HICACHE_CP_PD_AUTHKEY",  # hicache_harness.decode_peer: the control channel's secret
     "HICACHE_COMMIT",  # hicache_harness.provenance: the commit recorded in results
     "HICACHE_CP_CONFIG",  # integrations.sglang: the TOML file the plug-in reads
+    "HICACHE_CP_METRICS_PORT",  # integrations.sglang: the metrics endpoint's base port
     "HICACHE_PEERS",  # scripts/setup.sh: install vLLM and SGLang or not
 })  # fmt: skip
 

@@ -158,12 +158,15 @@ class CacheCollector:
 
 @dataclass
 class Exporter:
-    """A running HTTP endpoint; `stop()` shuts it down (idempotent)."""
+    """A running HTTP endpoint; `stop()` shuts it down (idempotent). `collector.cache`
+    is the cache it reads: a server that replaces its cache (a reset) points it at the
+    new one."""
 
     server: Any
     thread: Any
     addr: str
     port: int
+    collector: CacheCollector
 
     def stop(self) -> None:
         if self.server is not None:
@@ -190,4 +193,4 @@ def start_exporter(cache: HiCache, port: int, addr: str = DEFAULT_ADDR, naming: 
     server, thread = start_http_server(port, addr=addr, registry=registry)
     bound = int(server.server_address[1])
     logger.info("rank %d: metrics at http://%s:%d/metrics", cache.rank, addr, bound)
-    return Exporter(server, thread, addr, bound)
+    return Exporter(server, thread, addr, bound, collector)

@@ -39,7 +39,7 @@ SGLANG_BAD = [
     ({"HICACHE_WRITE_THRESHOLD": "3"}, "write_threshold (from env:HICACHE_WRITE_THRESHOLD)"),
     ({"HICACHE_L2_EXCLUSIVE": "true"}, "l2_exclusive needs write_policy = write_back, got write_through (from env:"),
     ({"HICACHE_HOST_BUDGET_BYTES": str(1 << 60)}, "host_budget_bytes: 1.074e+09 GiB per rank"),
-    ({"HICACHE_IO_BACKEND": "kernel"}, "io_backend: kernel copies with CUDA"),
+    ({"HICACHE_IO_BACKEND": "direct"}, "io_backend: direct copies with CUDA"),
     ({"HICACHE_PIN_HOST": "true"}, "pin_host: true needs CUDA"),
 ]
 
@@ -69,7 +69,7 @@ def test_sglang_accepts_what_it_honours() -> None:
     r = resolve(_kv(), {"HICACHE_HOST_BUDGET_BYTES": str(1 << 20), "HICACHE_IO_BACKEND": "cpu",
                         "HICACHE_L2_FREE_ROOM": "0.1", "HICACHE_PIN_HOST": "false"}, cuda=False)  # fmt: skip
     assert r.config.host_budget_bytes == 1 << 20 and r.sources["page_size"] == "sglang"
-    assert resolve(_kv(), {"HICACHE_IO_BACKEND": "kernel"}, cuda=True).config.io_backend == "kernel"
+    assert resolve(_kv(), {"HICACHE_IO_BACKEND": "direct"}, cuda=True).config.io_backend == "direct"
 
 
 VLLM_BAD = [
@@ -81,7 +81,7 @@ VLLM_BAD = [
     ({"host_budget_bytes": 1 << 70}, "host_budget_bytes: 1.1e+12 GiB per rank"),
     ({"host_budget_gib": 1, "eviction_policy": "fifo"}, "eviction_policy: unknown policy 'fifo'"),
     ({"host_budget_gib": 1, "l2_free_room": "lots"}, "l2_free_room: expected a fraction"),
-    ({"host_budget_gib": 1, "io_backend": "kernel"}, "io_backend: kernel copies with CUDA"),
+    ({"host_budget_gib": 1, "io_backend": "direct"}, "io_backend: direct copies with CUDA"),
     ({"host_budget_gib": 1, "pin_host": True}, "pin_host: true needs CUDA"),
     ({"host_budget_gib": 1, "debug_checks": "yes"}, "debug_checks: expected true or false"),
 ]

@@ -239,9 +239,12 @@ class HiCache:
 
     # ---- lookup ------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: np.ndarray, request: object = None) -> MatchResult:
+    def match_prefix(self, tokens: np.ndarray, request: object = None, *, count: bool = True) -> MatchResult:
         """Longest cached prefix of `tokens`: device pages, then committed host pages.
         `request` (an id) names the request in the warnings of its loads and backups.
+        `count=False` leaves the request out of the hit metrics (L3's share included): an
+        engine that matches a request several times before admitting it, and owns L1,
+        counts it once itself (`metrics.record_match`).
 
         Side effects: may split a node (the match ends on a boundary), ticks the
         clock, updates hit counts, locks the path to `last_node`, and under
@@ -253,9 +256,9 @@ class HiCache:
         request used yet count as L3 hits (`m.l3_len`), once per landed copy;
         the other host pages count as L2 hits.
         """
-        m = self._prefixes.match_prefix(tokens)
+        m = self._prefixes.match_prefix(tokens, count)
         m.request = request
-        if self._tier3 is not None:
+        if self._tier3 is not None and count:
             self._tier3.claim(m)
         self._state.debug_check()
         return m

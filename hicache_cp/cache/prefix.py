@@ -30,7 +30,7 @@ class Prefixes:
         self.s = state
         self.lifecycle = lifecycle
 
-    def match_prefix(self, tokens: np.ndarray) -> MatchResult:
+    def match_prefix(self, tokens: np.ndarray, count: bool = True) -> MatchResult:
         """See `HiCache.match_prefix`."""
         s = self.s
         s.clock += 1
@@ -39,7 +39,8 @@ class Prefixes:
             node.hit_count += 1
             node.last_access = s.clock
         s.policy.on_match(m.tokens, used, s.clock)
-        s.metrics.record_match(len(tokens), m.device_len, m.host_len, s.layout.page_size)
+        if count:
+            s.metrics.record_match(len(tokens), m.device_len, m.host_len, s.layout.page_size)
         if s.config.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
             for node in used:
                 if node.on_device and node.host_state is HostState.NONE and node.hit_count >= s.config.write_threshold:

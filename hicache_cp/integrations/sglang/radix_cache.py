@@ -43,8 +43,7 @@ scheduler calls (the model is FlexKV's tree cache, `storage/flexkv/`):
                                  them is in flight
     release_aborted_request      an aborted attempt drops its offer and its locks
 
-All-or-nothing, visibility on commit, free room and eviction are hicache-cp's
-rules (`HiCache`).
+All-or-nothing, visibility on commit, free room and eviction are `HiCache`'s.
 
 Device room never waits for a decision. SGLang 0.5.23's scheduler calls
 nothing of a registered tree cache in a round that admits nothing and runs
@@ -63,13 +62,10 @@ recomputes. A load the copy engine refuses at the forward's start fails its
 request like a load that fails in flight. A committed host copy lacking a
 part raises `ConsistencyError` from `match_prefix` (never a target-only hit).
 
-The scheduler thread never reads a device tensor per request: page ids
-reach the host in one batched read per forward (`page_ids.HostIndices`).
+No device tensor is read per request: page ids reach the host once a forward (`page_ids`).
 
-KV events: with SGLang's `--kv-events-config`, every L2 (and L3) block that
-becomes visible or leaves is handed, in SGLang's format and keyed with its
-hashes, to this radix cache's own recorder, which SGLang's scheduler
-publishes with its GPU events (`events.py`, docs/events.md).
+KV events go to this radix cache's own recorder in SGLang's format (`events`);
+each request enters the metrics once (`metrics`; docs/events.md).
 
 Ranks: each TP rank runs this scheduler on the same requests in the same
 order and keeps the L2 of what its pools hold; every decision (commit,
@@ -105,7 +101,8 @@ from hicache_cp.integrations.sglang.fence import ForwardFence
 from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies, LayerHooks
 from hicache_cp.integrations.sglang.page_ids import HostIndices
 from hicache_cp.integrations.sglang.pools import SGLangKV
-from hicache_cp.integrations.sglang.settings import resolve
+from hicache_cp.integrations.sglang.metrics import RequestCounts, serve_metrics
+from hicache_cp.integrations.sglang.settings import metrics_port, resolve
 from hicache_cp import CopyFailed
 from hicache_cp import DevicePool
 
@@ -175,6 +172,7 @@ class HiCacheCpRadixCache(RadixCache):
         """`forward_stream`: the model runner's forward stream (the fence of copies the
         scheduler thread submits); None where there is none (CPU)."""
         self._flows: dict[CacheRequestHandle, _Flow] = {}
+        self.counts = RequestCounts()
         # SGLang's device nodes whose slots undecided backups may still read (keyed by the
         # inserted path's last node: its ancestors evict only after it), and the backups of
         # the nodes the eviction in progress deleted.
@@ -184,9 +182,11 @@ class HiCacheCpRadixCache(RadixCache):
         target = params.token_to_kv_pool_allocator.get_kvcache()
         self.kv = SGLangKV.from_pools(target, draft_pools)
         self.resolved = resolve(self.kv, env)
+        port = metrics_port(env)
         self._agreement = agreement
         self._events = recorder_log(self.kv_events)  # L2/L3 events into SGLang's recorder, when it has one on
         self.cache = self._make_cache()
+        self.exporter = None if port is None else serve_metrics(self.cache, port)
         self.fence = ForwardFence(forward_stream)
         self.indices = HostIndices()
         self._staged: list[_Staged] = []
@@ -231,8 +231,9 @@ class HiCacheCpRadixCache(RadixCache):
             return base
         key = params.key.page_aligned(self.page_size)
         tokens = np.frombuffer(key.raw_token_ids(), dtype=np.int64)[: len(key)]
-        m = self.cache.match_prefix(tokens)
+        m = self.cache.match_prefix(tokens, count=False)  # SGLang matches a request again each round
         device_pages = base.device_prefix_len // self.page_size
+        self.counts.matched(handle, len(tokens), device_pages)
         if m.host_len <= device_pages:
             self.cache.release(m.last_node)
             return base
@@ -280,6 +281,9 @@ class HiCacheCpRadixCache(RadixCache):
         the whole pages this forward completes (write-through, PENDING until committed)."""
         if self.disable or not _eligible(req):
             return
+        flow = self._flows.get(req.cache_request_handle)
+        admitted = flow.host_tokens // self.page_size if flow is not None and flow.admitted else 0
+        self.counts.first_forward(req.cache_request_handle, self.cache, admitted)
         whole = (req.extend_end // self.page_size) * self.page_size
         if whole <= req.prefix_len - req.prefix_len % self.page_size:
             return
@@ -412,6 +416,7 @@ class HiCacheCpRadixCache(RadixCache):
 
     def on_release(self, req: Req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
+        self.counts.forget(req.cache_request_handle)
         flow = self._flows.get(req.cache_request_handle)
         if flow is None:
             return
@@ -430,6 +435,7 @@ class HiCacheCpRadixCache(RadixCache):
             self._abort_unwritten(flow)
 
     def release_aborted_request(self, handle: CacheRequestHandle) -> None:
+        self.counts.forget(handle)
         flow = self._flows.get(handle)
         if flow is None:
             return
@@ -449,6 +455,7 @@ class HiCacheCpRadixCache(RadixCache):
         for handle in list(self._flows):
             self._drop_offer(handle)
         self._flows.clear()
+        self.counts.clear()
         self._read_by.clear()
         self._evicted_reads.clear()
         self._staged.clear()
@@ -457,8 +464,12 @@ class HiCacheCpRadixCache(RadixCache):
         self.cache.close(discard=True)  # the node tier's journal forgets every copy: the new cache adopts none
         self.cache = self._make_cache()
         self.copies.cache = self.cache
+        if self.exporter is not None:
+            self.exporter.collector.cache = self.cache
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.stop()
         self.cache.drain()
         self.cache.close()
 

@@ -19,6 +19,12 @@ Main keys: `host_budget_bytes` (per TP rank, all parts together, or "auto"),
 shared segment for the node's TP ranks, kept across a server restart
 (docs/node-tier.md; the served model's path is its identity there).
 
+Metrics: `HICACHE_CP_METRICS_PORT=P` serves the cache's Prometheus metrics
+(`hicache_cp.prometheus`, SGLang's `sglang:hicache_*` names) from each
+scheduler process at http://127.0.0.1:(P + its torch.distributed rank)/metrics,
+so the TP ranks of a server never share a port; `0` picks free ports (logged).
+Unset: no endpoint.
+
 Keys the plug-in cannot honour are refused when a source sets them, with the
 source: `l1_free_room` (SGLang evicts its own device tree), `write_threshold`
 (another write policy), `pd_timeout_s` and `pd_per_layer` (the plug-in does
@@ -40,6 +46,7 @@ from hicache_cp import ConfigError
 from hicache_cp.integrations.sglang.pools import SGLangKV
 
 CONFIG_ENV = "HICACHE_CP_CONFIG"
+METRICS_PORT_ENV = "HICACHE_CP_METRICS_PORT"
 
 #: Fields SGLang decides; a source that sets them is refused.
 ENGINE_FIELDS = ("page_size", "model", "model_layout", "l1_pages", "cp_size")
@@ -83,3 +90,14 @@ def resolve(kv: SGLangKV, env: Mapping[str, str] | None = None, *, cuda: bool | 
     sources = dict(base.sources)
     sources.update(dict.fromkeys(("page_size", "model_layout", "l1_pages"), "sglang"))
     return ResolvedConfig(config, sources)
+
+
+def metrics_port(env: Mapping[str, str] | None = None) -> int | None:
+    """The metrics endpoint's base port from `HICACHE_CP_METRICS_PORT` (None: unset or
+    empty, no endpoint); a value that is not a port is a `ConfigError` naming the variable."""
+    raw = (os.environ if env is None else env).get(METRICS_PORT_ENV, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or not 0 <= int(raw) <= 65535:
+        raise ConfigError(f"{METRICS_PORT_ENV}: {raw!r} is not a port in [0, 65535] (from the environment)")
+    return int(raw)
