@@ -76,3 +76,13 @@ def test_a_variable_outside_the_prefix_never_matters(env: dict[str, str], strict
     got = Config.resolve(env={**env, **base})
     assert got.config == want.config and got.sources == want.sources
     assert config_module._WARNED == set()
+
+
+def test_every_variable_that_is_not_a_field_is_documented() -> None:
+    """docs/configuration.md lists each `HICACHE_*` variable read outside the config, so a
+    user can tell one that is read from one that is warned about."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    missing = sorted(v for v in config_module.NON_FIELD_ENV if f"`{v}`" not in doc)
+    assert not missing, f"not in docs/configuration.md: {missing}"
