@@ -47,6 +47,8 @@ _EXPORTS = {
 _RENAMED = {
     "BlockKey": ("hicache_cp.events", "Key"),  # an engine's key of one page
     "L3_FORMAT_VERSION": ("hicache_cp.l3.config", "FORMAT_VERSION"),  # the stored objects' format
+    "METRIC_FAMILIES": ("hicache_cp.prometheus", "FAMILIES"),  # the metrics' names, types, labels
+    "metric_family_values": ("hicache_cp.prometheus", "family_values"),  # a cache's samples of them
 }
 _WHERE = {name: (module, name) for module, names in _EXPORTS.items() for name in names} | _RENAMED
 
@@ -96,6 +98,7 @@ __all__ = [
     "LoadOp",
     "LoadState",
     "LocalAgreement",
+    "METRIC_FAMILIES",
     "MatchResult",
     "Medium",
     "Model",
@@ -111,6 +114,7 @@ __all__ = [
     "WritePolicy",
     "failure_from_report",
     "make_engine",
+    "metric_family_values",
     "sample_positions",
     "start_exporter",
     "__version__",

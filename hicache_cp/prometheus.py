@@ -89,6 +89,41 @@ def metric_names(naming: str = "hicache") -> list[str]:
     return [prefix + name + s for name, (kind, _, _) in FAMILIES.items() for s in suffixes[kind]]
 
 
+def family_values(stats: dict[str, Any], log: Any = None) -> dict[str, dict[tuple[str, ...], float]]:
+    """Every counter and gauge family's samples (`FAMILIES`, histograms aside) from a
+    cache's `stats()` and its event log (None: none): name -> {label values: value}."""
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    out["prompt_tokens"] = {(): stats["prompt_tokens"]}
+    out["hit_tokens"] = {("l1",): stats["l1_hit_tokens"], ("l2",): stats["l2_hit_tokens"],
+                         ("l3",): stats.get("l3_hit_tokens", 0)}  # fmt: skip
+    out["miss_tokens"] = {(): stats["miss_tokens"]}
+    out["bytes"] = {("l2", "d2h"): stats["bytes_d2h"], ("l2", "h2d"): stats["bytes_h2d"],
+                    ("l3", "put"): stats.get("l3_put_bytes", 0), ("l3", "get"): stats.get("l3_get_bytes", 0)}  # fmt: skip
+    out["evicted_pages"] = {("l1",): stats["evictions_l1"], ("l2",): stats["evictions_l2"]}
+    pool = {}
+    for tier in ("l1", "l2"):
+        capacity = stats[f"{tier}_capacity_pages"]
+        pool[(tier, "capacity")] = capacity
+        pool[(tier, "used")] = capacity - stats[f"{tier}_free_pages"]
+    out["pool_pages"] = pool
+    integrity: Any = stats.get("integrity") or {}
+    checked = {"l2": 0, "l3": 0, **integrity.get("checked_pages", {})}
+    out["integrity_checked_pages"] = {(tier,): n for tier, n in checked.items()}
+    out["integrity_failures"] = {(tier, part): n for tier, parts in integrity.get("failures", {}).items()
+                                 for part, n in parts.items()}  # fmt: skip
+    out["integrity_dropped_pages"] = {(): integrity.get("dropped_pages", 0)}
+    out["backups"] = {("committed",): stats["backups_committed"], ("aborted",): stats["backups_aborted"],
+                      ("skipped",): stats["backups_skipped"]}  # fmt: skip
+    out["loads"] = {("done",): stats["loads_done"], ("aborted",): stats["loads_aborted"],
+                    ("skipped",): stats["loads_skipped"]}  # fmt: skip
+    out["inflight_ops"] = {("backup",): stats["backups_in_flight"], ("load",): stats["loads_in_flight"]}
+    blocks = dict(log.blocks) if log is not None else {}
+    out["kv_events_blocks"] = {(medium, kind): blocks.get((medium, kind), 0)
+                               for medium in ("device", "host", "store") for kind in ("stored", "removed")}  # fmt: skip
+    out["kv_events_seconds"] = {(): log.seconds if log is not None else 0.0}
+    return out
+
+
 class CacheCollector:
     """A prometheus_client collector over one cache (see the module docstring)."""
 
@@ -113,35 +148,8 @@ class CacheCollector:
                 fam.add_metric([rank, *key], float(value))
             return fam
 
-        yield family("prompt_tokens", {(): stats["prompt_tokens"]})
-        yield family("hit_tokens", {("l1",): stats["l1_hit_tokens"], ("l2",): stats["l2_hit_tokens"],
-                                    ("l3",): stats.get("l3_hit_tokens", 0)})  # fmt: skip
-        yield family("miss_tokens", {(): stats["miss_tokens"]})
-        yield family("bytes", {("l2", "d2h"): stats["bytes_d2h"], ("l2", "h2d"): stats["bytes_h2d"],
-                               ("l3", "put"): stats.get("l3_put_bytes", 0), ("l3", "get"): stats.get("l3_get_bytes", 0)})  # fmt: skip
-        yield family("evicted_pages", {("l1",): stats["evictions_l1"], ("l2",): stats["evictions_l2"]})
-        pool = {}
-        for tier in ("l1", "l2"):
-            capacity = stats[f"{tier}_capacity_pages"]
-            pool[(tier, "capacity")] = capacity
-            pool[(tier, "used")] = capacity - stats[f"{tier}_free_pages"]
-        yield family("pool_pages", pool)
-        integrity: Any = stats.get("integrity") or {}
-        checked = {"l2": 0, "l3": 0, **integrity.get("checked_pages", {})}
-        yield family("integrity_checked_pages", {(tier,): n for tier, n in checked.items()})
-        yield family("integrity_failures", {(tier, part): n for tier, parts in integrity.get("failures", {}).items()
-                                            for part, n in parts.items()})  # fmt: skip
-        yield family("integrity_dropped_pages", {(): integrity.get("dropped_pages", 0)})
-        yield family("backups", {("committed",): stats["backups_committed"], ("aborted",): stats["backups_aborted"],
-                                 ("skipped",): stats["backups_skipped"]})  # fmt: skip
-        yield family("loads", {("done",): stats["loads_done"], ("aborted",): stats["loads_aborted"],
-                               ("skipped",): stats["loads_skipped"]})  # fmt: skip
-        yield family("inflight_ops", {("backup",): stats["backups_in_flight"], ("load",): stats["loads_in_flight"]})
-        log = self.cache.events
-        blocks = dict(log.blocks) if log is not None else {}
-        yield family("kv_events_blocks", {(medium, kind): blocks.get((medium, kind), 0)
-                                          for medium in ("device", "host", "store") for kind in ("stored", "removed")})  # fmt: skip
-        yield family("kv_events_seconds", {(): log.seconds if log is not None else 0.0})
+        for name, values in family_values(stats, self.cache.events).items():
+            yield family(name, values)
 
         def histogram(name: str, series: dict[str, Histogram]) -> Any:
             _, doc, labels = FAMILIES[name]

@@ -238,6 +238,9 @@ FAULTS: list[Fault] = [
           "unwritten = []",
           ("tests/test_sglang_radix.py",), "a backup of layers the forward never wrote stays to commit garbage"),
     # ---- vLLM connector
+    Fault("vllm-counts-every-lookup", "hicache_cp/integrations/vllm/scheduler.py",
+          "m = self.cache.match_prefix(tokens, count=False)", "m = self.cache.match_prefix(tokens)",
+          ("tests/test_vllm_metrics.py",), "a request vLLM looks up again each step is counted each time"),
     Fault("vllm-full-hit-computes-nothing", "hicache_cp/integrations/vllm/scheduler.py",
           "end = min(m.device_len + m.host_len, (request.num_tokens - 1) // bs)",
           "end = m.device_len + m.host_len",

@@ -38,7 +38,9 @@ Costs it does not impose on vLLM:
 
 KV events: with vLLM's `--kv-events-config`, the scheduler side's L2 (and
 L3) blocks go out through `take_events`, in vLLM's format and keyed with its
-block hashes (`events.py`, docs/events.md).
+block hashes (`events.py`, docs/events.md). Metrics: both roles report
+through vLLM's KV connector stats, which vLLM serves on its own /metrics as
+`vllm:hicache_*` (`stats.py`).
 
 vLLM's `KVCacheBlocks` and block hashes stay vLLM's: the cache keys pages by
 their tokens (page size == block size), so a request for which vLLM adds any
@@ -69,6 +71,7 @@ from hicache_cp.integrations.vllm.metadata import HiCacheMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.scheduler import SchedulerSide
 from hicache_cp.integrations.vllm.settings import ConnectorSettings, node_settings
+from hicache_cp.integrations.vllm.stats import HiCachePromMetrics, HiCacheStats
 from hicache_cp.integrations.vllm.worker import WorkerSide
 
 logger = logging.getLogger(__name__)
@@ -205,6 +208,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._work().worker_meta()
+
+    # ---- metrics (both roles; vLLM sums them and exports them in its own process) ---------
+
+    def get_kv_connector_stats(self) -> HiCacheStats | None:
+        side = self.scheduler_side or self.worker_side
+        return side.metrics_report() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiCacheStats:
+        return HiCacheStats(data={} if data is None else data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> HiCachePromMetrics:  # fmt: skip
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -42,11 +42,12 @@ import numpy as np
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from hicache_cp import BackupOp, DevicePool, HiCache, HostPool, LoadOp, LoadState, MatchResult, Model
-from hicache_cp import EventLog
+from hicache_cp import EventLog, metric_family_values
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.remote import RemoteCopyEngine, resolve_op
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
+from hicache_cp.integrations.vllm.stats import HiCacheStats, Reporter
 from hicache_cp import failure_from_report
 from hicache_cp import NodeTier
 from hicache_cp import LocalAgreement
@@ -72,6 +73,8 @@ class _Req:
     load: LoadOp | None = None
     covered: int = 0  # pages [0, covered) have a host copy or a reservation, as far as we know
     finished: bool = False
+    lookup: tuple[int, int] | None = None  # (prompt tokens, vLLM's own prefix pages) at the last lookup
+    counted: bool = False  # in the hit metrics (once, when vLLM allocated its blocks)
 
 
 @dataclass
@@ -103,6 +106,7 @@ class SchedulerSide:
         self._layout = self.cache.layout.describe()
         self.world_size = world_size
         self.stats = SchedulerStats()
+        self._reporter = Reporter()
         self._reqs: dict[str, _Req] = {}
         self._jobs: dict[int, tuple[BackupOp | LoadOp, str]] = {}  # job id -> op, request id
         self._reported: dict[int, tuple[int, str | None]] = {}  # partial reports (fewer workers)
@@ -123,8 +127,10 @@ class SchedulerSide:
         self._release(st)  # a repeated lookup: vLLM could not place the request last time
         bs = self.plan.block_size
         self.stats.lookups += 1
-        m = self.cache.match_prefix(np.asarray(request.all_token_ids, dtype=np.int64))
+        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+        m = self.cache.match_prefix(tokens, count=False)  # vLLM looks a waiting request up again each step
         local = num_computed_tokens // bs
+        st.lookup = (len(tokens), local)
         end = min(m.device_len + m.host_len, (request.num_tokens - 1) // bs)
         if end <= local:
             self.cache.release(m.last_node)
@@ -136,6 +142,10 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Start the load of the offered pages into the blocks vLLM allocated for them."""
         st = self._reqs.get(request.request_id)
+        if st is not None and st.lookup is not None and not st.counted:
+            st.counted = True  # vLLM's prefix hit as L1, the pages loaded from here as L2
+            bs = self.plan.block_size
+            self.cache.metrics.record_match(*st.lookup, num_external_tokens // bs, bs)
         if st is None or st.match is None or (st.load is not None and st.load.active):
             return
         if num_external_tokens == 0:
@@ -230,6 +240,13 @@ class SchedulerSide:
         if delay:
             self._delayed.append(rid)
         return delay, None
+
+    def metrics_report(self) -> HiCacheStats | None:
+        """The cache's metric families changed since the last report (`stats.Reporter`);
+        not L1's pool, which is vLLM's."""
+        values = metric_family_values(self.cache.stats(), self.cache.events)
+        values["pool_pages"] = {k: v for k, v in values["pool_pages"].items() if k[0] != "l1"}
+        return self._reporter.report(values)
 
     def close(self) -> None:
         self.cache.close()

@@ -79,6 +79,7 @@ from hicache_cp import (
 from hicache_cp.integrations.vllm.metadata import CopyJob, HiCacheMetadata, HiCacheWorkerMetadata
 from hicache_cp.integrations.vllm.plan import KVPlan
 from hicache_cp.integrations.vllm.settings import ConnectorSettings
+from hicache_cp.integrations.vllm.stats import HiCacheStats, Reporter, integrity_values
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class WorkerSide:
         self.config = settings.cache_config(plan.layout)
         self.layout = self.config.layout()
         self._described = self.layout.describe()  # checked against every step's metadata
+        self._reporter = Reporter()
         self.device_pool: DevicePool | None = None
         self.host_pool: HostPool | None = None
         self.engine: CopyEngine | None = None
@@ -364,6 +366,13 @@ class WorkerSide:
             return None
         results, self._results = self._results, {}
         return HiCacheWorkerMetadata(results)
+
+    def metrics_report(self) -> HiCacheStats | None:
+        """This worker's restore checks since the last report (`stats.Reporter`)."""
+        if self.engine is None:
+            return None
+        units = sum(p.num_slots for p in self.layout.parts)
+        return self._reporter.report(integrity_values(self.engine.integrity.families(units, 0)))
 
     def close(self) -> None:
         for saves in self._saves:  # let every copy return before its memory goes
