@@ -24,16 +24,21 @@ class RequestCounts:
     """The last match of each request not yet counted (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._last: dict[Any, tuple[int, int]] = {}  # request handle -> (prompt tokens, device pages)
+        # request handle -> [prompt tokens, SGLang's device pages, host pages its admitted load brings]
+        self._last: dict[Any, list[int]] = {}
 
     def matched(self, handle: Any, tokens: int, device_pages: int) -> None:
-        self._last[handle] = (tokens, device_pages)
+        self._last[handle] = [tokens, device_pages, 0]
 
-    def first_forward(self, handle: Any, cache: HiCache, host_pages: int) -> None:
-        """Count the request's last match, once: `host_pages` is what its admitted load brings."""
+    def admitted(self, handle: Any, host_pages: int) -> None:
+        if handle in self._last:
+            self._last[handle][2] = host_pages
+
+    def first_forward(self, handle: Any, cache: HiCache) -> None:
+        """Count the request's last match, once."""
         last = self._last.pop(handle, None)
         if last is not None:
-            cache.metrics.record_match(last[0], last[1], host_pages, cache.layout.page_size)
+            cache.metrics.record_match(*last, cache.layout.page_size)
 
     def forget(self, handle: Any) -> None:
         self._last.pop(handle, None)

@@ -261,6 +261,7 @@ class HiCacheCpRadixCache(RadixCache):
             return 0, node
         flow.load_staged, flow.loaded_slots, flow.kv = True, slots, req.kv
         self._staged.append(_Staged(flow, self.indices.add(slots[:: self.page_size])))
+        self.counts.admitted(req.cache_request_handle, flow.host_tokens // self.page_size)
         return flow.host_tokens, node
 
     def load_back_is_cache_owned(self) -> bool:
@@ -281,9 +282,7 @@ class HiCacheCpRadixCache(RadixCache):
         the whole pages this forward completes (write-through, PENDING until committed)."""
         if self.disable or not _eligible(req):
             return
-        flow = self._flows.get(req.cache_request_handle)
-        admitted = flow.host_tokens // self.page_size if flow is not None and flow.admitted else 0
-        self.counts.first_forward(req.cache_request_handle, self.cache, admitted)
+        self.counts.first_forward(req.cache_request_handle, self.cache)
         whole = (req.extend_end // self.page_size) * self.page_size
         if whole <= req.prefix_len - req.prefix_len % self.page_size:
             return
