@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -91,6 +92,16 @@ def _workers(procs: list[psutil.Process]) -> list[psutil.Process]:
         if "resource_tracker" not in cmd:
             out.append(p)
     return out
+
+
+def _kill_all(parent: subprocess.Popen, children: Iterable[psutil.Process]) -> None:
+    """A test's cleanup, whatever it asserted: the run and every process it started die."""
+    for p in [parent, *children]:
+        try:
+            p.kill()
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    parent.wait(timeout=10)
 
 
 def _alive(procs: list[psutil.Process]) -> list[str]:
@@ -182,12 +193,7 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
             time.sleep(0.2)
         assert stray == set(), f"{case} after {sig.name}: /dev/shm entries left: {sorted(stray)}"
     finally:
-        for p in [parent, *seen.values()]:
-            try:
-                p.kill()
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
-        parent.wait(timeout=10)
+        _kill_all(parent, seen.values())
 
 
 @pytest.mark.parametrize("delay_s", [0.3, 0.8])

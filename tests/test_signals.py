@@ -129,7 +129,7 @@ def test_every_mode_exits_128_plus_the_signal(mode: str, phase: str, tmp_path: P
     (modes alternate which phase gets which): exit 128 + signal within seconds, no
     traceback, no child left, no report written."""
     import psutil
-    from test_processes import _alive, _descendants, _trace, _wait_or_dump_stacks, _workers
+    from test_processes import _alive, _descendants, _kill_all, _trace, _wait_or_dump_stacks, _workers
 
     from conftest import mooncake_store_available
 
@@ -192,9 +192,4 @@ def test_every_mode_exits_128_plus_the_signal(mode: str, phase: str, tmp_path: P
         assert left == [], f"{mode} {phase}: still running after the signal: {left}"
         assert not out_json.exists(), "an interrupted run wrote its report"
     finally:
-        for p in [parent, *seen.values()]:
-            try:
-                p.kill()
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
-        parent.wait(timeout=10)
+        _kill_all(parent, seen.values())
