@@ -135,6 +135,17 @@ _LOAD_TABLE: dict[LoadState, frozenset[LoadState]] = {
 
 _op_ids = itertools.count(1)
 
+#: A forward's backup layers of one model reach the copy engine in about this many calls:
+#: a call per layer would cost the layer hook its stream ordering and hand-off every layer.
+BACKUP_SUBMITS_PER_FORWARD = 8
+
+
+def backup_layer_group(num_layers: int) -> int:
+    """How many written layers a layer hook gathers before it submits a backup's copies
+    of them (one engine call per op): about `BACKUP_SUBMITS_PER_FORWARD` calls for the
+    model's `num_layers`; the copies trail the forward by at most a group."""
+    return max(1, -(-num_layers // BACKUP_SUBMITS_PER_FORWARD))
+
 
 @dataclass(eq=False)
 class _CopyOp:

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,18 +259,18 @@ def test_a_full_prefill_graph_replay_backs_up_only_after_it_ran(make_server, att
     evict_device(s)
     events: list[str] = []
     cache, forward = s.tree_cache.cache, s.forward
-    real_end, real_run = cache.on_layer_end, forward.run
+    real_end, real_run = cache.on_layers_end, forward.run
 
-    def on_layer_end(model, layer, backups):  # type: ignore[no-untyped-def]
-        events.append(f"backup {model.value} {layer}")
-        return real_end(model, layer, backups)
+    def on_layers_end(model, layers, backups):  # type: ignore[no-untyped-def]
+        events.append(f"backup {model.value} {list(layers)}")
+        return real_end(model, layers, backups)
 
     def run(reqs):  # type: ignore[no-untyped-def]
         events.append("replay")
         real_run(reqs)
         events.append("replayed")
 
-    cache.on_layer_end, forward.run = on_layer_end, run
+    cache.on_layers_end, forward.run = on_layers_end, run
     a = p + prompt(81, 3)
     r = serve(s, a)
     assert r.host_hit_length == 2 * PAGE
@@ -390,6 +391,34 @@ def test_scheduling_calls_never_synchronise_with_the_gpu(make_cuda_server) -> No
     s.settle()
     assert s.tree_cache.stats.loaded_tokens == 3 * 2 * PAGE
     clean(s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_page_ids_reuse_one_pinned_buffer_and_read_exact_values() -> None:
+    """CUDA: `HostIndices` stages int32 rows (SGLang's req_to_token) and int64 tensors,
+    strided views included, in one reused pinned buffer that grows past its first size
+    mid-forward; every forward reads back exactly what was staged, and what a resolve
+    returned is not changed by the next forward's copies into the same buffer."""
+    from hicache_cp.integrations.sglang.page_ids import INITIAL_BYTES, HostIndices
+
+    indices = HostIndices()
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    table = torch.randint(0, 1 << 30, (8, 4096), generator=gen, dtype=torch.int32).cuda()
+    kept: list[tuple[list, list]] = []
+    for forward in range(3):
+        want = [table[forward, : 64 * (k + 1) : 64] for k in range(3)]  # strided, as a request's page starts
+        want.append(torch.arange(forward, forward + 5, dtype=torch.int64, device="cuda"))
+        want.append(table[forward + 1].to(torch.int64).repeat(2 + INITIAL_BYTES // 4096))  # outgrows the buffer
+        handles = [indices.add(t) for t in want]
+        got = indices.resolve()
+        assert [len(got[h]) for h in handles] == [t.numel() for t in want]
+        for h, t in zip(handles, want):
+            assert got[h].dtype == np.int64 and (got[h] == t.cpu().numpy()).all(), (forward, h)
+        kept.append((got, [t.cpu().numpy() for t in want]))
+    for got, want in kept:  # earlier results are arrays of their own
+        assert all((g == w).all() for g, w in zip(got, want))
+    assert indices.waits == 3 and indices.resolves == 3
 
 
 # ---- 6. LoRA adapters and extra keys -------------------------------------------------------------

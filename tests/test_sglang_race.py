@@ -150,11 +150,14 @@ def test_the_race_on_cuda(tmp_path: Path) -> None:
     rows = []
     for pools in ("mla", "dsa"):
         for backend in ("radix", "hicache-cp", "sglang-hicache"):
-            s = spec(backend, pools=pools, kv_lora_rank=512, rope_dim=64, dim=1024)
+            # SGLang's Python tree core: its Rust one, built against another torch, panics on the image's.
+            s = spec(backend, pools=pools, kv_lora_rank=512, rope_dim=64, dim=1024, tree_core="python")
             rows.append(run_backend(s, STREAM, tokens_per_block=64, workdir=tmp_path / f"{pools}-{backend}"))
     print(table(rows))
     ran = [r for r in rows if "error" not in r]
-    assert all(r["mismatched_bytes"] == 0 and r["checked_bytes"] > 0 for r in ran), table(rows)
+    assert all(r["mismatched_bytes"] == 0 for r in ran), table(rows)
+    hit = [r for r in ran if r["host_hit_tokens"] + r["device_hit_tokens"]]  # the forward reads back what hit
+    assert hit and all(r["checked_bytes"] > 0 for r in hit), table(rows)
     by = {(r["pools"], r["backend"]): r for r in rows}
     for pools in ("mla", "dsa"):
         assert by[(pools, "hicache-cp")].get("host_hit_tokens") == 6 * 64, by[(pools, "hicache-cp")]

@@ -389,17 +389,17 @@ def test_a_draft_part_missing_in_l2_is_refused_loudly(make_server) -> None:
     assert s.forward.report.forwards == 1
 
 
-def test_backups_are_submitted_per_layer_inside_the_forward(make_server) -> None:
-    s = make_server()
+def _record_backups_and_attention(s: SGLangPrefillServer) -> list[str]:
+    """The order of the forward's attention fetches and its backup submissions."""
     events: list[str] = []
     cache = s.tree_cache.cache
-    real = cache.on_layer_end
+    real = cache.on_layers_end
 
-    def on_layer_end(model, layer, backups):
-        events.append(f"backup {model.value} {layer}")
-        return real(model, layer, backups)
+    def on_layers_end(model, layers, backups):
+        events.append(f"backup {model.value} {','.join(map(str, layers))}")
+        return real(model, layers, backups)
 
-    cache.on_layer_end = on_layer_end
+    cache.on_layers_end = on_layers_end
     pool = s.target
     real_get = pool.get_key_buffer
 
@@ -408,6 +408,12 @@ def test_backups_are_submitted_per_layer_inside_the_forward(make_server) -> None
         return real_get(layer)
 
     pool.get_key_buffer = get_key_buffer
+    return events
+
+
+def test_backups_are_submitted_per_layer_inside_the_forward(make_server) -> None:
+    s = make_server()
+    events = _record_backups_and_attention(s)
     serve(s, prompt(12, 5))
     # Layer l's D2H goes out when layer l+1's attention fetches its KV (overlapped with
     # layer l+1); the last target layer and the (single) draft layer after the forward.
@@ -415,6 +421,29 @@ def test_backups_are_submitted_per_layer_inside_the_forward(make_server) -> None
         "attention target 0", "attention target 1", "backup target 0", "attention target 2", "backup target 1",
         "attention target 3", "backup target 2", "backup target 3", "backup draft 0",
     ]  # fmt: skip
+    clean(s)
+
+
+def test_a_deep_models_backup_layers_go_out_in_groups_inside_the_forward(make_server) -> None:
+    """20 layers: the hook submits them in groups of `backup_layer_group(20)` = 3,
+    each as soon as it is written (overlapped with the next layers), the rest after the
+    forward; every layer exactly once, in order, and the copy commits whole."""
+    from hicache_cp import backup_layer_group
+
+    assert backup_layer_group(20) == 3 and backup_layer_group(4) == 1
+    s = make_server(layers=20, skip_topk=(False, True) * 10)
+    events = _record_backups_and_attention(s)
+    serve(s, prompt(13, 5))
+    expected: list[str] = []
+    for layer in range(20):
+        expected.append(f"attention target {layer}")
+        if layer >= 3 and layer % 3 == 0:
+            expected.append(f"backup target {layer - 3},{layer - 2},{layer - 1}")
+    expected += ["backup target 18,19", "backup draft 0"]
+    assert events == expected
+    evict_device(s)
+    req = serve(s, prompt(13, 5))  # all 5 pages from L2: the grouped copy committed whole
+    assert req.host_hit_length == 5 * PAGE
     clean(s)
 
 

@@ -123,6 +123,7 @@ class HiCache:
             if verify is not Verify.OFF and host_pool.arenas and not host_pool.has_checksums:
                 raise ValueError(f"verify_restores = {verify.value} needs a host pool with "
                                  "checksums (HostPool(checksums=True))")  # fmt: skip
+            engine.warm_up()  # one-time costs (the checksum kernel's build) here, not in a step
             self._state = CacheState(
                 config=config,
                 layout=layout,
@@ -432,7 +433,13 @@ class HiCache:
         only and draft hooks draft parts only: the draft may not have written
         a layer when the target's hook fires.
         """
-        self._lifecycle.on_layer_end(model, layer, backups)
+        self._lifecycle.on_layers_end(model, range(layer, layer + 1), backups)
+
+    def on_layers_end(self, model: Model, layers: range, backups: Iterable[BackupOp | None]) -> None:
+        """`on_layer_end` for a run of consecutive `layers` of `model` written in L1 (a
+        hook that reports several layers at once): per op, one engine call for all of
+        them, in layer order."""
+        self._lifecycle.on_layers_end(model, layers, backups)
 
     def start_backup(self, node: Node) -> BackupOp | None:
         """Back up an already computed node, every layer at once.

@@ -2,7 +2,7 @@
 
     load_back(match)            L1 pages for the host continuation, H2D of every layer
     reserve_backup(pages, pos)  write-through: L2 reservation for pages about to be computed
-    on_layer_end(model, l, ops) one forward's layer hook: D2H of that layer for its ops
+    on_layers_end(model, ls, ops) one forward's layer hook: D2H of those layers for its ops
     start_backup(node)          the all-layer fallback (selective write-through, write-back)
     poll()                      agreed acks -> commits / done loads, failures -> aborts
     settle(), drain()           wait for copies, then decide (end of forward, shutdown)
@@ -151,10 +151,10 @@ class Lifecycle:
         s.metrics.backups_started += 1
         return op
 
-    def on_layer_end(self, model: Model, layer: int, backups: Iterable[BackupOp | None]) -> None:
-        """See `HiCache.on_layer_end`."""
-        # The hot path: per op, one lookup of the parts due and one engine call for
-        # all of them (the op's plan was made at reservation).
+    def on_layers_end(self, model: Model, layers: range, backups: Iterable[BackupOp | None]) -> None:
+        """See `HiCache.on_layers_end`."""
+        # The hot path: per op, a lookup of the parts due at each layer and one engine
+        # call for all of them (the op's plan was made at reservation).
         for op in backups:
             if op is None:
                 continue
@@ -163,10 +163,17 @@ class Lifecycle:
                 continue
             if not op.layerwise:
                 raise ValueError(f"backup {op.id} is an all-layer backup; layer hooks drive reservations only")
-            parts = op.layers_to_submit(model, layer)
-            if not parts:
-                continue
-            op.record_layer(parts, layer, self._submit_layer(op, Direction.D2H, parts, layer))
+            if len(layers) == 1:
+                layer = layers[0]
+                parts = op.layers_to_submit(model, layer)
+                if not parts:
+                    continue
+                op.record_layer(parts, layer, self._submit_layer(op, Direction.D2H, parts, layer))
+            else:
+                jobs = [(parts, layer) for layer in layers if (parts := op.layers_to_submit(model, layer))]
+                if not jobs:
+                    continue
+                op.record_layers(jobs, self._submit_layers(op, Direction.D2H, jobs))
             if op.state is _RESERVED:
                 op.transition(_WRITING)
 

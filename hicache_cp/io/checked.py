@@ -15,13 +15,18 @@ checksums ran (`hicache_cp.io.verify` says what a check is; this module says whe
 The kernels are launched lazily, from the tickets' `query`/`wait` (the cache's
 poll and settle: control paths, never the layer hook), on a stream of their
 own, for every copy of the direction that landed since the last launch: the
-consecutive layers of one op and part go in one launch. Until its checksums
+consecutive layers of one op and part go in one launch whatever the order the
+parts were submitted in (a DSA backup's latent and indexer layers alternate), so
+a poll makes about one launch per op and part, not one per layer. One event
+follows them; the first query that finds it complete finishes every check it
+covers. Until its checksums
 ran a ticket is PENDING; a mismatch makes it FAILED with the IntegrityError
 (`make_compute_wait` still waits for the copy only: the forward never waits
 for a check, the op's decision does). The device pages a backup reads stay
 unchanged until its tickets completed (their owner reuses them only once the
 op is decided or its tickets were waited for: `wait` runs the checksums too),
-so checksumming them after the copy sees the bytes the copy read.
+so checksumming them after the copy sees the bytes the copy read. A plan's
+page lists reach the device through pinned memory, without a host wait.
 
 Runs on the thread that drives the engine (the one that queries its tickets).
 """
@@ -93,7 +98,7 @@ class GpuChecks:
             self.landed[p.part] = flat[offset : offset + p.num_slots * dev].reshape(p.num_slots, dev)
             offset += p.num_slots * dev
         self._pending: dict[Direction, collections.deque[CheckJob]] = {d: collections.deque() for d in Direction}
-        self._refs: dict[int, int] = {}  # event -> jobs still holding it
+        self._jobs_of: dict[int, list[CheckJob]] = {}  # launch event -> its jobs, until seen complete
 
     def wrap(self, plan: CopyPlan, parts: tuple[Part, ...], layer: int, tickets: list[CopyTicket | None]) -> list[CopyTicket | None]:
         """`tickets` of one planned layer, each made to include its checksums."""
@@ -112,10 +117,19 @@ class GpuChecks:
     def advance(self, direction: Direction) -> None:
         """Launch the checks of every copy of `direction` that landed, in submission order."""
         queue = self._pending[direction]
+        if not queue:
+            return
+        # Copies of a direction land in submission order (the io contract): when the
+        # last one landed, all did, and one query stands for the whole queue.
+        everything = queue[-1].inner.query() is TicketState.DONE
         ready: list[CheckJob] = []
         while queue:
             job = queue[0]
-            state = job.inner.query()
+            if everything:
+                error = job.inner.error
+                state = TicketState.DONE if error is None else TicketState.FAILED
+            else:
+                state = job.inner.query()
             if state is TicketState.PENDING:
                 break
             queue.popleft()
@@ -137,14 +151,8 @@ class GpuChecks:
                 engine._drv.event_record(order, sync.current_stream())
                 engine._drv.stream_wait_event(self.handle, order)
                 sync.give_back(order)
-            i = 0
-            while i < len(jobs):  # consecutive slots of one plan and part: one launch
-                j = i + 1
-                while (j < len(jobs) and jobs[j].plan is jobs[i].plan and jobs[j].part is jobs[i].part
-                       and jobs[j].slot == jobs[j - 1].slot + 1):  # fmt: skip
-                    j += 1
-                self._launch_group(direction, jobs[i:j])
-                i = j
+            for group in _consecutive(jobs):
+                self._launch_group(direction, group)
             engine._drv.event_record(event, self.handle)
         except Exception as exc:  # noqa: BLE001 - the checks fail their tickets, never raise here
             sync.give_back(event)
@@ -154,7 +162,7 @@ class GpuChecks:
             return
         finally:
             sync.leave(previous)
-        self._refs[event] = len(jobs)
+        self._jobs_of[event] = jobs
         for job in jobs:
             job.launched, job.event = True, event
 
@@ -176,8 +184,8 @@ class GpuChecks:
         if plan.checksum_state is None:
             rows = verify.checked_rows(plan.check, plan.num_pages)
             cd, ch = plan.device_pages[rows], plan.host_pages[rows]
-            with torch.cuda.stream(self.stream):
-                up = [torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=False)
+            with torch.cuda.stream(self.stream):  # pinned: no host wait (torch keeps it until copied)
+                up = [torch.from_numpy(np.ascontiguousarray(a)).pin_memory().to(self.device, non_blocking=True)
                       for a in (plan.device_pages, plan.host_pages, cd)]  # fmt: skip
             plan.checksum_state = _PlanPages(up[0], up[1], cd, ch, up[2], up[2])
         return plan.checksum_state
@@ -195,7 +203,7 @@ class GpuChecks:
                 job.error, ran = exc, True
             if not ran:
                 return TicketState.PENDING
-            self._finish(job)
+            self._ran(job)
         if not job.done:
             return TicketState.PENDING  # an earlier copy of its direction has not landed yet
         return TicketState.FAILED if job.error is not None else TicketState.DONE
@@ -216,12 +224,25 @@ class GpuChecks:
                 self.engine._drv.event_synchronize(job.event)
             except Exception as exc:  # noqa: BLE001
                 job.error = exc
-            self._finish(job)
+            self._ran(job)
         if job.error is not None:
             raise CopyFailed(f"{job.plan.direction.value} {job.part.value} layer {job.layer}: {job.error}") from job.error
 
+    def _ran(self, job: CheckJob) -> None:
+        """The job's launch event completed (or reported `job.error`, which concerns the
+        whole launch): every job of the launch is finished, the event goes back."""
+        jobs = self._jobs_of.pop(job.event, None)
+        if jobs is None:  # finished with its launch already
+            return
+        fault = job.error  # from the event itself (not a comparison): the launch's
+        for other in jobs:
+            if fault is not None and other.error is None:
+                other.error = fault
+            self._finish(other)
+        self.engine._sync.give_back(job.event)
+
     def _finish(self, job: CheckJob) -> None:
-        """The job's kernel ran: compare a load's landed checksums; release the event."""
+        """The job's kernel ran: compare a load's landed checksums."""
         if job.done:
             return
         job.done = True
@@ -232,12 +253,6 @@ class GpuChecks:
                 err = verify.compare(self.engine, job.part, job.layer, got, pages.checked_host, pages.checked_device,
                                      job.plan.request)  # fmt: skip
                 job.error = err
-        left = self._refs.get(job.event, 0) - 1
-        if left <= 0:
-            self._refs.pop(job.event, None)
-            self.engine._sync.give_back(job.event)
-        else:
-            self._refs[job.event] = left
 
     def warm_up(self) -> None:
         """Compile the checksum kernel now: one launch per part, of device page 0 into
@@ -254,6 +269,22 @@ class GpuChecks:
         self._landed_arena.close()
 
 
+def _consecutive(jobs: list[CheckJob]) -> list[list[CheckJob]]:
+    """`jobs` (in submission order) as launches: per plan and part, runs of consecutive
+    slots, whatever other plans and parts they interleave with. O(jobs)."""
+    by_unit: dict[tuple[int, Part], list[CheckJob]] = {}
+    for job in jobs:
+        by_unit.setdefault((id(job.plan), job.part), []).append(job)
+    out: list[list[CheckJob]] = []
+    for unit in by_unit.values():
+        start = 0
+        for i in range(1, len(unit) + 1):
+            if i == len(unit) or unit[i].slot != unit[i - 1].slot + 1:
+                out.append(unit[start:i])
+                start = i
+    return out
+
+
 class CheckedTicket(CopyTicket):
     """A copy's ticket that completes once its checksums ran (see the module docstring)."""
 
@@ -268,13 +299,18 @@ class CheckedTicket(CopyTicket):
         self._job = job
 
     def query(self) -> TicketState:
-        state = self._inner.query()
-        if state is not TicketState.DONE:
-            return state
-        return self._checks.state(self._job)
+        job = self._job
+        if job.done:  # its checks ran (so its copy landed), or its copy failed
+            return TicketState.FAILED if job.error is not None else TicketState.DONE
+        if not job.launched:  # checks launch only once the copy landed: ask the copy first
+            state = self._inner.query()
+            if state is not TicketState.DONE:
+                return state
+        return self._checks.state(job)
 
     def wait(self) -> None:
-        self._inner.wait()
+        if not (self._job.launched or self._job.done):  # checks launch only once the copy landed
+            self._inner.wait()
         self._checks.wait(self._job)
 
     def make_compute_wait(self) -> None:

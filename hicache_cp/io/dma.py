@@ -170,18 +170,24 @@ class DirectCopyEngine(CudaCopyEngine):
         return self._defer(plan, [(parts, layer)])[0]
 
     def _layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
-        """The layers of one op (a load's every layer at once). Behind one ordering
-        event, the worker takes every layer when one layer is large or the worker
-        is busy (a call per layer would wait for the worker's call in flight each
-        time), and every layer but the first when the op is large only in all:
-        the first is issued here at once (the forward needs it first; the worker
-        would start it a thread hand-off later), the rest as one job: an event and
-        a ticket per part a layer here instead of two driver calls (a DeepSeek-V3.2
-        load, 62 layers of 1-3 runs, cost 1.1-1.5 ms inline). Small ops are issued
-        here whole."""
+        """Several layers of one op (a load's every layer; a backup's run of layers from
+        the layer hook, or every layer). A backup's go to the worker as one job beyond
+        `hook_worker_above` descriptors in all (no one waits for its first layer). A
+        load's, behind one ordering event: the worker takes every layer when one layer
+        is large or the worker is busy (a call per layer would wait for the worker's
+        call in flight each time), and every layer but the first when the op is large
+        only in all: the first is issued here at once (the forward needs it first; the
+        worker would start it a thread hand-off later), the rest as one job: an event
+        and a ticket per part a layer here instead of two driver calls (a
+        DeepSeek-V3.2 load, 62 layers of 1-3 runs, cost 1.1-1.5 ms inline). Small
+        ops are issued here whole."""
         if not (plan.num_pages and self.worker_above is not None and jobs):
             return super()._layers(plan, jobs)
         per_layer = len(plan.prepared.runs) * max(len(parts) for parts, _ in jobs)
+        if plan.direction is Direction.D2H:
+            if per_layer * len(jobs) <= self.hook_worker_above and not self._worker(plan).pending:
+                return super()._layers(plan, jobs)
+            return self._defer(plan, jobs)
         if self._worker(plan).pending or per_layer > self.worker_above:
             return self._defer(plan, jobs)
         if len(jobs) > 1 and per_layer * len(jobs) > self.worker_above:

@@ -21,8 +21,10 @@ model (the target's pool and the MTP draft's pools each get their own), and
                                            its keys before layer l+1's attention asks for KV),
                                            and, at the last target layer, for every draft
                                            layer. Backups: when layer l follows layer l-1 in
-                                           order, layers [cursor, l) of m are written, so
-                                           their D2H is submitted now, overlapped with layer l
+                                           order, layers [cursor, l) of m are written; once
+                                           they are a group (`backup_layer_group`: about
+                                           1/8 of m's layers) their D2H is submitted in one engine call
+                                           per op, overlapped with layer l and after
     finish()                               the layers no hook reported (the last one of each
                                            model, or all under a full CUDA-graph replay) are
                                            submitted after the forward
@@ -48,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache_cp import BackupOp, HiCache, LoadOp, Model, Part
+from hicache_cp import BackupOp, HiCache, LoadOp, Model, Part, backup_layer_group
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class ForwardCopies:
         self.read_ahead = read_ahead
         self.prepare = prepare
         self._capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing if cuda else _never
+        self._group = {m: backup_layer_group(self.layout.num_layers(m)) for m in Model}
         self._staged = _Forward()
         self._current: _Forward | None = None
         self.fallback_layers = 0  # backup layers no hook reported (submitted after the forward)
@@ -134,7 +137,9 @@ class ForwardCopies:
                         op.wait_layer(d, Model.DRAFT)
         if layer <= fwd.in_order[model] + 1:  # in order: every layer below `layer` was written
             fwd.in_order[model] = max(fwd.in_order[model], layer)
-            self._submit(fwd, model, min(layer, self.layout.num_layers(model)))
+            upto = min(layer, self.layout.num_layers(model))
+            if upto - fwd.submitted[model] >= self._group[model]:
+                self._submit(fwd, model, upto)
 
     def finish(self) -> None:
         """Submit what the hooks did not (after the forward; idempotent). On CUDA the
@@ -167,8 +172,7 @@ class ForwardCopies:
         fwd.submitted[model] = upto
         if not fwd.backups:
             return
-        for layer in range(first, upto):
-            self.cache.on_layer_end(model, layer, fwd.backups)
+        self.cache.on_layers_end(model, range(first, upto), fwd.backups)
 
     def _wait(self, part: Part, layer: int) -> None:
         if not self.layout.has_part(part) or not self.layout.part(part).has_layer(layer) or self._current is None:

@@ -15,8 +15,10 @@ engine live here. The worker makes no decision: it runs the scheduler's jobs
     wait_for_layer_load(l) the forward waits for layer l (`LoadOp.wait_layer`; on CUDA the
                            compute stream waits on the layer's event, the host does not block)
     save_kv_layer(l)       the step's save jobs, copied as one `BackupOp` (`_StepSaves`):
-                           D2H of layer l once attention wrote it, one engine call
-    wait_for_save          layers whose hook never fired are submitted now, after the forward
+                           layer l is due once attention wrote it; once a group of layers
+                           is due (`backup_layer_group`) their D2H goes out in one engine call
+    wait_for_save          the last group, and layers whose hook never fired, are submitted
+                           now, after the forward
                            (a full CUDA-graph replay runs no hook: expected, DEBUG; some hooks
                            but not all: WARNING once). Never waits: saves complete
                            asynchronously and are reported when they have
@@ -35,7 +37,7 @@ checked, the backend's descriptors made for every layer), so a layer's
 submission does no per-page work; on CUDA the default engine hands a layer's
 descriptors to its issue thread (`hicache_cp.io.dma`) and the hook pays for
 one event record. The save jobs of a step share one op: one submission per
-layer whatever the number of requests, and one verdict for all of them (a
+group of layers whatever the number of requests, and one verdict for all of them (a
 failed copy fails every save of the step: each is then a future miss, never
 a partial hit). A load keeps its own op, so a failed load, and a failed
 restore check, name its own blocks and host copy. A step with no job and
@@ -59,7 +61,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -73,6 +75,7 @@ from hicache_cp import (
     LocalAgreement,
     NodeTier,
     Verify,
+    backup_layer_group,
     make_engine,
     sample_positions,
 )
@@ -106,6 +109,7 @@ class _StepSaves:
     jobs: list[CopyJob]
     op: BackupOp
     plan: CopyPlan  # the op's (`CopyEngine.plan`)
+    due: dict[Model, list[int]] = field(default_factory=lambda: {Model.TARGET: [], Model.DRAFT: []})  # hooked, not submitted
     sealed: bool = False
 
     @property
@@ -123,6 +127,7 @@ class WorkerSide:
         self.config = settings.cache_config(plan.layout)
         self.layout = self.config.layout()
         self._described = self.layout.describe()  # checked against every step's metadata
+        self._groups = {m: backup_layer_group(self.layout.num_layers(m)) for m in Model}
         self._reporter = Reporter()
         self.device_pool: DevicePool | None = None
         self.host_pool: HostPool | None = None
@@ -231,26 +236,38 @@ class WorkerSide:
     # ---- saves --------------------------------------------------------------------------
 
     def save_kv_layer(self, layer_name: str, meta: HiCacheMetadata) -> None:
-        """Submit layer `layer_name` of the step's saves (one engine call). O(1) per call
-        after the step's first (which plans the step's saves: O(pages))."""
+        """Layer `layer_name` of the step's saves is written; a group of them goes out in
+        one engine call. O(1) per call after the step's first (which plans the step's
+        saves: O(pages))."""
         if not meta.saves:
             return
         hook = self._hook(layer_name)
         if not hook.saves:
             return  # copied with its attention layer, whose hook comes after the indexer wrote it
         saves = self._step_saves(meta)
-        op = saves.op
-        parts = op.layers_to_submit(hook.model, hook.layer)
-        if parts:
-            op.record_layer(parts, hook.layer, self._engine(None).submit_layer(saves.plan, parts, hook.layer))
-            if op.state is BackupState.RESERVED:
-                op.transition(BackupState.WRITING)
+        due = saves.due[hook.model]
+        due.append(hook.layer)
+        if len(due) >= self._groups[hook.model]:
+            self._submit_due(saves, hook.model)
+
+    def _submit_due(self, saves: _StepSaves, model: Model) -> None:
+        """The layers of `model` hooked since the last submission, in one engine call."""
+        op, due = saves.op, saves.due[model]
+        jobs = [(parts, layer) for layer in due if (parts := op.layers_to_submit(model, layer))]
+        due.clear()
+        if not jobs:
+            return
+        op.record_layers(jobs, self._engine(None).submit_layers(saves.plan, jobs))
+        if op.state is BackupState.RESERVED:
+            op.transition(BackupState.WRITING)
 
     def wait_for_save(self, meta: HiCacheMetadata | None) -> None:
         """Submit the layers no hook reported, after the forward wrote them. Never waits."""
         if meta is not None and meta.saves:
             saves = self._step_saves(meta)
             if not saves.sealed:
+                for model in (Model.TARGET, Model.DRAFT):
+                    self._submit_due(saves, model)
                 self._submit_missing(saves)
                 saves.sealed = True
         if meta is not None:
@@ -324,7 +341,7 @@ class WorkerSide:
         """Record the op's verdict for the scheduler, for each of `jobs`, once its copies
         settled; `block` waits (host) for them first. Returns whether a verdict was recorded."""
         if block:
-            for t in op.inflight:
+            for t in reversed(op.inflight):  # the last first: then the others have landed
                 try:
                     t.wait()
                 except Exception as exc:  # the verdict below carries it
