@@ -196,3 +196,12 @@ def test_bad_flags_exit_2_before_any_work(argv: list[str], message: str, capsys:
 
     assert main(["bench-sglang", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_trace_is_looked_for_beside_the_checkout() -> None:
+    """A device call carries the trace in .devdata at the checkout's root; CI has ../shared."""
+    from hicache_harness.bench import sglang_race
+
+    root = Path(__file__).resolve().parents[1]
+    assert sglang_race.TRACES[:2] == (root / ".devdata" / "synthetic_trace.jsonl",
+                                      root.parent / "shared" / "traces" / "synthetic_trace.jsonl")  # fmt: skip

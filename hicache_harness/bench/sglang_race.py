@@ -47,6 +47,7 @@ HiCache constructs (its host pool registers memory with CUDA).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import sys
 import tempfile
@@ -67,7 +68,7 @@ from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_harness.trace import TraceRequest, load_trace, request_tokens
 from hicache_harness.workload import default_workload
 
-_REPO = Path(__file__).resolve().parents[3]
+_REPO = Path(__file__).resolve().parents[2]
 #: Where the shared trace is looked for (first found): a device call's carried copy, the
 #: shared folder beside the checkout, the workplace's shared folder.
 TRACES = (_REPO / ".devdata" / "synthetic_trace.jsonl", _REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl",
@@ -93,11 +94,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--no-check", action="store_true", help="do not check bytes")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="cProfile each backend's serving into DIR/<workload>-<pools>-<backend>.prof "
+                        "(start-up and calibration left out)")
     p.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an existing result and exit")
 
 
-def run_backend(spec: RaceSpec, requests: Sequence[TraceRequest], *, tokens_per_block: int, workdir: Path) -> dict[str, Any]:
-    """Serve `requests` through one backend; its row (see the module docstring)."""
+def run_backend(
+    spec: RaceSpec, requests: Sequence[TraceRequest], *, tokens_per_block: int, workdir: Path, profile: Path | None = None
+) -> dict[str, Any]:
+    """Serve `requests` through one backend; its row (see the module docstring). `profile`:
+    where to write a cProfile of the serving."""
     row: dict[str, Any] = {"backend": spec.backend, "pools": spec.pools}
     try:
         server = _build(spec, workdir, row)
@@ -106,7 +113,15 @@ def run_backend(spec: RaceSpec, requests: Sequence[TraceRequest], *, tokens_per_
     try:
         room = (spec.device_pages - 2) * spec.page_size  # the empty pool's slots past the padding page
         calibration = server.forward.calibrate(sorted({min(n, room, spec.chunk_tokens) for n in CALIBRATION_TOKENS}))
-        prompt = _serve(server, requests, tokens_per_block, row)
+        profiler = cProfile.Profile() if profile is not None else None
+        if profiler is not None:
+            profiler.enable()
+        try:
+            prompt = _serve(server, requests, tokens_per_block, row)
+        finally:
+            if profiler is not None:
+                profiler.disable()
+                profiler.dump_stats(profile)
         row.update(_measure(server, prompt, calibration))
     except Exception as exc:  # noqa: BLE001 - the outcome is the record, with what was served
         row.update(failure_record(exc, "serve"))
@@ -233,8 +248,12 @@ def race(requests: Sequence[TraceRequest], args: argparse.Namespace, device: str
                             host_ratio=args.host_ratio, sglang_layout=args.sglang_layout, tree_core=args.tree_core,
                             matmuls=args.matmuls, dim=args.dim, check_bytes=not args.no_check)  # fmt: skip
             print(f"   {pools} {backend} ...", flush=True)
+            profile = None
+            if args.profile is not None:
+                args.profile.mkdir(parents=True, exist_ok=True)
+                profile = args.profile / f"{workdir.name}-{pools}-{backend}.prof"
             row = run_backend(spec, requests, tokens_per_block=args.tokens_per_block,
-                              workdir=workdir / f"{pools}-{backend}")  # fmt: skip
+                              workdir=workdir / f"{pools}-{backend}", profile=profile)  # fmt: skip
             add_fractions(row, peaks)
             rows.append(row)
             if device == "cuda":
@@ -272,6 +291,8 @@ def check_arguments(args: argparse.Namespace) -> str:
         checks.positive("--" + flag.replace("_", "-"), getattr(args, flag), limit=1e6)
     checks.input_file("--trace", args.trace)
     checks.output_file("--json", args.json)
+    if args.profile is not None:
+        checks.output_file("--profile", args.profile / "race.prof")  # a folder files can be made in
     device = checks.device("--device", args.device)
     if device.startswith("cuda:"):
         raise InputError(f"--device {device}: the race runs on the current GPU (cuda or auto)")
