@@ -50,6 +50,9 @@ GPU=${GPU:-cpu}
 TAG=$GPU-$COMMIT
 export HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export SGLANG_FORCE_FUSED_OP_BACKEND=torch SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+# SGLang's Rust tree core, built against another torch, panics on the image's (TypeMeta; its plain
+# RadixCache and its HiCache alike): the engines run its Python core, as the race does (--tree-core python)
+export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=${SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND:-python}
 export SGLANG_JIT_CACHE_DIR=${SGLANG_JIT_CACHE_DIR:-/tmp/sglang-jit} TOKENIZERS_PARALLELISM=false
 export PYTHONPATH=$PWD:$SITE PY
 if want smoke; then STEPS="setup import jit race tests engine"; SMOKE=1; else SMOKE=0; fi
