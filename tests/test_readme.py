@@ -298,14 +298,16 @@ def _row(section: str, label: str) -> list[str]:
 
 
 #: The device runs the README's engine tables quote (its pages name them; the README names no commit).
-ENGINE_RESULTS = ("sglang-engine-deepseek-h100-4056c2c.json", "sglang-race-h100-4056c2c.json", "vllm-race-h100-5f944f4.json")
+#: The engine run, the race's runs (one per workload) and the vLLM run the README quotes.
+ENGINE_RESULTS = ("sglang-engine-deepseek-h100-f4d083a.json", ("sglang-race-h100-f4d083a.json", "sglang-race-h100-97f0990.json"),
+                  "vllm-race-h100-f4d083a.json")  # fmt: skip
 
 
 def test_readme_engine_tables_are_their_files_numbers() -> None:
     """The three-way tables quote the device runs' JSON (numbers rounded as shown)."""
     section = _engine_section()
     files = ENGINE_RESULTS
-    for page, name in (("sglang", files[0]), ("sglang", files[1]), ("vllm", files[2])):
+    for page, name in (("sglang", files[0]), *(("sglang", race) for race in files[1]), ("vllm", files[2])):
         assert f"docs/bench/{page}.md" in section and name in (ROOT / "docs" / "bench" / f"{page}.md").read_text()
     sg = json.loads((ROOT / "bench" / "results" / files[0]).read_text())["modes"]
     cols = [sg["hicache-cp"], sg["sglang-hicache"], sg["none"]]
@@ -316,7 +318,9 @@ def test_readme_engine_tables_are_their_files_numbers() -> None:
         f"{m['host_tokens']:,} / {m['computed_tokens']:,}" for m in cols]  # fmt: skip
     assert all(m["greedy_identical_to_none"] for m in cols)
 
-    race = json.loads((ROOT / "bench" / "results" / files[1]).read_text())["workloads"]
+    race = {wl: rows for name in files[1]
+            for wl, rows in json.loads((ROOT / "bench" / "results" / name).read_text())["workloads"].items()}
+    assert sorted(race) == ["embedded", "trace"]
     mla = {(r["backend"], wl): r["tree_cache_ms_per_request"] for wl, rows in race.items() for r in rows
            if r["pools"] == "mla" and "tree_cache_ms_per_request" in r}  # fmt: skip
     ours = sorted(v for (b, _), v in mla.items() if b == "hicache-cp")

@@ -199,7 +199,7 @@ def test_bad_flags_exit_2_before_any_work(argv: list[str], message: str, capsys:
 
 
 def test_the_trace_is_looked_for_beside_the_checkout() -> None:
-    """A device call carries the trace in .devdata at the checkout's root; CI has ../shared."""
+    """A device call carries the trace in .devdata at the checkout's root; CI has the shared folder beside it."""
     from hicache_harness.bench import sglang_race
 
     root = Path(__file__).resolve().parents[1]
