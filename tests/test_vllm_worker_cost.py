@@ -99,6 +99,32 @@ def test_vllm_worker_plans_each_op_once_and_submits_a_group_of_layers_in_one_cal
         b.close()
 
 
+def test_vllm_worker_saves_a_deep_model_in_groups_of_layers(tmp_path, caplog):
+    """20 layers: the save hooks gather groups of `backup_layer_group(20)` = 3 layers, one
+    engine call each as a group is complete, the last group (2 layers) after the forward;
+    no layer is reported as hookless, and every save commits and is loaded back whole."""
+    assert backup_layer_group(20) == 3
+    b = H.make_bench(H.write_model_dir(tmp_path / "deep", layers=20))
+    try:
+        calls = observe(b.worker.worker_side.engine)
+        for p in PROMPTS:
+            b.add(p)
+        s = b.step()
+        assert len(s.saves) == 3 and calls == [("plan", D2H)] + [("submit_layers", D2H)] * 7
+        b.run()
+        assert b.cache.metrics.backups_committed == 3
+        assert not [r for r in caplog.records if "no save_kv_layer hook" in r.getMessage()]
+        b.drop_vllm_prefix_cache()
+        for p in PROMPTS:
+            b.add(p)
+        s = b.step()
+        assert sorted(s.loads) == [("r4", 0, 5), ("r5", 0, 5), ("r6", 0, 5)]
+        b.run()
+        assert b.mismatches == []
+    finally:
+        b.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/device/vllm_race.sh runs it)")
 def test_vllm_cuda_a_loads_checks_do_not_wait_for_the_forward(model_dir):
