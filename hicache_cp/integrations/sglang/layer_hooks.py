@@ -22,12 +22,12 @@ model (the target's pool and the MTP draft's pools each get their own), and
                                            and, at the last target layer, for every draft
                                            layer. Backups: when layer l follows layer l-1 in
                                            order, layers [cursor, l) of m are written; once
-                                           they are a group (`backup_layer_group`: about
-                                           1/8 of m's layers) their D2H is submitted in one engine call
-                                           per op, overlapped with layer l and after
-    finish()                               the layers no hook reported (the last one of each
-                                           model, or all under a full CUDA-graph replay) are
-                                           submitted after the forward
+                                           they make a group (`backup_layer_group`: about
+                                           1/8 of m's layers) their D2H is submitted, one
+                                           engine call per op, overlapped with what follows
+    finish()                               the layers not submitted yet (each model's last
+                                           group, or all under a full CUDA-graph replay)
+                                           are submitted after the forward
 
 Only hooks that arrive in layer order are evidence that earlier layers were
 written. SGLang's full prefill CUDA-graph replay calls `wait_until(last
