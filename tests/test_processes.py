@@ -329,9 +329,4 @@ def test_a_signal_while_the_decode_peer_starts_stops_it(sig: signal.Signals, tmp
             left = _alive(seen)
         assert left == [], f"the decode peer outlived the run: {left}"
     finally:
-        for p in [parent, *seen]:
-            try:
-                p.kill()
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
-        parent.wait(timeout=10)
+        _kill_all(parent, seen)

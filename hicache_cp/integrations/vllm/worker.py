@@ -101,7 +101,7 @@ class _Hook:
 
 @dataclass(eq=False)
 class _StepSaves:
-    """The save jobs of one step, copied as one `BackupOp` (one engine call per layer).
+    """The save jobs of one step, copied as one `BackupOp` (one engine call per group of layers).
     `sealed` once every layer was submitted (`wait_for_save` ran); decided once sealed
     and settled, with one verdict for every job."""
 
@@ -182,9 +182,8 @@ class WorkerSide:
         the compute stream waits for every layer of every load here."""
         engine = self._engine(meta)
         self._absorb(meta)
-        if meta.loads:
-            for job in meta.loads:
-                self._loads.append((job, self._start_load(engine, job)))
+        for job in meta.loads:
+            self._loads.append((job, self._start_load(engine, job)))
         if not self._loads:
             return
         if not layer_hooks:
@@ -289,13 +288,12 @@ class WorkerSide:
         return saves
 
     def _submit_missing(self, saves: _StepSaves) -> None:
-        """Every layer of the step's saves that no hook submitted."""
-        op, plan, engine = saves.op, saves.plan, self._engine(None)
+        """Every layer of the step's saves that no hook submitted, in one engine call."""
+        op = saves.op
         if not any(op.submitted.values()):  # no hook fired: a full CUDA-graph replay (or no layer hook at all)
             logger.debug("hicache-cp worker: %d save jobs copied after the forward (no layer hook ran)",
                          len(saves.jobs))
             jobs = op.all_layers()
-            op.record_layers(jobs, engine.submit_layers(plan, jobs))
         else:
             missing = op.missing_layers()
             if not missing:
@@ -306,11 +304,9 @@ class WorkerSide:
                     "forward (not overlapped with it; warned once)", missing, sorted(saves.req_ids),
                 )
                 self._warned_fallback = True
-            for model in (Model.TARGET, Model.DRAFT):
-                for layer in range(self.layout.num_layers(model)):
-                    parts = op.layers_to_submit(model, layer)
-                    if parts:
-                        op.record_layer(parts, layer, engine.submit_layer(plan, parts, layer))
+            jobs = [(parts, layer) for model in (Model.TARGET, Model.DRAFT) for layer in range(self.layout.num_layers(model))
+                    if (parts := op.layers_to_submit(model, layer))]  # fmt: skip
+        op.record_layers(jobs, self._engine(None).submit_layers(saves.plan, jobs))
         if op.state is BackupState.RESERVED:
             op.transition(BackupState.WRITING)
 
