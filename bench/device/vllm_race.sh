@@ -15,7 +15,8 @@
 #           kernel's (-> vllm-race-junit.xml)
 #   smoke   bench/engines/vllm_race.py --quick --eager: a small Llama, eager, with our connector
 #           (-> vllm-smoke.json): vLLM's runner starts, saves commit, pass 2 loads from host
-#   race    bench/engines/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json)
+#   race    bench/engines/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json);
+#           RACE_CONFIGS picks them, RACE_ARGS adds flags (e.g. --profile, --extra verify_restores=off)
 # Every step has its own timeout; a failed step does not stop the next. Exit: the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -58,8 +59,9 @@ fi
 
 if want race; then
   step "the race: ours, vLLM's OffloadingConnector, no connector (CUDA graphs)"
-  timeout "${RACE_TIMEOUT:-340}" $PY bench/engines/vllm_race.py --configs hicache,offloading,none \
-    --timeout "${RUN_TIMEOUT:-110}" --json "$DEST/vllm-race.json" 2>&1 | tail -80
+  # shellcheck disable=SC2086 - RACE_ARGS is a list of flags
+  timeout "${RACE_TIMEOUT:-340}" $PY bench/engines/vllm_race.py --configs "${RACE_CONFIGS:-hicache,offloading,none}" \
+    --timeout "${RUN_TIMEOUT:-110}" --json "$DEST/vllm-race.json" ${RACE_ARGS:-} 2>&1 | tail -"${RACE_TAIL:-80}"
   keep "${PIPESTATUS[0]}"
 fi
 echo "exit $rc"

@@ -25,6 +25,7 @@ configurations (greedy identity). Writes JSON with commit, machine and command, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -135,11 +136,12 @@ def prompts(docs: int, doc_len: int, suffix_len: int, vocab: int) -> dict[str, l
     return out
 
 
-def kv_transfer(name: str, host_bytes: int) -> dict | None:
+def kv_transfer(name: str, host_bytes: int, extra: dict | None = None) -> dict | None:
+    """The kv_transfer_config of a configuration; `extra`: more of our connector's settings."""
     if name == "hicache":
         return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache_cp.integrations.vllm",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"host_budget_bytes": host_bytes}}
+                "kv_connector_extra_config": {"host_budget_bytes": host_bytes, **(extra or {})}}
     if name == "offloading":
         return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes}}
@@ -181,11 +183,12 @@ def run_one(args: argparse.Namespace) -> dict:
                   gpu_memory_utilization=0.5, enable_prefix_caching=True, block_size=16, seed=0,
                   num_gpu_blocks_override=args.gpu_blocks, max_num_seqs=32, disable_log_stats=False,
                   attention_config={"backend": "TRITON_ATTN"}, compilation_config=compilation)
-        transfer = kv_transfer(args.one, args.host_bytes)
+        transfer = kv_transfer(args.one, args.host_bytes, extra_settings(args))
         if transfer is not None:
             kw["kv_transfer_config"] = transfer
         t = time.perf_counter()
-        llm = LLM(**kw)
+        with profiled(args.profile, f"{args.one} start-up"):
+            llm = LLM(**kw)
         report["startup_s"] = round(time.perf_counter() - t, 1)
         cg = llm.llm_engine.vllm_config.compilation_config
         report["cudagraph_mode"] = str(cg.cudagraph_mode)
@@ -206,7 +209,8 @@ def run_one(args: argparse.Namespace) -> dict:
         report["logprobs"] = logprobs
         gen = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True, detokenize=False)
         t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps["batch"]], gen, use_tqdm=False)
+        with profiled(args.profile, f"{args.one} batch"):
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps["batch"]], gen, use_tqdm=False)
         wall = time.perf_counter() - t
         outputs["batch"] = [list(o.outputs[0].token_ids) for o in outs]
         tokens = sum(len(p) for p in ps["batch"]) + sum(len(o) for o in outputs["batch"])
@@ -226,6 +230,43 @@ def run_one(args: argparse.Namespace) -> dict:
         traceback.print_exc()
     report["seconds"] = round(time.perf_counter() - t0, 1)
     return report
+
+
+@contextlib.contextmanager
+def profiled(on: bool, what: str, top: int = 30):
+    """With `on`: cProfile the block (every thread, on Python 3.12) and print its top
+    functions by own time and by cumulative time."""
+    if not on:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+            print(f"--- profile of {what}, by {key}\n{buf.getvalue()}", flush=True)
+
+
+def extra_settings(args: argparse.Namespace) -> dict:
+    """`--extra KEY=VALUE` flags (VALUE as JSON, else a string) for our connector's settings."""
+    out = {}
+    for item in args.extra:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--extra {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
 
 
 def sampled_logprob(completion) -> float | None:
@@ -319,6 +360,9 @@ def main() -> int:
     ap.add_argument("--gpu-blocks", type=int, default=768, help="vLLM's GPU KV blocks of 16 tokens")
     ap.add_argument("--host-bytes", type=int, default=4 << 30, help="host bytes for either connector")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per configuration")
+    ap.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more of our connector's kv_connector_extra_config settings (repeatable)")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of each start-up and batch")
     args = ap.parse_args()
     if args.quick and not args.one:
         args.docs, args.doc_len, args.gpu_blocks, args.host_bytes = 6, 512, 160, 1 << 30
@@ -332,6 +376,7 @@ def main() -> int:
     runs: dict[str, dict] = {}
     passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                    if k in ("docs", "doc_len", "suffix_len", "gen", "gpu_blocks", "host_bytes")]
+    passthrough += [f"--extra={e}" for e in args.extra] + (["--profile"] if args.profile else [])
     result = {"commit": os.environ.get("HICACHE_COMMIT") or git_commit(), "machine": machine(),
               "command": " ".join(["python3", "bench/engines/vllm_race.py", *sys.argv[1:]]),
               "params": {k: v for k, v in vars(args).items() if k not in ("json", "one", "out")},

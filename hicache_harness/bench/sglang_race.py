@@ -47,13 +47,15 @@ HiCache constructs (its host pool registers memory with CUDA).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
 import json
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,18 +100,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cProfile each backend's serving into DIR/<workload>-<pools>-<backend>.prof "
                         "(start-up and calibration left out)")
     p.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an existing result and exit")
+    p.add_argument("--switch-interval", type=float, metavar="S",
+                   help="the interpreter's thread switch interval while serving (sys.setswitchinterval; "
+                        "default Python's 0.005): how much the scheduler thread waits for the GIL")
+    p.add_argument("--io-option", action="append", default=[], metavar="KEY=INT",
+                   help="an option of hicache-cp's copy engine (repeatable), e.g. hook_worker_above=1000000: "
+                        "backups issued on the scheduler thread instead of the issue worker")
 
 
 def run_backend(
-    spec: RaceSpec, requests: Sequence[TraceRequest], *, tokens_per_block: int, workdir: Path, profile: Path | None = None
+    spec: RaceSpec, requests: Sequence[TraceRequest], *, tokens_per_block: int, workdir: Path, profile: Path | None = None,
+    switch_interval: float | None = None, io_options: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Serve `requests` through one backend; its row (see the module docstring). `profile`:
-    where to write a cProfile of the serving."""
+    where to write a cProfile of the serving; `switch_interval`: the interpreter's while
+    serving; `io_options`: hicache-cp's copy engine options."""
     row: dict[str, Any] = {"backend": spec.backend, "pools": spec.pools}
+    if switch_interval is not None:
+        row["switch_interval_s"] = switch_interval
+    if io_options and spec.backend == "hicache-cp":
+        row["io_options"] = io_options
     try:
-        server = _build(spec, workdir, row)
+        with _engine_options(io_options if spec.backend == "hicache-cp" else None):
+            server = _build(spec, workdir, row)
     except Exception as exc:  # noqa: BLE001 - the outcome is the record
         return {**row, **failure_record(exc, "construct")}
+    default_interval = sys.getswitchinterval()
     try:
         room = (spec.device_pages - 2) * spec.page_size  # the empty pool's slots past the padding page
         calibration = server.forward.calibrate(sorted({min(n, room, spec.chunk_tokens) for n in CALIBRATION_TOKENS}))
@@ -117,8 +133,11 @@ def run_backend(
         if profiler is not None:
             profiler.enable()
         try:
+            if switch_interval is not None:
+                sys.setswitchinterval(switch_interval)
             prompt = _serve(server, requests, tokens_per_block, row)
         finally:
+            sys.setswitchinterval(default_interval)
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(profile)
@@ -128,6 +147,22 @@ def run_backend(
     finally:
         server.close()
     return row
+
+
+@contextlib.contextmanager
+def _engine_options(options: dict[str, int] | None) -> Iterator[None]:
+    """While building a server: every HiCache's copy engine made with `options` too."""
+    if not options:
+        yield
+        return
+    from hicache_cp.cache import hicache
+
+    real = hicache.make_engine
+    hicache.make_engine = functools.partial(real, **options)
+    try:
+        yield
+    finally:
+        hicache.make_engine = real
 
 
 def _build(spec: RaceSpec, workdir: Path, row: dict[str, Any]) -> RaceServer:
@@ -253,7 +288,8 @@ def race(requests: Sequence[TraceRequest], args: argparse.Namespace, device: str
                 args.profile.mkdir(parents=True, exist_ok=True)
                 profile = args.profile / f"{workdir.name}-{pools}-{backend}.prof"
             row = run_backend(spec, requests, tokens_per_block=args.tokens_per_block,
-                              workdir=workdir / f"{pools}-{backend}", profile=profile)  # fmt: skip
+                              workdir=workdir / f"{pools}-{backend}", profile=profile,
+                              switch_interval=args.switch_interval, io_options=parse_io_options(args))  # fmt: skip
             add_fractions(row, peaks)
             rows.append(row)
             if device == "cuda":
@@ -285,8 +321,22 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def parse_io_options(args: argparse.Namespace) -> dict[str, int]:
+    """`--io-option KEY=INT` flags as a dict (InputError naming the flag when one is malformed)."""
+    out: dict[str, int] = {}
+    for item in args.io_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier() or not value.lstrip("-").isdigit():
+            raise InputError(f"--io-option {item!r}: expected KEY=INT, e.g. hook_worker_above=1000000")
+        out[key] = int(value)
+    return out
+
+
 def check_arguments(args: argparse.Namespace) -> str:
     """Every flag checked before any work (exit code 2 naming the flag); the device to use."""
+    parse_io_options(args)
+    if args.switch_interval is not None and not 0 < args.switch_interval <= 1:
+        raise InputError(f"--switch-interval {args.switch_interval}: must be in (0, 1] seconds")
     for flag in ("limit", "tokens_per_block", "device_pages", "layers", "host_ratio", "matmuls", "dim"):
         checks.positive("--" + flag.replace("_", "-"), getattr(args, flag), limit=1e6)
     checks.input_file("--trace", args.trace)
