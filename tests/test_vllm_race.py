@@ -42,12 +42,23 @@ def test_include_closure_follows_quotes_and_search_paths_only():
 
 def test_race_workload_shares_each_document_across_passes():
     ps = vllm_race.prompts(docs=3, doc_len=32, suffix_len=4, vocab=1000)
-    assert {k: len(v) for k, v in ps.items()} == {"pass1": 3, "pass2": 3, "batch": 3}
+    assert {k: len(v) for k, v in ps.items()} == {"pass1": 3, "pass2": 3, "batch": 3, "warmup": 2}
     for i in range(3):
         a, b, c = ps["pass1"][i], ps["pass2"][i], ps["batch"][i]
         assert a[:32] == b[:32] == c[:32] and len({tuple(a[32:]), tuple(b[32:]), tuple(c[32:])}) == 3
+    # the warm-up shares no 16-token block with what is timed
+    timed = {tuple(p[j : j + 16]) for k in ("pass1", "pass2", "batch") for p in ps[k] for j in range(0, len(p) - 15, 16)}
+    assert not timed & {tuple(p[j : j + 16]) for p in ps["warmup"] for j in range(0, len(p) - 15, 16)}
     assert ps["pass1"][0][:32] != ps["pass1"][1][:32]
     assert vllm_race.prompts(3, 32, 4, 1000) == ps  # the same token ids for every configuration
+
+
+def test_race_counters_leave_out_the_warm_up():
+    now = {"prompt_tokens": 10, "prompt_tokens_by_source": {"local_compute": 7, "external_kv_transfer": 3}}
+    before = {"prompt_tokens": 4, "prompt_tokens_by_source": {"local_compute": 4}}
+    assert vllm_race.counters_since(now, before) == {
+        "prompt_tokens": 6, "prompt_tokens_by_source": {"local_compute": 3, "external_kv_transfer": 3}}
+    assert vllm_race.counters_since(now, {}) == now
 
 
 def test_race_identity_names_the_outputs_that_differ():
