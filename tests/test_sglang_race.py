@@ -104,6 +104,34 @@ def test_hicache_cp_serves_the_evicted_prefix_from_host_with_every_byte_right(po
     assert "| hicache-cp |" in table(list(rows.values()))
 
 
+def test_a_variant_serves_under_its_switch_interval_and_engine_options(tmp_path: Path) -> None:
+    """`--switch-interval` holds while serving only; `--io-option` reaches the copy engine
+    hicache-cp's tree cache builds (the cpu engine takes none: the row records why)."""
+    import sys
+
+    from hicache_cp.io import cpu as cpu_io
+
+    default = sys.getswitchinterval()
+    seen: list[float] = []
+    real = RaceServer.run_until_idle
+
+    def watched(self: RaceServer) -> None:
+        seen.append(sys.getswitchinterval())
+        real(self)
+
+    RaceServer.run_until_idle = watched  # type: ignore[method-assign]
+    try:
+        row = run_backend(spec("hicache-cp"), STREAM[:1], tokens_per_block=64, workdir=tmp_path / "a", switch_interval=0.0002)
+    finally:
+        RaceServer.run_until_idle = real  # type: ignore[method-assign]
+    assert "error" not in row and row["switch_interval_s"] == 0.0002
+    assert seen and all(abs(x - 0.0002) < 1e-9 for x in seen) and sys.getswitchinterval() == default
+    row = run_backend(spec("hicache-cp"), STREAM[:1], tokens_per_block=64, workdir=tmp_path / "b",
+                      io_options={"hook_worker_above": 7})  # fmt: skip
+    assert row["io_options"] == {"hook_worker_above": 7} and row["phase"] == "construct"
+    assert f"{cpu_io.CpuCopyEngine.__name__}.__init__() got an unexpected keyword argument 'hook_worker_above'" in row["error"]
+
+
 def test_a_round_that_admits_nothing_fails_the_run_at_once(tmp_path: Path) -> None:
     """A prompt longer than the device pool is never admitted: the first round that admits
     nothing while it waits is a stall (nothing the race calls would change it), recorded as
@@ -190,6 +218,9 @@ def test_mha_pools_are_written_and_checked_in_k_and_v(tmp_path: Path) -> None:
     (["--host-ratio", "nan"], "--host-ratio must be a finite number"),
     (["--trace", "/no/such/trace.jsonl"], "--trace /no/such/trace.jsonl: no such file"),
     (["--device", "tpu"], "--device 'tpu': expected auto, cpu, cuda or cuda:N"),
+    (["--io-option", "hook_worker_above"], "--io-option 'hook_worker_above': expected KEY=INT"),
+    (["--io-option", "chunk=big"], "--io-option 'chunk=big': expected KEY=INT"),
+    (["--switch-interval", "0"], "--switch-interval 0.0: must be in (0, 1] seconds"),
 ])  # fmt: skip
 def test_bad_flags_exit_2_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from hicache_harness.cli import main
