@@ -136,6 +136,34 @@ def test_table_asked_for_other_parts_computes_that_layer() -> None:
     assert expand(only_kv) < expand(both)
 
 
+def test_a_run_of_consecutive_layers_is_one_block_of_table_rows() -> None:
+    """`span`: the layers of a run, each the next row of one group, as one block (what the
+    layer hook issues in one driver call); None where the rows are not one block."""
+    layout = KVLayout.build(page_size=4, num_layers=5, kv_bytes_per_token=40, state_bytes_per_token=12)
+    runs = Runs.of(np.array([3, 4, 9, 20]), np.array([7, 8, 2, 30]))
+    both = (Part.TARGET_KV, Part.TARGET_STATE)
+    table = DescriptorTable(True, TableShape(geometries(layout, 48, 1 << 30), table_layers(layout)), runs)
+    jobs = [(both, layer) for layer in (1, 2, 3)]
+    span = table.span(jobs)
+    rows = [table.get(parts, layer) for parts, layer in jobs]
+    assert span is not None and span.count == sum(r.count for r in rows) == 3 * 2 * len(runs)
+    for got, want in ((span.dst, [r.dst for r in rows]), (span.src, [r.src for r in rows]), (span.sizes, [r.sizes for r in rows])):
+        assert np.array_equal(got, np.concatenate(want)) and got.flags.c_contiguous
+    assert (span.dst_ptr, span.src_ptr, span.sizes_ptr) == (rows[0].dst_ptr, rows[0].src_ptr, rows[0].sizes_ptr)
+    assert (span.dst.ctypes.data, span.sizes.ctypes.data) == (span.dst_ptr, span.sizes_ptr)
+    assert table.span([(both, 1), (both, 3)]) is None  # a gap
+    assert table.span([(both, 2), (both, 1)]) is None  # out of order
+    assert table.span([((Part.TARGET_KV,), 1), ((Part.TARGET_KV,), 2)]) is None  # parts the table does not hold
+    skip = layout_with_skip()  # layers 0 and 2 have one part, 1 and 3 two: other groups
+    table = DescriptorTable(True, TableShape(geometries(skip, 48, 1 << 30), table_layers(skip)), runs)
+    assert table.span([((Part.TARGET_KV,), 0), (both, 1)]) is None
+    crossing = DescriptorTable(True, TableShape(geometries(layout, 48, 1000), table_layers(layout)), runs)
+    cut = [layer for layer in range(5) if crossing.get(both, layer).count > 2 * len(runs)]
+    assert cut, "a 1,000-byte chunk cuts some layer's runs"
+    assert crossing.span([(both, layer) for layer in range(5)]) is None  # those layers keep their own arrays
+    assert DescriptorTable(True, TableShape(geometries(layout, 48, 1 << 30), table_layers(layout)), runs, 0).span(jobs) is None
+
+
 @pytest.fixture
 def cpu_pools():
     layout = layout_with_skip()
@@ -423,3 +451,58 @@ def test_the_layer_hook_backs_up_what_compute_wrote_right_before(cuda_pools, mon
                 assert bool((got == 0x20 + i).all()), (options, p, layer)
     finally:
         engine.close()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("span_inline", [64, 0], ids=["one-call", "worker"])
+def test_a_hook_run_of_layers_is_one_driver_call_behind_compute_and_lands_whole(monkeypatch, span_inline: int) -> None:
+    """A backup's run of layers from the layer hook (`submit_layers`, D2H): small in all, it
+    is issued by the caller as one driver call for every layer and part (none deferred),
+    behind the compute queued before it; with `hook_span_inline` 0 it goes to the worker.
+    Either way every byte the forward wrote right before lands."""
+    from hicache_cp.io.cuda import SharedTicket
+
+    layout = KVLayout.build(page_size=4, num_layers=6, kv_bytes_per_token=260, state_bytes_per_token=12)
+    both = (Part.TARGET_KV, Part.TARGET_STATE)
+    dev = DevicePool(layout, 300, device="cuda")
+    host = HostPool(layout, 300 * layout.bytes_per_page, pin=True)
+    host.wait_ready()
+    engine = make_engine("direct", dev, host, hook_span_inline=span_inline)
+    batches: list[int] = []
+    real = engine._drv.memcpy_batch_ptrs
+
+    def counted(*args: int) -> None:
+        batches.append(args[3])
+        real(*args)
+
+    monkeypatch.setattr(engine._drv, "memcpy_batch_ptrs", counted)
+    try:
+        d_pages, h_pages = np.arange(10, 22, dtype=np.int64), np.arange(40, 52, dtype=np.int64)  # one run
+        plan = engine.plan(Direction.D2H, d_pages, h_pages)
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        for layer in range(6):
+            for _ in range(3):  # compute queued before the layer's write
+                a = a @ a
+                a = a / a.abs().amax().clamp(min=1)
+            for p in both:
+                host.torch_view(p)[layout.part(p).slot(layer)].fill_(0)
+                dev.buffer(p)[layout.part(p).slot(layer)].fill_(0x30 + layer)
+        tickets = engine.submit_layers(plan, [(both, layer) for layer in range(6)])
+        if span_inline:
+            assert batches == [6 * len(both)] and engine.counts["deferred"] == 0
+            assert all(isinstance(t, SharedTicket) for ts in tickets for t in ts)
+            assert [t.layer for ts in tickets for t in ts] == [layer for layer in range(6) for _ in both]
+        else:
+            assert engine.counts["deferred"] == 6
+        for ts in tickets:
+            for t in ts:
+                t.wait()
+                assert t.query() is TicketState.DONE
+        for layer in range(6):
+            for p in both:
+                got = host.torch_view(p)[layout.part(p).slot(layer)][h_pages]
+                assert bool((got == 0x30 + layer).all()), (span_inline, p, layer)
+    finally:
+        engine.close()
+        host.close()

@@ -8,8 +8,8 @@
 #
 # Default variants (hicache-cp; SGLang's HiCache once, in the first):
 #   base       as shipped
+#   worker     --io-option hook_span_inline=0: every run of backup layers goes to the issue worker
 #   gil        --switch-interval 0.0002: the scheduler thread waits less for the GIL
-#   inline     --io-option hook_worker_above=1000000: backups issued on the scheduler thread
 #   nocheck    HICACHE_VERIFY_RESTORES=off: no restore checks
 # Results: $DEST/sglang-variants-<gpu>-<commit>.{log,json}.
 set -uo pipefail
@@ -18,7 +18,7 @@ source bench/device/env.sh
 RACE_ARGS=${RACE_ARGS:-"--workloads embedded --pools mla --limit 100 --tree-core python"}
 VARIANTS=${VARIANTS:-"base||--backends hicache-cp sglang-hicache
 gil||--backends hicache-cp --switch-interval 0.0002
-inline||--backends hicache-cp --io-option hook_worker_above=1000000
+worker||--backends hicache-cp --io-option hook_span_inline=0
 nocheck|HICACHE_VERIFY_RESTORES=off|--backends hicache-cp"}
 TAG=$GPU-$COMMIT
 WORK=$(mktemp -d)

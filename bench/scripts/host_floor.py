@@ -46,7 +46,7 @@ from hicache_harness.replay.setup import tokens_per_block
 from hicache_harness.trace import request_tokens
 from hicache_cp.io.base import CopyEngine, Direction
 from hicache_cp.io.cuda import EngineSync, PartInfo
-from hicache_cp.io.dma import HOOK_WORKER_ABOVE, WORKER_ABOVE, DirectCopyEngine
+from hicache_cp.io.dma import HOOK_SPAN_INLINE, HOOK_WORKER_ABOVE, WORKER_ABOVE, DirectCopyEngine
 from hicache_cp.io.issue import CHUNK, IssueWorker
 from hicache_cp.io.plans import MAX_TABLE_DESCRIPTORS, DescriptorTable, PartGeometry, Runs, TableShape
 from hicache_cp.layout import KVLayout, Model
@@ -153,6 +153,7 @@ def _python_only_engine(cache: HiCache, options: dict[str, Any]) -> DirectCopyEn
                                 g.host_layer_bytes, _Arena(), True) for g in geoms}  # type: ignore[arg-type]
     e.worker_above = WORKER_ABOVE
     e.hook_worker_above = options.get("hook_worker_above", HOOK_WORKER_ABOVE)
+    e.hook_span_inline = options.get("hook_span_inline", HOOK_SPAN_INLINE)
     e.chunks = e.wholes = {Direction.D2H: CHUNK, Direction.H2D: CHUNK}
     e.counts = {"deferred": 0}
     workers = []

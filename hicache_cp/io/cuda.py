@@ -235,13 +235,14 @@ class CudaTicket(CopyTicket):
 
 
 class SharedTicket(CopyTicket):
-    """Ticket of one part of a layer whose parts were copied together (one
-    driver call, one event): completion is the primary ticket's."""
+    """Ticket of one part of a layer copied together with others (one driver call, one
+    event): the other parts of its layer, or the other layers of a run submitted as one
+    (`layer`, default the primary's). Completion is the primary ticket's."""
 
-    def __init__(self, primary: CudaTicket, part: Part, nbytes: int) -> None:
+    def __init__(self, primary: CudaTicket, part: Part, nbytes: int, layer: int | None = None) -> None:
         self.direction = primary.direction
         self.part = part
-        self.layer = primary.layer
+        self.layer = primary.layer if layer is None else layer
         self.nbytes = nbytes
         self.submitted_at = primary.submitted_at
         self._primary = primary

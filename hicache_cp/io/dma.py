@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from hicache_cp.io.base import CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
-from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, EngineSync, PartInfo, with_shared
+from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, EngineSync, PartInfo, SharedTicket, with_shared
 from hicache_cp.io.cudadrv import DmaIssuer
 from hicache_cp.io.issue import CHUNK, WHOLE, IssueWorker, Job
+from hicache_cp.io.plans import LayerDescriptors
 from hicache_cp.layout import Part
 from hicache_cp.io.runs import runs_of, split_at_chunks
 from hicache_cp.pools import DevicePool, HostPool
@@ -47,6 +48,11 @@ WORKER_ABOVE = 16
 #: The layer hook's own threshold (`hook_worker_above`): 0, every backup layer goes to the
 #: worker, so the hook pays one event record whatever the layer's runs.
 HOOK_WORKER_ABOVE = 0
+#: Descriptors in all of a backup's run of layers from the layer hook (`submit_layers`) at
+#: most which the caller issues itself as one driver call, when the table holds the run's
+#: layers as consecutive rows and the D2H worker is idle (`hook_span_inline`): a handful of
+#: driver calls for the whole run, no hand-off to the worker thread.
+HOOK_SPAN_INLINE = 64
 #: Default device staging buffer of the staging backend, per direction.
 DEFAULT_STAGING_BYTES = 64 << 20
 
@@ -125,7 +131,8 @@ class DirectCopyEngine(CudaCopyEngine):
     always on the caller's thread); the worker issues a layer of at most `whole`
     descriptors (`load_whole` for loads, when given) in one driver call, a longer
     one in calls of `chunk`; `hook_worker_above` is the layer hook's threshold
-    (`submit_layer`). Planned ops (`plan` + `submit_layer`, the cache's path) sort
+    (`submit_layer`), `hook_span_inline` its bound for a run of layers issued by
+    the caller in one driver call (`submit_layers`). Planned ops (`plan` + `submit_layer`, the cache's path) sort
     by device page once and reuse one descriptor table for every layer: the parts
     of a layer in one call. Without the driver's batch call (`Driver.has_batch`)
     every run is its own cuMemcpyAsync and nothing goes to the worker.
@@ -136,12 +143,16 @@ class DirectCopyEngine(CudaCopyEngine):
     def __init__(
         self, device_pool: DevicePool, host_pool: HostPool, *, worker_above: int | None = WORKER_ABOVE,
         chunk: int = CHUNK, whole: int = WHOLE, load_whole: int | None = None, hook_worker_above: int = HOOK_WORKER_ABOVE,
+        hook_span_inline: int = HOOK_SPAN_INLINE,
     ) -> None:
         super().__init__(device_pool, host_pool)
         if worker_above is not None and worker_above < 0:
             raise ValueError(f"worker_above must be >= 0 or None, got {worker_above}")
         if hook_worker_above < 0:
             raise ValueError(f"hook_worker_above must be >= 0, got {hook_worker_above}")
+        if hook_span_inline < 0:
+            raise ValueError(f"hook_span_inline must be >= 0, got {hook_span_inline}")
+        self.hook_span_inline = hook_span_inline
         self._issuer = DmaIssuer(self._drv)
         self.worker_above = worker_above if self._issuer.batch else None
         self.hook_worker_above = hook_worker_above
@@ -171,8 +182,10 @@ class DirectCopyEngine(CudaCopyEngine):
 
     def _layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
         """Several layers of one op (a load's every layer; a backup's run of layers from
-        the layer hook, or every layer). A backup's go to the worker as one job beyond
-        `hook_worker_above` descriptors in all (no one waits for its first layer). A
+        the layer hook, or every layer). A backup's run of at most `hook_span_inline`
+        descriptors in all whose table rows are consecutive is issued here as one driver
+        call (`_issue_span`) while the D2H worker is idle; otherwise it goes to the worker
+        as one job beyond `hook_worker_above` descriptors (no one waits for its first layer). A
         load's, behind one ordering event: the worker takes every layer when one layer
         is large or the worker is busy (a call per layer would wait for the worker's
         call in flight each time), and every layer but the first when the op is large
@@ -185,7 +198,12 @@ class DirectCopyEngine(CudaCopyEngine):
             return super()._layers(plan, jobs)
         per_layer = len(plan.prepared.runs) * max(len(parts) for parts, _ in jobs)
         if plan.direction is Direction.D2H:
-            if per_layer * len(jobs) <= self.hook_worker_above and not self._worker(plan).pending:
+            idle = not self._worker(plan).pending
+            if idle and per_layer * len(jobs) <= self.hook_span_inline:
+                span = plan.prepared.span(jobs)
+                if span is not None:
+                    return self._issue_span(plan, jobs, span)
+            if per_layer * len(jobs) <= self.hook_worker_above and idle:
                 return super()._layers(plan, jobs)
             return self._defer(plan, jobs)
         if self._worker(plan).pending or per_layer > self.worker_above:
@@ -197,6 +215,33 @@ class DirectCopyEngine(CudaCopyEngine):
                 return first + self._failed(plan, jobs[1:], error)
             return first + self._defer(plan, jobs[1:])
         return super()._layers(plan, jobs)
+
+    def _issue_span(
+        self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]], span: LayerDescriptors
+    ) -> list[list[CopyTicket | None]]:
+        """A backup's run of layers here, as one: the copy stream follows the caller's, one
+        driver call for every layer's descriptors (`span`), one event; every layer's
+        tickets complete with it. A failure fails them all (nothing was enqueued)."""
+        sync, info, n = self._sync, self._info, plan.num_pages
+        previous = sync.enter()
+        try:
+            if self._keep:
+                self._prune()
+            event = sync.event()
+            try:
+                stream = self._follow_compute(0)
+                self._issuer.issue_table_row(span, stream)
+                self._drv.event_record(event, stream)
+            except Exception as exc:  # noqa: BLE001 - the submit boundary: FAILED tickets
+                sync.give_back(event)
+                logger.warning("d2h layers %d-%d (%d pages): submission failed: %s", jobs[0][1], jobs[-1][1], n, exc,
+                               exc_info=True)  # fmt: skip
+                return self._failed(plan, jobs, exc)
+        finally:
+            sync.leave(previous)
+        last_parts, last = jobs[-1]
+        primary = CudaTicket(Direction.D2H, last_parts[0], last, n * info[last_parts[0]].page_bytes, sync, event)
+        return [[SharedTicket(primary, part, n * info[part].page_bytes, layer) for part in parts] for parts, layer in jobs]
 
     def _worker(self, plan: CopyPlan) -> IssueWorker:
         return self._workers[0 if plan.direction is Direction.D2H else 1]

@@ -205,6 +205,31 @@ class DescriptorTable:
                                             sizes0 + off)  # fmt: skip
         return layer_descriptors(self.d2h, [self._shape.geoms[p] for p in parts], self.runs, layer)
 
+    def span(self, jobs: Sequence[tuple[tuple[Part, ...], int]]) -> LayerDescriptors | None:
+        """The DMAs of several layers as one block of table rows: `jobs` (parts, layer),
+        each the next row of one group after the one before (a run of consecutive layers
+        of one model, the same parts), none crossing a registration chunk. None when
+        they are not (then ask `get` per layer). O(len(jobs)), no allocation but the views."""
+        if not self._groups or not jobs:
+            return None
+        first = None
+        for k, (parts, layer) in enumerate(jobs):
+            found = next(((g, row) for built, g, row in self._index.get(layer, ()) if built == parts), None)
+            if found is None:
+                return None
+            if first is None:
+                first = found
+            elif found != (first[0], first[1] + k):
+                return None
+        g, row0 = first  # type: ignore[misc]
+        dst2d, src2d, sizes2d, crossing, row_bytes, dst0, src0, sizes0 = self._groups[g]
+        rows = slice(row0, row0 + len(jobs))
+        if crossing[rows].any():
+            return None
+        off = row0 * row_bytes
+        return LayerDescriptors(dst2d[rows].reshape(-1), src2d[rows].reshape(-1), sizes2d[rows].reshape(-1),
+                                len(jobs) * sizes2d.shape[1], dst0 + off, src0 + off, sizes0 + off)  # fmt: skip
+
     def _build_group(self, g: _GroupArrays) -> tuple[Any, ...]:
         """One group's rows: every part's runs side by side, in part order, computed for all
         rows and parts at once (a handful of numpy operations whatever the layout)."""
