@@ -304,6 +304,15 @@ def table(runs: dict[str, dict], identity: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's arguments (`prompts`, vLLM's GPU blocks); bench/engines/vllm_step_cost.py takes them too."""
+    ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--doc-len", type=int, default=2048)
+    ap.add_argument("--suffix-len", type=int, default=48)
+    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--gpu-blocks", type=int, default=768, help="vLLM's GPU KV blocks of 16 tokens")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
@@ -312,11 +321,7 @@ def main() -> int:
     ap.add_argument("--configs", default="hicache,offloading,none")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--quick", action="store_true", help="a smaller model and workload (smoke)")
-    ap.add_argument("--docs", type=int, default=12)
-    ap.add_argument("--doc-len", type=int, default=2048)
-    ap.add_argument("--suffix-len", type=int, default=48)
-    ap.add_argument("--gen", type=int, default=16)
-    ap.add_argument("--gpu-blocks", type=int, default=768, help="vLLM's GPU KV blocks of 16 tokens")
+    add_workload_args(ap)
     ap.add_argument("--host-bytes", type=int, default=4 << 30, help="host bytes for either connector")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per configuration")
     args = ap.parse_args()

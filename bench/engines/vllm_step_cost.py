@@ -40,7 +40,7 @@ import test_vllm_bench as H  # noqa: E402  (vLLM's Scheduler + the fake model ru
 
 from hicache_harness.outputs import write_json  # noqa: E402
 from hicache_harness.provenance import git_commit, machine  # noqa: E402
-from vllm_race import StepTimer, prompts  # noqa: E402
+from vllm_race import StepTimer, add_workload_args, prompts  # noqa: E402
 
 
 class _Profiled(StepTimer):
@@ -154,12 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile; print the N costliest")
     ap.add_argument("--sort", default="cumulative", help="the profile's order (pstats keys: cumulative, tottime)")
     ap.add_argument("--no-checks", action="store_true", help="skip the fake runner's byte checks")
-    ap.add_argument("--docs", type=int, default=12)
-    ap.add_argument("--doc-len", type=int, default=2048)
-    ap.add_argument("--suffix-len", type=int, default=48)
-    ap.add_argument("--gen", type=int, default=16)
+    add_workload_args(ap)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--gpu-blocks", type=int, default=768)
     ap.add_argument("--max-batched", type=int, default=8192)
     ap.add_argument("--host-bytes", type=int, default=256 << 20)
     args = ap.parse_args(argv)
