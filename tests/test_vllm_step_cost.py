@@ -37,7 +37,8 @@ def test_vllm_step_cost_times_every_method_of_the_race_workload(tmp_path, capsys
     assert r["host_tokens"] >= 3 * 64  # pass 2 loads every document (the GPU evicted them)
     methods = r["by_method"]
     for name in ("get_num_new_matched_tokens", "build_connector_meta", "update_connector_output", "start_load_kv",
-                 "wait_for_layer_load", "save_kv_layer", "get_block_ids_with_load_errors", "build_connector_worker_meta"):
+                 "wait_for_layer_load", "save_kv_layer", "get_block_ids_with_load_errors",
+                 "build_connector_worker_meta"):
         assert methods[name]["calls"] > 0 and methods[name]["python_calls"] > 0 and methods[name]["p50_us"] > 0, name
     steps = sum(r["steps"].values())
     assert r["scheduler"]["steps"] == r["worker"]["steps"] == steps

@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     if timer.profiles:
         out = io.StringIO()
-        pstats.Stats(*(p for p in timer.profiles.values() if p.getstats()), stream=out).sort_stats(args.sort).print_stats(args.profile)
+        stats = pstats.Stats(*(p for p in timer.profiles.values() if p.getstats()), stream=out)
+        stats.sort_stats(args.sort).print_stats(args.profile)
         print(out.getvalue())
     if args.json:
         import vllm

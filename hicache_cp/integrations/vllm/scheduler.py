@@ -117,7 +117,8 @@ class SchedulerSide:
         self.cache = self._make_cache(plan)
         self.plan = plan
         self._layout = self.cache.layout.describe()
-        self._model_layers = [(m, range(n)) for m in (Model.TARGET, Model.DRAFT) if (n := self.cache.layout.num_layers(m))]
+        layout = self.cache.layout
+        self._model_layers = [(m, range(n)) for m in (Model.TARGET, Model.DRAFT) if (n := layout.num_layers(m))]
         self.world_size = world_size
         self.stats = SchedulerStats()
         self._reporter = Reporter()

@@ -414,7 +414,8 @@ class WorkerSide:
             where = self.plan.slot(layer_name)
             last = where.model is Model.TARGET and where.layer == self.layout.num_target_layers - 1
             state, after = _STATE_OF[where.model], where.layer + 1
-            next_state = (state, after) if self.layout.has_part(state) and self.layout.part(state).has_layer(after) else None
+            read_next = self.layout.has_part(state) and self.layout.part(state).has_layer(after)
+            next_state = (state, after) if read_next else None
             hook = _Hook(where.model, where.layer, where.part not in (Part.TARGET_STATE, Part.DRAFT_STATE),
                          next_state, range(self.layout.num_draft_layers if last else 0))  # fmt: skip
             self._hooks[layer_name] = hook
