@@ -115,6 +115,37 @@ def test_race_timer_wraps_one_instance_and_closes_steps_where_told():
     assert 0 <= s["by_method"]["save_kv_layer"]["cpu_ms"]
 
 
+def test_race_timer_summarises_the_steps_after_a_mark():
+    """The race's batch pass alone (`connector_host_time_batch`): the steps closed and the
+    calls made after `mark()`, methods not called since left out."""
+
+    class Connector:
+        def get_num_new_matched_tokens(self):
+            return 1
+
+        def build_connector_meta(self):
+            return 2
+
+        def build_connector_worker_meta(self):
+            return 4
+
+    timer = vllm_race.StepTimer(explicit=True)
+    c = Connector()
+    timer.wrap(c)
+    for _ in range(3):
+        c.get_num_new_matched_tokens(), c.build_connector_meta(), c.build_connector_worker_meta()
+        timer.end_step()
+    mark = timer.mark()
+    for _ in range(2):
+        c.build_connector_meta(), c.build_connector_worker_meta()
+        timer.end_step()
+    s, whole = timer.summary(since=mark), timer.summary()
+    assert s["scheduler"]["steps"] == s["worker"]["steps"] == 2 and whole["worker"]["steps"] == 5
+    assert s["by_method"]["build_connector_meta"]["calls"] == 2 and whole["by_method"]["build_connector_meta"]["calls"] == 5
+    assert "get_num_new_matched_tokens" not in s["by_method"]
+    assert 0 <= s["worker"]["cpu_mean_ms"] and s["worker"]["total_ms"] <= whole["worker"]["total_ms"]
+
+
 def test_op_build_records_commit_machine_and_command_when_it_fails(tmp_path):
     out = tmp_path / "ops.json"
     argv = ["--csrc", str(tmp_path / "csrc"), "--site", str(tmp_path), "--build-dir", str(tmp_path / "b"),
