@@ -86,22 +86,24 @@ def test_race_timer_splits_roles_and_closes_a_step_at_its_last_call():
     assert s["scheduler"]["mean_ms"] >= 0
 
 
+class _Connector:
+    """Test double: a connector with one scheduler-side and two worker-side methods."""
+
+    def build_connector_meta(self):
+        return 2
+
+    def save_kv_layer(self):
+        return 3
+
+    def build_connector_worker_meta(self):
+        return 4
+
+
 def test_race_timer_wraps_one_instance_and_closes_steps_where_told():
     """The CPU comparison's use (bench/engines/vllm_compare.py): one connector instance per role, steps
     closed by the driver, wall and thread CPU time per role and method."""
-
-    class Connector:
-        def build_connector_meta(self):
-            return 2
-
-        def save_kv_layer(self):
-            return 3
-
-        def build_connector_worker_meta(self):
-            return 4
-
     timer = vllm_race.StepTimer(explicit=True)
-    c, other = Connector(), Connector()
+    c, other = _Connector(), _Connector()
     timer.wrap(c)
     for _ in range(2):
         assert (c.build_connector_meta(), c.save_kv_layer(), c.build_connector_worker_meta()) == (2, 3, 4)
@@ -118,22 +120,11 @@ def test_race_timer_wraps_one_instance_and_closes_steps_where_told():
 def test_race_timer_summarises_the_steps_after_a_mark():
     """The race's batch pass alone (`connector_host_time_batch`): the steps closed and the
     calls made after `mark()`, methods not called since left out."""
-
-    class Connector:
-        def get_num_new_matched_tokens(self):
-            return 1
-
-        def build_connector_meta(self):
-            return 2
-
-        def build_connector_worker_meta(self):
-            return 4
-
     timer = vllm_race.StepTimer(explicit=True)
-    c = Connector()
+    c = _Connector()
     timer.wrap(c)
     for _ in range(3):
-        c.get_num_new_matched_tokens(), c.build_connector_meta(), c.build_connector_worker_meta()
+        c.save_kv_layer(), c.build_connector_meta(), c.build_connector_worker_meta()
         timer.end_step()
     mark = timer.mark()
     for _ in range(2):
@@ -142,7 +133,7 @@ def test_race_timer_summarises_the_steps_after_a_mark():
     s, whole = timer.summary(since=mark), timer.summary()
     assert s["scheduler"]["steps"] == s["worker"]["steps"] == 2 and whole["worker"]["steps"] == 5
     assert s["by_method"]["build_connector_meta"]["calls"] == 2 and whole["by_method"]["build_connector_meta"]["calls"] == 5
-    assert "get_num_new_matched_tokens" not in s["by_method"]
+    assert "save_kv_layer" not in s["by_method"]
     assert 0 <= s["worker"]["cpu_mean_ms"] and s["worker"]["total_ms"] <= whole["worker"]["total_ms"]
 
 
