@@ -156,6 +156,26 @@ def test_vllm_l2_eviction_between_two_requests(new_bench):
     settled(b)
 
 
+def test_vllm_a_hit_vllm_cannot_place_keeps_no_lock_between_steps(new_bench):
+    """vLLM looks a waiting request up, then finds no blocks for it: the match's lock
+    is dropped at the step's metadata (L2 may evict that path until the next lookup),
+    and the request loads its pages once blocks are free."""
+    b = new_bench(num_blocks=9)  # 8 usable blocks
+    b.add(P)
+    b.run()  # r1: its 5 pages in L2
+    b.drop_vllm_prefix_cache()
+    b.add(list(range(300, 396)), max_tokens=20)  # r2: 6 blocks now, 7 once it decodes
+    b.step()  # r2 prefills; (0, 96)
+    b.add(P)  # r3: 5 pages in L2, needs 6 blocks, 1 or 2 are free
+    s = b.step()
+    assert "r3" not in s.scheduled and s.loads == []  # looked up, not placed: it waits
+    assert b.side.stats.lookups >= 3 and b.locked_nodes() == 0  # r3's L2 path is not held
+    steps = b.run()
+    assert [(r, first, n) for st in steps for r, first, n in st.loads] == [("r3", 0, 5)]  # placed once r2 finished
+    assert b.mismatches == []
+    settled(b)
+
+
 def test_vllm_request_aborted_while_its_load_is_in_flight(new_bench):
     b = new_bench()
     b.add(P)

@@ -97,22 +97,24 @@ def test_race_timer_splits_roles_and_closes_a_step_at_its_last_call():
     assert s["scheduler"]["mean_ms"] >= 0
 
 
+class _Connector:
+    """Test double: a connector with one scheduler-side and two worker-side methods."""
+
+    def build_connector_meta(self):
+        return 2
+
+    def save_kv_layer(self):
+        return 3
+
+    def build_connector_worker_meta(self):
+        return 4
+
+
 def test_race_timer_wraps_one_instance_and_closes_steps_where_told():
     """The CPU comparison's use (bench/engines/vllm_compare.py): one connector instance per role, steps
     closed by the driver, wall and thread CPU time per role and method."""
-
-    class Connector:
-        def build_connector_meta(self):
-            return 2
-
-        def save_kv_layer(self):
-            return 3
-
-        def build_connector_worker_meta(self):
-            return 4
-
     timer = vllm_race.StepTimer(explicit=True)
-    c, other = Connector(), Connector()
+    c, other = _Connector(), _Connector()
     timer.wrap(c)
     for _ in range(2):
         assert (c.build_connector_meta(), c.save_kv_layer(), c.build_connector_worker_meta()) == (2, 3, 4)
@@ -124,6 +126,26 @@ def test_race_timer_wraps_one_instance_and_closes_steps_where_told():
     for role in ("scheduler", "worker"):
         assert 0 <= s[role]["cpu_mean_ms"] and 0 <= s[role]["total_ms"]
     assert 0 <= s["by_method"]["save_kv_layer"]["cpu_ms"]
+
+
+def test_race_timer_summarises_the_steps_after_a_mark():
+    """The race's batch pass alone (`connector_host_time_batch`): the steps closed and the
+    calls made after `mark()`, methods not called since left out."""
+    timer = vllm_race.StepTimer(explicit=True)
+    c = _Connector()
+    timer.wrap(c)
+    for _ in range(3):
+        c.save_kv_layer(), c.build_connector_meta(), c.build_connector_worker_meta()
+        timer.end_step()
+    mark = timer.mark()
+    for _ in range(2):
+        c.build_connector_meta(), c.build_connector_worker_meta()
+        timer.end_step()
+    s, whole = timer.summary(since=mark), timer.summary()
+    assert s["scheduler"]["steps"] == s["worker"]["steps"] == 2 and whole["worker"]["steps"] == 5
+    assert s["by_method"]["build_connector_meta"]["calls"] == 2 and whole["by_method"]["build_connector_meta"]["calls"] == 5
+    assert "save_kv_layer" not in s["by_method"]
+    assert 0 <= s["worker"]["cpu_mean_ms"] and s["worker"]["total_ms"] <= whole["worker"]["total_ms"]
 
 
 def test_op_build_records_commit_machine_and_command_when_it_fails(tmp_path):

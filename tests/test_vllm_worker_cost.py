@@ -18,6 +18,7 @@ Skipped where vLLM is not installed; the CUDA cases are GPU tests.
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
 pytest.importorskip(
@@ -155,4 +156,55 @@ def test_vllm_cuda_a_loads_checks_do_not_wait_for_the_forward(model_dir):
         assert w.build_connector_worker_meta().results == {so.kv_connector_metadata.loads[0].job_id: (1, None)}
     finally:
         torch.cuda.synchronize()
+        b.close()
+
+
+def test_vllm_scheduler_submits_each_op_in_one_call_per_model(tmp_path):
+    """The scheduler side's copies are tickets its workers resolve (`RemoteCopyEngine`):
+    a step's save op is planned at its reservation and hands every layer of a model to
+    that engine in one call (not one per layer), as a load does. V3.2's shape: every
+    target layer in one call, the MTP draft's one layer in another (`submit_layer`)."""
+    b = H.make_bench(H.write_model_dir(tmp_path / "deep", layers=4), shape="v32")
+    try:
+        calls = observe(b.cache.engine)
+        for p in PROMPTS:
+            b.add(p)
+        s = b.step()
+        assert len(s.saves) == 3
+        assert calls == [("plan", D2H), ("submit_layers", D2H), ("submit_layer", D2H)] * 3
+        b.run()
+        assert b.cache.metrics.backups_committed == 3  # every ticket of every layer resolved
+        calls.clear()
+        b.drop_vllm_prefix_cache()
+        b.add(PROMPTS[0])
+        s = b.step()
+        assert s.loads == [("r4", 0, 5)] and calls == [("plan", H2D), ("submit_layers", H2D)]
+        b.run()
+        assert b.mismatches == [] and b.side.in_flight_jobs() == 0
+    finally:
+        b.close()
+
+
+def test_vllm_scheduler_converts_a_requests_tokens_once_per_length(model_dir):
+    """The scheduler side keeps one int64 copy of a request's tokens: a lookup and the
+    step's saves read views of it; the copy is remade only when a longer prefix is
+    asked for (decode appended tokens), and always equals vLLM's token ids."""
+    b = H.make_bench(model_dir)
+    try:
+        rid = b.add(P, max_tokens=40)
+        b.step()  # lookup (85 tokens) and the save of 5 pages (80): one copy
+        st = b.side._reqs[rid]
+        first = st.token_ids
+        assert first is not None and len(first) == 85
+        assert st.tokens(80).base is first and st.tokens(85).base is first
+        for _ in range(20):  # decode: 20 more tokens, a sixth page completes at 96
+            b.step()
+        assert st.token_ids is not first  # remade once a longer prefix (the sixth page) was asked for
+        req = b.sched.requests[rid]
+        assert np.array_equal(st.tokens(req.num_tokens), np.asarray(req.all_token_ids, dtype=np.int64))
+        with pytest.raises(ValueError, match="tokens asked"):
+            st.tokens(req.num_tokens + 1)
+        b.run()
+        assert b.mismatches == []
+    finally:
         b.close()

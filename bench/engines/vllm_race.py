@@ -20,7 +20,8 @@ Workload (the same token ids for every configuration, greedy):
 Reported per configuration: TTFT p50/p90 of pass 2 (and pass 1), prompt tokens by source
 from vLLM's own counters (GPU prefix cache, external = host, computed), batch tokens/s,
 host time per engine step spent in the connector's scheduler-side and worker-side methods
-(wrapped with a timer in this process), and every output's token ids, compared across the
+(wrapped with a timer in this process), over the run and over the batch pass alone
+(`connector_host_time_batch`), and every output's token ids, compared across the
 configurations (greedy identity). Writes JSON with commit, machine and command, and a table.
 """
 
@@ -107,15 +108,27 @@ class StepTimer:
                     self._open[role] = 0.0
         return timed
 
-    def summary(self) -> dict:
+    def mark(self) -> dict:
+        """What `summary(since=...)` leaves out: the steps closed and the calls made so far."""
+        return {"steps": {role: len(xs) for role, xs in self.steps.items()}, "cpu": dict(self.cpu),
+                "methods": {name: list(m) for name, m in self.methods.items()}}
+
+    def summary(self, since: dict | None = None) -> dict:
+        """Per role: steps, wall ms per step (mean, p50, p99, total), thread CPU per step;
+        per method: calls, wall and CPU ms. `since` (a `mark()`): only what came after it
+        (a workload's phase)."""
+        since = since or {"steps": {}, "cpu": {}, "methods": {}}
         out = {}
-        for role, xs in self.steps.items():
-            xs = sorted(xs)
+        for role, all_steps in self.steps.items():
+            xs = sorted(all_steps[since["steps"].get(role, 0):])
+            cpu = self.cpu[role] - since["cpu"].get(role, 0.0)
             out[role] = {"steps": len(xs), "mean_ms": _ms(sum(xs) / len(xs)) if xs else None,
                          "p50_ms": _ms(_pct(xs, 50)), "p99_ms": _ms(_pct(xs, 99)), "total_ms": _ms(sum(xs)),
-                         "cpu_mean_ms": _ms(self.cpu[role] / len(xs)) if xs else None}
+                         "cpu_mean_ms": _ms(cpu / len(xs)) if xs else None}
+        before = since["methods"]
+        methods = {name: [v - b for v, b in zip(m, before.get(name, (0, 0.0, 0.0)))] for name, m in self.methods.items()}
         out["by_method"] = {name: {"calls": n, "total_ms": _ms(t), "cpu_ms": _ms(c)}
-                            for name, (n, t, c) in sorted(self.methods.items())}
+                            for name, (n, t, c) in sorted(methods.items()) if n}
         return out
 
 
@@ -225,6 +238,7 @@ def run_one(args: argparse.Namespace) -> dict:
                 logprobs[name].append(sampled_logprob(out.outputs[0]))
         report["logprobs"] = logprobs
         gen = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True, detokenize=False)
+        batch_mark = timer.mark()
         t = time.perf_counter()
         with profiled(args.profile, f"{args.one} batch"):
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps["batch"]], gen, use_tqdm=False)
@@ -238,6 +252,7 @@ def run_one(args: argparse.Namespace) -> dict:
         by_source = report["prompt_tokens"].get("prompt_tokens_by_source", {})
         report["host_tokens"] = by_source.get("external_kv_transfer", 0)
         report["connector_host_time_per_step"] = timer.summary() if args.one != "none" else None
+        report["connector_host_time_batch"] = timer.summary(since=batch_mark) if args.one != "none" else None
         report["outputs"] = outputs
         report["ok"] = True
         report["stage"] = "done"
@@ -354,6 +369,13 @@ def table(runs: dict[str, dict], identity: dict | None = None) -> str:
         t = t.get(role) or {}
         return "-" if t.get("mean_ms") is None else f"{t['mean_ms']} / {t['p99_ms']}"
 
+    def batch_host(r):
+        t = r.get("connector_host_time_batch") or {}
+        s, w = t.get("scheduler") or {}, t.get("worker") or {}
+        if s.get("total_ms") is None or w.get("total_ms") is None:
+            return "-"
+        return f"{s['total_ms']:.1f} + {w['total_ms']:.1f} ({w['steps']})"
+
     lines = ["| vLLM 0.33.0, GPU | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|",
              row("TTFT pass 2 (evicted from GPU) p50 / p90 ms", lambda r: f"{r['ttft_ms']['pass2']['p50']} / {r['ttft_ms']['pass2']['p90']}"),
              row("TTFT pass 1 (cold) p50 / p90 ms", lambda r: f"{r['ttft_ms']['pass1']['p50']} / {r['ttft_ms']['pass1']['p90']}"),
@@ -363,6 +385,7 @@ def table(runs: dict[str, dict], identity: dict | None = None) -> str:
              row("batch tokens/s", lambda r: str(r["batch"]["tokens_per_s"])),
              row("scheduler-side host ms/step mean / p99", lambda r: host(r, "scheduler")),
              row("worker-side host ms/step mean / p99", lambda r: host(r, "worker")),
+             row("batch pass: connector host ms, scheduler + worker (steps)", batch_host),
              row("CUDA graphs", lambda r: r.get("cudagraph_mode", "-"))]
     identity = identity or {}
     same = {k: identity.get(k, {}) for k in runs}
@@ -373,6 +396,15 @@ def table(runs: dict[str, dict], identity: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's arguments (`prompts`, vLLM's GPU blocks); bench/engines/vllm_step_cost.py takes them too."""
+    ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--doc-len", type=int, default=2048)
+    ap.add_argument("--suffix-len", type=int, default=48)
+    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--gpu-blocks", type=int, default=768, help="vLLM's GPU KV blocks of 16 tokens")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
@@ -381,11 +413,7 @@ def main() -> int:
     ap.add_argument("--configs", default="hicache,offloading,none")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--quick", action="store_true", help="a smaller model and workload (smoke)")
-    ap.add_argument("--docs", type=int, default=12)
-    ap.add_argument("--doc-len", type=int, default=2048)
-    ap.add_argument("--suffix-len", type=int, default=48)
-    ap.add_argument("--gen", type=int, default=16)
-    ap.add_argument("--gpu-blocks", type=int, default=768, help="vLLM's GPU KV blocks of 16 tokens")
+    add_workload_args(ap)
     ap.add_argument("--host-bytes", type=int, default=4 << 30, help="host bytes for either connector")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per configuration")
     ap.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hicache_cp import CopyEngine, CopyFailed, CopyTicket, Direction, TicketState
+from hicache_cp import CopyEngine, CopyFailed, CopyPlan, CopyTicket, DevicePool, Direction, HostPool, TicketState
 from hicache_cp import Part
 
 
@@ -56,10 +56,24 @@ class RemoteCopyEngine(CopyEngine):
 
     name = "vllm-workers"
 
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool) -> None:
+        super().__init__(device_pool, host_pool)
+        self._page_bytes = {p.part: p.page_bytes for p in self.layout.parts}
+
     def _submit(
         self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray
     ) -> RemoteTicket:
-        return RemoteTicket(direction, part, layer, len(device_pages) * self.layout.part(part).page_bytes)
+        return RemoteTicket(direction, part, layer, len(device_pages) * self._page_bytes[part])
+
+    def submit_layers(self, plan: CopyPlan, jobs: list[tuple[tuple[Part, ...], int]]) -> list[list[CopyTicket | None]]:
+        """A ticket per part of each (parts, layer) of `jobs` (None for a plan without
+        pages), as `submit_layer` of each would: an op's every layer in one call costs
+        one ticket a layer and part, nothing else (a step's saves and loads). Never
+        raises CopyFailed: nothing is copied here."""
+        n, direction, page_bytes = plan.num_pages, plan.direction, self._page_bytes
+        if not n:
+            return [[None] * len(parts) for parts, _ in jobs]
+        return [[RemoteTicket(direction, part, layer, n * page_bytes[part]) for part in parts] for parts, layer in jobs]
 
 
 def resolve_op(tickets: list[CopyTicket], error: BaseException | None) -> None:

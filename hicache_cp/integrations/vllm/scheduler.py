@@ -75,6 +75,19 @@ class _Req:
     finished: bool = False
     lookup: tuple[int, int] | None = None  # (prompt tokens, vLLM's own prefix pages) at the last lookup
     counted: bool = False  # in the hit metrics (once, when vLLM allocated its blocks)
+    token_ids: np.ndarray | None = None  # int64 copy of a prefix of `request.all_token_ids` (`tokens`)
+
+    def tokens(self, n: int) -> np.ndarray:
+        """The request's first `n` token ids as int64 (a view of one cached copy). A
+        request's tokens only grow, so the copy is remade only when a longer prefix
+        is asked for (a lookup again each step of a waiting request, every page a
+        decode completes): O(n) then, O(1) otherwise."""
+        ids = self.token_ids
+        if ids is None or len(ids) < n:
+            ids = self.token_ids = np.asarray(self.request.all_token_ids, dtype=np.int64)
+            if len(ids) < n:
+                raise ValueError(f"{self.request.request_id}: {n} tokens asked, the request has {len(ids)}")
+        return ids[:n]
 
 
 @dataclass
@@ -104,10 +117,16 @@ class SchedulerSide:
         self.cache = self._make_cache(plan)
         self.plan = plan
         self._layout = self.cache.layout.describe()
+        layout = self.cache.layout
+        self._model_layers = [(m, range(n)) for m in (Model.TARGET, Model.DRAFT) if (n := layout.num_layers(m))]
         self.world_size = world_size
         self.stats = SchedulerStats()
         self._reporter = Reporter()
         self._reqs: dict[str, _Req] = {}
+        # Subsets of `_reqs` a step's bookkeeping walks, so its cost follows the requests
+        # with a lookup or a load, not every running one: a locked match, a load started.
+        self._matched: dict[str, _Req] = {}
+        self._loading: dict[str, tuple[_Req, LoadOp]] = {}
         self._jobs: dict[int, tuple[BackupOp | LoadOp, str]] = {}  # job id -> op, request id
         self._reported: dict[int, tuple[int, str | None]] = {}  # partial reports (fewer workers)
         self._loads: list[CopyJob] = []  # started this step, sent with its metadata
@@ -127,7 +146,7 @@ class SchedulerSide:
         self._release(st)  # a repeated lookup: vLLM could not place the request last time
         bs = self.plan.block_size
         self.stats.lookups += 1
-        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+        tokens = st.tokens(request.num_tokens)
         m = self.cache.match_prefix(tokens, count=False)  # vLLM looks a waiting request up again each step
         local = num_computed_tokens // bs
         st.lookup = (len(tokens), local)
@@ -136,6 +155,7 @@ class SchedulerSide:
             self.cache.release(m.last_node)
             return 0, False
         st.match, st.local_pages = m, local
+        self._matched[request.request_id] = st
         self.stats.offered_tokens += (end - local) * bs
         return (end - local) * bs, False
 
@@ -161,6 +181,7 @@ class SchedulerSide:
             raise ValueError(f"{request.request_id}: {len(block_ids)} blocks, the load needs [{st.local_pages}, +{n})")
         op = self.cache.load_into(st.match, dev, st.local_pages)
         st.load = op
+        self._loading[request.request_id] = (st, op)
         self._jobs[op.id] = (op, request.request_id)
         self._loads.append(CopyJob(op.id, request.request_id, dev, op.host_pages, st.local_pages))
         self.stats.loads_started += 1
@@ -179,20 +200,17 @@ class SchedulerSide:
             if pages <= st.covered:
                 continue
             block_ids = np.asarray(blocks_of.resolve_block_ids(req_id)[0][:pages], dtype=np.int64)
-            tokens = np.asarray(req.all_token_ids[: pages * bs], dtype=np.int64)
             after = [st.load] if st.load is not None and st.load.active else []
-            for op in self.cache.reserve_host_copy(tokens, block_ids, after):
-                for model in (Model.TARGET, Model.DRAFT):  # the workers copy each layer as its hook fires
-                    for layer in range(self.cache.layout.num_layers(model)):
-                        self.cache.on_layer_end(model, layer, [op])
+            for op in self.cache.reserve_host_copy(st.tokens(pages * bs), block_ids, after):
+                for model, layers in self._model_layers:  # the workers copy each layer as its hook fires
+                    self.cache.on_layers_end(model, layers, [op])  # here: one call for all of them
                 self._jobs[op.id] = (op, req_id)
                 saves.append(CopyJob(op.id, req_id, op.device_pages, op.host_pages, op.first_position))
                 self.stats.saves_started += 1
                 self.stats.saved_pages += op.num_pages
             st.covered = pages
-        for st in self._reqs.values():
-            if st.load is None:
-                self._release(st)  # looked up but not placed this step
+        for st in [st for st in self._matched.values() if st.load is None]:
+            self._release(st)  # looked up but not placed this step
         meta = HiCacheMetadata(
             self.cache.host_pool.physical_pages, self._layout, self._loads, saves,
             preempted=sorted(scheduler_output.preempted_req_ids or ()), delayed=self._delayed,
@@ -213,16 +231,16 @@ class SchedulerSide:
                 op, req_id = self._jobs.pop(job)
                 resolve_op(op.inflight, None if error is None else failure_from_report(f"{req_id}: {error}"))
         self.cache.poll()
-        for req_id, st in list(self._reqs.items()):
-            if st.load is not None and not st.load.active:
-                if st.load.state is LoadState.ABORTED:
-                    self.stats.loads_failed += 1
-                    st.covered = min(st.covered, st.load.first_position)  # vLLM recomputes from there
-                else:
-                    self.stats.loads_done += 1
-                st.load = None
-                self._release(st)
-            if st.finished and st.load is None:
+        for req_id, (st, load) in [(r, v) for r, v in self._loading.items() if not v[1].active]:
+            if load.state is LoadState.ABORTED:
+                self.stats.loads_failed += 1
+                st.covered = min(st.covered, load.first_position)  # vLLM recomputes from there
+            else:
+                self.stats.loads_done += 1
+            st.load = None
+            del self._loading[req_id]
+            self._release(st)
+            if st.finished:  # (`request_finished` forgot it already if it had no load)
                 del self._reqs[req_id]
         self.cache.ensure_free()
 
@@ -277,6 +295,7 @@ class SchedulerSide:
         if st.match is not None:
             self.cache.release(st.match.last_node)
             st.match = None
+            del self._matched[st.request.request_id]
 
     def in_flight_jobs(self) -> int:
         return len(self._jobs)

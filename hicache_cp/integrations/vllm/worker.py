@@ -91,12 +91,17 @@ _STATE_OF = {Model.TARGET: Part.TARGET_STATE, Model.DRAFT: Part.DRAFT_STATE}
 
 @dataclass(frozen=True, slots=True)
 class _Hook:
-    """What a vLLM layer's hooks do, looked up once per layer name."""
+    """What a vLLM layer's hooks do, looked up once per layer name (so a hook does no
+    layout lookup per call)."""
 
     model: Model
     layer: int
     saves: bool  # its save hook copies the layer (an indexer cache goes with its attention layer's)
-    last_target: bool  # the last target layer: the draft's layers are waited for at its hook
+    #: The state part's layer read before the next attention layer (the indexer's), waited for
+    #: at this hook: (part, layer), or None where the layout has no such layer.
+    next_state: tuple[Part, int] | None
+    #: The draft layers waited for at this hook (all of them at the last target layer's).
+    draft_layers: range
 
 
 @dataclass(eq=False)
@@ -220,11 +225,13 @@ class WorkerSide:
         hook = self._hook(layer_name)
         for _, op in self._loads:
             op.wait_layer(hook.layer, hook.model)
-        self._wait_part(_STATE_OF[hook.model], hook.layer + 1)
-        if hook.last_target:
-            for layer in range(self.layout.num_draft_layers):
-                for _, op in self._loads:
-                    op.wait_layer(layer, Model.DRAFT)
+        if hook.next_state is not None:
+            part, layer = hook.next_state
+            for _, op in self._loads:
+                op.wait_part(part, layer)
+        for layer in hook.draft_layers:
+            for _, op in self._loads:
+                op.wait_layer(layer, Model.DRAFT)
 
     def _wait_part(self, part: Part, layer: int) -> None:
         if not self.layout.has_part(part) or not self.layout.part(part).has_layer(layer):
@@ -406,7 +413,11 @@ class WorkerSide:
         if hook is None:
             where = self.plan.slot(layer_name)
             last = where.model is Model.TARGET and where.layer == self.layout.num_target_layers - 1
-            hook = _Hook(where.model, where.layer, where.part not in (Part.TARGET_STATE, Part.DRAFT_STATE), last)
+            state, after = _STATE_OF[where.model], where.layer + 1
+            read_next = self.layout.has_part(state) and self.layout.part(state).has_layer(after)
+            next_state = (state, after) if read_next else None
+            hook = _Hook(where.model, where.layer, where.part not in (Part.TARGET_STATE, Part.DRAFT_STATE),
+                         next_state, range(self.layout.num_draft_layers if last else 0))  # fmt: skip
             self._hooks[layer_name] = hook
         return hook
 
