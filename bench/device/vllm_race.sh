@@ -17,6 +17,8 @@
 #           (-> vllm-smoke.json): vLLM's runner starts, saves commit, pass 2 loads from host
 #   race    bench/engines/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json);
 #           RACE_CONFIGS picks them, RACE_ARGS adds flags (e.g. --profile, --extra verify_restores=off)
+#   diag    our connector alone twice more: --profile (the start-up's and the batch's top functions,
+#           -> vllm-profile.{json,log}) and --extra verify_restores=off (-> vllm-nocheck.json)
 # Every step has its own timeout; a failed step does not stop the next. Exit: the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -62,6 +64,16 @@ if want race; then
   # shellcheck disable=SC2086 - RACE_ARGS is a list of flags
   timeout "${RACE_TIMEOUT:-340}" $PY bench/engines/vllm_race.py --configs "${RACE_CONFIGS:-hicache,offloading,none}" \
     --timeout "${RUN_TIMEOUT:-110}" --json "$DEST/vllm-race.json" ${RACE_ARGS:-} 2>&1 | tail -"${RACE_TAIL:-80}"
+  keep "${PIPESTATUS[0]}"
+fi
+if want diag; then
+  step "our connector alone, profiled (start-up and batch), then without restore checks"
+  timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --profile --timeout 140 \
+    --json "$DEST/vllm-profile.json" > "$DEST/vllm-profile.log" 2>&1
+  keep $?
+  grep -A 45 -E "^--- profile of hicache (start-up|batch), by (tottime|cumulative)" "$DEST/vllm-profile.log" | cut -c1-160 | head -200
+  timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --extra verify_restores=off \
+    --timeout 140 --json "$DEST/vllm-nocheck.json" 2>&1 | tail -16
   keep "${PIPESTATUS[0]}"
 fi
 echo "exit $rc"
