@@ -137,6 +137,29 @@ def _check_trace(result: dict, sglang_from: Path) -> None:
 
 
 @pytest.mark.slow
+def test_the_cutlass_stand_in_lets_sglangs_sm100_dual_gemm_import_and_never_run() -> None:
+    """SGLang's Llama MLP imports its CUTLASS-DSL dual GEMM on CUDA: with the stand-in the module
+    loads (its kernels decorated at import), SGLang's own predicate answers False off SM100,
+    and any kernel of it raises naming itself."""
+    import subprocess
+
+    code = (
+        "import sglang.kernels.ops.gemm.cutedsl_dual_gemm as m\n"
+        "assert m.can_use_dual_gemm(16, 4096, 11008, m.DualGemmQuantMode.UNQUANT) is False\n"
+        "try:\n    m._dual_gemm_sm100_wrapper(1, 2)\nexcept NotImplementedError as e:\n    print(e)\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": f"{SHIMS}:{ROOT}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cutlass.cute.experimental.jit(_dual_gemm_sm100_wrapper): the CUTLASS DSL is not on this machine" in out.stdout
+    assert "SM100 only" in out.stdout
+
+
+def test_the_pack_carries_both_stand_ins() -> None:
+    packed = [path.relative_to(SHIMS).as_posix() for package in pack.SHIM_PACKAGES for path in (SHIMS / package).rglob("*.py")]
+    assert "sgl_kernel/__init__.py" in packed and "cutlass/cute/runtime.py" in packed and "cutlass/_absent.py" in packed
+
+
 def test_sglang_imports_with_cuda_faked_and_the_stand_in() -> None:
     result = pack.trace([], list(pack.TRACE_MODULES))
     _check_trace(result, _sglang_package())

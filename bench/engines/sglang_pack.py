@@ -21,7 +21,8 @@ packs, into the ignored folder `.sglang/`:
                         only content is its `sglang.srt.plugins` entry point (the device runs
                         the project from its tree, uninstalled, and SGLang's scheduler
                         processes find `--radix-cache-backend hicache-cp` through it); and
-                        `sgl_kernel/`, the import-only stand-in of bench/engines/sglang_shims/
+                        `sgl_kernel/` and `cutlass/`, the import-only stand-ins of
+                        bench/engines/sglang_shims/
     whl/*.whl           wheels for Python 3.12 on manylinux x86-64 of what SGLang's imports need
                         that the device image lacks (KINDS.md's package list), at the versions
                         installed here (CARRY), and transformers 5.20 (SGLang pins 5.19; the
@@ -64,6 +65,9 @@ sys.path.insert(0, str(REPO / "bench" / "engines"))
 
 from pack import add_tree, pip_download  # noqa: E402
 SHIMS = REPO / "bench" / "engines" / "sglang_shims"
+#: The stand-ins packed beside SGLang: sgl-kernel's names, and the CUTLASS DSL's (SGLang's Llama
+#: MLP imports an SM100-only kernel written in it, never run on Hopper; sglang_shims/cutlass).
+SHIM_PACKAGES = ("sgl_kernel", "cutlass")
 SGLANG_VERSION = "0.5.23"
 TRANSFORMERS = "transformers==5.20.2"
 WHEEL_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hicache-cp" / "sglang-wheels"
@@ -159,12 +163,11 @@ def pack_sources(dest: Path, *, rust_core: bool) -> dict:
                 tar.add(info / name, arcname=f"{info.name}/{name}")
         for name, data in plugin_dist_info().items():
             _add_bytes(tar, name, data)
-        shims = sorted((SHIMS / "sgl_kernel").glob("*.py"))
+        shims = [path.relative_to(SHIMS).as_posix() for package in SHIM_PACKAGES for path in sorted((SHIMS / package).rglob("*.py"))]
         for shim in shims:
-            _add_bytes(tar, f"sgl_kernel/{shim.name}", shim.read_bytes())
+            _add_bytes(tar, shim, (SHIMS / shim).read_bytes())
     return {"version": dist.version, "from": str(pkg), "files": kept, "bytes": kept_bytes, "skipped_files": skipped,
-            "rust_tree_core": core, "tarball_bytes": out.stat().st_size,
-            "shims": [f"sgl_kernel/{s.name}" for s in shims]}  # fmt: skip
+            "rust_tree_core": core, "tarball_bytes": out.stat().st_size, "shims": shims}  # fmt: skip
 
 
 def download_wheels(dest: Path, *, transformers: bool) -> list[str]:
