@@ -83,7 +83,11 @@ SAMPLE_EVERY = 8
 def fmix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser (a bijection of uint64), element-wise on a uint64 array
     (a new array; array products wrap silently)."""
-    x = np.array(x, dtype=np.uint64)
+    return _mix(np.array(x, dtype=np.uint64))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """`fmix64` of the uint64 array `x` in place; returns `x`."""
     x ^= x >> _S30
     x *= _M1
     x ^= x >> _S27
@@ -140,51 +144,78 @@ def multipliers(words: int) -> tuple[np.ndarray, np.ndarray]:
     return _MULTS.first(words)
 
 
-def raw_sums(pages: np.ndarray) -> np.ndarray:
-    """The multilinear sums (before the salt) of each row of `pages` (uint8 [n, page_bytes]).
+def raw_sums(pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The multilinear sums (before the salt) of each page of `pages`: uint8
+    [..., page_bytes] (pages along the last axis, which must be contiguous; a
+    [layers, n, page_bytes] view of a pool's buffer needs no gather) -> uint64 [...],
+    written into `out` when given (then returned).
 
-    O(bytes), no per-page Python work: per step of about `_STEP_BYTES` of rows,
+    O(bytes), no per-page Python work: per step of about `_STEP_BYTES` of pages,
     one pass for the high halves and two integer sums of products (uint64
-    products and sums wrap mod 2**64), so a step's rows and its scratch stay in
-    a core's L2 cache. Allocates O(min(n * page_bytes, _STEP_BYTES)) scratch;
-    numpy releases the GIL inside each pass."""
-    n, page_bytes = pages.shape
+    products and sums wrap mod 2**64), so a step's pages and its scratch stay in
+    a core's L2 cache. Allocates O(min(bytes, _STEP_BYTES)) scratch; numpy
+    releases the GIL inside each pass."""
+    page_bytes = pages.shape[-1]
+    if pages.ndim not in (2, 3):
+        raise ValueError(f"pages must be [n, page_bytes] or [layers, n, page_bytes], got shape {pages.shape}")
     if page_bytes % 8:
         raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
-    words = page_bytes // 8
-    x = (pages if pages.flags.c_contiguous else np.ascontiguousarray(pages)).view(np.uint64)
-    a, b = multipliers(words)
+    if out is None:
+        out = np.empty(pages.shape[:-1], dtype=np.uint64)
+    if pages.strides[-1] != 1 or any(s % 8 for s in pages.strides[:-1]):
+        pages = np.ascontiguousarray(pages)
+    x = pages.view(np.uint64)
+    a, b = multipliers(page_bytes // 8)
     if x.size <= _SMALL_WORDS:  # a few small pages: matmul's fixed cost is the lowest
-        out = x @ a
+        np.matmul(x, a, out=out)
         out += (x >> _SHIFT32) @ b
-        return out
-    rows = max(1, _STEP_BYTES // page_bytes)
-    out = np.empty(n, dtype=np.uint64)
-    high = np.empty((min(rows, n), words), dtype=np.uint64)
-    for lo in range(0, n, rows):
+    elif x.ndim == 3 and 8 * x[0].size >= _STEP_BYTES:  # a layer's pages per step
+        for i in range(len(x)):
+            _einsum_steps(x[i], a, b, out[i])
+    else:  # pages, or whole layers, per step
+        _einsum_steps(x, a, b, out)
+    return out
+
+
+def _einsum_steps(x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """`raw_sums` of the uint64 words `x` ([pages, words] or [layers, n, words]) into
+    `out`, in steps of about `_STEP_BYTES` along the first axis."""
+    row_bytes = 8 * x[0].size
+    rows = max(1, _STEP_BYTES // row_bytes)
+    if len(x) <= rows:  # one step
+        hi = x >> _SHIFT32
+        np.einsum("...j,j->...", x, a, out=out)
+        out += np.einsum("...j,j->...", hi, b)
+        return
+    high = np.empty((rows, *x.shape[1:]), dtype=np.uint64)
+    for lo in range(0, len(x), rows):
         step = x[lo : lo + rows]
         hi = high[: len(step)]
         np.right_shift(step, _SHIFT32, out=hi)
         part = out[lo : lo + rows]
-        np.einsum("ij,j->i", step, a, out=part)
-        part += np.einsum("ij,j->i", hi, b)
-    return out
+        np.einsum("...j,j->...", step, a, out=part)
+        part += np.einsum("...j,j->...", hi, b)
+
+
+def salted(raw: np.ndarray, part: Part, layers: list[int] | tuple[int, ...], page_bytes: int) -> np.ndarray:
+    """The checksums of pages whose `raw_sums` are `raw` (uint64 [len(layers), n], row i
+    as `part`'s `layers[i]`, pages of `page_bytes`), computed in place; returns `raw`."""
+    raw ^= salts(part, layers, page_bytes)[:, None]
+    return _mix(raw)
 
 
 def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:
     """The checksum of each page (uint8 [n, page_bytes]) as `part`'s `layer`: uint64 [n]."""
     x = raw_sums(pages)
     x ^= salt(part, layer, pages.shape[1])
-    return fmix64(x)
+    return _mix(x)
 
 
 def checksums_by_layer(pages: np.ndarray, part: Part, layers: list[int], n: int) -> np.ndarray:
     """The checksums of `len(layers)` blocks of `n` pages each, block i as `layers[i]`
-    (uint8 [len(layers) * n, page_bytes] -> uint64 [len(layers), n]): one pass for
-    every layer of a part."""
-    x = raw_sums(pages).reshape(len(layers), n)
-    x ^= salts(part, layers, pages.shape[1])[:, None]
-    return fmix64(x)
+    (uint8 [len(layers) * n, page_bytes] or [len(layers), n, page_bytes] -> uint64
+    [len(layers), n]): one pass for every layer of a part."""
+    return salted(raw_sums(pages).reshape(len(layers), n), part, layers, pages.shape[-1])
 
 
 def sample_positions(n: int, op_id: int, verify: Verify) -> np.ndarray | None:
