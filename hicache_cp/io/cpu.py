@@ -39,9 +39,9 @@ FaultHook = Callable[[Direction, Part, int], None]
 #: A copy of at least this many bytes has its pages hashed on its worker thread, right
 #: after the copy, from the bytes at hand (numpy's large loops release the GIL, so they
 #: run beside the caller on another core). Smaller ones are hashed in batches on the
-#: thread that asks (a worker's many small numpy calls would contend for the GIL with
-#: the caller instead).
-WORKER_CHECK_BYTES = 1 << 20
+#: thread that asks, every layer of a part in one pass (a worker's many small numpy
+#: calls would contend for the GIL with the caller instead).
+WORKER_CHECK_BYTES = 1 << 18
 LandedHook = Callable[[Direction, Part, int, np.ndarray, np.ndarray], None]
 
 
