@@ -59,6 +59,14 @@ def copy_op(engine: CpuCopyEngine, direction: Direction, device_pages: np.ndarra
     return tickets
 
 
+def backed_up(device_pages: np.ndarray, host_pages: np.ndarray) -> CpuCopyEngine:
+    """An engine (checks on) whose `device_pages` were backed up to `host_pages`, waited for."""
+    engine = make()
+    for t in copy_op(engine, Direction.D2H, device_pages, host_pages):
+        t.wait()
+    return engine
+
+
 PAGE_LISTS = {
     "one run": (np.arange(3, 3 + PAGES), np.arange(5, 5 + PAGES)),
     "scattered": (np.arange(2, 2 + 2 * PAGES, 2)[::-1].copy(), np.arange(1, 1 + 2 * PAGES, 2)),
@@ -68,10 +76,7 @@ PAGE_LISTS = {
 @pytest.mark.parametrize("pages", PAGE_LISTS)
 def test_backup_stores_the_checksum_of_every_copied_page(path: str, pages: str) -> None:
     device_pages, host_pages = PAGE_LISTS[pages]
-    engine = make()
-    with closing(engine):
-        for t in copy_op(engine, Direction.D2H, device_pages, host_pages):
-            t.wait()
+    with closing(backed_up(device_pages, host_pages)) as engine:
         for p in engine.layout.parts:
             for layer in p.layer_ids:
                 slot = p.slot(layer)
@@ -84,10 +89,7 @@ def test_backup_stores_the_checksum_of_every_copied_page(path: str, pages: str) 
 @pytest.mark.parametrize("pages", PAGE_LISTS)
 def test_a_load_fails_exactly_the_layer_whose_bytes_differ(path: str, pages: str) -> None:
     device_pages, host_pages = PAGE_LISTS[pages]
-    engine = make()
-    with closing(engine):
-        for t in copy_op(engine, Direction.D2H, device_pages, host_pages):
-            t.wait()
+    with closing(backed_up(device_pages, host_pages)) as engine:
         bad = engine.layout.parts[-1]
         engine.host_pool.layer_view(bad.part, bad.slot(bad.layer_ids[-1]))[host_pages[7], 3] ^= 0x10
         targets = np.setdiff1d(np.arange(1, 2 * PAGES + 8), device_pages)[:PAGES]
