@@ -60,8 +60,9 @@ SALT_SEED = 0x49_4E_54_45_47_52_49_54  # "INTEGRIT"
 #: Bytes of pages `raw_sums` hashes per step: the step's rows and the scratch of their
 #: high halves (as many bytes again) stay in one core's L2 cache.
 _STEP_BYTES = 1 << 19
-#: At most this many 64-bit words in all: one matrix-vector product each (the lowest fixed
-#: cost); above it einsum's sums of products (about twice matmul's speed on integers).
+#: At most this many 64-bit words in all: one matrix-vector product over the 32-bit words
+#: (the lowest fixed cost); above it einsum's sums of products over the 64-bit words and
+#: their high halves (about twice matmul's speed on integers).
 _SMALL_WORDS = 4096
 
 
@@ -144,6 +145,24 @@ def multipliers(words: int) -> tuple[np.ndarray, np.ndarray]:
     return _MULTS.first(words)
 
 
+_WORD_MULTS: dict[int, np.ndarray] = {}
+
+
+def _word_multipliers(words: int) -> np.ndarray:
+    """The multilinear form's M_i over the 32-bit words of a page of `words` 64-bit words
+    (M_2j = A_j, M_2j+1 = A_j * 2**32 + B_j): uint64 [2 * words], read-only (memoised;
+    for pages of at most `_SMALL_WORDS` words)."""
+    m = _WORD_MULTS.get(words)
+    if m is None:
+        a, b = multipliers(words)
+        m = np.empty(2 * words, dtype=np.uint64)
+        m[0::2] = a
+        m[1::2] = a * np.uint64(1 << 32) + b  # wraps mod 2**64
+        m.flags.writeable = False
+        m = _WORD_MULTS.setdefault(words, m)
+    return m
+
+
 def raw_sums(pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """The multilinear sums (before the salt) of each page of `pages`: uint8
     [..., page_bytes] (pages along the last axis, which must be contiguous; a
@@ -164,12 +183,13 @@ def raw_sums(pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         out = np.empty(pages.shape[:-1], dtype=np.uint64)
     if pages.strides[-1] != 1 or any(s % 8 for s in pages.strides[:-1]):
         pages = np.ascontiguousarray(pages)
+    words = page_bytes // 8
+    if words * out.size <= _SMALL_WORDS:  # a few small pages: one matmul over the 32-bit words
+        np.matmul(pages.view(np.uint32), _word_multipliers(words), out=out)
+        return out
     x = pages.view(np.uint64)
-    a, b = multipliers(page_bytes // 8)
-    if x.size <= _SMALL_WORDS:  # a few small pages: matmul's fixed cost is the lowest
-        np.matmul(x, a, out=out)
-        out += (x >> _SHIFT32) @ b
-    elif x.ndim == 3 and 8 * x[0].size >= _STEP_BYTES:  # a layer's pages per step
+    a, b = multipliers(words)
+    if x.ndim == 3 and 8 * x[0].size >= _STEP_BYTES:  # a layer's pages per step
         for i in range(len(x)):
             _einsum_steps(x[i], a, b, out[i])
     else:  # pages, or whole layers, per step
