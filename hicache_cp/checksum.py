@@ -35,8 +35,10 @@ Strength, per page (two byte strings of the same length, P = false match):
   certainty (the salts differ and fmix64 is a bijection), so a page and its
   checksum moved together to the wrong place fail.
 
-Cost: two 64-bit multiply-adds per 8 bytes. numpy (`checksums`) runs as
-integer sums of products over cache-sized steps; the GPU kernel is a single
+Cost: two 64-bit multiply-adds per 8 bytes. numpy (`raw_sums`) runs as
+integer sums of products over cache-sized steps (a few small pages: one
+matrix-vector product over their 32-bit words), over pages given as rows or
+as a [layers, pages, page_bytes] view of a pool; the GPU kernel is a single
 pass over the pages (docs/integrity.md has the measurements).
 """
 
