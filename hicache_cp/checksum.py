@@ -35,8 +35,10 @@ Strength, per page (two byte strings of the same length, P = false match):
   certainty (the salts differ and fmix64 is a bijection), so a page and its
   checksum moved together to the wrong place fail.
 
-Cost: two 64-bit multiply-adds per 8 bytes. numpy (`checksums`) runs as
-integer sums of products over cache-sized steps; the GPU kernel is a single
+Cost: two 64-bit multiply-adds per 8 bytes. numpy (`raw_sums`) runs as
+integer sums of products over cache-sized steps (a few small pages: one
+matrix-vector product over their 32-bit words), over pages given as rows or
+as a [layers, pages, page_bytes] view of a pool; the GPU kernel is a single
 pass over the pages (docs/integrity.md has the measurements).
 """
 
@@ -60,8 +62,9 @@ SALT_SEED = 0x49_4E_54_45_47_52_49_54  # "INTEGRIT"
 #: Bytes of pages `raw_sums` hashes per step: the step's rows and the scratch of their
 #: high halves (as many bytes again) stay in one core's L2 cache.
 _STEP_BYTES = 1 << 19
-#: At most this many 64-bit words in all: one matrix-vector product each (the lowest fixed
-#: cost); above it einsum's sums of products (about twice matmul's speed on integers).
+#: At most this many 64-bit words in all: one matrix-vector product over the 32-bit words
+#: (the lowest fixed cost); above it einsum's sums of products over the 64-bit words and
+#: their high halves (about twice matmul's speed on integers).
 _SMALL_WORDS = 4096
 
 
@@ -83,7 +86,11 @@ SAMPLE_EVERY = 8
 def fmix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser (a bijection of uint64), element-wise on a uint64 array
     (a new array; array products wrap silently)."""
-    x = np.array(x, dtype=np.uint64)
+    return _mix(np.array(x, dtype=np.uint64))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """`fmix64` of the uint64 array `x` in place; returns `x`."""
     x ^= x >> _S30
     x *= _M1
     x ^= x >> _S27
@@ -140,51 +147,97 @@ def multipliers(words: int) -> tuple[np.ndarray, np.ndarray]:
     return _MULTS.first(words)
 
 
-def raw_sums(pages: np.ndarray) -> np.ndarray:
-    """The multilinear sums (before the salt) of each row of `pages` (uint8 [n, page_bytes]).
+_WORD_MULTS: dict[int, np.ndarray] = {}
 
-    O(bytes), no per-page Python work: per step of about `_STEP_BYTES` of rows,
+
+def _word_multipliers(words: int) -> np.ndarray:
+    """The multilinear form's M_i over the 32-bit words of a page of `words` 64-bit words
+    (M_2j = A_j, M_2j+1 = A_j * 2**32 + B_j): uint64 [2 * words], read-only (memoised;
+    for pages of at most `_SMALL_WORDS` words)."""
+    m = _WORD_MULTS.get(words)
+    if m is None:
+        a, b = multipliers(words)
+        m = np.empty(2 * words, dtype=np.uint64)
+        m[0::2] = a
+        m[1::2] = a * np.uint64(1 << 32) + b  # wraps mod 2**64
+        m.flags.writeable = False
+        m = _WORD_MULTS.setdefault(words, m)
+    return m
+
+
+def raw_sums(pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The multilinear sums (before the salt) of each page of `pages`: uint8
+    [..., page_bytes] (pages along the last axis, which must be contiguous; a
+    [layers, n, page_bytes] view of a pool's buffer needs no gather) -> uint64 [...],
+    written into `out` when given (then returned).
+
+    O(bytes), no per-page Python work: per step of about `_STEP_BYTES` of pages,
     one pass for the high halves and two integer sums of products (uint64
-    products and sums wrap mod 2**64), so a step's rows and its scratch stay in
-    a core's L2 cache. Allocates O(min(n * page_bytes, _STEP_BYTES)) scratch;
-    numpy releases the GIL inside each pass."""
-    n, page_bytes = pages.shape
+    products and sums wrap mod 2**64), so a step's pages and its scratch stay in
+    a core's L2 cache. Allocates O(min(bytes, _STEP_BYTES)) scratch; numpy
+    releases the GIL inside each pass."""
+    page_bytes = pages.shape[-1]
+    if pages.ndim not in (2, 3):
+        raise ValueError(f"pages must be [n, page_bytes] or [layers, n, page_bytes], got shape {pages.shape}")
     if page_bytes % 8:
         raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
+    if out is None:
+        out = np.empty(pages.shape[:-1], dtype=np.uint64)
+    if pages.strides[-1] != 1 or any(s % 8 for s in pages.strides[:-1]):
+        pages = np.ascontiguousarray(pages)
     words = page_bytes // 8
-    x = (pages if pages.flags.c_contiguous else np.ascontiguousarray(pages)).view(np.uint64)
-    a, b = multipliers(words)
-    if x.size <= _SMALL_WORDS:  # a few small pages: matmul's fixed cost is the lowest
-        out = x @ a
-        out += (x >> _SHIFT32) @ b
+    if words * out.size <= _SMALL_WORDS:  # a few small pages: one matmul over the 32-bit words
+        np.matmul(pages.view(np.uint32), _word_multipliers(words), out=out)
         return out
-    rows = max(1, _STEP_BYTES // page_bytes)
-    out = np.empty(n, dtype=np.uint64)
-    high = np.empty((min(rows, n), words), dtype=np.uint64)
-    for lo in range(0, n, rows):
+    x = pages.view(np.uint64)
+    a, b = multipliers(words)
+    if x.ndim == 3 and 8 * x[0].size >= _STEP_BYTES:  # a layer's pages per step
+        for i in range(len(x)):
+            _einsum_steps(x[i], a, b, out[i])
+    else:  # pages, or whole layers, per step
+        _einsum_steps(x, a, b, out)
+    return out
+
+
+def _einsum_steps(x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """`raw_sums` of the uint64 words `x` ([pages, words] or [layers, n, words]) into
+    `out`, in steps of about `_STEP_BYTES` along the first axis."""
+    row_bytes = 8 * x[0].size
+    rows = max(1, _STEP_BYTES // row_bytes)
+    if len(x) <= rows:  # one step
+        hi = x >> _SHIFT32
+        np.einsum("...j,j->...", x, a, out=out)
+        out += np.einsum("...j,j->...", hi, b)
+        return
+    high = np.empty((rows, *x.shape[1:]), dtype=np.uint64)
+    for lo in range(0, len(x), rows):
         step = x[lo : lo + rows]
         hi = high[: len(step)]
         np.right_shift(step, _SHIFT32, out=hi)
         part = out[lo : lo + rows]
-        np.einsum("ij,j->i", step, a, out=part)
-        part += np.einsum("ij,j->i", hi, b)
-    return out
+        np.einsum("...j,j->...", step, a, out=part)
+        part += np.einsum("...j,j->...", hi, b)
+
+
+def salted(raw: np.ndarray, part: Part, layers: list[int] | tuple[int, ...], page_bytes: int) -> np.ndarray:
+    """The checksums of pages whose `raw_sums` are `raw` (uint64 [len(layers), n], row i
+    as `part`'s `layers[i]`, pages of `page_bytes`), computed in place; returns `raw`."""
+    raw ^= salts(part, layers, page_bytes)[:, None]
+    return _mix(raw)
 
 
 def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:
     """The checksum of each page (uint8 [n, page_bytes]) as `part`'s `layer`: uint64 [n]."""
     x = raw_sums(pages)
     x ^= salt(part, layer, pages.shape[1])
-    return fmix64(x)
+    return _mix(x)
 
 
 def checksums_by_layer(pages: np.ndarray, part: Part, layers: list[int], n: int) -> np.ndarray:
     """The checksums of `len(layers)` blocks of `n` pages each, block i as `layers[i]`
-    (uint8 [len(layers) * n, page_bytes] -> uint64 [len(layers), n]): one pass for
-    every layer of a part."""
-    x = raw_sums(pages).reshape(len(layers), n)
-    x ^= salts(part, layers, pages.shape[1])[:, None]
-    return fmix64(x)
+    (uint8 [len(layers) * n, page_bytes] or [len(layers), n, page_bytes] -> uint64
+    [len(layers), n]): one pass for every layer of a part."""
+    return salted(raw_sums(pages).reshape(len(layers), n), part, layers, pages.shape[-1])
 
 
 def sample_positions(n: int, op_id: int, verify: Verify) -> np.ndarray | None:

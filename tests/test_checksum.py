@@ -127,3 +127,30 @@ def test_sample_positions() -> None:
     assert len(checksum.sample_positions(20, 3, checksum.Verify.OFF)) == 0
     got = checksum.sample_positions(20, 3, checksum.Verify.SAMPLE)
     assert got.tolist() == [3, 11, 19]
+
+
+@pytest.mark.parametrize("pages, page_bytes", [(3, 256), (40, 4096), (200, 4096)])
+def test_raw_sums_of_a_layers_view_equal_each_layers_checksums(pages: int, page_bytes: int) -> None:
+    # A [layers, pages, page_bytes] view of a pool-shaped buffer (a run of pages, no gather)
+    # and a gather of scattered pages, written into a table given as `out`: the small
+    # (matmul), whole-layers-per-step and one-layer-in-steps paths.
+    buf = np.random.default_rng(pages).integers(0, 256, (5, 2 * pages + 3, page_bytes), dtype=np.uint8)
+    view = buf[1:4, 2 : 2 + pages]
+    assert not view.flags.c_contiguous
+    table = np.zeros((5, pages), dtype=np.uint64)
+    assert checksum.raw_sums(view, out=table[1:4]) is not None
+    layers = [7, 8, 9]
+    got = checksum.salted(table[1:4].copy(), Part.TARGET_KV, layers, page_bytes)
+    for i, layer in enumerate(layers):
+        assert np.array_equal(got[i], checksum.checksums(np.ascontiguousarray(view[i]), Part.TARGET_KV, layer))
+    assert not table[0].any() and not table[4].any()  # only the rows given
+    scattered = np.arange(0, 2 * pages, 2)
+    by_layer = checksum.checksums_by_layer(buf[1:4, scattered], Part.TARGET_KV, layers, pages)
+    for i, layer in enumerate(layers):
+        assert np.array_equal(by_layer[i], checksum.checksums(buf[1 + i, scattered], Part.TARGET_KV, layer))
+    assert int(got[0, 0]) == reference(view[0, 0].tobytes(), Part.TARGET_KV, 7)
+
+
+def test_raw_sums_takes_two_or_three_axes() -> None:
+    with pytest.raises(ValueError, match="pages must be"):
+        checksum.raw_sums(np.zeros((1, 1, 1, 8), np.uint8))

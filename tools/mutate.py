@@ -121,6 +121,23 @@ FAULTS: list[Fault] = [
     # ---- copy engine
     Fault("cpu-copy-misplaces-pages", "hicache_cp/io/cpu.py", "rows = dev[device_pages]\n",
           "rows = dev[device_pages[::-1]]\n", ("tests/test_io_engine.py",), "a backup writes pages to the wrong slots"),
+    # ---- the cpu backend's restore checks (io/verify.py HostChecks)
+    Fault("cpu-check-batch-never-hashes", "hicache_cp/io/verify.py",
+          "todo = [s for s in slots if (part, s) not in self._hashed]", "todo = []",
+          ("tests/test_io_cpu_checks.py", "tests/test_restore_checks.py"),
+          "a copy hashed in batches stores or compares whatever its op's table held"),
+    Fault("cpu-check-run-view-off-by-one", "hicache_cp/io/verify.py", "slice(first, first + n) if one_run",
+          "slice(first + 1, first + n + 1) if one_run", ("tests/test_io_cpu_checks.py",),
+          "pages that are one run are hashed one page off"),
+    Fault("cpu-check-skips-a-copy", "hicache_cp/io/verify.py", "del self.pending[:done]",
+          "del self.pending[:done + 1]", ("tests/test_io_cpu_checks.py",),
+          "a copy still in flight leaves its op's checks: it completes unchecked"),
+    Fault("cpu-load-hashed-before-landed-writes", "hicache_cp/io/cpu.py",
+          "        if self.landed is not None:\n            self.landed(direction, part, layer, device_pages, host_pages)\n"
+          "        if checks is not None and direction is Direction.H2D:\n            checks.hash_landed(part, slot, dev)\n",
+          "        if checks is not None and direction is Direction.H2D:\n            checks.hash_landed(part, slot, dev)\n"
+          "        if self.landed is not None:\n            self.landed(direction, part, layer, device_pages, host_pages)\n",
+          ("tests/test_restore_checks.py",), "a load hashed on its worker misses a write that raced it into its pages"),
     # ---- integrity oracle, exit codes
     Fault("checker-skips-draft", "hicache_harness/engines/synthetic.py",
           "return [(part, part.layer_ids) for part in self.layout.parts]",

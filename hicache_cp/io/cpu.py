@@ -13,11 +13,13 @@ makes the copy slow. The real copy still runs for every copy it lets pass.
 (direction, part, layer, device_pages, host_pages): a test writes into the
 pages there (a torn backup, a forward racing a load).
 
-Checksums (`hicache_cp.io.verify`), once a copy is done, on the thread that
-asks its ticket (`CpuTicket`): a backup's from the device pages it copied,
-stored beside the host copy; a load's of what landed in the device pages,
-compared with the stored ones (the copy FAILS with an IntegrityError on a
-mismatch).
+Checksums (`hicache_cp.io.verify`, an op's `HostChecks`): a backup's from the
+device pages it copied, stored beside the host copy; a load's of what landed
+in the device pages, compared with the stored ones (the copy FAILS with an
+IntegrityError on a mismatch). A large copy's pages are hashed on its worker
+right after the copy (a backup's from the rows it gathered: no second read of
+the device pages); the rest in batches on the thread that asks the tickets
+(`CpuTicket`), which also finalises and stores or compares every one.
 """
 
 from __future__ import annotations
@@ -28,18 +30,18 @@ from typing import Any
 
 import numpy as np
 
-from hicache_cp import checksum
 from hicache_cp.io import verify
 from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.layout import Part
 from hicache_cp.pools import DevicePool, HostPool
 
 FaultHook = Callable[[Direction, Part, int], None]
-#: A copy of at least this many bytes has its checks run on its worker thread, right
-#: after the copy: numpy's large loops release the GIL, so they run beside the caller on
-#: another core. Smaller ones are checked in batches on the thread that asks (a worker's
-#: many small numpy calls would contend for the GIL with the caller instead).
-WORKER_CHECK_BYTES = 1 << 20
+#: A copy of at least this many bytes has its pages hashed on its worker thread, right
+#: after the copy, from the bytes at hand (numpy's large loops release the GIL, so they
+#: run beside the caller on another core). Smaller ones are hashed in batches on the
+#: thread that asks, every layer of a part in one pass (a worker's many small numpy
+#: calls would contend for the GIL with the caller instead).
+WORKER_CHECK_BYTES = 1 << 18
 LandedHook = Callable[[Direction, Part, int, np.ndarray, np.ndarray], None]
 
 
@@ -141,37 +143,36 @@ class CpuCopyEngine(CopyEngine):
             checks = self._checks(direction, device_pages, host_pages, None, None)
         on_worker = checks if checks is not None and nbytes >= WORKER_CHECK_BYTES else None
         future = self._workers[direction].submit(
-            self._copy, direction, part, layer, dev, host, device_pages, host_pages, on_worker
+            self._copy, direction, part, layer, slot, dev, host, device_pages, host_pages, on_worker
         )
-        return CpuTicket(future, direction, part, layer, nbytes, None if on_worker is not None else checks)
+        return CpuTicket(future, direction, part, layer, nbytes, checks)
 
     def _copy(
         self,
         direction: Direction,
         part: Part,
         layer: int,
+        slot: int,
         dev: np.ndarray,
         host: np.ndarray,
         device_pages: np.ndarray,
         host_pages: np.ndarray,
         checks: verify.HostChecks | None,
     ) -> None:
+        """The copy, on the direction's worker; with `checks`, its pages hashed after it."""
         if self.fault is not None:
             self.fault(direction, part, layer)
         if direction is Direction.D2H:
             rows = dev[device_pages]
             host[host_pages] = rows
             if checks is not None:  # from the rows the copy read
-                verify.store(self, part, layer, host_pages, checksum.checksums(rows, part, layer))
+                checks.hash_copied(part, slot, rows)
         else:
             dev[device_pages] = host[host_pages]
         if self.landed is not None:
             self.landed(direction, part, layer, device_pages, host_pages)
-        if checks is not None and direction is Direction.H2D and len(checks.device_pages):
-            dp, hp = checks.device_pages, checks.host_pages
-            err = verify.compare(self, part, layer, checksum.checksums(dev[dp], part, layer), hp, dp, checks.request)
-            if err is not None:
-                raise err
+        if checks is not None and direction is Direction.H2D:
+            checks.hash_landed(part, slot, dev)
 
     def close(self) -> None:
         for worker in self._workers.values():

@@ -10,7 +10,8 @@
 
 A failed ticket fails its op like any failed copy: the load aborts on every rank
 at the next agreed poll and its request recomputes (`hicache_cp.cache.lifecycle`).
-The cpu backend calls these on its copy workers; the CUDA backends compute the
+The cpu backend's checks are an op's `HostChecks` (hashed on its copy workers or
+in batches, finalised on the asking thread); the CUDA backends compute the
 checksums with `hicache_cp.io.checksum_gpu` and compare when a layer's ticket
 completes (`hicache_cp.io.checked`).
 """
@@ -88,15 +89,24 @@ def failure_from_report(text: str) -> BaseException:
 
 
 class HostChecks:
-    """The checks of one op's copies on a host-memory device pool (the cpu backend),
-    run in batches: whenever one of its tickets asks, every copy of the op that is done
-    and not checked yet is checked, one gather and one checksum pass per part for all
-    of their layers. A backup stores the checksums of the device pages it copied (they
-    stay as they were until it is decided), a load compares what landed now with the
-    stored ones (`compare`: each failed layer's ticket gets its IntegrityError).
+    """The checks of one op's copies on a host-memory device pool (the cpu backend).
 
-    `done(ticket)` says whether a ticket's copy finished without error; tickets have
-    `part`, `layer` and a `checked(error)` callback. Runs on the asking thread."""
+    Each copy's raw sums (`checksum.raw_sums`, uint64 per page) land in the op's
+    table of them, one row per compact slot of each part, either on the copy's
+    worker right after the copy (`hash_copied`, `hash_landed`: large copies, from
+    the bytes the copy has at hand) or, for the copies that were not, in batches on
+    the asking thread (`run`: one pass per part over every such layer, straight
+    from the device pages, a view when they are one run). `run` then salts and
+    finalises every done copy's sums at once, per part: a backup stores them
+    (the device pages it copied stay as they were until it is decided), a load
+    compares them with the stored ones (`compare`: each failed layer's ticket gets
+    its IntegrityError).
+
+    `done(ticket)` says whether a ticket's copy finished without error (None: not yet);
+    tickets, appended to `pending` in submission order, have `part`, `layer` and a
+    `checked(error)` callback. `run` runs on the asking thread,
+    the `hash_*` calls on the op's copy worker (one direction, so one worker): a
+    copy's raw sums are read only once its copy is done."""
 
     def __init__(
         self, engine: CopyEngine, direction: Any, device_pages: np.ndarray, host_pages: np.ndarray,
@@ -106,62 +116,96 @@ class HostChecks:
         self.d2h = direction.value == "d2h"
         rows = slice(None) if self.d2h else checked_rows(check, len(device_pages))
         self.device_pages, self.host_pages = device_pages[rows], host_pages[rows]
+        n = len(self.device_pages)
+        # the checked device pages as a slice when they are one run (a view, no gather)
+        first = int(self.device_pages[0]) if n else 0
+        one_run = n > 0 and int(self.device_pages[-1]) - first == n - 1 and bool(
+            (np.diff(self.device_pages) == 1).all())  # fmt: skip
+        self._device_rows: np.ndarray | slice = slice(first, first + n) if one_run else self.device_pages
         self.request = request
         self._done = done  # True: landed, False: failed, None: in flight
         self.pending: list[Any] = []
+        self._raw: dict[Part, np.ndarray] = {}  # part -> uint64 [slots, n]
+        self._hashed: set[tuple[Part, int]] = set()  # (part, slot) hashed on the copy's worker
+
+    def hash_copied(self, part: Part, slot: int, rows: np.ndarray) -> None:
+        """On the copy worker, after a backup's copy: the raw sums of the device pages'
+        bytes it gathered (`rows`, uint8 [n, page_bytes]), without reading them again."""
+        checksum.raw_sums(rows, out=self._raw_of(part)[slot])
+        self._hashed.add((part, slot))
+
+    def hash_landed(self, part: Part, slot: int, layer_view: np.ndarray) -> None:
+        """On the copy worker, after a load's copy: the raw sums of what landed in the
+        checked device pages of `layer_view` (the layer, uint8 [pages, page_bytes])."""
+        if len(self.device_pages):
+            checksum.raw_sums(layer_view[self._device_rows], out=self._raw_of(part)[slot])
+        self._hashed.add((part, slot))
+
+    def _raw_of(self, part: Part) -> np.ndarray:
+        raw = self._raw.get(part)
+        if raw is None:  # setdefault: one table even if two threads get here at once
+            slots = self.engine.layout.part(part).num_slots
+            raw = self._raw.setdefault(part, np.empty((slots, len(self.device_pages)), dtype=np.uint64))
+        return raw
 
     def run(self) -> None:
-        states = [self._done(t) for t in self.pending]
-        ready = [t for t, st in zip(self.pending, states) if st is not None]
-        self.pending = [t for t, st in zip(self.pending, states) if st is None]
+        """Check every copy of `pending` that is done. O(done copies): the copies of an
+        op (one direction) finish in the order they were submitted, which is `pending`'s."""
         by_part: dict[Part, list[Any]] = {}
-        for t, st in zip(ready, [st for st in states if st is not None]):
-            if st:
+        done = 0
+        for t in self.pending:
+            state = self._done(t)
+            if state is None:
+                break
+            done += 1
+            if state:
                 by_part.setdefault(t.part, []).append(t)
             else:
                 t.checked(None)  # its copy failed: that is its error
+        del self.pending[:done]
         dp, hp, n = self.device_pages, self.host_pages, len(self.device_pages)
         if not n or not by_part:
             for group in by_part.values():
                 for t in group:
                     t.checked(None)
             return
-        # Every part's multilinear sums, then one salt-and-finalise pass over all of them.
-        blocks, raws, salted = [], [], []
+        if not self.d2h:
+            self.engine.integrity.count_checked("l2", n * sum(len(g) for g in by_part.values()))
         for part, group in by_part.items():
             layout = self.engine.layout.part(part)
             layers = [t.layer for t in group]
             slots = [layout.slot(layer) for layer in layers]
-            blocks.append((part, group, np.asarray(slots, dtype=np.int64)))
-            raws.append(checksum.raw_sums(self._rows(part, slots)))
-            salted.append(np.repeat(checksum.salts(part, layers, layout.page_bytes), n))
-        flat = np.concatenate(raws) if len(raws) > 1 else raws[0]
-        flat ^= np.concatenate(salted) if len(salted) > 1 else salted[0]
-        sums_all = checksum.fmix64(flat).reshape(-1, n)
-        row = 0
-        if not self.d2h:
-            self.engine.integrity.count_checked("l2", sums_all.size)
-        for part, group, rows in blocks:
-            sums = sums_all[row : row + len(group)]
-            row += len(group)
+            raw = self._raw_of(part)
+            todo = [s for s in slots if (part, s) not in self._hashed]
+            if todo:
+                self._hash_device(part, todo, raw)
+            lo = slots[0]
+            if slots == list(range(lo, lo + len(slots))):  # a view: the table's rows are read once
+                rows: np.ndarray | slice = slice(lo, lo + len(slots))
+                sums = checksum.salted(raw[rows], part, layers, layout.page_bytes)
+            else:
+                rows = np.asarray(slots, dtype=np.int64)[:, None]
+                sums = checksum.salted(raw[rows[:, 0]], part, layers, layout.page_bytes)
             stored = self.engine.host_pool.sums(part)
             if self.d2h:
-                stored[rows[:, None], hp[None, :]] = sums
+                stored[rows, hp] = sums
                 for t in group:
                     t.checked(None)
                 continue
-            bad = sums != stored[rows[:, None], hp[None, :]]
+            bad = sums != stored[rows, hp]
             for t, wrong, got in zip(group, bad, sums):
                 t.checked(compare(self.engine, part, t.layer, got, hp, dp, self.request, counted=True)
                           if wrong.any() else None)  # fmt: skip
 
-    def _rows(self, part: Part, slots: list[int]) -> np.ndarray:
-        """The op's device pages of `slots` of `part`: uint8 [len(slots) * pages, page_bytes]
-        (one gather when the part is one buffer and the slots are consecutive)."""
-        pool, dp = self.engine.device_pool, self.device_pages
+    def _hash_device(self, part: Part, slots: list[int], raw: np.ndarray) -> None:
+        """The raw sums of the op's device pages of `slots` of `part`, into `raw`: one
+        pass over a [slots, n, page_bytes] view when the part is one buffer and the
+        slots are consecutive (no gather when the pages are one run), else per slot."""
+        pool, pages = self.engine.device_pool, self._device_rows
         buf = pool.buffers.get(part)
-        if hasattr(buf, "numpy") and slots == list(range(slots[0], slots[0] + len(slots))):
-            block = buf.numpy()[slots[0] : slots[0] + len(slots), dp]  # type: ignore[union-attr]
-            return block.reshape(-1, block.shape[-1])
-        views = [pool.layer_view(part, slot)[dp] for slot in slots]
-        return views[0] if len(views) == 1 else np.concatenate(views)
+        lo = slots[0]
+        if hasattr(buf, "numpy") and slots == list(range(lo, lo + len(slots))):
+            checksum.raw_sums(buf.numpy()[lo : lo + len(slots), pages], out=raw[lo : lo + len(slots)])  # type: ignore[union-attr]
+            return
+        for slot in slots:
+            checksum.raw_sums(pool.layer_view(part, slot)[pages], out=raw[slot])
