@@ -229,8 +229,8 @@ class HiCacheCpRadixCache(RadixCache):
         self._drop_offer(handle)
         if not _eligible(req):
             return base
-        key = params.key.page_aligned(self.page_size)
-        tokens = np.frombuffer(key.raw_token_ids(), dtype=np.int64)[: len(key)]
+        whole = len(params.key) // self.page_size * self.page_size  # SGLang's page_aligned, without its copy
+        tokens = np.frombuffer(params.key.raw_token_ids(), dtype=np.int64, count=whole)
         m = self.cache.match_prefix(tokens, count=False)  # SGLang matches a request again each round
         device_pages = base.device_prefix_len // self.page_size
         self.counts.matched(handle, len(tokens), device_pages)
@@ -289,7 +289,7 @@ class HiCacheCpRadixCache(RadixCache):
         flow = self._flows.setdefault(req.cache_request_handle, _Flow())
         flow.kv = req.kv
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :whole : self.page_size]
-        tokens = np.frombuffer(req.full_untruncated_fill_ids[:whole], dtype=np.int64).copy()
+        tokens = np.frombuffer(req.full_untruncated_fill_ids[:whole], dtype=np.int64)  # the slice is a copy
         self._staged.append(_Staged(flow, self.indices.add(row), tokens))
 
     def _start_staged(self) -> None:
