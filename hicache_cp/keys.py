@@ -2,6 +2,8 @@
 
     page_hashes(tokens, page_size)    one hash per whole page of its tokens alone
     prefix_hashes(tokens, page_size)  one hash per page of the page and everything before it
+    PrefixHashMemo                    prefix_hashes of the last sequence asked for, reused
+                                      and extended for the next one that shares its pages
     chain_hashes(tokens, page_size)   the same chain, 128-bit (blake2b): keys that must
                                       never collide (L3 objects, the node journal)
 
@@ -19,7 +21,6 @@ chain continues exactly from any of its hashes (`parent`).
 
 from __future__ import annotations
 
-import functools
 import functools
 import hashlib
 
@@ -86,6 +87,45 @@ def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.nda
         # x_i = P**(i+1) * (parent + sum_{j<=i} g_j * P**-(j+1))
         acc = np.cumsum(g * p_inv_pow, dtype=np.uint64) + np.uint64(parent)
         return acc * p_pow
+
+
+class PrefixHashMemo:
+    """`prefix_hashes` of the last token sequence asked for, kept for the next ask:
+    the pages it shares with the last one are not hashed again, and the chain
+    continues from the last shared page (`parent`). A server asks for the same
+    prompt's hashes several times (each match of a request, then its
+    reservation): it hashes the prompt once. Pages are compared token by token
+    (no hash decides a reuse). Not thread-safe: one per cache, on its caller's
+    thread. O(shared tokens) to compare plus O(new tokens) to hash."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._tokens = np.empty(0, np.int64)  # the pages hashed last, whole pages
+        self._hashes = np.empty(0, np.uint64)  # read-only: callers keep slices of it
+        self._hashes.flags.writeable = False
+
+    def first(self, tokens: np.ndarray, n: int) -> np.ndarray:
+        """`prefix_hashes(tokens[: n * page_size], page_size)`, read-only."""
+        ps = self.page_size
+        if n * ps > len(tokens):
+            raise ValueError(f"{n} pages asked of {len(tokens)} tokens (page size {ps})")
+        known = self._shared_pages(tokens, n)
+        if known < n:
+            tail = np.asarray(tokens[known * ps : n * ps], dtype=np.int64)
+            parent = int(self._hashes[known - 1]) if known else 0
+            hashes = np.concatenate([self._hashes[:known], prefix_hashes(tail, ps, parent)])
+            hashes.flags.writeable = False
+            self._tokens = np.concatenate([self._tokens[: known * ps], tail])
+            self._hashes = hashes
+        return self._hashes[:n]
+
+    def _shared_pages(self, tokens: np.ndarray, n: int) -> int:
+        """How many of the first `n` pages of `tokens` are the memo's first pages."""
+        m = min(n, len(self._hashes)) * self.page_size
+        if not m:
+            return 0
+        differ = np.flatnonzero(np.asarray(tokens[:m]) != self._tokens[:m])
+        return (m if not len(differ) else int(differ[0])) // self.page_size
 
 
 def _build_powers(size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -310,3 +310,24 @@ def test_verify_restores_is_checked_and_read_from_every_source(tmp_path) -> None
     with pytest.raises(ConfigError, match=r"verify_restores.*\(from env:HICACHE_VERIFY_RESTORES\)"):
         Config.resolve(env={"HICACHE_VERIFY_RESTORES": "some"})
     assert Config(verify_restores="all").to_dict()["verify_restores"] == "all"
+
+
+def test_a_stale_page_in_a_later_node_of_the_continuation_cuts_the_match_there() -> None:
+    """The host continuation spans two nodes and only the second names a page that holds
+    another copy: the match keeps the first node's pages (a hit), drops the second's
+    copy."""
+    cache, server, _ = make(debug_checks=False)  # the injected bug leaves a page no node owns
+    with cache:
+        whole = tokens(4)
+        server.serve(0, whole[: 3 * PAGE])  # first node: pages 0-2
+        server.serve(1, whole)  # second node: pages 3-5
+        path = cache.tree.match(whole)
+        assert [n.num_pages for n in path] == [3, 3]
+        first, second = path[0].host_pages.copy(), path[1].host_pages.copy()
+        cache.host_pool.tags[second[1]] ^= np.uint64(1)  # the bug: page 4's L2 page holds another copy
+        r = reload(cache, server, 2, whole)
+        stats = cache.stats()
+        assert r.l2_hit_pages == 3 and stats["verify_failures_l2_identity"] == 1
+        kept = cache.tree.match(whole)[0]
+        assert kept.host_state is HostState.COMMITTED and np.array_equal(kept.host_pages[:3], first)
+        assert stats["integrity_dropped_pages"] == 3 and server.integrity.mismatches == 0

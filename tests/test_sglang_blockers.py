@@ -35,8 +35,8 @@ import torch
 pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
 from test_sglang_radix import (  # noqa: E402
-    HAS_CUDA, PAGE, clean, evict_device, in_l2_only, make_cpu_server, make_cuda_server, make_server, prompt, serve,
-    server_env,
+    CUDA, HAS_CUDA, PAGE, clean, evict_device, in_l2_only, make_cpu_server, make_cuda_server, make_server, prompt,
+    serve, server_env,
 )  # fmt: skip
 
 from hicache_cp import Model, Part  # noqa: E402
@@ -419,6 +419,27 @@ def test_page_ids_reuse_one_pinned_buffer_and_read_exact_values() -> None:
     for got, want in kept:  # earlier results are arrays of their own
         assert all((g == w).all() for g, w in zip(got, want))
     assert indices.waits == 3 and indices.resolves == 3
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_page_ids_keep_every_page_start_of_a_whole_row(device: str) -> None:
+    """A request's row is staged whole (a contiguous copy, no gather on the device) and
+    `resolve` keeps every `step`-th slot from the first: exactly a page's first slots,
+    whatever the row's length; strided tensors are still read exactly."""
+    from hicache_cp.integrations.sglang.page_ids import HostIndices
+
+    indices = HostIndices()
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    table = torch.randint(0, 1 << 30, (4, 1024), generator=gen, dtype=torch.int32).to(device)
+    rows = [table[1, :640], table[2, :64], table[3, :1000], table[0, :512:64]]
+    steps = [64, 64, 64, 1]
+    handles = [indices.add(t, step) for t, step in zip(rows, steps)]
+    got = indices.resolve()
+    for h, t, step in zip(handles, rows, steps):
+        want = t.cpu().numpy()[::step]
+        assert got[h].dtype == np.int64 and np.array_equal(got[h], want), (h, step)
+    with pytest.raises(ValueError, match="step 0"):
+        indices.add(rows[0], 0)
 
 
 # ---- 6. LoRA adapters and extra keys -------------------------------------------------------------

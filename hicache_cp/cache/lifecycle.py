@@ -34,7 +34,7 @@ from hicache_cp.cp import mapping as cp_mapping
 from hicache_cp.cp.agreement import Vote
 from hicache_cp.errors import ConsistencyError
 from hicache_cp.io.base import CopyPlan, CopyTicket, Direction
-from hicache_cp.keys import prefix_hashes
+from hicache_cp.keys import PrefixHashMemo
 from hicache_cp.layout import Model, Part
 from hicache_cp.ops import BackupOp, BackupState, LoadOp, LoadState
 from hicache_cp.radix import HostState, Node
@@ -51,6 +51,7 @@ class Lifecycle:
     def __init__(self, state: CacheState, evictor: Evictor) -> None:
         self.s = state
         self.evictor = evictor
+        self._hashes = PrefixHashMemo(state.layout.page_size)  # a request's prompt hashed once
 
     # ---- load back ---------------------------------------------------------------------
 
@@ -100,11 +101,12 @@ class Lifecycle:
 
     def identity(self, tokens: np.ndarray, lo: int, hi: int) -> np.ndarray | None:
         """The identity tags (prefix hashes) of request positions [lo, hi) of `tokens`
-        (whole pages from position 0); None when checks are off. O(hi pages' tokens)."""
+        (whole pages from position 0), read-only; None when checks are off. O(hi pages'
+        tokens) to compare, and to hash only the pages the last call did not share
+        (`keys.PrefixHashMemo`: a request's matches and its reservation ask alike)."""
         if not self.verifying:
             return None
-        ps = self.s.layout.page_size
-        return prefix_hashes(tokens[: hi * ps], ps)[lo:hi]
+        return self._hashes.first(tokens, hi)[lo:hi]
 
     def _truncate_match(self, match: MatchResult, keep: int = 0) -> None:
         """Drop the host continuation after its first `keep` nodes: the lock moves back

@@ -94,17 +94,21 @@ class Prefixes:
         """The first node of the host continuation whose L2 pages hold another copy
         than the tree names (`HostPool.tags`: freed and reused, or dropped): its
         index and those pages; None when every copy is the one named. Tags are
-        replicated: every rank decides alike. O(tokens matched)."""
+        replicated: every rank decides alike. O(tokens matched), in numpy: one
+        comparison for the whole continuation (its nodes' positions are contiguous)."""
         first = host_nodes[0].first_position
         tags = self.lifecycle.identity(tokens, first, host_nodes[-1].end_position)
         assert tags is not None
-        for i, node in enumerate(host_nodes):
+        held: list[np.ndarray] = [node.host_pages for node in host_nodes]  # type: ignore[misc]
+        stale = self.s.host_pool.stale_tags(held[0] if len(held) == 1 else np.concatenate(held), tags)
+        if not len(stale):
+            return None
+        for i, node in enumerate(host_nodes):  # the node of the first stale page
             lo = node.first_position - first
-            pages: np.ndarray = node.host_pages  # type: ignore[assignment]
-            stale = self.s.host_pool.stale_tags(pages, tags[lo : lo + node.num_pages])
-            if len(stale):
-                return i, pages[stale]
-        return None
+            if stale[0] < lo + node.num_pages:
+                mine = stale[stale < lo + node.num_pages] - lo
+                return i, held[i][mine]
+        raise AssertionError(f"stale page {stale[0]} outside the continuation of {len(tags)} pages")
 
     def _drop_stale(self, node: Node, stale: np.ndarray) -> None:
         """A match found `node`'s L2 copy stale: counted and dropped (its `stale` pages are

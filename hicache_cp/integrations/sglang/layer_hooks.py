@@ -86,7 +86,9 @@ class ForwardCopies:
         self.read_ahead = read_ahead
         self.prepare = prepare
         self._capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing if cuda else _never
-        self._group = {m: backup_layer_group(self.layout.num_layers(m)) for m in Model}
+        self._layers = {m: self.layout.num_layers(m) for m in Model}
+        self._group = {m: backup_layer_group(n) for m, n in self._layers.items()}
+        self._last_target = self._layers[Model.TARGET] - 1
         self._staged = _Forward()
         self._current: _Forward | None = None
         self.fallback_layers = 0  # backup layers no hook reported (submitted after the forward)
@@ -122,22 +124,34 @@ class ForwardCopies:
         return self._current is not None and bool(self._current.loads)
 
     def reached(self, model: Model, layer: int) -> None:
-        """Attention of `layer` of `model` fetches its KV (see the module docstring)."""
+        """Attention of `layer` of `model` fetches its KV (see the module docstring).
+
+        O(1) without a CUDA call for a forward that has nothing to wait for or submit
+        (no loads, and no backups or its backups all submitted after it): SGLang calls
+        this once per layer."""
         fwd = self._current
-        if fwd is None or self._capturing():
+        if fwd is None:
             return
-        for op in fwd.loads:
-            op.wait_layer(layer, model)
-        if fwd.loads and model is Model.TARGET:
-            if Part.TARGET_STATE in self.read_ahead:
-                self._wait(Part.TARGET_STATE, layer + 1)
-            if layer == self.layout.num_target_layers - 1:
-                for d in range(self.layout.num_draft_layers):
-                    for op in fwd.loads:
-                        op.wait_layer(d, Model.DRAFT)
-        if layer <= fwd.in_order[model] + 1:  # in order: every layer below `layer` was written
-            fwd.in_order[model] = max(fwd.in_order[model], layer)
-            upto = min(layer, self.layout.num_layers(model))
+        loads = fwd.loads
+        if not loads and (fwd.finished or not fwd.backups):
+            return  # (`_current.backups` never grows: staged backups join the next forward)
+        if self._capturing():
+            return
+        if loads:
+            for op in loads:
+                op.wait_layer(layer, model)
+            if model is Model.TARGET:
+                if Part.TARGET_STATE in self.read_ahead:
+                    self._wait(Part.TARGET_STATE, layer + 1)
+                if layer == self._last_target:
+                    for d in range(self._layers[Model.DRAFT]):
+                        for op in loads:
+                            op.wait_layer(d, Model.DRAFT)
+        in_order = fwd.in_order
+        if layer <= in_order[model] + 1:  # in order: every layer below `layer` was written
+            if layer > in_order[model]:
+                in_order[model] = layer
+            upto = min(layer, self._layers[model])
             if upto - fwd.submitted[model] >= self._group[model]:
                 self._submit(fwd, model, upto)
 
@@ -149,12 +163,12 @@ class ForwardCopies:
         if fwd is None or fwd.finished:
             return
         fwd.finished = True
-        missing = sum(self.layout.num_layers(m) - fwd.submitted[m] for m in Model) if fwd.backups else 0
+        missing = sum(self._layers[m] - fwd.submitted[m] for m in Model) if fwd.backups else 0
         if missing:
             self.fallback_layers += missing
             logger.debug("hicache-cp: %d backup layers submitted after the forward", missing)
         for model in Model:
-            self._submit(fwd, model, self.layout.num_layers(model))
+            self._submit(fwd, model, self._layers[model])
 
     @property
     def unfinished(self) -> bool:

@@ -7,13 +7,16 @@ CPU page lists. Reading a device index tensor on the host (`.cpu()`,
 per admitted request stalls scheduling behind every forward in flight.
 `HostIndices` batches them:
 
-    add(slots)      scheduling (init_load_back, maybe_hand_to_session): a
+    add(slots, step) scheduling (init_load_back, maybe_hand_to_session): a
                     non-blocking copy into pinned host memory on the caller's
                     current stream (SGLang's schedule stream) and an event
                     after it; no host wait. Returns a handle. The pinned memory
                     is one buffer reused from forward to forward (no pinned
                     allocation per request); it grows when a forward's ids
-                    outgrow it (the old one is kept until `resolve`).
+                    outgrow it (the old one is kept until `resolve`). The
+                    slots are copied whole (one contiguous D2H copy, no
+                    gather kernel on the device) and every `step`-th is kept
+                    at `resolve` (a page's first slot: `step` = page size).
     resolve()       once per forward, where the staged copies are submitted
                     (the forward's start): one host wait on the last event
                     (the schedule stream's work up to the last `add`, i.e.
@@ -43,7 +46,7 @@ INITIAL_BYTES = 1 << 16
 class HostIndices:
     """Index tensors staged for one host read per forward (see the module docstring)."""
 
-    _staged: list[torch.Tensor] = field(default_factory=list)
+    _staged: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (host copy, step)
     _event: Any = None  # torch.cuda.Event after the last staged copy
     _pinned: torch.Tensor | None = None  # the reused buffer (uint8; CUDA only)
     _used: int = 0  # its bytes this forward's copies write
@@ -52,8 +55,13 @@ class HostIndices:
     reads: int = 0  # tensors read
     resolves: int = 0  # batched reads (at most one a forward)
 
-    def add(self, values: torch.Tensor) -> int:
-        """Stage a 1-D index tensor for the next `resolve`; returns its handle. No host sync."""
+    def add(self, values: torch.Tensor, step: int = 1) -> int:
+        """Stage a 1-D index tensor for the next `resolve` (which keeps every `step`-th
+        value, from the first); returns its handle. No host sync."""
+        if step < 1:
+            raise ValueError(f"HostIndices.add: step {step} < 1")
+        if not values.is_contiguous():
+            values = values.contiguous()
         if values.device.type == "cuda":
             n = values.numel()
             host = self._slot(n * values.element_size()).view(values.dtype)[:n].view(values.shape)
@@ -63,7 +71,7 @@ class HostIndices:
             self._event.record(torch.cuda.current_stream(values.device))
         else:
             host = values.clone()
-        self._staged.append(host)
+        self._staged.append((host, step))
         return len(self._staged) - 1
 
     def _slot(self, nbytes: int) -> torch.Tensor:
@@ -93,4 +101,4 @@ class HostIndices:
             self.waits += 1
         self.resolves += 1
         self.reads += len(staged)
-        return [t.numpy().astype(np.int64) for t in staged]
+        return [t.numpy()[::step].astype(np.int64) for t, step in staged]

@@ -229,8 +229,8 @@ class HiCacheCpRadixCache(RadixCache):
         self._drop_offer(handle)
         if not _eligible(req):
             return base
-        key = params.key.page_aligned(self.page_size)
-        tokens = np.frombuffer(key.raw_token_ids(), dtype=np.int64)[: len(key)]
+        whole = len(params.key) // self.page_size * self.page_size  # SGLang's page_aligned, without its copy
+        tokens = np.frombuffer(params.key.raw_token_ids(), dtype=np.int64, count=whole)
         m = self.cache.match_prefix(tokens, count=False)  # SGLang matches a request again each round
         device_pages = base.device_prefix_len // self.page_size
         self.counts.matched(handle, len(tokens), device_pages)
@@ -260,7 +260,7 @@ class HiCacheCpRadixCache(RadixCache):
             self._refuse(req, flow, "no device slots")
             return 0, node
         flow.load_staged, flow.loaded_slots, flow.kv = True, slots, req.kv
-        self._staged.append(_Staged(flow, self.indices.add(slots[:: self.page_size])))
+        self._staged.append(_Staged(flow, self.indices.add(slots, self.page_size)))
         self.counts.admitted(req.cache_request_handle, flow.host_tokens // self.page_size)
         return flow.host_tokens, node
 
@@ -288,9 +288,9 @@ class HiCacheCpRadixCache(RadixCache):
             return
         flow = self._flows.setdefault(req.cache_request_handle, _Flow())
         flow.kv = req.kv
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :whole : self.page_size]
-        tokens = np.frombuffer(req.full_untruncated_fill_ids[:whole], dtype=np.int64).copy()
-        self._staged.append(_Staged(flow, self.indices.add(row), tokens))
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :whole]  # contiguous: one plain D2H copy
+        tokens = np.frombuffer(req.full_untruncated_fill_ids[:whole], dtype=np.int64)  # the slice is a copy
+        self._staged.append(_Staged(flow, self.indices.add(row, self.page_size), tokens))
 
     def _start_staged(self) -> None:
         """At the forward's start (`ForwardCopies.begin`, on the forward's stream): the
@@ -355,13 +355,17 @@ class HiCacheCpRadixCache(RadixCache):
         """After every batch: commit or abort what landed (decided copies read no slot), free room."""
         self._finish_forward()
         self.cache.poll()
-        for flow in list(self._flows.values()):
-            flow.backups = [op for op in flow.backups if op.active]
-        for node, ops in list(self._read_by.items()):
-            ops[:] = [op for op in ops if op.active]
-            if not ops:
-                del self._read_by[node]
-        self._forget_idle()
+        for handle, flow in list(self._flows.items()):
+            if flow.backups:
+                flow.backups = [op for op in flow.backups if op.active]
+            if flow.kv is None and flow.match is None and not flow.backups and not flow.load_staged:
+                if flow.load is None or not flow.load.active:
+                    del self._flows[handle]  # idle: released, nothing offered, nothing undecided
+        if self._read_by:
+            for node, ops in list(self._read_by.items()):
+                ops[:] = [op for op in ops if op.active]
+                if not ops:
+                    del self._read_by[node]
         self.cache.ensure_free()
 
     # ---- device eviction -----------------------------------------------------------------
@@ -568,12 +572,6 @@ class HiCacheCpRadixCache(RadixCache):
             if freed and op.active and self._touches(op, freed):
                 self.stats.duplicate_waits += 1
                 _wait_copies([op])
-
-    def _forget_idle(self) -> None:
-        for handle, flow in list(self._flows.items()):
-            idle = flow.kv is None and flow.match is None and not flow.backups and not flow.load_staged
-            if idle and (flow.load is None or not flow.load.active):
-                del self._flows[handle]
 
 
 def _eligible(req: Req) -> bool:
