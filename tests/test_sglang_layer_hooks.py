@@ -7,10 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache_cp import HiCache, Model
-from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies
+pytest.importorskip("sglang", reason="sglang not installed (scripts/install_sglang.sh)")
 
-from conftest import tiny_config
+from hicache_cp import HiCache, Model  # noqa: E402
+from hicache_harness.sglang.env import import_sglang  # noqa: E402
+
+import_sglang()  # SGLang first, as every SGLang test: the plug-in registers itself with SGLang's registry
+from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies  # noqa: E402
+
+from conftest import tiny_config  # noqa: E402
 
 
 class _Capture:
