@@ -8,7 +8,7 @@
 #
 # Default variants (hicache-cp; SGLang's HiCache once, in the first):
 #   base       as shipped
-#   worker     --io-option hook_span_inline=0: every run of backup layers goes to the issue worker
+#   span       --io-option hook_span_inline=64: a run of backup layers issued by the hook in one driver call
 #   gil        --switch-interval 0.0002: the scheduler thread waits less for the GIL
 #   nocheck    HICACHE_VERIFY_RESTORES=off: no restore checks
 # Results: $DEST/sglang-variants-<gpu>-<commit>.{log,json}.
@@ -18,7 +18,7 @@ source bench/device/env.sh
 RACE_ARGS=${RACE_ARGS:-"--workloads embedded --pools mla --limit 100 --tree-core python"}
 VARIANTS=${VARIANTS:-"base||--backends hicache-cp sglang-hicache
 gil||--backends hicache-cp --switch-interval 0.0002
-worker||--backends hicache-cp --io-option hook_span_inline=0
+span||--backends hicache-cp --io-option hook_span_inline=64
 nocheck|HICACHE_VERIFY_RESTORES=off|--backends hicache-cp"}
 TAG=$GPU-$COMMIT
 WORK=$(mktemp -d)

@@ -51,8 +51,10 @@ HOOK_WORKER_ABOVE = 0
 #: Descriptors in all of a backup's run of layers from the layer hook (`submit_layers`) at
 #: most which the caller issues itself as one driver call, when the table holds the run's
 #: layers as consecutive rows and the D2H worker is idle (`hook_span_inline`): a handful of
-#: driver calls for the whole run, no hand-off to the worker thread.
-HOOK_SPAN_INLINE = 64
+#: driver calls for the whole run, no hand-off to the worker thread. 0, the default until
+#: it is measured beside a forward on a GPU (docs/design/copy-engines.md): every run goes
+#: to the worker.
+HOOK_SPAN_INLINE = 0
 #: Default device staging buffer of the staging backend, per direction.
 DEFAULT_STAGING_BYTES = 64 << 20
 
