@@ -134,8 +134,9 @@ class DirectCopyEngine(CudaCopyEngine):
     descriptors (`load_whole` for loads, when given) in one driver call, a longer
     one in calls of `chunk`; `hook_worker_above` is the layer hook's threshold
     (`submit_layer`), `hook_span_inline` its bound for a run of layers issued by
-    the caller in one driver call (`submit_layers`). Planned ops (`plan` + `submit_layer`, the cache's path) sort
-    by device page once and reuse one descriptor table for every layer: the parts
+    the caller in one driver call (`submit_layers`). Planned ops (`plan` +
+    `submit_layer`, the cache's path) sort by device page once and reuse one
+    descriptor table for every layer: the parts
     of a layer in one call. Without the driver's batch call (`Driver.has_batch`)
     every run is its own cuMemcpyAsync and nothing goes to the worker.
     """
