@@ -136,9 +136,9 @@ class DirectCopyEngine(CudaCopyEngine):
     (`submit_layer`), `hook_span_inline` its bound for a run of layers issued by
     the caller in one driver call (`submit_layers`). Planned ops (`plan` +
     `submit_layer`, the cache's path) sort by device page once and reuse one
-    descriptor table for every layer: the parts
-    of a layer in one call. Without the driver's batch call (`Driver.has_batch`)
-    every run is its own cuMemcpyAsync and nothing goes to the worker.
+    descriptor table for every layer: the parts of a layer in one call. Without
+    the driver's batch call (`Driver.has_batch`) every run is its own
+    cuMemcpyAsync and nothing goes to the worker.
     """
 
     name = "direct"
