@@ -179,13 +179,10 @@ class HostChecks:
             todo = [s for s in slots if (part, s) not in self._hashed]
             if todo:
                 self._hash_device(part, todo, raw)
-            lo = slots[0]
-            if slots == list(range(lo, lo + len(slots))):  # a view: the table's rows are read once
-                rows: np.ndarray | slice = slice(lo, lo + len(slots))
-                sums = checksum.salted(raw[rows], part, layers, layout.page_bytes)
-            else:
-                rows = np.asarray(slots, dtype=np.int64)[:, None]
-                sums = checksum.salted(raw[rows[:, 0]], part, layers, layout.page_bytes)
+            block = _run_of(slots)  # a view: the table's rows are read once
+            index = np.asarray(slots, dtype=np.int64)
+            rows = block if block is not None else index[:, None]
+            sums = checksum.salted(raw[block] if block is not None else raw[index], part, layers, layout.page_bytes)
             stored = self.engine.host_pool.sums(part)
             if self.d2h:
                 stored[rows, hp] = sums
@@ -203,9 +200,15 @@ class HostChecks:
         slots are consecutive (no gather when the pages are one run), else per slot."""
         pool, pages = self.engine.device_pool, self._device_rows
         buf = pool.buffers.get(part)
-        lo = slots[0]
-        if hasattr(buf, "numpy") and slots == list(range(lo, lo + len(slots))):
-            checksum.raw_sums(buf.numpy()[lo : lo + len(slots), pages], out=raw[lo : lo + len(slots)])  # type: ignore[union-attr]
+        block = _run_of(slots)
+        if hasattr(buf, "numpy") and block is not None:
+            checksum.raw_sums(buf.numpy()[block, pages], out=raw[block])  # type: ignore[union-attr]
             return
         for slot in slots:
             checksum.raw_sums(pool.layer_view(part, slot)[pages], out=raw[slot])
+
+
+def _run_of(slots: list[int]) -> slice | None:
+    """`slots` as a slice when they are consecutive and ascending, else None."""
+    lo = slots[0]
+    return slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
