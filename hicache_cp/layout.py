@@ -197,6 +197,10 @@ class KVLayout:
     def has_part(self, part: Part) -> bool:
         return any(p.part is part for p in self.parts)
 
+    def has_part_layer(self, part: Part, layer: int) -> bool:
+        """The layout has `part` and it has logical `layer`."""
+        return self.has_part(part) and self.part(part).has_layer(layer)
+
     def parts_of(self, model: Model) -> tuple[PartLayout, ...]:
         return tuple(p for p in self.parts if p.part.model is model)
 

@@ -189,7 +189,7 @@ class ForwardCopies:
         self.cache.on_layers_end(model, range(first, upto), fwd.backups)
 
     def _wait(self, part: Part, layer: int) -> None:
-        if not self.layout.has_part(part) or not self.layout.part(part).has_layer(layer) or self._current is None:
+        if self._current is None or not self.layout.has_part_layer(part, layer):
             return
         for op in self._current.loads:
             op.wait_part(part, layer)

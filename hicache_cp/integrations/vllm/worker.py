@@ -234,7 +234,7 @@ class WorkerSide:
                 op.wait_layer(layer, Model.DRAFT)
 
     def _wait_part(self, part: Part, layer: int) -> None:
-        if not self.layout.has_part(part) or not self.layout.part(part).has_layer(layer):
+        if not self.layout.has_part_layer(part, layer):
             return
         for _, op in self._loads:
             op.wait_part(part, layer)
@@ -414,8 +414,7 @@ class WorkerSide:
             where = self.plan.slot(layer_name)
             last = where.model is Model.TARGET and where.layer == self.layout.num_target_layers - 1
             state, after = _STATE_OF[where.model], where.layer + 1
-            read_next = self.layout.has_part(state) and self.layout.part(state).has_layer(after)
-            next_state = (state, after) if read_next else None
+            next_state = (state, after) if self.layout.has_part_layer(state, after) else None
             hook = _Hook(where.model, where.layer, where.part not in (Part.TARGET_STATE, Part.DRAFT_STATE),
                          next_state, range(self.layout.num_draft_layers if last else 0))  # fmt: skip
             self._hooks[layer_name] = hook
