@@ -45,10 +45,12 @@ pass over the pages (docs/integrity.md has the measurements).
 from __future__ import annotations
 
 import enum
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 
-from hicache_cp.layout import PART_ORDER, Part
+from hicache_cp.layout import PART_ORDER, KVLayout, Part
 from hicache_cp.tables import GrowingTables
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -222,8 +224,37 @@ def _einsum_steps(x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) 
 def salted(raw: np.ndarray, part: Part, layers: list[int] | tuple[int, ...], page_bytes: int) -> np.ndarray:
     """The checksums of pages whose `raw_sums` are `raw` (uint64 [len(layers), n], row i
     as `part`'s `layers[i]`, pages of `page_bytes`), computed in place; returns `raw`."""
-    raw ^= salts(part, layers, page_bytes)[:, None]
+    return finalise(raw, salts(part, layers, page_bytes))
+
+
+def finalise(raw: np.ndarray, row_salts: np.ndarray) -> np.ndarray:
+    """The checksums of pages whose `raw_sums` are `raw` (uint64 [rows, n]), row i salted
+    with `row_salts[i]` (`LayoutSalts.salts` rows), computed in place; returns `raw`."""
+    raw ^= row_salts[:, None]
     return _mix(raw)
+
+
+@dataclass(frozen=True)
+class LayoutSalts:
+    """Every (part, slot) of a layout as one row of a table: part p's slot s is row
+    `offsets[p] + s`, and `salts[row]` is that row's `salt`."""
+
+    offsets: dict[Part, int]
+    salts: np.ndarray  # uint64 [rows], read-only
+    rows: int
+
+
+@functools.lru_cache(maxsize=64)
+def layout_salts(layout: KVLayout) -> LayoutSalts:
+    """The salts of every (part, slot) of `layout`, as rows of one table (memoised)."""
+    offsets: dict[Part, int] = {}
+    rows: list[np.ndarray] = []
+    for p in layout.parts:
+        offsets[p.part] = sum(len(r) for r in rows)
+        rows.append(salts(p.part, p.layer_ids, p.page_bytes))
+    table = np.concatenate(rows)
+    table.flags.writeable = False
+    return LayoutSalts(offsets, table, len(table))
 
 
 def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:

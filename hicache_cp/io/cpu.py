@@ -87,12 +87,23 @@ class CpuTicket(CopyTicket):
         return TicketState.FAILED if self._checked() is not None else TicketState.DONE
 
     def wait(self) -> None:
+        """Blocks until the copy is done and checked. The op's other submitted copies are
+        waited for too, so that one batch checks them all (a caller settling an op waits
+        for each of its tickets in turn)."""
+        if not self._verified:
+            assert self._checks is not None
+            for t in self._checks.pending:
+                t._future.exception()  # blocks until that copy is done
         exc = self._checked()
         if exc is not None:
             raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
 
     def make_compute_wait(self) -> None:
-        self.wait()
+        """Blocks until the copy is done, not until it is checked: as on CUDA, the forward
+        reads behind the copy and a failed check fails the op at its next poll."""
+        exc = self._future.exception()
+        if exc is not None:
+            raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
 
     @property
     def error(self) -> BaseException | None:

@@ -92,15 +92,14 @@ class HostChecks:
     """The checks of one op's copies on a host-memory device pool (the cpu backend).
 
     Each copy's raw sums (`checksum.raw_sums`, uint64 per page) land in the op's
-    table of them, one row per compact slot of each part, either on the copy's
-    worker right after the copy (`hash_copied`, `hash_landed`: large copies, from
-    the bytes the copy has at hand) or, for the copies that were not, in batches on
-    the asking thread (`run`: one pass per part over every such layer, straight
+    table of them, one row per (part, slot) (`checksum.layout_salts`), either on the
+    copy's worker right after the copy (`hash_copied`, `hash_landed`: large copies,
+    from the bytes the copy has at hand) or, for the copies that were not, in batches
+    on the asking thread (`run`: one pass per part over every such layer, straight
     from the device pages, a view when they are one run). `run` then salts and
-    finalises every done copy's sums at once, per part: a backup stores them
-    (the device pages it copied stay as they were until it is decided), a load
-    compares them with the stored ones (`compare`: each failed layer's ticket gets
-    its IntegrityError).
+    finalises every done copy's sums at once: a backup stores them (the device pages
+    it copied stay as they were until it is decided), a load compares them with the
+    stored ones (`compare`: each failed layer's ticket gets its IntegrityError).
 
     `done(ticket)` says whether a ticket's copy finished without error (None: not yet);
     tickets, appended to `pending` in submission order, have `part`, `layer` and a
@@ -125,32 +124,29 @@ class HostChecks:
         self.request = request
         self._done = done  # True: landed, False: failed, None: in flight
         self.pending: list[Any] = []
-        self._raw: dict[Part, np.ndarray] = {}  # part -> uint64 [slots, n]
-        self._hashed: set[tuple[Part, int]] = set()  # (part, slot) hashed on the copy's worker
+        self._salts = checksum.layout_salts(engine.layout)
+        self._raw = np.empty((self._salts.rows, n), dtype=np.uint64)  # row: (part, slot)
+        self._hashed: set[int] = set()  # rows hashed on the copy's worker
 
     def hash_copied(self, part: Part, slot: int, rows: np.ndarray) -> None:
         """On the copy worker, after a backup's copy: the raw sums of the device pages'
         bytes it gathered (`rows`, uint8 [n, page_bytes]), without reading them again."""
-        checksum.raw_sums(rows, out=self._raw_of(part)[slot])
-        self._hashed.add((part, slot))
+        row = self._salts.offsets[part] + slot
+        checksum.raw_sums(rows, out=self._raw[row])
+        self._hashed.add(row)
 
     def hash_landed(self, part: Part, slot: int, layer_view: np.ndarray) -> None:
         """On the copy worker, after a load's copy: the raw sums of what landed in the
         checked device pages of `layer_view` (the layer, uint8 [pages, page_bytes])."""
+        row = self._salts.offsets[part] + slot
         if len(self.device_pages):
-            checksum.raw_sums(layer_view[self._device_rows], out=self._raw_of(part)[slot])
-        self._hashed.add((part, slot))
-
-    def _raw_of(self, part: Part) -> np.ndarray:
-        raw = self._raw.get(part)
-        if raw is None:  # setdefault: one table even if two threads get here at once
-            slots = self.engine.layout.part(part).num_slots
-            raw = self._raw.setdefault(part, np.empty((slots, len(self.device_pages)), dtype=np.uint64))
-        return raw
+            checksum.raw_sums(layer_view[self._device_rows], out=self._raw[row])
+        self._hashed.add(row)
 
     def run(self) -> None:
-        """Check every copy of `pending` that is done. O(done copies): the copies of an
-        op (one direction) finish in the order they were submitted, which is `pending`'s."""
+        """Check every copy of `pending` that is done, finalising all their sums in one
+        pass. O(done copies): the copies of an op (one direction) finish in the order
+        they were submitted, which is `pending`'s."""
         by_part: dict[Part, list[Any]] = {}
         done = 0
         for t in self.pending:
@@ -163,49 +159,56 @@ class HostChecks:
             else:
                 t.checked(None)  # its copy failed: that is its error
         del self.pending[:done]
-        dp, hp, n = self.device_pages, self.host_pages, len(self.device_pages)
-        if not n or not by_part:
+        if not len(self.device_pages):
             for group in by_part.values():
                 for t in group:
                     t.checked(None)
             return
-        if not self.d2h:
-            self.engine.integrity.count_checked("l2", n * sum(len(g) for g in by_part.values()))
+        groups: list[tuple[Part, list[Any], list[int]]] = []
+        rows: list[int] = []
         for part, group in by_part.items():
-            layout = self.engine.layout.part(part)
-            layers = [t.layer for t in group]
-            slots = [layout.slot(layer) for layer in layers]
-            raw = self._raw_of(part)
-            todo = [s for s in slots if (part, s) not in self._hashed]
+            layout, offset = self.engine.layout.part(part), self._salts.offsets[part]
+            slots = [layout.slot(t.layer) for t in group]
+            todo = [s for s in slots if offset + s not in self._hashed]
             if todo:
-                self._hash_device(part, todo, raw)
-            block = _run_of(slots)  # a view: the table's rows are read once
-            index = np.asarray(slots, dtype=np.int64)
-            rows = block if block is not None else index[:, None]
-            sums = checksum.salted(raw[block] if block is not None else raw[index], part, layers, layout.page_bytes)
+                self._hash_device(part, todo, offset)
+            groups.append((part, group, slots))
+            rows += [offset + s for s in slots]
+        if not rows:
+            return
+        index = np.asarray(rows, dtype=np.int64)
+        sums = checksum.finalise(self._raw[index], self._salts.salts[index])
+        if not self.d2h:
+            self.engine.integrity.count_checked("l2", len(self.device_pages) * len(rows))
+        hp, at = self.host_pages, 0
+        for part, group, slots in groups:
+            part_sums, at = sums[at : at + len(slots)], at + len(slots)
+            block = _run_of(slots)
+            table_rows = block if block is not None else np.asarray(slots, dtype=np.int64)[:, None]
             stored = self.engine.host_pool.sums(part)
             if self.d2h:
-                stored[rows, hp] = sums
+                stored[table_rows, hp] = part_sums
                 for t in group:
                     t.checked(None)
                 continue
-            bad = sums != stored[rows, hp]
-            for t, wrong, got in zip(group, bad, sums):
-                t.checked(compare(self.engine, part, t.layer, got, hp, dp, self.request, counted=True)
+            bad = part_sums != stored[table_rows, hp]
+            for t, wrong, got in zip(group, bad, part_sums):
+                t.checked(compare(self.engine, part, t.layer, got, hp, self.device_pages, self.request, counted=True)
                           if wrong.any() else None)  # fmt: skip
 
-    def _hash_device(self, part: Part, slots: list[int], raw: np.ndarray) -> None:
-        """The raw sums of the op's device pages of `slots` of `part`, into `raw`: one
-        pass over a [slots, n, page_bytes] view when the part is one buffer and the
-        slots are consecutive (no gather when the pages are one run), else per slot."""
+    def _hash_device(self, part: Part, slots: list[int], offset: int) -> None:
+        """The raw sums of the op's device pages of `slots` of `part` (table rows `offset`
+        + slot): one pass over a [slots, n, page_bytes] view when the part is one buffer
+        and the slots are consecutive (no gather when the pages are one run), else per slot."""
         pool, pages = self.engine.device_pool, self._device_rows
         buf = pool.buffers.get(part)
         block = _run_of(slots)
         if hasattr(buf, "numpy") and block is not None:
-            checksum.raw_sums(buf.numpy()[block, pages], out=raw[block])  # type: ignore[union-attr]
+            out = self._raw[offset + block.start : offset + block.stop]
+            checksum.raw_sums(buf.numpy()[block, pages], out=out)  # type: ignore[union-attr]
             return
         for slot in slots:
-            checksum.raw_sums(pool.layer_view(part, slot)[pages], out=raw[slot])
+            checksum.raw_sums(pool.layer_view(part, slot)[pages], out=self._raw[offset + slot])
 
 
 def _run_of(slots: list[int]) -> slice | None:
