@@ -38,12 +38,12 @@ _POSITION_SEED = 0x5EED_CAFE
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint64(30))
-        x = x * _M1
-        x = x ^ (x >> np.uint64(27))
-        x = x * _M2
-        return x ^ (x >> np.uint64(31))
+    """splitmix64's finaliser of a uint64 array (array products wrap silently: no errstate)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,12 +64,11 @@ def _pages(tokens: np.ndarray, page_size: int) -> np.ndarray:
 def page_hashes(tokens: np.ndarray, page_size: int) -> np.ndarray:
     """uint64 hash of each whole page of `tokens` (a partial last page is dropped)."""
     pages = _pages(tokens, page_size)
-    with np.errstate(over="ignore"):
-        # A random odd multiplier per position, summed (mod 2**64), then mixed:
-        # two pages collide only if their token differences cancel under the
-        # multipliers, which has probability about 2**-64 for unrelated pages.
-        summed = (pages * _position_multipliers(page_size)).sum(axis=1, dtype=np.uint64)
-        return _splitmix(summed ^ np.uint64(page_size))
+    # A random odd multiplier per position, summed (mod 2**64), then mixed: two pages
+    # collide only if their token differences cancel under the multipliers, which has
+    # probability about 2**-64 for unrelated pages.
+    summed = (pages * _position_multipliers(page_size)).sum(axis=1, dtype=np.uint64)
+    return _splitmix(summed ^ np.uint64(page_size))
 
 
 def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.ndarray:
@@ -83,10 +82,9 @@ def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.nda
     if n == 0:
         return g
     p_pow, p_inv_pow = _powers(n)
-    with np.errstate(over="ignore"):
-        # x_i = P**(i+1) * (parent + sum_{j<=i} g_j * P**-(j+1))
-        acc = np.cumsum(g * p_inv_pow, dtype=np.uint64) + np.uint64(parent)
-        return acc * p_pow
+    # x_i = P**(i+1) * (parent + sum_{j<=i} g_j * P**-(j+1)); array products wrap silently
+    acc = np.cumsum(g * p_inv_pow, dtype=np.uint64) + np.uint64(parent)
+    return acc * p_pow
 
 
 class PrefixHashMemo:
