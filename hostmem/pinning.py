@@ -320,7 +320,13 @@ class PinPipeline:
                 unregister(chunk)
             return
         with ThreadPoolExecutor(workers, thread_name_prefix=f"unregister-{self.name}") as pool:
-            list(pool.map(unregister, todo))
+            for i, chunk in enumerate(todo):
+                try:
+                    pool.submit(unregister, chunk)
+                except RuntimeError:  # at interpreter exit (an engine's atexit shutdown) no thread starts
+                    for rest in todo[i:]:
+                        unregister(rest)
+                    break
 
     def forget_after_fork(self) -> None:
         """In a forked child: nothing registered here, no driver, progress closed; no CUDA calls."""

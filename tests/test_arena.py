@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 import hostmem.arena
 import hostmem.cuda
+import hostmem.pinning
 from hostmem.arena import ArenaError, HostArena, TouchMode
 from hostmem.cuda import CudaError, cuda_available, host_get_flags
 from hostmem.mapping import HugePages, Mapping, populate_supported, thp_mode, thp_size
@@ -414,6 +416,23 @@ def test_registrations_run_concurrently_on_the_arenas_device(fake_cuda: FakeCuda
     assert set(fake_cuda.devices) == {3}  # workers register on the constructor's device, not device 0
     t = arena.timings
     assert t.register_busy_s > 0
+    arena.close()
+    assert sorted(fake_cuda.unregistered) == sorted(fake_cuda.registered) and len(fake_cuda.registered) == 4
+
+
+def test_close_at_interpreter_exit_unregisters_every_chunk_on_its_own_thread(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM closes its connector from an atexit hook, where a thread pool refuses new work
+    ("cannot schedule new futures after interpreter shutdown"): close still unregisters
+    every registered chunk, once."""
+    arena = _pinned(fake_cuda, 4 * MIB, touch="none", register_threads=2)
+    arena.wait_ready(timeout=30)
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(hostmem.pinning.ThreadPoolExecutor, "submit", refuse)
     arena.close()
     assert sorted(fake_cuda.unregistered) == sorted(fake_cuda.registered) and len(fake_cuda.registered) == 4
 
