@@ -105,3 +105,13 @@ def test_a_value_sglangs_command_line_refuses_is_named() -> None:
         tool.check_cli_values({"hicache_write_policy": "write_thru"})
     with pytest.raises(ValueError, match="--page-size 'sixty-four'"):
         tool.check_cli_values({"page_size": "sixty-four"})
+
+
+def test_the_warmup_prompt_shares_no_page_with_any_timed_prompt() -> None:
+    """The untimed warm-up must not seed a prefix the timed prompts then hit."""
+    args = tool.argparse.Namespace(seed=0, groups=2, rounds=2, prefix_tokens=256, suffix_tokens=64)
+    warm = tool.warmup_prompt(args)
+    assert len(warm) >= tool.PAGE
+    first_pages = {tuple(ids[: tool.PAGE]) for _, _, ids in tool.prompts(args)}
+    assert tuple(warm[: tool.PAGE]) not in first_pages
+    assert min(min(ids) for _, _, ids in tool.prompts(args)) > max(warm)
