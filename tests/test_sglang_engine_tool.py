@@ -115,3 +115,8 @@ def test_the_warmup_prompt_shares_no_page_with_any_timed_prompt() -> None:
     first_pages = {tuple(ids[: tool.PAGE]) for _, _, ids in tool.prompts(args)}
     assert tuple(warm[: tool.PAGE]) not in first_pages
     assert min(min(ids) for _, _, ids in tool.prompts(args)) > max(warm)
+
+
+def test_a_mode_child_gets_the_parents_arguments_but_no_priming_or_output_flags() -> None:
+    argv = ["--model", "llama", "--no-prime", "--modes", "hicache-cp", "none", "--json", "out.json", "--quick"]
+    assert tool._without(argv, "--json", "--modes", "--no-prime") == ["--model", "llama", "--quick"]

@@ -15,7 +15,8 @@
 #           kernel's (-> vllm-race-junit.xml)
 #   smoke   bench/engines/vllm_race.py --quick --eager: a small Llama, eager, with our connector
 #           (-> vllm-smoke.json): vLLM's runner starts, saves commit, pass 2 loads from host
-#   race    bench/engines/vllm_race.py: the 3 configurations with CUDA graphs (-> vllm-race.json);
+#   race    bench/engines/vllm_race.py: an untimed priming run, then the 3 configurations with CUDA
+#           graphs (-> vllm-race.json);
 #           RACE_CONFIGS picks them, RACE_ARGS adds flags (e.g. --profile, --extra verify_restores=off)
 #   diag    our connector alone twice more: --profile (the start-up's and the batch's top functions,
 #           -> vllm-profile.{json,log}) and --extra verify_restores=off (-> vllm-nocheck.json)
@@ -54,7 +55,7 @@ fi
 
 if want smoke; then
   step "vllm.LLM eager, a small Llama, our connector"
-  timeout "${SMOKE_TIMEOUT:-100}" $PY bench/engines/vllm_race.py --quick --eager --configs hicache \
+  timeout "${SMOKE_TIMEOUT:-100}" $PY bench/engines/vllm_race.py --quick --eager --configs hicache --no-prime \
     --timeout 90 --json "$DEST/vllm-smoke.json" 2>&1 | tail -60
   keep "${PIPESTATUS[0]}"
 fi
@@ -62,17 +63,17 @@ fi
 if want race; then
   step "the race: ours, vLLM's OffloadingConnector, no connector (CUDA graphs)"
   # shellcheck disable=SC2086 - RACE_ARGS is a list of flags
-  timeout "${RACE_TIMEOUT:-340}" $PY bench/engines/vllm_race.py --configs "${RACE_CONFIGS:-hicache,offloading,none}" \
+  timeout "${RACE_TIMEOUT:-440}" $PY bench/engines/vllm_race.py --configs "${RACE_CONFIGS:-hicache,offloading,none}" \
     --timeout "${RUN_TIMEOUT:-110}" --json "$DEST/vllm-race.json" ${RACE_ARGS:-} 2>&1 | tail -"${RACE_TAIL:-80}"
   keep "${PIPESTATUS[0]}"
 fi
 if want diag; then
   step "our connector alone, profiled (start-up and batch), then without restore checks"
-  timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --profile --timeout 140 \
+  timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --no-prime --profile --timeout 140 \
     --json "$DEST/vllm-profile.json" > "$DEST/vllm-profile.log" 2>&1
   keep $?
   grep -A 45 -E "^--- profile of hicache (start-up|batch), by (tottime|cumulative)" "$DEST/vllm-profile.log" | cut -c1-160 | head -200
-  timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --extra verify_restores=off \
+  timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --no-prime --extra verify_restores=off \
     --timeout 140 --json "$DEST/vllm-nocheck.json" 2>&1 | tail -16
   keep "${PIPESTATUS[0]}"
 fi
