@@ -10,6 +10,8 @@ checksum work runs at all.
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import closing
 from typing import Any
 
@@ -104,6 +106,36 @@ def test_a_load_fails_exactly_the_layer_whose_bytes_differ(path: str, pages: str
         checked, mismatched = engine.integrity.snapshot()
         units = sum(p.num_slots for p in engine.layout.parts) * PAGES
         assert checked == {"l2": units} and mismatched == {("l2", bad.part.value): 1}
+
+
+def test_a_forward_waiting_for_its_first_layer_leaves_the_later_copies_checked(path: str) -> None:
+    """The forward waits for layer 0 of a load while the later layers are still copying:
+    that wait checks only what landed, and every later layer is still checked when it
+    lands (the corrupt one fails; every unit is counted)."""
+    device_pages, host_pages = PAGE_LISTS["one run"]
+    with closing(backed_up(device_pages, host_pages)) as engine:
+        bad = engine.layout.parts[-1]
+        engine.host_pool.layer_view(bad.part, bad.slot(bad.layer_ids[-1]))[host_pages[7], 3] ^= 0x10
+        first = threading.Event()
+
+        def slow_after_the_first(direction: Direction, part: Any, layer: int) -> None:
+            if first.is_set():
+                time.sleep(0.02)
+            first.set()
+
+        engine.fault = slow_after_the_first
+        targets = np.setdiff1d(np.arange(1, 2 * PAGES + 8), device_pages)[:PAGES]
+        tickets = copy_op(engine, Direction.H2D, targets, host_pages)
+        tickets[0].make_compute_wait()  # the later copies are still in flight
+        failed = []
+        for t in tickets[1:]:
+            try:
+                t.wait()
+            except CopyFailed:
+                failed.append((t.part, t.layer))
+        assert failed == [(bad.part, bad.layer_ids[-1])]
+        checked, _ = engine.integrity.snapshot()
+        assert checked == {"l2": sum(p.num_slots for p in engine.layout.parts) * PAGES}
 
 
 def test_a_backup_hashed_on_its_worker_checksums_the_bytes_it_copied(monkeypatch) -> None:

@@ -82,8 +82,14 @@ class CpuTicket(CopyTicket):
         return exc or self._failed
 
     def query(self) -> TicketState:
+        """PENDING until the op's copies submitted so far are all done: then one batch
+        checks them all (an op is decided on all of its copies anyway)."""
         if not self._future.done():
             return TicketState.PENDING
+        if not self._verified:
+            assert self._checks is not None
+            if not self._checks.copied():
+                return TicketState.PENDING
         return TicketState.FAILED if self._checked() is not None else TicketState.DONE
 
     def wait(self) -> None:
@@ -99,9 +105,10 @@ class CpuTicket(CopyTicket):
             raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
 
     def make_compute_wait(self) -> None:
-        """Blocks until the copy is done, not until it is checked: as on CUDA, the forward
-        reads behind the copy and a failed check fails the op at its next poll."""
-        exc = self._future.exception()
+        """Blocks until the copy is done and checked, with the op's copies done by then
+        (not the later ones: the forward reads layer by layer). On CPU the forward never
+        reads a page whose check failed."""
+        exc = self._checked()
         if exc is not None:
             raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
 

@@ -143,6 +143,10 @@ class HostChecks:
             checksum.raw_sums(layer_view[self._device_rows], out=self._raw[row])
         self._hashed.add(row)
 
+    def copied(self) -> bool:
+        """Whether every copy of `pending` is done (they finish in submission order)."""
+        return not self.pending or self._done(self.pending[-1]) is not None
+
     def run(self) -> None:
         """Check every copy of `pending` that is done, finalising all their sums in one
         pass. O(done copies): the copies of an op (one direction) finish in the order
