@@ -82,10 +82,13 @@ class CpuTicket(CopyTicket):
         return exc or self._failed
 
     def query(self) -> TicketState:
-        """PENDING until the op's copies submitted so far are all done: then one batch
-        checks them all (an op is decided on all of its copies anyway)."""
+        """A failed copy is FAILED at once. A landed one is PENDING until the op's copies
+        submitted so far are all done: then one batch checks them all (an op is decided
+        on all of its copies anyway)."""
         if not self._future.done():
             return TicketState.PENDING
+        if self._future.exception() is not None:
+            return TicketState.FAILED
         if not self._verified:
             assert self._checks is not None
             if not self._checks.copied():
