@@ -179,9 +179,7 @@ def problems() -> list[str]:
         if f.endswith(".json"):
             data = _json(RESULTS / f)
             missing = [k for k in ("commit", "machine", "command") if data is None or not data.get(k)]
-            if missing and _runs_with_provenance(data):
-                continue  # a file of several runs (e.g. the race's variants), each naming its own
-            if missing:
+            if missing and not runs_with_provenance(data):  # a file of runs: each names its own
                 out.append(f"{f}: the JSON lacks {', '.join(missing)}")
     for e in entries():
         if not (e.commit and e.machine and e.command):
@@ -195,7 +193,7 @@ def problems() -> list[str]:
     return out
 
 
-def _runs_with_provenance(data: Any) -> bool:
+def runs_with_provenance(data: Any) -> bool:
     """Whether `data` maps run names to runs that each record their commit, machine and command."""
     return isinstance(data, dict) and bool(data) and all(
         isinstance(run, dict) and all(run.get(k) for k in ("commit", "machine", "command")) for run in data.values())

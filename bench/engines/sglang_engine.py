@@ -21,8 +21,9 @@ caches the first timed mode would otherwise pay for alone):
 
 After one untimed warm-up prompt (its own tokens), the same prompts in the
 same order, one at a time: `groups` long shared prefixes, each asked
-`rounds` times with a new suffix, round-robin; the device KV (`max_total_tokens`) holds about two prompts, so SGLang's device
-tree evicts and a prefix asked again comes from host memory or is computed.
+`rounds` times with a new suffix, round-robin; the device KV
+(`max_total_tokens`) holds about two prompts, so SGLang's device tree
+evicts and a prefix asked again comes from host memory or is computed.
 Greedy decoding of `new_tokens` tokens.
 
 Reported per mode: TTFT p50/p90 over all requests and over those with at
