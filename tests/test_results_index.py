@@ -29,7 +29,7 @@ def test_every_json_result_carries_its_commit_machine_and_command() -> None:
             continue
         data = json.loads(path.read_text())
         missing = [k for k in ("commit", "machine", "command") if not (isinstance(data, dict) and data.get(k))]
-        if missing and not R.runs_with_provenance(data):  # a file of runs: each names its own
+        if missing:
             bad[str(path.relative_to(R.RESULTS))] = missing
     assert not bad, bad
 
@@ -69,11 +69,3 @@ def test_headlines_of_known_benches_come_from_their_numbers(name: str) -> None:
            "replay-h200-cp1.json": "hit_rate"}[name]  # fmt: skip
     digits = {"io-h200.json": 3, "overhead-h200.json": 1, "replay-h200-cp1.json": 4}[name]
     assert headline is not None and f"{data[key]:.{digits}f}" in headline
-
-
-def test_a_file_of_runs_counts_as_recorded_only_when_every_run_names_its_provenance() -> None:
-    run = {"commit": "abc1234", "machine": "H100", "command": "hicache-cp bench-sglang"}
-    assert R.runs_with_provenance({"base": run, "gil": dict(run)})
-    assert not R.runs_with_provenance({"base": run, "gil": {**run, "commit": ""}})
-    assert not R.runs_with_provenance({"base": run, "n": 3})
-    assert not R.runs_with_provenance({})

@@ -179,7 +179,7 @@ def problems() -> list[str]:
         if f.endswith(".json"):
             data = _json(RESULTS / f)
             missing = [k for k in ("commit", "machine", "command") if data is None or not data.get(k)]
-            if missing and not runs_with_provenance(data):  # a file of runs: each names its own
+            if missing:
                 out.append(f"{f}: the JSON lacks {', '.join(missing)}")
     for e in entries():
         if not (e.commit and e.machine and e.command):
@@ -191,12 +191,6 @@ def problems() -> list[str]:
         if e.archived != e.path.startswith("archive/"):
             out.append(f"{e.path}: archived files live under archive/")
     return out
-
-
-def runs_with_provenance(data: Any) -> bool:
-    """Whether `data` maps run names to runs that each record their commit, machine and command."""
-    return isinstance(data, dict) and bool(data) and all(
-        isinstance(run, dict) and all(run.get(k) for k in ("commit", "machine", "command")) for run in data.values())
 
 
 def _short_machine(machine: str | None) -> str:

@@ -11,7 +11,7 @@
 #   span       --io-option hook_span_inline=64: a run of backup layers issued by the hook in one driver call
 #   gil        --switch-interval 0.0002: the scheduler thread waits less for the GIL
 #   nocheck    HICACHE_VERIFY_RESTORES=off: no restore checks
-# Results: $DEST/sglang-variants-<gpu>-<commit>.{log,json}.
+# Results: $DEST/sglang-variants-<gpu>-<commit>.{log,json} (the JSON: bench/device/variants.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source bench/device/env.sh
@@ -36,26 +36,8 @@ while IFS='|' read -r name envs args; do
   keep "${PIPESTATUS[0]}"
 done <<< "$VARIANTS"
 step "per-call p50 (us) and total (ms), every variant"
-"$PY" - "$WORK" "$DEST/sglang-variants-$TAG.json" <<'EOF'
-import json, sys
-from pathlib import Path
-work, out = Path(sys.argv[1]), Path(sys.argv[2])
-merged = {}
-for f in sorted(work.glob("*.json")):
-    d = json.loads(f.read_text())
-    merged[f.stem] = d
-    for wl, rows in d["workloads"].items():
-        for r in rows:
-            if "calls" not in r:
-                print(f.stem, r["backend"], "failed:", r.get("error"))
-                continue
-            print(f"== {f.stem} {wl} {r['pools']} {r['backend']}: tree-cache {r['tree_cache_ms_per_request']:.2f} ms/request, "
-                  f"hooks {r['hook_ms_per_request']:.2f}, wall {r['wall_s']:.2f} s, exposed backup {r.get('exposed_backup_fraction')}")
-            for k, c in sorted(r["calls"].items(), key=lambda kv: -kv[1]["total_ms"])[:10]:
-                print(f"   {k:34s} {c['calls']:6d} p50 {c['p50_us']:8.1f} p99 {c['p99_us']:8.1f} total {c['total_ms']:8.1f}")
-out.write_text(json.dumps(merged, indent=1) + "\n")
-print("wrote", out)
-EOF
+"$PY" bench/device/variants.py "$WORK" "$DEST/sglang-variants-$TAG.json" \
+  --command "VARIANTS=<${VARIANTS//$'\n'/; }> RACE_ARGS=\"$RACE_ARGS\" bash bench/device/sglang_variants.sh"
 echo "exit $rc"
 } 2>&1 | tee "$LOG"
 exit "${PIPESTATUS[0]}"
