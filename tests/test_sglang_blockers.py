@@ -400,7 +400,7 @@ def test_page_ids_reuse_one_pinned_buffer_and_read_exact_values() -> None:
     strided views included, in one reused pinned buffer that grows past its first size
     mid-forward; every forward reads back exactly what was staged, and what a resolve
     returned is not changed by the next forward's copies into the same buffer."""
-    from hicache_cp.integrations.sglang.page_ids import INITIAL_BYTES, HostIndices
+    from hicache_cp.integrations.sglang.page_ids import INITIAL_VALUES, HostIndices
 
     indices = HostIndices()
     gen = torch.Generator(device="cpu").manual_seed(3)
@@ -409,7 +409,7 @@ def test_page_ids_reuse_one_pinned_buffer_and_read_exact_values() -> None:
     for forward in range(3):
         want = [table[forward, : 64 * (k + 1) : 64] for k in range(3)]  # strided, as a request's page starts
         want.append(torch.arange(forward, forward + 5, dtype=torch.int64, device="cuda"))
-        want.append(table[forward + 1].to(torch.int64).repeat(2 + INITIAL_BYTES // 4096))  # outgrows the buffer
+        want.append(table[forward + 1].to(torch.int64).repeat(2 + INITIAL_VALUES // 4096))  # outgrows the buffer
         handles = [indices.add(t) for t in want]
         got = indices.resolve()
         assert [len(got[h]) for h in handles] == [t.numel() for t in want]
@@ -423,9 +423,9 @@ def test_page_ids_reuse_one_pinned_buffer_and_read_exact_values() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_page_ids_keep_every_page_start_of_a_whole_row(device: str) -> None:
-    """A request's row is staged whole (a contiguous copy, no gather on the device) and
-    `resolve` keeps every `step`-th slot from the first: exactly a page's first slots,
-    whatever the row's length; strided tensors are still read exactly."""
+    """`add(row, step)` keeps every `step`-th slot of a request's row from the first:
+    exactly a page's first slots, whatever the row's length; strided tensors are still
+    read exactly, and a tensor that is not 1-D is refused."""
     from hicache_cp.integrations.sglang.page_ids import HostIndices
 
     indices = HostIndices()
@@ -440,6 +440,34 @@ def test_page_ids_keep_every_page_start_of_a_whole_row(device: str) -> None:
         assert got[h].dtype == np.int64 and np.array_equal(got[h], want), (h, step)
     with pytest.raises(ValueError, match="step 0"):
         indices.add(rows[0], 0)
+    with pytest.raises(ValueError, match="1-D"):
+        indices.add(table, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_page_ids_never_wait_behind_device_to_host_copies_in_flight() -> None:
+    """CUDA: a forward's page ids reach the host while a large D2H copy (a backup) is still
+    in flight on another stream: `resolve` waits for the schedule stream's kernels only,
+    not for the copy engines' queue."""
+    from hicache_cp.integrations.sglang.page_ids import HostIndices
+
+    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB: about 20 ms over PCIe
+    target = torch.empty(source.numel(), dtype=torch.uint8, pin_memory=True)
+    slots = torch.arange(0, 64 * 40, dtype=torch.int32, device="cuda")
+    indices = HostIndices()
+    indices.add(slots[:64], 64)
+    indices.resolve()  # the kernel is built before the race below
+    backup, landed = torch.cuda.Stream(), torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(backup):
+        target.copy_(source, non_blocking=True)
+        landed.record()
+    handle = indices.add(slots, 64)
+    got = indices.resolve()
+    assert not landed.query(), "the page ids waited for the D2H copy in flight"
+    assert np.array_equal(got[handle], np.arange(0, 64 * 40, 64))
+    landed.synchronize()
 
 
 # ---- 6. LoRA adapters and extra keys -------------------------------------------------------------

@@ -99,7 +99,7 @@ from hicache_cp import MatchResult as HostMatch
 from hicache_cp.integrations.sglang.events import recorder_log
 from hicache_cp.integrations.sglang.fence import ForwardFence
 from hicache_cp.integrations.sglang.layer_hooks import ForwardCopies, LayerHooks
-from hicache_cp.integrations.sglang.page_ids import HostIndices
+from hicache_cp.integrations.sglang.page_ids import HostIndices, warm_up_page_ids
 from hicache_cp.integrations.sglang.pools import SGLangKV
 from hicache_cp.integrations.sglang.metrics import RequestCounts, serve_metrics
 from hicache_cp.integrations.sglang.settings import metrics_port, resolve
@@ -189,6 +189,8 @@ class HiCacheCpRadixCache(RadixCache):
         self.exporter = None if port is None else serve_metrics(self.cache, port)
         self.fence = ForwardFence(forward_stream)
         self.indices = HostIndices()
+        if self.cache.device_pool.is_cuda:
+            warm_up_page_ids(self.cache.device_pool.device)
         self._staged: list[_Staged] = []
         self.copies = ForwardCopies(
             self.cache, self.kv.read_ahead, prepare=self._start_staged, cuda=self.cache.device_pool.is_cuda
