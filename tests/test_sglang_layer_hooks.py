@@ -1,6 +1,7 @@
 """`ForwardCopies.reached` (SGLang's per-layer hook): a forward with nothing to wait for
 or submit returns before anything else (no CUDA capture query); one with backups
-still submits them in groups, and no hook fires copies during a CUDA-graph capture."""
+still submits them in groups, asking about capture once per group, not per layer, and
+no hook fires copies during a CUDA-graph capture."""
 
 from __future__ import annotations
 
@@ -65,8 +66,12 @@ def test_a_forward_with_backups_submits_every_layer_in_order(cache: HiCache) -> 
     assert ops
     copies.stage_backups(ops)
     copies.begin()
+    submits: list[tuple[Model, int]] = []
+    real_submit = copies._submit
+    copies._submit = lambda fwd, model, upto: (submits.append((model, upto)), real_submit(fwd, model, upto))
     _every_layer(copies, cache)
-    assert capture.calls == sum(cache.layout.num_layers(m) for m in Model)
+    copies._submit = real_submit
+    assert submits and capture.calls == len(submits)  # asked before each group's submission only
     assert copies._current.submitted[Model.TARGET] > 0 and ops[0].inflight  # groups went out during the forward
     copies.finish()
     assert not ops[0].missing_layers()

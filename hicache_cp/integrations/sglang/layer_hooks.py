@@ -127,17 +127,19 @@ class ForwardCopies:
         """Attention of `layer` of `model` fetches its KV (see the module docstring).
 
         O(1) without a CUDA call for a forward that has nothing to wait for or submit
-        (no loads, and no backups or its backups all submitted after it): SGLang calls
-        this once per layer."""
+        now (no loads, and no group of backup layers due): SGLang calls this once per
+        layer. Capture is asked about only before a wait or a submission: a hook fired
+        while a CUDA graph is captured may move the in-order cursor of the forward before
+        it, which only decides when its layers go, and none goes during a capture."""
         fwd = self._current
         if fwd is None:
             return
         loads = fwd.loads
         if not loads and (fwd.finished or not fwd.backups):
             return  # (`_current.backups` never grows: staged backups join the next forward)
-        if self._capturing():
-            return
         if loads:
+            if self._capturing():
+                return
             for op in loads:
                 op.wait_layer(layer, model)
             if model is Model.TARGET:
@@ -152,7 +154,7 @@ class ForwardCopies:
             if layer > in_order[model]:
                 in_order[model] = layer
             upto = min(layer, self._layers[model])
-            if upto - fwd.submitted[model] >= self._group[model]:
+            if upto - fwd.submitted[model] >= self._group[model] and (loads or not self._capturing()):
                 self._submit(fwd, model, upto)
 
     def finish(self) -> None:
