@@ -47,10 +47,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -283,19 +285,81 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One mode in a child process (its own engine and GPU memory, under `args.timeout`): its
-    record, or its error with the child's output tail; `wall_s` either way."""
+    record, or its error with the child's output tail; `wall_s` either way, and
+    `leftover_processes`: how many of the child's processes (SGLang's scheduler and
+    detokenizer) outlived it and were killed, so none holds the GPU while the next mode runs."""
     cmd = [sys.executable, __file__, "--child", mode, *_without(sys.argv[1:], "--json", "--modes", "--no-prime")]
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
-        line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT ")), None)
-        row = json.loads(line[7:]) if line else {"mode": mode, "error": f"exit {proc.returncode}, no result"}
-        if "error" in row or proc.returncode:
-            row["stderr_tail"] = proc.stderr[-4000:]
-    except subprocess.TimeoutExpired as exc:
-        row = {"mode": mode, "error": f"timed out after {args.timeout} s", "stderr_tail": _text(exc.stderr)[-4000:]}
+    child = run_in_session(cmd, args.timeout)
+    if child.returncode is None:
+        row: dict[str, Any] = {"mode": mode, "error": f"timed out after {args.timeout} s"}
+    else:
+        line = next((ln for ln in reversed(child.stdout.splitlines()) if ln.startswith("RESULT ")), None)
+        row = json.loads(line[7:]) if line else {"mode": mode, "error": f"exit {child.returncode}, no result"}
+    if "error" in row or child.returncode:
+        row["stderr_tail"] = child.stderr[-4000:]
     row["wall_s"] = time.perf_counter() - t0
+    row["leftover_processes"] = child.leftover
     return row
+
+
+@dataclass
+class ChildRun:
+    """What `run_in_session` saw: the output, the exit code (None: killed at the timeout) and how
+    many processes of its session were still alive once it ended (then killed)."""
+
+    stdout: str
+    stderr: str
+    returncode: int | None
+    leftover: int
+
+
+def run_in_session(cmd: list[str], timeout: float) -> ChildRun:
+    """Run `cmd` in a session of its own under `timeout`; whatever of that session outlives
+    it (or the timeout) is killed before this returns. Its output goes through files, not
+    pipes: a survivor holding them open cannot keep the child's end from being seen."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+        leftover = kill_session(proc.pid)
+        out.seek(0)
+        err.seek(0)
+        return ChildRun(out.read(), err.read(), code, leftover)
+
+
+def kill_session(sid: int) -> int:
+    """SIGKILL every live process of session `sid` and wait (10 s at most) until they are
+    gone; returns how many there were."""
+    survivors = _session_members(sid)
+    for pid in survivors:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while _session_members(sid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(survivors)
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes whose session id is `sid`, from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
+            members.append(int(entry))
+    return members
 
 
 def _text(out: bytes | str | None) -> str:
@@ -362,7 +426,7 @@ def main() -> int:
     prime = None
     if args.prime:  # untimed: the on-disk kernel caches filled before any timed mode
         print("-- none (priming, untimed)", flush=True)
-        prime = {k: v for k, v in run_mode("none", args).items() if k in ("wall_s", "error")}
+        prime = {k: v for k, v in run_mode("none", args).items() if k in ("wall_s", "error", "leftover_processes")}
     rows: dict[str, dict[str, Any]] = {}
     for mode in args.modes:
         print(f"-- {mode}", flush=True)
