@@ -47,12 +47,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hicache_harness.outputs import write_json  # noqa: E402
 from hicache_harness.provenance import git_commit, machine  # noqa: E402
+from hicache_harness.sessions import run_in_session  # noqa: E402
 
 MODES = ("hicache-cp", "sglang-hicache", "none")
 PAGE = 64
@@ -301,65 +299,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     row["wall_s"] = time.perf_counter() - t0
     row["leftover_processes"] = child.leftover
     return row
-
-
-@dataclass
-class ChildRun:
-    """What `run_in_session` saw: the output, the exit code (None: killed at the timeout) and how
-    many processes of its session were still alive once it ended (then killed)."""
-
-    stdout: str
-    stderr: str
-    returncode: int | None
-    leftover: int
-
-
-def run_in_session(cmd: list[str], timeout: float) -> ChildRun:
-    """Run `cmd` in a session of its own under `timeout`; whatever of that session outlives
-    it (or the timeout) is killed before this returns. Its output goes through files, not
-    pipes: a survivor holding them open cannot keep the child's end from being seen."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True)
-        try:
-            code: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
-        leftover = kill_session(proc.pid)
-        out.seek(0)
-        err.seek(0)
-        return ChildRun(out.read(), err.read(), code, leftover)
-
-
-def kill_session(sid: int) -> int:
-    """SIGKILL every live process of session `sid` and wait (10 s at most) until they are
-    gone; returns how many there were."""
-    survivors = _session_members(sid)
-    for pid in survivors:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while _session_members(sid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return len(survivors)
-
-
-def _session_members(sid: int) -> list[int]:
-    """Live (not zombie) processes whose session id is `sid`, from /proc."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
-            members.append(int(entry))
-    return members
 
 
 def _text(out: bytes | str | None) -> str:

@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -406,18 +405,25 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
 
 
 def run_config(name: str, args: argparse.Namespace, passthrough: list[str]) -> dict:
-    """One configuration in its own process (`--one`), under `args.timeout`: its report,
-    or a failed one saying why."""
+    """One configuration in its own process (`--one`) and session, under `args.timeout`: its
+    report, or a failed one saying why; with `leftover_processes`, how many of its processes
+    outlived it and were killed before the next configuration (`hicache_harness.sessions`)."""
+    from hicache_harness.sessions import run_in_session
+
     out = Path(tempfile.mkdtemp()) / f"{name}.json"
     cmd = [sys.executable, __file__, "--one", name, "--out", str(out), *passthrough]
     cmd += ["--eager"] if args.eager else []
     cmd += ["--quick"] if args.quick else []
     print(f"=== {name}: {' '.join(cmd[1:])}", flush=True)
-    try:
-        subprocess.run(cmd, timeout=args.timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"config": name, "ok": False, "error": f"timed out after {args.timeout} s"}
-    return json.loads(out.read_text()) if out.exists() else {"config": name, "ok": False, "error": "no report written"}
+    child = run_in_session(cmd, args.timeout, capture=False)
+    if child.returncode is None:
+        report = {"config": name, "ok": False, "error": f"timed out after {args.timeout} s"}
+    elif out.exists():
+        report = json.loads(out.read_text())
+    else:
+        report = {"config": name, "ok": False, "error": "no report written"}
+    report["leftover_processes"] = child.leftover
+    return report
 
 
 def main() -> int:
