@@ -301,10 +301,6 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def _text(out: bytes | str | None) -> str:
-    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
-
-
 def _without(argv: list[str], *flags: str) -> list[str]:
     """`argv` without each of `flags` and the values that follow it."""
     out, skip = [], False

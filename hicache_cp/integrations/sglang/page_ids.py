@@ -29,10 +29,10 @@ for the backups; the kernel's stores cross PCIe from the SMs and wait for
 nothing but the schedule stream.
 
 On a CPU device the values are cloned at `add` and read at `resolve` (no
-synchronisation exists). The counters say how often the host waited (`waits`), how many
-tensors it read (`reads`) and how many batched reads there were
-(`resolves`), for the tests and the logs. Triton is imported when the first
-CUDA tensor is staged, so CPU installs never need it.
+synchronisation exists). The counters say how often the host waited
+(`waits`), how many tensors it read (`reads`) and how many batched reads
+there were (`resolves`), for the tests and the logs. Triton is imported when
+the first CUDA tensor is staged, so CPU installs never need it.
 """
 
 from __future__ import annotations
