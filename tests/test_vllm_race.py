@@ -166,3 +166,36 @@ def test_race_identity_reports_the_largest_logprob_gap():
     got = vllm_race.compare({"none": run(-2.0), "hicache": run(-2.25), "offloading": run(None)})
     assert got["hicache"]["max_abs_logprob_delta"] == 0.25 and got["hicache"]["identical"]
     assert got["offloading"]["max_abs_logprob_delta"] == 0.0  # pass 2 had no logprob: pass 1 only
+
+
+def test_race_reports_the_restore_checks_of_the_connectors_that_ran():
+    """The race's child finds the connectors whose worker side ran through the timer and sums
+    their engines' restore-check counters (checked per tier, failed per tier and part); a
+    connector without our worker side (vLLM's own) reports none."""
+    from types import SimpleNamespace
+
+    from hicache_cp.metrics import IntegrityStats
+
+    class Connector:
+        def __init__(self, integrity):
+            self.worker_side = SimpleNamespace(engine=SimpleNamespace(integrity=integrity))
+
+        def save_kv_layer(self):
+            return 3
+
+    timer = vllm_race.StepTimer()
+    timer.wrap(Connector)
+    stats = [IntegrityStats(), IntegrityStats()]
+    stats[0].count_checked("l2", 40)
+    stats[1].count_checked("l2", 2)
+    stats[1].count_failed("l2", "target_kv", 1)
+    connectors = [Connector(s) for s in stats]
+    for c in connectors + connectors:
+        c.save_kv_layer()
+    assert len(timer.workers) == 2
+    checks = vllm_race.restore_checks(list(timer.workers.values()))
+    assert checks == {"checked_units": {"l2": 42}, "failed_units": {"l2/target_kv": 1}}
+    assert vllm_race.restore_checks([object()]) is None
+    row = vllm_race.table({"hicache": {"ok": True, "ttft_ms": {"pass1": {"p50": 1, "p90": 2}, "pass2": {"p50": 1, "p90": 2}},
+                                       "batch": {"tokens_per_s": 1.0}, "restore_checks": checks}})  # fmt: skip
+    assert "| restore checks: units checked / failed | 42 / 1 |" in row

@@ -71,9 +71,12 @@ class StepTimer:
         self.cpu = {"scheduler": 0.0, "worker": 0.0}  # thread CPU seconds, all steps
         self.methods: dict[str, list[float]] = {}  # method -> [calls, seconds, CPU seconds]
         self.explicit = explicit
+        self.workers: dict[int, object] = {}  # the connectors whose worker-side methods ran, by id
 
     def wrap(self, target: object) -> None:
         """Time `target`'s connector methods: a class (every instance, both roles) or one instance."""
+        if not isinstance(target, type):
+            self.workers[id(target)] = target
         for role, names, last in (("scheduler", SCHED_METHODS, "build_connector_meta"),
                                   ("worker", WORKER_METHODS, "build_connector_worker_meta")):
             for name in names:
@@ -90,6 +93,8 @@ class StepTimer:
 
     def _timed(self, real, role: str, closes: bool):
         def timed(*a, **kw):
+            if role == "worker" and a and id(a[0]) not in self.workers and hasattr(a[0], real.__name__):
+                self.workers[id(a[0])] = a[0]
             t, c = time.perf_counter(), time.thread_time()
             try:
                 return real(*a, **kw)
@@ -128,6 +133,26 @@ class StepTimer:
         out["by_method"] = {name: {"calls": n, "total_ms": _ms(t), "cpu_ms": _ms(c)}
                             for name, (n, t, c) in sorted(methods.items()) if n}
         return out
+
+
+def restore_checks(connectors: list[object]) -> dict | None:
+    """The restore checks of hicache-cp's connectors (their worker side's engine): units
+    (page, part, layer) compared per tier, and those that differed per tier and part;
+    None when no connector has an engine (another connector, or none started)."""
+    checked: dict[str, int] = {}
+    failed: dict[str, int] = {}
+    found = False
+    for c in connectors:
+        engine = getattr(getattr(c, "worker_side", None), "engine", None)
+        if engine is None:
+            continue
+        found = True
+        ok, bad = engine.integrity.snapshot()
+        for tier, n in ok.items():
+            checked[tier] = checked.get(tier, 0) + n
+        for (tier, part), n in bad.items():
+            failed[f"{tier}/{part}"] = failed.get(f"{tier}/{part}", 0) + n
+    return {"checked_units": checked, "failed_units": failed} if found else None
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -252,6 +277,7 @@ def run_one(args: argparse.Namespace) -> dict:
         report["host_tokens"] = by_source.get("external_kv_transfer", 0)
         report["connector_host_time_per_step"] = timer.summary(since=timed_from) if args.one != "none" else None
         report["connector_host_time_batch"] = timer.summary(since=batch_mark) if args.one != "none" else None
+        report["restore_checks"] = restore_checks(list(timer.workers.values()))
         report["outputs"] = outputs
         report["ok"] = True
         report["stage"] = "done"
@@ -375,6 +401,10 @@ def table(runs: dict[str, dict], identity: dict | None = None) -> str:
             return "-"
         return f"{s['total_ms']:.1f} + {w['total_ms']:.1f} ({w['steps']})"
 
+    def checks(r):
+        c = r.get("restore_checks")
+        return "-" if not c else f"{sum(c['checked_units'].values()):,} / {sum(c['failed_units'].values()):,}"
+
     lines = ["| vLLM 0.33.0, GPU | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|",
              row("TTFT pass 2 (evicted from GPU) p50 / p90 ms", lambda r: f"{r['ttft_ms']['pass2']['p50']} / {r['ttft_ms']['pass2']['p90']}"),
              row("TTFT pass 1 (cold) p50 / p90 ms", lambda r: f"{r['ttft_ms']['pass1']['p50']} / {r['ttft_ms']['pass1']['p90']}"),
@@ -385,6 +415,7 @@ def table(runs: dict[str, dict], identity: dict | None = None) -> str:
              row("scheduler-side host ms/step mean / p99", lambda r: host(r, "scheduler")),
              row("worker-side host ms/step mean / p99", lambda r: host(r, "worker")),
              row("batch pass: connector host ms, scheduler + worker (steps)", batch_host),
+             row("restore checks: units checked / failed", checks),
              row("CUDA graphs", lambda r: r.get("cudagraph_mode", "-"))]
     identity = identity or {}
     same = {k: identity.get(k, {}) for k in runs}
