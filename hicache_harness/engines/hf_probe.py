@@ -266,24 +266,39 @@ class TimedForward(PagedForward):
 
 class _Traffic:
     """Copies beside the forward between scratch pages of both pools: each layer's
-    load before it, its backup after it (`CopyEngine` tickets, awaited at the end)."""
+    load before it, its backup after it (`CopyEngine` tickets, awaited at the end).
+
+    The host side is two write-through reservations that never join the tree (aborted
+    at the end): L2 room made the way a backup makes it, pages no node owns. Loads read
+    the first, seeded once from the scratch L1 pages so its stored checksums hold;
+    backups write the second. A layer's load and backup are in flight together and
+    unordered, so they never share host pages: each load's restore check compares bytes
+    that nothing rewrites."""
 
     def __init__(self, cache: Any, pages: int) -> None:
         self.cache = cache
-        dev = cache.alloc_device(pages, 0)
-        # The host side is a write-through reservation that never joins the tree (aborted
-        # at the end): L2 room made the way a backup makes it, pages no node owns.
-        self.reservation = cache.reserve_backup(dev, 0) if dev is not None else None
-        if self.reservation is None:
-            if dev is not None:
-                cache.free_device(dev)
-            raise RuntimeError(f"ttft probe: no room for {pages} scratch pages in L1 and L2 (an idle cache should have it)")
-        host = self.reservation.host_pages
-        self.dev, self.host = dev, host
-        eng = cache.engine
-        dphys, hphys = to_physical(dev, cache.cp_size), to_physical(host, cache.cp_size)
-        self.load, self.backup = eng.plan(Direction.H2D, dphys, hphys), eng.plan(Direction.D2H, dphys, hphys)
+        self.dev = cache.alloc_device(pages, 0)
+        self.reservations: list[Any] = []
+        while self.dev is not None and len(self.reservations) < 2:
+            op = cache.reserve_backup(self.dev, 0)
+            if op is None:
+                break
+            self.reservations.append(op)
+        if len(self.reservations) < 2:
+            self._release()
+            raise RuntimeError(f"ttft probe: no room for {pages} scratch pages in L1 and twice in L2 "
+                               "(an idle cache should have it)")  # fmt: skip
+        eng, cp = cache.engine, cache.cp_size
+        dphys = to_physical(self.dev, cp)
+        source, target = (to_physical(op.host_pages, cp) for op in self.reservations)
+        self.load, self.backup = eng.plan(Direction.H2D, dphys, source), eng.plan(Direction.D2H, dphys, target)
         self.tickets: list[Any] = []
+        self.bytes = 0
+        seed = eng.plan(Direction.D2H, dphys, source)
+        for model in Model:
+            for layer in range(cache.layout.num_layers(model)):
+                self.submit(seed, model, layer)
+        self.finish()
         self.bytes = 0
 
     def submit(self, plan: Any, model: Model, layer: int) -> None:
@@ -300,10 +315,16 @@ class _Traffic:
 
     def close(self) -> None:
         self.finish()
-        self.reservation.error = RuntimeError("the ttft probe's scratch reservation (never meant to commit)")
-        self.cache.abort_backup(self.reservation)
-        self.cache.settle()  # the reservation's host pages go back
-        self.cache.free_device(self.dev)
+        self._release()
+
+    def _release(self) -> None:
+        for op in self.reservations:
+            op.error = RuntimeError("the ttft probe's scratch reservation (never meant to commit)")
+            self.cache.abort_backup(op)
+        if self.reservations:
+            self.cache.settle()  # the reservations' host pages go back
+        if self.dev is not None:
+            self.cache.free_device(self.dev)
 
 
 class _TrafficHooks:
