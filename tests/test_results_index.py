@@ -57,7 +57,7 @@ def test_a_file_without_an_entry_or_provenance_is_reported(tmp_path: Path, monke
     found = "\n".join(R.problems())
     assert "new-cpu.json: no entry" in found
     assert "new-cpu.json: the JSON lacks commit, machine, command" in found
-    assert "gone.json: in index.json but not in bench/results" in found
+    assert "gone.json: in results_index.json but not in bench/results" in found
     assert "old.log: no commit, machine or command" in found and "old.log: no headline" in found
 
 
