@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,13 @@ def command_line(subcommand: str) -> str:
     if subcommand in argv:
         argv = argv[argv.index(subcommand) + 1 :]
     return " ".join(["hicache-cp", subcommand, *argv])
+
+
+#: The first line of a device log (`bench/device/env.sh`'s `header`).
+_LOG_HEADER = re.compile(r"#\s*commit\s+(?P<commit>[^;]+);\s*machine\s+(?P<machine>[^;]+);\s*command:\s*(?P<command>.*)")
+
+
+def log_header(line: str) -> tuple[str, str, str] | None:
+    """(commit, machine, command) of a device log's header line, else None."""
+    m = _LOG_HEADER.match(line.strip())
+    return (m["commit"].strip(), m["machine"].strip(), m["command"].strip()) if m else None

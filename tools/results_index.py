@@ -25,6 +25,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hicache_harness.provenance import log_header  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 INDEX_JSON = ROOT / "bench" / "results_index.json"  # beside the results, not one of them
 INDEX_MD = RESULTS / "INDEX.md"
@@ -32,7 +36,6 @@ OWN = {"INDEX.md"}
 #: Where citations are looked for (relative to the repository root).
 CITING = ("README.md", "docs", "examples", "hicache_cp", "hicache_harness", "hostmem", "bench/scripts", "bench/experiments",
           "bench/engines", "bench/device", "tools", "tests")  # fmt: skip
-_HEADER = re.compile(r"#\s*commit\s+(?P<commit>[^;]+);\s*machine\s+(?P<machine>[^;]+);\s*command:\s*(?P<command>.*)")
 
 
 @dataclass
@@ -79,9 +82,8 @@ def provenance(path: str, given: dict[str, Any]) -> tuple[str | None, str | None
         return data.get("commit"), machine, data.get("command")
     if full.is_file():
         for line in full.read_text(errors="replace").splitlines()[:3]:
-            m = _HEADER.match(line.strip())
-            if m:
-                return m["commit"].strip(), m["machine"].strip(), m["command"].strip()
+            if (header := log_header(line)) is not None:
+                return header
         companion = full.with_suffix(".json")
         if companion.is_file() and (data := _json(companion)) is not None:
             return data.get("commit"), data.get("machine"), data.get("command")

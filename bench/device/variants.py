@@ -18,6 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hicache_harness.provenance import log_header  # noqa: E402
+
 
 def merge(runs: dict[str, dict[str, Any]], command: str) -> dict[str, Any]:
     """The variants' runs under the provenance they share; ValueError when they do not."""
@@ -49,10 +53,10 @@ def print_calls(runs: dict[str, dict[str, Any]], top: int = 10) -> None:
 
 def command_of(log: Path) -> str:
     """The command a device log's header line names (`bench/device/env.sh`'s `header`)."""
-    first = log.read_text().splitlines()[0]
-    if not first.startswith("# commit ") or "; command: " not in first:
+    header = log_header(log.read_text().splitlines()[0])
+    if header is None:
         raise ValueError(f"{log}: no header line with a command")
-    return first.split("; command: ", 1)[1]
+    return header[2]
 
 
 def main(argv: list[str] | None = None) -> int:
