@@ -27,6 +27,7 @@ TOML example::
     eviction_policy = "lru"
     io_backend = "auto"
     verify_restores = "all"            # checksum every restored page: all, sample or off
+    backup_submits_per_forward = 8     # per model and forward: fewer submit less often, trail longer
 
     [model_layout]                     # overrides of the preset
     state_layers = [0, 2, 4, 6]
@@ -52,6 +53,9 @@ from hicache_cp.layout import KVLayout
 from hicache_cp.presets import PRESETS, ModelLayout, override_layout
 
 logger = logging.getLogger(__name__)
+
+#: The default of `Config.backup_submits_per_forward` (`hicache_cp.ops.backup_layer_group`).
+BACKUP_SUBMITS_PER_FORWARD = 8
 
 
 class WritePolicy(enum.Enum):
@@ -92,6 +96,10 @@ class Config:
     # all (every page), sample (L2 loads check one page in 8; L3 and PD every page), off
     # (docs/integrity.md).
     verify_restores: Verify = Verify.ALL
+    # Per model and forward, how many times the layer hooks submit the backups of the layers
+    # written so far (one engine call per op each time): fewer cost the forward's thread less
+    # and let the copies trail the forward by more layers (`hicache_cp.ops.backup_layer_group`).
+    backup_submits_per_forward: int = BACKUP_SUBMITS_PER_FORWARD
     # The node tier (docs/node-tier.md): L2 in a named shared segment every rank of the node maps,
     # one copy for replicated KV (TP ranks), kept across engine restarts. "" keeps private pools.
     node_segment: str = ""
@@ -143,6 +151,7 @@ class Config:
         _at_least("l1_pages", self.l1_pages, 2)
         _positive("write_threshold", self.write_threshold)
         _positive("cp_size", self.cp_size)
+        _positive("backup_submits_per_forward", self.backup_submits_per_forward)
         for name in ("l1_free_room", "l2_free_room"):
             _free_room(name, getattr(self, name))
         from hicache_cp.policy import policy_names  # late: policy imports radix

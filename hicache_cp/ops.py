@@ -135,16 +135,14 @@ _LOAD_TABLE: dict[LoadState, frozenset[LoadState]] = {
 
 _op_ids = itertools.count(1)
 
-#: A forward's backup layers of one model reach the copy engine in about this many calls:
-#: a call per layer would cost the layer hook its stream ordering and hand-off every layer.
-BACKUP_SUBMITS_PER_FORWARD = 8
-
-
-def backup_layer_group(num_layers: int) -> int:
+def backup_layer_group(num_layers: int, submits: int) -> int:
     """How many written layers a layer hook gathers before it submits a backup's copies
-    of them (one engine call per op): about `BACKUP_SUBMITS_PER_FORWARD` calls for the
-    model's `num_layers`; the copies trail the forward by at most a group."""
-    return max(1, -(-num_layers // BACKUP_SUBMITS_PER_FORWARD))
+    of them (one engine call per op): about `submits` calls for the model's `num_layers`
+    (`Config.backup_submits_per_forward`; a call per layer would cost the hook its stream
+    ordering and hand-off every layer); the copies trail the forward by at most a group."""
+    if submits < 1:
+        raise ValueError(f"backup submits per forward must be >= 1, got {submits}")
+    return max(1, -(-num_layers // submits))
 
 
 @dataclass(eq=False)
@@ -295,8 +293,14 @@ class _CopyOp:
         """
         # An op's copies go one way, and copies of one direction complete in
         # submission order (the io contract): the first PENDING ticket ends the
-        # scan, so a poll costs O(finished + 1) queries, not O(in flight).
+        # scan. The scan's queries are cheap below a ticket seen landed (a CUDA
+        # engine's `EngineSync` answers them without a driver call), so the newest
+        # landed ticket is found first by bisection: a poll costs O(log in flight)
+        # driver queries, not one per layer.
         inflight = self.inflight
+        if not inflight or inflight[0].query() is TicketState.PENDING:
+            return
+        _bisect_landed(inflight)
         finished: list[CopyTicket] = []
         now = time.perf_counter()
         done = 0
@@ -321,6 +325,18 @@ class _CopyOp:
         for t in finished:
             if (t.part, t.layer) not in pending_layers:
                 self.landed[t.part].add(t.layer)
+
+
+def _bisect_landed(tickets: list[CopyTicket]) -> None:
+    """Query `tickets` (in submission order, the first one finished) by bisection for the
+    newest finished one; only what the queries leave cached matters (see `reap`)."""
+    lo, hi = 1, len(tickets)  # tickets[:lo] finished; the first pending one is below hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tickets[mid].query() is TicketState.PENDING:
+            hi = mid
+        else:
+            lo = mid + 1
 
 
 @dataclass(eq=False)

@@ -31,6 +31,7 @@ TINY_PAGE = 1664  # bytes of one logical page of the tiny preset at page_size 16
         ({"page_size": True}, "page_size"),
         ({"l1_pages": 1}, "l1_pages"),
         ({"cp_size": 0}, "cp_size"),
+        ({"backup_submits_per_forward": 0}, "backup_submits_per_forward"),
         ({"model": "gpt-5"}, "model"),
         ({"model_layout": {"state_layers": [0, 9]}}, "model_layout"),
         ({"model_layout": {"state_layers": [2, 2]}}, "model_layout"),

@@ -413,7 +413,8 @@ def test_submissions_take_events_from_the_pool_filled_at_start_up(cuda_pools, na
 
 
 def test_the_event_pool_is_filled_before_the_first_submission() -> None:
-    from hicache_cp.io.cuda import EngineSync, reserved_events
+    from hicache_cp.io.cuda import reserved_events
+    from hicache_cp.io.engine_sync import EngineSync
 
     made = iter(range(1, 10_000))
 

@@ -235,9 +235,9 @@ def test_a_deferred_ticket_follows_its_own_layer_of_the_job() -> None:
     a layer failed at issue, and every later one, is FAILED and `wait` raises
     CopyFailed naming the layer; a dropped ticket gives its own `done` back."""
     import gc
-    from types import SimpleNamespace
 
     from hicache_cp.io.base import CopyFailed, Direction, TicketState
+    from hicache_cp.io.engine_sync import EngineSync
     from hicache_cp.io.dma import DeferredTicket
     from hicache_cp.layout import Part
 
@@ -246,7 +246,7 @@ def test_a_deferred_ticket_follows_its_own_layer_of_the_job() -> None:
     landed: set[int] = {20}  # the done events the "GPU" has passed
     drv.event_query = lambda event: event in landed  # type: ignore[attr-defined]
     drv.event_synchronize = lambda event: landed.add(event)  # type: ignore[attr-defined]
-    sync = SimpleNamespace(drv=drv)
+    sync = EngineSync(drv, 0, 0)  # type: ignore[arg-type]
     released: list[int] = []
     worker = IssueWorker(drv, attrs=1, attr_idx=2)
     job = _job(3, 10, [20, 21, 22, 23], [_desc(2, 5000 + 10 * i) for i in range(4)], released.append)

@@ -20,7 +20,6 @@ device): with the real direct backend,
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -29,6 +28,7 @@ import torch
 from test_io_issue import RecordingDriver, _desc, _job
 
 from hicache_cp.io.base import Direction, TicketState
+from hicache_cp.io.engine_sync import EngineSync
 from hicache_cp.io.issue import IssueWorker
 from hicache_cp.layout import Part
 
@@ -51,7 +51,7 @@ def test_wait_on_a_deferred_ticket_blocks_until_its_layer_is_issued() -> None:
     drv.event_synchronize = synchronize  # type: ignore[attr-defined]
     worker = IssueWorker(drv, attrs=1, attr_idx=2)
     job = _job(3, 10, [20, 21], [_desc(2, 100), _desc(2, 200)], lambda e: None)
-    tickets = [DeferredTicket(Direction.H2D, Part.TARGET_KV, i, 8192, SimpleNamespace(drv=drv), job, i)  # type: ignore[arg-type]
+    tickets = [DeferredTicket(Direction.H2D, Part.TARGET_KV, i, 8192, EngineSync(drv, 0, 0), job, i)  # type: ignore[arg-type]
                for i in range(2)]  # fmt: skip
     worker.put(job)
     waiter = threading.Thread(target=tickets[1].wait, daemon=True)

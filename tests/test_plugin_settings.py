@@ -84,6 +84,7 @@ VLLM_BAD = [
     ({"host_budget_gib": 1, "io_backend": "direct"}, "io_backend: direct copies with CUDA"),
     ({"host_budget_gib": 1, "pin_host": True}, "pin_host: true needs CUDA"),
     ({"host_budget_gib": 1, "debug_checks": "yes"}, "debug_checks: expected true or false"),
+    ({"host_budget_gib": 1, "backup_submits_per_forward": 0}, "backup_submits_per_forward: must be an integer >= 1"),
 ]
 
 

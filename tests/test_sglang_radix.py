@@ -65,9 +65,10 @@ def _servers(tmp_path: Path, device: str):
     """Yield a server factory for pools on `device`; close every server made afterwards."""
     made: list[SGLangPrefillServer] = []
 
-    def factory(l2_pages: int = 64, **fields: object) -> SGLangPrefillServer:
+    def factory(l2_pages: int = 64, env: dict[str, str] | None = None, **fields: object) -> SGLangPrefillServer:
+        """`env`: more of hicache-cp's settings (HICACHE_<FIELD> variables)."""
         spec = ServerSpec(**{"device": device, **fields})  # type: ignore[arg-type]
-        env = server_env(l2_pages, spec)
+        env = {**server_env(l2_pages, spec), **(env or {})}
         server = SGLangPrefillServer(spec, tmp_path / f"s{len(made)}", tree_cache_kwargs={"env": env})
         made.append(server)
         return server
@@ -424,22 +425,28 @@ def test_backups_are_submitted_per_layer_inside_the_forward(make_server) -> None
     clean(s)
 
 
-def test_a_deep_models_backup_layers_go_out_in_groups_inside_the_forward(make_server) -> None:
-    """20 layers: the hook submits them in groups of `backup_layer_group(20)` = 3,
+@pytest.mark.parametrize("submits", [None, 2], ids=["default", "two-submits"])
+def test_a_deep_models_backup_layers_go_out_in_groups_inside_the_forward(make_server, submits: int | None) -> None:
+    """20 layers: the hook submits them in groups of `backup_layer_group(20, submits)`
+    (3 at the default of 8 submits a forward, 10 at `backup_submits_per_forward = 2`),
     each as soon as it is written (overlapped with the next layers), the rest after the
     forward; every layer exactly once, in order, and the copy commits whole."""
-    from hicache_cp import backup_layer_group
+    from hicache_cp import BACKUP_SUBMITS_PER_FORWARD, backup_layer_group
 
-    assert backup_layer_group(20) == 3 and backup_layer_group(4) == 1
-    s = make_server(layers=20, skip_topk=(False, True) * 10)
+    group = 3 if submits is None else 10
+    assert backup_layer_group(20, submits or BACKUP_SUBMITS_PER_FORWARD) == group
+    assert backup_layer_group(4, BACKUP_SUBMITS_PER_FORWARD) == 1
+    env = {} if submits is None else {"HICACHE_BACKUP_SUBMITS_PER_FORWARD": str(submits)}
+    s = make_server(layers=20, skip_topk=(False, True) * 10, env=env)
     events = _record_backups_and_attention(s)
     serve(s, prompt(13, 5))
     expected: list[str] = []
     for layer in range(20):
         expected.append(f"attention target {layer}")
-        if layer >= 3 and layer % 3 == 0:
-            expected.append(f"backup target {layer - 3},{layer - 2},{layer - 1}")
-    expected += ["backup target 18,19", "backup draft 0"]
+        if layer >= group and layer % group == 0:
+            expected.append("backup target " + ",".join(str(x) for x in range(layer - group, layer)))
+    last = 20 - (20 % group or group)
+    expected += ["backup target " + ",".join(str(x) for x in range(last, 20)), "backup draft 0"]
     assert events == expected
     evict_device(s)
     req = serve(s, prompt(13, 5))  # all 5 pages from L2: the grouped copy committed whole

@@ -27,7 +27,7 @@ pytest.importorskip(
 
 import test_vllm_bench as H  # noqa: E402
 
-from hicache_cp import backup_layer_group  # noqa: E402
+from hicache_cp import BACKUP_SUBMITS_PER_FORWARD, backup_layer_group  # noqa: E402
 from hicache_cp.io.base import Direction  # noqa: E402
 
 P = list(range(100, 185))  # 85 tokens: 5 whole pages
@@ -79,7 +79,7 @@ def test_vllm_worker_plans_each_op_once_and_submits_a_group_of_layers_in_one_cal
         s = b.step()  # the three prefills in one step: 15 pages to save
         assert len(s.saves) == 3 and not s.loads
         layers = b.cache.layout.num_target_layers
-        groups = -(-layers // backup_layer_group(layers))
+        groups = -(-layers // backup_layer_group(layers, BACKUP_SUBMITS_PER_FORWARD))
         # Not one call per request and layer: one per group of layers (the last after the forward).
         assert calls == [("plan", D2H)] + [("submit_layers", D2H)] * groups
         b.run()
@@ -100,18 +100,21 @@ def test_vllm_worker_plans_each_op_once_and_submits_a_group_of_layers_in_one_cal
         b.close()
 
 
-def test_vllm_worker_saves_a_deep_model_in_groups_of_layers(tmp_path, caplog):
-    """20 layers: the save hooks gather groups of `backup_layer_group(20)` = 3 layers, one
-    engine call each as a group is complete, the last group (2 layers) after the forward;
-    no layer is reported as hookless, and every save commits and is loaded back whole."""
-    assert backup_layer_group(20) == 3
-    b = H.make_bench(H.write_model_dir(tmp_path / "deep", layers=20))
+@pytest.mark.parametrize(("submits", "calls_per_op"), [(None, 7), (2, 2)], ids=["default", "two-submits"])
+def test_vllm_worker_saves_a_deep_model_in_groups_of_layers(tmp_path, caplog, submits, calls_per_op):
+    """20 layers: the save hooks gather groups of `backup_layer_group(20, submits)` layers
+    (3 at the default 8 submits a step, 10 with `backup_submits_per_forward = 2`), one
+    engine call each as a group is complete, the last group after the forward; no layer
+    is reported as hookless, and every save commits and is loaded back whole."""
+    assert backup_layer_group(20, submits or BACKUP_SUBMITS_PER_FORWARD) == (3 if submits is None else 10)
+    extra = {} if submits is None else {"backup_submits_per_forward": submits}
+    b = H.make_bench(H.write_model_dir(tmp_path / "deep", layers=20), extra_config=extra)
     try:
         calls = observe(b.worker.worker_side.engine)
         for p in PROMPTS:
             b.add(p)
         s = b.step()
-        assert len(s.saves) == 3 and calls == [("plan", D2H)] + [("submit_layers", D2H)] * 7
+        assert len(s.saves) == 3 and calls == [("plan", D2H)] + [("submit_layers", D2H)] * calls_per_op
         b.run()
         assert b.cache.metrics.backups_committed == 3
         assert not [r for r in caplog.records if "no save_kv_layer hook" in r.getMessage()]

@@ -48,6 +48,7 @@ MEANING: dict[str, tuple[str, tuple[str, ...]]] = {
     "debug_checks": ("check every invariant after every operation and poison every freed page (slow; tests)", ()),
     "pin_host": ("pin L2 for CUDA copies; unset: when CUDA is available", ()),
     "verify_restores": ("check every restored page against its checksum before it counts: `all`, `sample` (every L3 and PD page, one L2-loaded page in 8) or `off` (docs/integrity.md)", ()),
+    "backup_submits_per_forward": ("per model and forward, how many times the layer hooks submit the backups of the layers written so far: fewer cost the forward's thread less, the copies trail the forward by more layers", ()),
     "l3": ("the L3 tier, the `[l3]` table below; off by default", ("--l3",)),
     "pd_timeout_s": ("PD: seconds a transfer room may stay unfinished (rule 9)", ("--pd-timeout-s",)),
     "pd_per_layer": ("PD: send each layer from the forward's layer hooks, not after insert", ("--pd-per-layer",)),

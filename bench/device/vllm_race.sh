@@ -20,6 +20,8 @@
 #           RACE_CONFIGS picks them, RACE_ARGS adds flags (e.g. --profile, --extra verify_restores=off)
 #   diag    our connector alone twice more: --profile (the start-up's and the batch's top functions,
 #           -> vllm-profile.{json,log}) and --extra verify_restores=off (-> vllm-nocheck.json)
+#   variant our connector alone once more with VARIANT_EXTRA, settings as --extra takes them
+#           (default backup_submits_per_forward=2; -> vllm-variant.json)
 # Every step has its own timeout; a failed step does not stop the next. Exit: the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -75,6 +77,13 @@ if want diag; then
   grep -A 45 -E "^--- profile of hicache (start-up|batch), by (tottime|cumulative)" "$DEST/vllm-profile.log" | cut -c1-160 | head -200
   timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --no-prime --extra verify_restores=off \
     --timeout 140 --json "$DEST/vllm-nocheck.json" 2>&1 | tail -16
+  keep "${PIPESTATUS[0]}"
+fi
+if want variant; then
+  step "our connector alone with ${VARIANT_EXTRA:=backup_submits_per_forward=2}"
+  # shellcheck disable=SC2086 - VARIANT_EXTRA is a list of KEY=VALUE
+  timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --no-prime \
+    $(printf -- "--extra %s " $VARIANT_EXTRA) --timeout 140 --json "$DEST/vllm-variant.json" 2>&1 | tail -16
   keep "${PIPESTATUS[0]}"
 fi
 echo "exit $rc"

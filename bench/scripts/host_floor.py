@@ -45,7 +45,8 @@ from hicache_harness.provenance import git_commit, machine
 from hicache_harness.replay.setup import tokens_per_block
 from hicache_harness.trace import request_tokens
 from hicache_cp.io.base import CopyEngine, Direction
-from hicache_cp.io.cuda import EngineSync, PartInfo
+from hicache_cp.io.cuda import PartInfo
+from hicache_cp.io.engine_sync import EngineSync
 from hicache_cp.io.dma import HOOK_SPAN_INLINE, HOOK_WORKER_ABOVE, WORKER_ABOVE, DirectCopyEngine
 from hicache_cp.io.issue import CHUNK, IssueWorker
 from hicache_cp.io.plans import MAX_TABLE_DESCRIPTORS, DescriptorTable, PartGeometry, Runs, TableShape

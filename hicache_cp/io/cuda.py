@@ -14,7 +14,8 @@ and the benchmark variants `staging`, `hicache_cp.io.sm` the SM-kernel ones
   load never writes device pages that compute enqueued earlier may still
   read. An event record + stream wait: no host block.
 * Completion. Each copy records a CUDA event on its copy stream after the
-  copy; the ticket's `query()` is an event query, `make_compute_wait()`
+  copy; the ticket's `query()` is an event query (none below a copy of the
+  direction already seen landed: `io.engine_sync`), `make_compute_wait()`
   makes the current stream wait on it, `wait()` synchronises it.
 * Host cost. The submit path makes a constant number of driver calls
   through `hicache_cp.io.cudadrv` (ctypes, no per-page Python objects),
@@ -67,6 +68,7 @@ import torch
 from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState
 from hicache_cp.io.checked import CheckedSubmissions
 from hicache_cp.io.cudadrv import DmaIssuer, Driver, driver
+from hicache_cp.io.engine_sync import EngineSync
 from hicache_cp.io.plans import DescriptorTable, PartGeometry, Runs, TableShape
 from hicache_cp.io.runs import coalesce_pairs, dma_plan, plan_runs, run_starts, split_at_chunks  # noqa: F401 - re-exported
 from hicache_cp.layout import KVLayout, Part
@@ -89,78 +91,6 @@ def reserved_events(layout: KVLayout) -> int:
     return 2 * len(Direction) * RESERVED_OPS * layers
 
 
-class EngineSync:
-    """What the tickets of one engine share: the driver, the context, the
-    device and an event pool."""
-
-    def __init__(self, drv: Driver, device_index: int, context: int) -> None:
-        self.drv = drv
-        self.device_index = device_index
-        self.context = context
-        self._free: collections.deque[int] = collections.deque()
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._raw_stream = raw
-        # With one visible device the engine's context is the thread's current one
-        # (torch made it so); with several, every entry point makes sure.
-        self.guard = torch.cuda.device_count() > 1
-
-    def reserve(self, n: int) -> None:
-        """Create events until the pool holds `n` (at start-up: a `cuEventCreate` on the
-        hot path takes the context's driver lock, which an issue worker may hold)."""
-        while len(self._free) < n:
-            self._free.append(self.drv.event_create())
-
-    def event(self) -> int:
-        """A disable-timing event from the pool (created when the pool is empty)."""
-        try:
-            return self._free.pop()
-        except IndexError:
-            return self.drv.event_create()
-
-    def give_back(self, event: int) -> None:
-        """Return an event nobody will wait on through it any more (thread-safe)."""
-        self._free.append(event)
-
-    def enter(self) -> int:
-        """Make the engine's context current on this thread; returns what to restore (0: nothing)."""
-        if not self.guard:
-            return 0
-        current = self.drv.current_context()
-        if current == self.context:
-            return 0
-        self.drv.set_context(self.context)
-        return current or -1
-
-    def leave(self, previous: int) -> None:
-        if previous:
-            self.drv.set_context(previous if previous > 0 else 0)
-
-    def make_current_wait(self, event: int, waiting: int | None) -> int:
-        """The caller's current stream waits on `event`, unless it is `waiting` (the stream
-        that already waits on it: stream order keeps it waiting). Returns that stream."""
-        previous = self.enter()
-        try:
-            stream = self.current_stream()
-            if stream != waiting:
-                self.drv.stream_wait_event(stream, event)
-            return stream
-        finally:
-            self.leave(previous)
-
-    def current_stream(self) -> int:
-        """The caller's current stream on the engine's device (a CUstream handle)."""
-        if self._raw_stream is not None:
-            return int(self._raw_stream(self.device_index))
-        return int(torch.cuda.current_stream(self.device_index).cuda_stream)
-
-    def close(self) -> None:
-        while self._free:
-            try:
-                self.drv.event_destroy(self._free.pop())
-            except Exception:  # noqa: BLE001 - teardown
-                pass
-
-
 class CudaTicket(CopyTicket):
     """Ticket of one CUDA copy: an event recorded on the copy stream after the
     copy, or a failure. An empty copy is DONE at once."""
@@ -181,19 +111,29 @@ class CudaTicket(CopyTicket):
         self._error = error
         self._done = sync is None and error is None
         self._waiting: int | None = None  # the stream last made to wait on this copy (the parts of a layer share it)
+        self._sequence = sync.sequence(direction) if sync is not None and error is None else 0
 
     def query(self) -> TicketState:
-        """Event query; O(1), never blocks, never raises for a failed copy."""
+        """Event query (none once a later copy of the direction was seen landed); O(1),
+        never blocks, never raises for a failed copy."""
         if self._error is not None:
             return TicketState.FAILED
         if self._done:
             return TicketState.DONE
+        sync = self._sync
+        assert sync is not None
+        if sync.landed(self.direction, self._sequence):
+            self._done = True
+            return TicketState.DONE
         try:
-            self._done = self._sync.drv.event_query(self._event)  # type: ignore[union-attr]
+            self._done = sync.drv.event_query(self._event)
         except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
             self._fail(exc)
             return TicketState.FAILED
-        return TicketState.DONE if self._done else TicketState.PENDING
+        if self._done:
+            sync.landed_upto(self.direction, self._sequence)
+            return TicketState.DONE
+        return TicketState.PENDING
 
     def wait(self) -> None:
         """Host-blocking; raises CopyFailed if the copy failed."""
@@ -201,6 +141,7 @@ class CudaTicket(CopyTicket):
             try:
                 self._sync.drv.event_synchronize(self._event)  # type: ignore[union-attr]
                 self._done = True
+                self._sync.landed_upto(self.direction, self._sequence)  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
         if self._error is not None:

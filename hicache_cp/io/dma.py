@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from hicache_cp.io.base import CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
-from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, EngineSync, PartInfo, SharedTicket, with_shared
+from hicache_cp.io.cuda import CudaCopyEngine, CudaTicket, PartInfo, SharedTicket, with_shared
+from hicache_cp.io.engine_sync import EngineSync
 from hicache_cp.io.cudadrv import DmaIssuer
 from hicache_cp.io.issue import CHUNK, WHOLE, IssueWorker, Job
 from hicache_cp.io.plans import LayerDescriptors
@@ -73,6 +74,7 @@ class DeferredTicket(CopyTicket):
         self._waiting: int | None = None  # the stream last made to wait on this layer (as `CudaTicket`'s)
         self._done = False
         self._error: BaseException | None = None
+        self._sequence = sync.sequence(direction)  # `EngineSync`: a later landed copy stands for this one
 
     def query(self) -> TicketState:
         if self._error is None and not self._done:
@@ -81,10 +83,16 @@ class DeferredTicket(CopyTicket):
                 return TicketState.PENDING
             self._error = job.error_of(i)
             if self._error is None:
-                try:
-                    self._done = self._sync.drv.event_query(job.dones[i])
-                except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
-                    self._error = exc
+                sync = self._sync
+                if sync.landed(self.direction, self._sequence):
+                    self._done = True
+                else:
+                    try:
+                        self._done = sync.drv.event_query(job.dones[i])
+                    except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
+                        self._error = exc
+                    if self._done:
+                        sync.landed_upto(self.direction, self._sequence)
         if self._error is not None:
             return TicketState.FAILED
         return TicketState.DONE if self._done else TicketState.PENDING
@@ -97,6 +105,7 @@ class DeferredTicket(CopyTicket):
             try:
                 self._sync.drv.event_synchronize(job.dones[i])
                 self._done = True
+                self._sync.landed_upto(self.direction, self._sequence)
             except Exception as exc:  # noqa: BLE001
                 self._error = exc
         if self._error is not None:

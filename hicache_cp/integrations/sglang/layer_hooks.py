@@ -23,7 +23,8 @@ model (the target's pool and the MTP draft's pools each get their own), and
                                            layer. Backups: when layer l follows layer l-1 in
                                            order, layers [cursor, l) of m are written; once
                                            they make a group (`backup_layer_group`: about
-                                           1/8 of m's layers) their D2H is submitted, one
+                                           1/`backup_submits_per_forward` of m's layers)
+                                           their D2H is submitted, one
                                            engine call per op, overlapped with what follows
     finish()                               the layers not submitted yet (each model's last
                                            group, or all under a full CUDA-graph replay)
@@ -87,7 +88,8 @@ class ForwardCopies:
         self.prepare = prepare
         self._capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing if cuda else _never
         self._layers = {m: self.layout.num_layers(m) for m in Model}
-        self._group = {m: backup_layer_group(n) for m, n in self._layers.items()}
+        submits = cache.config.backup_submits_per_forward
+        self._group = {m: backup_layer_group(n, submits) for m, n in self._layers.items()}
         self._last_target = self._layers[Model.TARGET] - 1
         self._staged = _Forward()
         self._current: _Forward | None = None

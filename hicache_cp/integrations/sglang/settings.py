@@ -15,7 +15,7 @@ any invalid value (`ConfigError`, raised at server start).
 
 Main keys: `host_budget_bytes` (per TP rank, all parts together, or "auto"),
 `l2_free_room`, `eviction_policy`, `io_backend`, `pin_host`, `debug_checks`,
-`verify_restores`; `node_segment` (`HICACHE_NODE_SEGMENT`) puts L2 in one
+`verify_restores`, `backup_submits_per_forward`; `node_segment` (`HICACHE_NODE_SEGMENT`) puts L2 in one
 shared segment for the node's TP ranks, kept across a server restart
 (docs/node-tier.md; the served model's path is its identity there).
 

@@ -16,6 +16,9 @@ Keys (all optional except the budget):
     debug_checks                         check the cache's invariants after every operation (tests)
     verify_restores                      "all" (default), "sample" or "off": restored pages checked against
                                          their checksums (docs/integrity.md)
+    backup_submits_per_forward           per step, how many times the save hooks submit the backups of the
+                                         layers written so far; default 8 (fewer: less worker time a step,
+                                         copies trailing the forward by more layers)
     node_segment                         the node tier: L2 in this named shared segment, one copy for
                                          every worker (MLA models), kept across restarts (docs/node-tier.md)
     node_adopt, node_drop_on_close       adopt what a previous engine left (default true); remove the
@@ -37,14 +40,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hicache_cp import Config, ModelLayout
+from hicache_cp import BACKUP_SUBMITS_PER_FORWARD, Config, ModelLayout
 from hicache_cp import ConfigError
 from hicache_cp import KVLayout, Part
 
 SOURCE = "kv_connector_extra_config"
 _KEYS = {
     "host_budget_gib", "host_budget_bytes", "eviction_policy", "l2_free_room", "io_backend", "pin_host", "debug_checks",
-    "verify_restores",
+    "verify_restores", "backup_submits_per_forward",
     "node_segment", "node_adopt", "node_drop_on_close",
 }
 
@@ -62,6 +65,7 @@ class ConnectorSettings:
     pin_host: bool | None = None
     debug_checks: bool = False
     verify_restores: str = "all"  # hicache_cp.checksum: all, sample or off
+    backup_submits_per_forward: int = BACKUP_SUBMITS_PER_FORWARD
     node_segment: str = ""
     node_adopt: bool = True
     node_drop_on_close: bool = False
@@ -148,6 +152,7 @@ class ConnectorSettings:
             pin_host=self.pin_host,
             debug_checks=self.debug_checks,
             verify_restores=self.verify_restores,
+            backup_submits_per_forward=self.backup_submits_per_forward,
             node_segment=self.node_segment,
             node_adopt=self.node_adopt,
             node_drop_on_close=self.node_drop_on_close,

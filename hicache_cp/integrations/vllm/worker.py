@@ -132,7 +132,8 @@ class WorkerSide:
         self.config = settings.cache_config(plan.layout)
         self.layout = self.config.layout()
         self._described = self.layout.describe()  # checked against every step's metadata
-        self._groups = {m: backup_layer_group(self.layout.num_layers(m)) for m in Model}
+        submits = self.config.backup_submits_per_forward
+        self._groups = {m: backup_layer_group(self.layout.num_layers(m), submits) for m in Model}
         self._reporter = Reporter()
         self.device_pool: DevicePool | None = None
         self.host_pool: HostPool | None = None
