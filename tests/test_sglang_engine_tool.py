@@ -121,3 +121,30 @@ def test_a_mode_child_gets_the_parents_arguments_but_no_priming_or_output_flags(
     argv = ["--model", "llama", "--no-prime", "--modes", "hicache-cp", "none", "--json", "out.json", "--quick"]
     assert tool._without(argv, "--json", "--modes", "--no-prime") == ["--model", "llama", "--quick"]
 
+
+
+def test_the_restore_checks_come_from_the_plugins_own_metrics_endpoint() -> None:
+    """What the bench scrapes is what `hicache_cp.prometheus` serves under SGLang's names: a
+    real exporter over a cache whose checks counted pages and failures."""
+    pytest.importorskip("prometheus_client")
+    from hicache_cp import HiCache
+    from hicache_cp.prometheus import start_exporter
+    from conftest import tiny_config
+
+    cache = HiCache(tiny_config(l1_pages=16, host_pages=32, debug_checks=False))
+    stats = cache.stats
+    integrity = {"checked_pages": {"l2": 12, "l3": 0}, "failures": {"l2": {"target_kv": 2}}, "dropped_pages": 1}
+    cache.stats = lambda: {**stats(), "integrity": integrity}  # type: ignore[method-assign]
+    exporter = start_exporter(cache, port=tool.free_port(), naming="sglang")
+    try:
+        got = tool.scrape_restore_checks(exporter.port)
+    finally:
+        exporter.stop()
+        cache.close()
+    assert got == {"checked_pages": {"l2": 12, "l3": 0}, "failures": {"l2": {"target_kv": 2}}}
+    assert tool._checks_cell(got) == "12 / 2"
+
+
+def test_a_scrape_that_fails_is_recorded_not_raised() -> None:
+    got = tool.scrape_restore_checks(tool.free_port())  # nothing listens there
+    assert set(got) == {"error"} and "not scraped" in tool._checks_cell(got)

@@ -30,7 +30,11 @@ Reported per mode: TTFT p50/p90 over all requests and over those with at
 least half their prompt from host memory (the stream's first chunk, timed
 here), prompt tokens from device / host / computed (SGLang's own
 `cached_tokens_details`), whether every request's greedy output equals the
-`none` run's, the engine's start time, and the error where a mode failed.
+`none` run's, the engine's start time, and the error where a mode failed;
+for hicache-cp, its restore checks (`restore_checks`: pages checked per
+tier, failures per tier and part), scraped from the plug-in's metrics
+endpoint in SGLang's scheduler process (`HICACHE_CP_METRICS_PORT`) after
+the last request.
 JSON with commit, machine and command; one line per mode on stdout as it
 finishes.
 
@@ -47,6 +51,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import socket
 import sys
 import tempfile
 import time
@@ -206,8 +212,11 @@ def run_child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         (model_dir / "config.json").write_text(json.dumps(config))
         host_bytes = int(args.host_ratio * args.device_tokens) * token_bytes(config)
         out["host_bytes"] = host_bytes
+        port = 0
         if mode == "hicache-cp":
             os.environ["HICACHE_HOST_BUDGET_BYTES"] = str(host_bytes)
+            port = free_port()
+            os.environ["HICACHE_CP_METRICS_PORT"] = str(port)  # TP rank 0 serves on port + 0
         t0 = time.perf_counter()
         engine = sglang.Engine(**engine_kwargs(mode, args, model_dir, args.host_ratio))
         out["start_s"] = time.perf_counter() - t0
@@ -216,9 +225,50 @@ def run_child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             # the first mode of a run would otherwise pay alone) stay out of every mode's TTFT.
             out["warmup_ttft_ms"] = serve_one(engine, -1, -1, warmup_prompt(args), args.new_tokens)["ttft_ms"]
             out["requests"] = [serve_one(engine, g, r, ids, args.new_tokens) for g, r, ids in prompts(args)]
+            if port:
+                out["restore_checks"] = scrape_restore_checks(port)
         finally:
             engine.shutdown()
     return out
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the metrics endpoint binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_SAMPLE = re.compile(r'^sglang:hicache_integrity_(checked_pages|failures)_total\{([^}]*)\} ([0-9.e+]+)$')
+
+
+def restore_checks(metrics_text: str) -> dict[str, Any]:
+    """The restore checks in a scrape of the plug-in's endpoint (Prometheus text):
+    {"checked_pages": {tier: n}, "failures": {tier: {part: n}}}."""
+    out: dict[str, Any] = {"checked_pages": {}, "failures": {}}
+    for line in metrics_text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if m is None:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        n = int(float(m.group(3)))
+        if m.group(1) == "checked_pages":
+            out["checked_pages"][labels["tier"]] = n
+        else:
+            out["failures"].setdefault(labels["tier"], {})[labels["part"]] = n
+    return out
+
+
+def scrape_restore_checks(port: int) -> dict[str, Any]:
+    """`restore_checks` of http://127.0.0.1:`port`/metrics, or {"error": why} (the record says
+    the checks went uncounted rather than failing the run)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            return restore_checks(reply.read().decode())
+    except Exception as exc:  # noqa: BLE001 - recorded
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def serve_one(engine: Any, group: int, rnd: int, ids: list[int], new_tokens: int) -> dict[str, Any]:
@@ -264,10 +314,10 @@ def summarise(rows: dict[str, dict[str, Any]]) -> None:
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
     lines = ["| mode | TTFT p50 / p90 ms | >= half from host: n, TTFT p50 / p90 ms | prompt tokens device / host / computed "
-             "| greedy == none | start s |", "|" + "---|" * 6]  # fmt: skip
+             "| greedy == none | restore checks: pages checked / failed | start s |", "|" + "---|" * 7]  # fmt: skip
     for mode, r in rows.items():
         if "ttft_p50_ms" not in r:
-            lines.append(f"| {mode} | not run: {r.get('error', '?')} |" + " |" * 4)
+            lines.append(f"| {mode} | not run: {r.get('error', '?')} |" + " |" * 5)
             continue
 
         def ms(v: float | None) -> str:
@@ -276,9 +326,19 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {mode} | {r['ttft_p50_ms']:.1f} / {r['ttft_p90_ms']:.1f} | {r['half_from_host_requests']}, "
             f"{ms(r['half_from_host_ttft_p50_ms'])} / {ms(r['half_from_host_ttft_p90_ms'])} | {r['device_tokens']:,} / "
-            f"{r['host_tokens']:,} / {r['computed_tokens']:,} | {r.get('greedy_identical_to_none', '-')} | {r['start_s']:.0f} |"
+            f"{r['host_tokens']:,} / {r['computed_tokens']:,} | {r.get('greedy_identical_to_none', '-')} | "
+            f"{_checks_cell(r.get('restore_checks'))} | {r['start_s']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _checks_cell(checks: dict[str, Any] | None) -> str:
+    if not checks:
+        return "-"
+    if "error" in checks:
+        return f"not scraped: {checks['error']}"
+    failed = sum(n for parts in checks["failures"].values() for n in parts.values())
+    return f"{sum(checks['checked_pages'].values()):,} / {failed:,}"
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
