@@ -10,6 +10,7 @@ in its session and says how many there were.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 
 @dataclass
@@ -35,9 +37,9 @@ def run_in_session(cmd: list[str], timeout: float, capture: bool = True) -> Chil
     """Run `cmd` in a session of its own under `timeout`; whatever of that session outlives
     it (or the timeout) is killed before this returns. `capture`: keep its output (else it
     goes where this process's goes)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        sinks = (out, err) if capture else (None, None)
-        proc = subprocess.Popen(cmd, stdout=sinks[0], stderr=sinks[1], text=True, start_new_session=True)
+    with contextlib.ExitStack() as files:
+        out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2)) if capture else (None, None)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True)
         try:
             code: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -45,9 +47,14 @@ def run_in_session(cmd: list[str], timeout: float, capture: bool = True) -> Chil
             proc.wait()
             code = None
         leftover = kill_session(proc.pid)
-        out.seek(0)
-        err.seek(0)
-        return ChildRun(out.read(), err.read(), code, leftover)
+        return ChildRun(_read(out), _read(err), code, leftover)
+
+
+def _read(sink: IO[str] | None) -> str:
+    if sink is None:
+        return ""
+    sink.seek(0)
+    return sink.read()
 
 
 def kill_session(sid: int) -> int:

@@ -39,3 +39,15 @@ def test_session_members_sees_only_that_session() -> None:
 
     assert os.getpid() in session_members(os.getsid(0))
     assert os.getpid() not in session_members(os.getsid(0) + 1) and session_members(-1) == []
+
+
+def test_an_uncaptured_child_writes_where_this_process_does(capfd) -> None:
+    """capture=False: the child's output reaches this process's own stdout (the engine
+    benches stream a run's progress there), and the record holds none of it."""
+    import sys
+
+    from hicache_harness.sessions import run_in_session
+
+    run = run_in_session([sys.executable, "-c", "print('streamed')"], timeout=30, capture=False)
+    assert run.returncode == 0 and run.stdout == "" and run.leftover == 0
+    assert "streamed" in capfd.readouterr().out
