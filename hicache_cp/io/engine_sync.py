@@ -25,7 +25,8 @@ class EngineSync:
     ticket takes a sequence number of its direction at submission (`sequence`),
     and once any ticket's event is seen complete (`landed_upto`), the queries
     of every earlier ticket answer without a driver call. A poll of an op then
-    costs one driver query, not one per layer."""
+    costs O(log in flight) driver queries (`hicache_cp.ops._CopyOp.reap`), not one
+    per layer."""
 
     def __init__(self, drv: Driver, device_index: int, context: int) -> None:
         self.drv = drv
