@@ -69,10 +69,14 @@ def _kernel() -> Any:
 
 def warm_up_page_ids(device: torch.device) -> None:
     """Compile the kernel for SGLang's index dtypes (int32 table rows, int64 slots) now,
-    not in a request's step. Synchronises (start-up only)."""
+    not in a request's step: each from a 16-byte aligned start and from one that is not
+    (Triton compiles a variant per pointer alignment, and a table row or a slice of
+    slots starts wherever the request's row or slots do). Synchronises (start-up only)."""
     out = torch.empty(1, dtype=torch.int64, pin_memory=True)
     for dtype in (torch.int32, torch.int64):
-        _kernel()[(1,)](torch.zeros(1, dtype=dtype, device=device), 1, 1, out.data_ptr(), BLOCK=BLOCK)
+        src = torch.zeros(4, dtype=dtype, device=device)
+        for start in (0, 1):
+            _kernel()[(1,)](src[start:], 1, 1, out.data_ptr(), BLOCK=BLOCK)
     torch.cuda.synchronize(device)
 
 
