@@ -300,7 +300,7 @@ def _row(section: str, label: str) -> list[str]:
 #: The device runs the README's engine tables quote (its pages name them; the README names no commit).
 #: The engine run, the race's runs (one per workload) and the vLLM run the README quotes.
 ENGINE_RESULTS = ("sglang-engine-deepseek-h100-8943ce9.json", ("sglang-race-h100-f4d083a.json", "sglang-race-h100-97f0990.json"),
-                  "vllm-race-h100-e0d4e31.json")  # fmt: skip
+                  "vllm-race-h100-4a4ee96.json")  # fmt: skip
 
 
 def test_readme_engine_tables_are_their_files_numbers() -> None:
@@ -341,4 +341,7 @@ def test_readme_engine_tables_are_their_files_numbers() -> None:
     whole = [r["connector_host_time_per_step"]["worker"] for r in runs[:2]]
     assert _row(section, "worker host time, whole run, ms (steps)")[:2] == [
         f"{w['total_ms']:.1f} ({w['steps']})" for w in whole]  # fmt: skip
+    checks = runs[0]["restore_checks"]
+    assert _row(section, "restored units checksummed / failed")[0] == (
+        f"{sum(checks['checked_units'].values()):,} / {sum(n for p in checks['failed_units'].values() for n in p.values()):,}")
     assert all(vl["identity"][k]["identical"] for k in ("hicache", "offloading"))
