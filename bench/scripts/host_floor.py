@@ -142,8 +142,8 @@ def _python_only_engine(cache: HiCache, options: dict[str, Any]) -> DirectCopyEn
     e = DirectCopyEngine.__new__(DirectCopyEngine)
     CopyEngine.__init__(e, cache.device_pool, cache.host_pool)
     drv = _NoDriver()
-    sync = EngineSync.__new__(EngineSync)
-    sync.drv, sync._free, sync.guard, sync._raw_stream = drv, collections.deque(range(1 << 20)), False, None
+    sync = EngineSync(drv, 0, 0)  # type: ignore[arg-type]
+    sync._free, sync.guard, sync._raw_stream = collections.deque(range(1 << 20)), False, None
     sync.current_stream = lambda: 7  # type: ignore[method-assign]
     e._drv, e._sync, e._handle, e._order, e._keep = drv, sync, (1, 2), (3, 4), collections.deque()
     e._issuer = _NoIssuer()
