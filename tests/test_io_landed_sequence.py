@@ -1,4 +1,5 @@
-"""A poll asks the driver O(log in flight) times, not once per layer (CPU, a driver double).
+"""A poll asks the driver O(log in flight) times, not once per layer, and waiting for an op's
+tickets newest first synchronises once (CPU, a driver double).
 
 Copies of one direction complete in submission order, so a CUDA engine's
 tickets share, per direction, how far its copies are known to have landed
@@ -120,3 +121,22 @@ def test_a_failed_submission_is_never_answered_as_landed() -> None:
     drv.complete = {5}
     assert later.query() is TicketState.DONE
     assert failed.query() is TicketState.FAILED
+
+
+@pytest.mark.parametrize("make", [_cuda_tickets, _deferred_tickets], ids=["inline", "deferred"])
+def test_waiting_newest_first_synchronizes_once(make) -> None:
+    """A step's end waits for an op's tickets newest first (the vLLM worker's verdicts):
+    one host synchronisation, the earlier tickets answered from the landed sequence."""
+    drv = CountingDriver()
+    synced: list[int] = []
+
+    def synchronize(event: int) -> None:
+        synced.append(event)
+        drv.complete.update(range(1000, event + 1))  # the copy stream ran up to this event
+
+    drv.event_synchronize = synchronize  # type: ignore[attr-defined]
+    tickets = make(_sync(drv), Direction.H2D, 16, 1)
+    for t in reversed(tickets):
+        t.wait()
+    assert synced == [1015] and drv.queries == 0
+    assert all(t.query() is TicketState.DONE for t in tickets)

@@ -136,7 +136,10 @@ class CudaTicket(CopyTicket):
         return TicketState.PENDING
 
     def wait(self) -> None:
-        """Host-blocking; raises CopyFailed if the copy failed."""
+        """Host-blocking (no driver call once a later copy of the direction was seen
+        landed); raises CopyFailed if the copy failed."""
+        if self._error is None and not self._done and self._sync.landed(self.direction, self._sequence):  # type: ignore[union-attr]
+            self._done = True
         if self._error is None and not self._done:
             try:
                 self._sync.drv.event_synchronize(self._event)  # type: ignore[union-attr]

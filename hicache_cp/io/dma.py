@@ -101,6 +101,8 @@ class DeferredTicket(CopyTicket):
         job, i = self._job, self._index
         job.wait_issued(i)
         self._error = self._error or job.error_of(i)
+        if self._error is None and not self._done and self._sync.landed(self.direction, self._sequence):
+            self._done = True  # a later copy of the direction landed: no driver call
         if self._error is None and not self._done:
             try:
                 self._sync.drv.event_synchronize(job.dones[i])

@@ -24,7 +24,7 @@ class EngineSync:
     an event seen complete stands for every copy submitted before it: each
     ticket takes a sequence number of its direction at submission (`sequence`),
     and once any ticket's event is seen complete (`landed_upto`), the queries
-    of every earlier ticket answer without a driver call. A poll of an op then
+    and waits of every earlier ticket answer without a driver call. A poll of an op then
     costs O(log in flight) driver queries (`hicache_cp.ops._CopyOp.reap`), not one
     per layer."""
 
