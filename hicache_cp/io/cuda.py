@@ -120,31 +120,20 @@ class CudaTicket(CopyTicket):
             return TicketState.FAILED
         if self._done:
             return TicketState.DONE
-        sync = self._sync
-        assert sync is not None
-        if sync.landed(self.direction, self._sequence):
-            self._done = True
-            return TicketState.DONE
         try:
-            self._done = sync.drv.event_query(self._event)
+            self._done = self._sync.query(self.direction, self._sequence, self._event)  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
             self._fail(exc)
             return TicketState.FAILED
-        if self._done:
-            sync.landed_upto(self.direction, self._sequence)
-            return TicketState.DONE
-        return TicketState.PENDING
+        return TicketState.DONE if self._done else TicketState.PENDING
 
     def wait(self) -> None:
         """Host-blocking (no driver call once a later copy of the direction was seen
         landed); raises CopyFailed if the copy failed."""
-        if self._error is None and not self._done and self._sync.landed(self.direction, self._sequence):  # type: ignore[union-attr]
-            self._done = True
         if self._error is None and not self._done:
             try:
-                self._sync.drv.event_synchronize(self._event)  # type: ignore[union-attr]
+                self._sync.synchronize(self.direction, self._sequence, self._event)  # type: ignore[union-attr]
                 self._done = True
-                self._sync.landed_upto(self.direction, self._sequence)  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001
                 self._fail(exc)
         if self._error is not None:

@@ -83,16 +83,10 @@ class DeferredTicket(CopyTicket):
                 return TicketState.PENDING
             self._error = job.error_of(i)
             if self._error is None:
-                sync = self._sync
-                if sync.landed(self.direction, self._sequence):
-                    self._done = True
-                else:
-                    try:
-                        self._done = sync.drv.event_query(job.dones[i])
-                    except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
-                        self._error = exc
-                    if self._done:
-                        sync.landed_upto(self.direction, self._sequence)
+                try:
+                    self._done = self._sync.query(self.direction, self._sequence, job.dones[i])
+                except Exception as exc:  # noqa: BLE001 - an async CUDA fault surfaces here
+                    self._error = exc
         if self._error is not None:
             return TicketState.FAILED
         return TicketState.DONE if self._done else TicketState.PENDING
@@ -101,13 +95,10 @@ class DeferredTicket(CopyTicket):
         job, i = self._job, self._index
         job.wait_issued(i)
         self._error = self._error or job.error_of(i)
-        if self._error is None and not self._done and self._sync.landed(self.direction, self._sequence):
-            self._done = True  # a later copy of the direction landed: no driver call
         if self._error is None and not self._done:
             try:
-                self._sync.drv.event_synchronize(job.dones[i])
+                self._sync.synchronize(self.direction, self._sequence, job.dones[i])
                 self._done = True
-                self._sync.landed_upto(self.direction, self._sequence)
             except Exception as exc:  # noqa: BLE001
                 self._error = exc
         if self._error is not None:

@@ -23,7 +23,7 @@ class EngineSync:
     Copies of a direction complete in submission order (one copy stream), so
     an event seen complete stands for every copy submitted before it: each
     ticket takes a sequence number of its direction at submission (`sequence`),
-    and once any ticket's event is seen complete (`landed_upto`), the queries
+    and once any ticket's event is seen complete (`query`, `synchronize`), the queries
     and waits of every earlier ticket answer without a driver call. A poll of an op then
     costs O(log in flight) driver queries (`hicache_cp.ops._CopyOp.reap`), not one
     per layer."""
@@ -46,14 +46,23 @@ class EngineSync:
         self._sequence[direction] += 1
         return self._sequence[direction]
 
-    def landed(self, direction: Direction, sequence: int) -> bool:
-        """Whether the copy numbered `sequence` is known to have landed (no driver call)."""
-        return sequence <= self._landed[direction]
+    def query(self, direction: Direction, sequence: int, event: int) -> bool:
+        """Whether the copy numbered `sequence`, whose `event` follows it, landed: from
+        the landed sequence, else one event query. Raises what the driver raises."""
+        if sequence <= self._landed[direction]:
+            return True
+        if not self.drv.event_query(event):
+            return False
+        self._landed[direction] = sequence  # and every earlier copy of the direction
+        return True
 
-    def landed_upto(self, direction: Direction, sequence: int) -> None:
-        """The copy numbered `sequence` landed: so did every earlier one of `direction`."""
-        if sequence > self._landed[direction]:
-            self._landed[direction] = sequence
+    def synchronize(self, direction: Direction, sequence: int, event: int) -> None:
+        """Block until the copy numbered `sequence` landed (no driver call when it is known
+        to have). Raises what the driver raises."""
+        if sequence <= self._landed[direction]:
+            return
+        self.drv.event_synchronize(event)
+        self._landed[direction] = max(self._landed[direction], sequence)
 
     def reserve(self, n: int) -> None:
         """Create events until the pool holds `n` (at start-up: a `cuEventCreate` on the
