@@ -66,11 +66,6 @@ def _deferred_tickets(sync: EngineSync, direction: Direction, layers: int, nbyte
     return [DeferredTicket(direction, Part.TARGET_KV, i, nbytes, sync, job, i) for i in range(layers)]
 
 
-def _record(op: BackupOp | LoadOp, tickets: list) -> None:  # type: ignore[type-arg]
-    for t in tickets:  # one ticket a layer, as many layers as the test wants (reap reads only flight)
-        op.inflight.append(t)
-
-
 @pytest.mark.parametrize("make", [_cuda_tickets, _deferred_tickets], ids=["inline", "deferred"])
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
 @pytest.mark.parametrize("landed", [1, 40, 63, 64])
@@ -80,7 +75,7 @@ def test_a_poll_lands_exactly_the_completed_layers_in_log_queries(make, directio
     op = _op(direction)
     page_bytes = op.layout.part(Part.TARGET_KV).page_bytes
     tickets = make(sync, direction, 64, len(PAGES) * page_bytes)
-    _record(op, tickets)
+    op.inflight.extend(tickets)  # one ticket a layer, as many as the test wants (reap reads only flight)
     drv.complete = {1000 + i for i in range(landed)}
     op.reap()
     assert op.landed[Part.TARGET_KV] == set(range(landed)), "landed layers must be exactly the completed copies"
@@ -92,7 +87,7 @@ def test_a_poll_lands_exactly_the_completed_layers_in_log_queries(make, directio
 def test_nothing_landed_costs_one_query() -> None:
     drv = CountingDriver()
     op = _op(Direction.D2H)
-    _record(op, _cuda_tickets(_sync(drv), Direction.D2H, 64, len(PAGES) * op.layout.part(Part.TARGET_KV).page_bytes))
+    op.inflight.extend(_cuda_tickets(_sync(drv), Direction.D2H, 64, len(PAGES) * op.layout.part(Part.TARGET_KV).page_bytes))
     op.reap()
     assert drv.queries == 1 and not op.landed[Part.TARGET_KV]
 
