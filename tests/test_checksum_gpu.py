@@ -54,15 +54,16 @@ def test_kernel_equals_numpy_in_the_triton_interpreter() -> None:
         tables = g.DeviceTables(lay, lambda part, slot: bufs[part][slot].data_ptr(), torch.device("cpu"))
         pages = np.array([9, 2, 5, 11], dtype=np.int64)
         out_index = np.array([0, 3, 1, 2], dtype=np.int64)
-        for p in lay.parts:
-            out = np.zeros((p.num_slots, 4), dtype=np.uint64)
-            t = tables.parts[p.part]
-            g._kernel()[(4, p.num_slots)](t.layer_ptrs, 0, torch.from_numpy(pages), out.ctypes.data, 4,
-                                          torch.from_numpy(out_index), tables.mult_a, tables.mult_b, t.salts,
-                                          t.words, BLOCK=8)
-            for slot, lay_id in enumerate(p.layer_ids):
-                want = checksum.checksums(bufs[p.part][slot].numpy()[pages], p.part, lay_id)
-                assert np.array_equal(out[slot, out_index], want), (p.part, slot)
+        for programs in (4, 3, 1):  # a program a page, and fewer programs taking several pages each
+            for p in lay.parts:
+                out = np.zeros((p.num_slots, 4), dtype=np.uint64)
+                t = tables.parts[p.part]
+                g._kernel()[(programs, p.num_slots)](t.layer_ptrs, 0, torch.from_numpy(pages), 4, out.ctypes.data,
+                                                     4, torch.from_numpy(out_index), tables.mult_a, tables.mult_b,
+                                                     t.salts, t.words, BLOCK=8)  # fmt: skip
+                for slot, lay_id in enumerate(p.layer_ids):
+                    want = checksum.checksums(bufs[p.part][slot].numpy()[pages], p.part, lay_id)
+                    assert np.array_equal(out[slot, out_index], want), (programs, p.part, slot)
         print("EQUAL")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -72,21 +73,29 @@ def test_kernel_equals_numpy_in_the_triton_interpreter() -> None:
 
 @needs_triton
 def test_the_kernel_is_compiled_once_per_page_size() -> None:
-    """The first slot, the output's address and its row length change between launches
-    (an op's first landed layer, a backup's or a load's output): none selects a compiled
-    variant, so the engines' `warm_up` compiles the only ones a run launches (one per
-    page size) and no step compiles."""
+    """The first slot, the page count, the output's address and its row length change
+    between launches (an op's first landed layer, its pages, a backup's or a load's
+    output): none selects a compiled variant, so the engines' `warm_up` compiles the
+    only ones a run launches (one per page size) and no step compiles."""
     from hicache_cp.io import checksum_gpu as g
 
     params = {p.name: p for p in g._kernel().params}
-    assert {n for n, p in params.items() if p.do_not_specialize} == {"slot0", "out_base", "out_row"}
+    assert {n for n, p in params.items() if p.do_not_specialize} == {"slot0", "n", "out_base", "out_row"}
     assert not params["words"].do_not_specialize  # the loop bound: its divisibility helps the loads
+
+
+def test_a_launch_needs_at_least_one_program() -> None:
+    from hicache_cp.io import checksum_gpu as g
+
+    with pytest.raises(ValueError, match="max_programs"):
+        g.DeviceTables(layout(), lambda part, slot: 0, torch.device("cpu"), max_programs=0)
 
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("max_programs", [None, 7])
 @pytest.mark.parametrize("pages", [1, 37, 1024])
-def test_kernel_equals_numpy_into_device_and_pinned_host_memory(pages: int) -> None:
+def test_kernel_equals_numpy_into_device_and_pinned_host_memory(pages: int, max_programs: int | None) -> None:
     from hicache_cp.io import checksum_gpu as g
     from hicache_cp.pools import DevicePool, HostPool
 
@@ -99,7 +108,7 @@ def test_kernel_equals_numpy_into_device_and_pinned_host_memory(pages: int) -> N
         for p in lay.parts:
             dev.buffer(p.part).copy_(torch.randint(0, 256, dev.buffer(p.part).shape, generator=g_rng, device="cuda",
                                                    dtype=torch.uint8))  # fmt: skip
-        tables = g.DeviceTables(lay, dev.layer_ptr, dev.device)
+        tables = g.DeviceTables(lay, dev.layer_ptr, dev.device, max_programs)
         rng = np.random.default_rng(pages)
         src = rng.permutation(np.arange(1, pages + 3))[:pages].astype(np.int64)
         dst = rng.permutation(np.arange(1, host.physical_pages))[:pages].astype(np.int64)

@@ -87,7 +87,9 @@ class GpuChecks:
         self.device = engine.device
         self.stream = torch.cuda.Stream(engine.device_index)
         self.handle = int(self.stream.cuda_stream)
-        self.tables = checksum_gpu.DeviceTables(engine.layout, engine.device_pool.layer_ptr, engine.device)
+        self.tables = checksum_gpu.DeviceTables(
+            engine.layout, engine.device_pool.layer_ptr, engine.device, checksum_gpu.MAX_PROGRAMS
+        )
         dev = engine.device_pool.physical_pages
         units = sum(p.num_slots for p in engine.layout.parts) * dev
         self._landed_arena = HostArena(8 * units, pin=True, background=False, name="L1 landed checksums")

@@ -10,10 +10,12 @@ backup writes them straight into the host pool's checksum arena at the host
 pages (`HostPool.sums`); a load into the engine's landed array at the device
 pages, which the host then compares (`hicache_cp.io.checked`).
 
-One program per (page, slot): it streams the page's 64-bit words in blocks of
-`BLOCK`, accumulates A_j * x_j + B_j * (x_j >> 32) in uint64 lanes (wrapping
-mod 2**64 like numpy), sums the lanes, XORs the (part, layer) salt and applies
-fmix64. One pass over the pages' bytes; the multipliers (16 bytes per word of
+A program per slot and page (or, with `DeviceTables.max_programs`, about that
+many programs a launch, each taking every k-th page of its slot): for a page it
+streams the page's 64-bit words in blocks of `BLOCK`, accumulates
+A_j * x_j + B_j * (x_j >> 32) in uint64 lanes (wrapping mod 2**64 like numpy),
+sums the lanes, XORs the (part, layer) salt and applies fmix64. Fewer programs
+leave the SMs' other slots to the forward's kernels beside them. One pass over the pages' bytes; the multipliers (16 bytes per word of
 a page, shared by every page) stay in the GPU's L2 cache. The result is
 bit-identical to `checksum.checksums` (tests/test_checksum_gpu.py).
 
@@ -35,6 +37,8 @@ from hicache_cp.layout import KVLayout, Part
 
 #: Words (8 bytes) a program reads per step.
 BLOCK = 1024
+#: The engines' `DeviceTables.max_programs` (None: a program a page and slot).
+MAX_PROGRAMS: int | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,30 +50,31 @@ def _kernel() -> Any:
     # the first slot, the output's address and its row length change from launch to launch
     # (an op's first landed layer, a direction's output), and each variant would be
     # compiled in whichever step first launched it.
-    @triton.jit(do_not_specialize=["slot0", "out_base", "out_row"])
-    def checksum_pages(layer_ptrs, slot0, pages, out_base, out_row, out_index, mult_a, mult_b, salts, words,
+    # The page count `n` changes from launch to launch too.
+    @triton.jit(do_not_specialize=["slot0", "n", "out_base", "out_row"])
+    def checksum_pages(layer_ptrs, slot0, pages, n, out_base, out_row, out_index, mult_a, mult_b, salts, words,
                        BLOCK: tl.constexpr):  # fmt: skip
-        p = tl.program_id(0)
         s = slot0 + tl.program_id(1)
         base = tl.load(layer_ptrs + s).to(tl.pointer_type(tl.uint64))
-        src = base + tl.load(pages + p) * words
-        acc = tl.zeros([BLOCK], dtype=tl.uint64)
-        for start in range(0, words, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < words
-            x = tl.load(src + offs, mask=mask, other=0)
-            a = tl.load(mult_a + offs, mask=mask, other=0).to(tl.uint64, bitcast=True)
-            b = tl.load(mult_b + offs, mask=mask, other=0).to(tl.uint64, bitcast=True)
-            acc += x * a + (x >> 32) * b
-        h = tl.sum(acc, axis=0)
-        h = h ^ tl.load(salts + s).to(tl.uint64, bitcast=True)
-        h = h ^ (h >> 30)
-        h = h * 0xBF58476D1CE4E5B9
-        h = h ^ (h >> 27)
-        h = h * 0x94D049BB133111EB
-        h = h ^ (h >> 31)
-        out = (out_base + (s * out_row + tl.load(out_index + p)) * 8).to(tl.pointer_type(tl.uint64))
-        tl.store(out, h)
+        salt = tl.load(salts + s).to(tl.uint64, bitcast=True)
+        for p in range(tl.program_id(0), n, tl.num_programs(0)):
+            src = base + tl.load(pages + p) * words
+            acc = tl.zeros([BLOCK], dtype=tl.uint64)
+            for start in range(0, words, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < words
+                x = tl.load(src + offs, mask=mask, other=0)
+                a = tl.load(mult_a + offs, mask=mask, other=0).to(tl.uint64, bitcast=True)
+                b = tl.load(mult_b + offs, mask=mask, other=0).to(tl.uint64, bitcast=True)
+                acc += x * a + (x >> 32) * b
+            h = tl.sum(acc, axis=0) ^ salt
+            h = h ^ (h >> 30)
+            h = h * 0xBF58476D1CE4E5B9
+            h = h ^ (h >> 27)
+            h = h * 0x94D049BB133111EB
+            h = h ^ (h >> 31)
+            out = (out_base + (s * out_row + tl.load(out_index + p)) * 8).to(tl.pointer_type(tl.uint64))
+            tl.store(out, h)
 
     return checksum_pages
 
@@ -90,10 +95,16 @@ class PartTables:
 
 class DeviceTables:
     """The device-side tables of one pool: per part `PartTables`, and the multipliers
-    (as int64 bits) for the largest page. Made once (small H2D copies at start-up)."""
+    (as int64 bits) for the largest page. Made once (small H2D copies at start-up).
 
-    def __init__(self, layout: KVLayout, layer_ptr: Any, device: torch.device) -> None:
+    `max_programs`: at most this many programs a launch, and at least one a slot
+    (None: one a page and slot)."""
+
+    def __init__(self, layout: KVLayout, layer_ptr: Any, device: torch.device, max_programs: int | None = None) -> None:
+        if max_programs is not None and max_programs < 1:
+            raise ValueError(f"max_programs must be >= 1 or None, got {max_programs}")
         self.device = device
+        self.max_programs = max_programs
         words = max(p.page_bytes for p in layout.parts) // 8
         a, b = checksum.multipliers(words)
         self.mult_a = _int64(a).to(device)
@@ -116,9 +127,10 @@ def launch(
     if not n or not slots:
         return
     t = tables.parts[part]
+    programs = n if tables.max_programs is None else min(n, max(1, tables.max_programs // slots))
     with torch.cuda.stream(stream):
-        _kernel()[(n, slots)](t.layer_ptrs, slot0, pages, out_base, out_row, out_index, tables.mult_a,
-                              tables.mult_b, t.salts, t.words, BLOCK=BLOCK)  # fmt: skip
+        _kernel()[(programs, slots)](t.layer_ptrs, slot0, pages, n, out_base, out_row, out_index, tables.mult_a,
+                                     tables.mult_b, t.salts, t.words, BLOCK=BLOCK)  # fmt: skip
 
 
 def device_checksums(pool: Any, part: Part, layer: int, physical: np.ndarray) -> np.ndarray:

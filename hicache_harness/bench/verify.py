@@ -15,7 +15,9 @@ GPU (when CUDA is there, the checks as `hicache_cp.io.checked` runs them):
   contiguous pinned H2D copy (the PCIe link): target >= 20x;
 * a compute-bound forward (bf16 matmuls, about `--forward-ms`) alone and beside
   the checks of a load of those pages on the checks' stream: the forward's own
-  GPU time with them over without (target: <= 1.01).
+  GPU time with them over without (target: <= 1.01);
+* both again with the kernel's launches capped at 8, 2 and 1 times the SM count
+  (`checksum_gpu.DeviceTables.max_programs`; the default's row comes first).
 
 Output: a table, and JSON with the provenance (commit, machine, command).
 """
@@ -107,7 +109,9 @@ def numpy_throughput(pages: int, page_bytes: int) -> float:
 
 
 def gpu_costs(pages: int, page_bytes: int, layers: int, forward_ms: float) -> dict[str, Any]:
-    """The kernel's throughput against the PCIe link, and a forward beside the checks."""
+    """The kernel's throughput against the PCIe link, and a forward beside the checks, for
+    the library's default launch and for launches capped at a few multiples of the SM
+    count (`DeviceTables.max_programs`), interleaved run by run."""
     import torch
 
     from hicache_harness.bench.io import _Gate, _median_ms, _median_timings, measure_peak
@@ -118,41 +122,53 @@ def gpu_costs(pages: int, page_bytes: int, layers: int, forward_ms: float) -> di
     peak = measure_peak(gate, 1 << 30)
     layout = KVLayout.build(page_size=1, num_layers=layers, kv_bytes_per_token=page_bytes)
     buf = torch.randint(0, 256, (layers, pages + 1, page_bytes), dtype=torch.uint8, device="cuda")
-    tables = checksum_gpu.DeviceTables(layout, lambda part, slot: buf[slot].data_ptr(), buf.device)
     idx = torch.randperm(pages, device="cuda") + 1
     out = torch.empty((layers, pages + 1), dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    caps: list[int | None] = [checksum_gpu.MAX_PROGRAMS, None, 8 * sms, 2 * sms, sms]
+    caps = list(dict.fromkeys(caps))  # the default first, once
 
-    def checks() -> None:  # one load's checks: every page of every layer, on their own stream
+    def tables(cap: int | None) -> Any:
+        return checksum_gpu.DeviceTables(layout, lambda part, slot: buf[slot].data_ptr(), buf.device, cap)
+
+    def launch(t: Any) -> None:  # one load's checks: every page of every layer, on their own stream
         stream.wait_stream(torch.cuda.current_stream())
-        checksum_gpu.launch(tables, Part.TARGET_KV, 0, layers, idx, out.data_ptr(), pages + 1, idx, stream)
-        torch.cuda.current_stream().wait_stream(stream)
+        checksum_gpu.launch(t, Part.TARGET_KV, 0, layers, idx, out.data_ptr(), pages + 1, idx, stream)
 
-    checks_ms, _ = _median_ms(gate, checks)
-    nbytes = layers * pages * page_bytes
-    kernel_gbps = nbytes / (checks_ms * 1e-3) / 1e9
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
     mm_ms, _ = _median_ms(gate, lambda: [torch.matmul(a, a, out=c) for _ in range(10)])
     n_mm = max(1, round(forward_ms / (mm_ms / 10)))
 
-    def forward(with_checks: bool) -> None:
-        if with_checks:
-            stream.wait_stream(torch.cuda.current_stream())
-            checksum_gpu.launch(tables, Part.TARGET_KV, 0, layers, idx, out.data_ptr(), pages + 1, idx, stream)
+    def forward(t: Any | None) -> None:
+        if t is not None:
+            launch(t)
         for _ in range(n_mm):
             torch.matmul(a, a, out=c)
         gate.mark_launched()
-        if with_checks:
+        if t is not None:
             torch.cuda.current_stream().wait_stream(stream)
 
-    alone = _median_timings(gate, lambda: forward(False))[3]
-    beside = _median_timings(gate, lambda: forward(True))[3]
+    def checks(t: Any) -> None:
+        launch(t)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    nbytes = layers * pages * page_bytes
+    rows = []
+    for cap in caps:
+        t = tables(cap)
+        checks_ms, _ = _median_ms(gate, lambda: checks(t))
+        alone = _median_timings(gate, lambda: forward(None))[3]  # beside each variant: the machine drifts
+        beside = _median_timings(gate, lambda: forward(t))[3]
+        gbps = nbytes / (checks_ms * 1e-3) / 1e9
+        rows.append({"max_programs": cap, "kernel_ms": checks_ms, "kernel_gbps": gbps,
+                     "kernel_over_pcie": gbps / peak["peak_h2d_gbps"], "forward_alone_ms": alone,
+                     "forward_with_checks_ms": beside, "forward_with_checks_over_alone": beside / alone})  # fmt: skip
+    default = rows[0]
     return {
-        "device": torch.cuda.get_device_name(), **peak, "kernel_ms": checks_ms, "kernel_gbps": kernel_gbps,
-        "kernel_over_pcie": kernel_gbps / peak["peak_h2d_gbps"], "kernel_bytes": nbytes,
-        "forward_alone_ms": alone, "forward_with_checks_ms": beside,
-        "forward_with_checks_over_alone": beside / alone, "checks_bytes_beside_forward": nbytes,
+        "device": torch.cuda.get_device_name(), "sms": sms, **peak, **default, "kernel_bytes": nbytes,
+        "checks_bytes_beside_forward": nbytes, "by_max_programs": rows,
     }
 
 
@@ -189,6 +205,11 @@ def _print_table(r: dict[str, Any]) -> None:
               f"({g['peak_h2d_gbps']:.1f} GB/s; target >= {TARGETS['kernel_over_pcie']:.0f}x)")
         print(f"  forward {g['forward_alone_ms']:.2f} ms alone, {g['forward_with_checks_ms']:.2f} ms beside a load's "
               f"checks: {g['forward_with_checks_over_alone']:.4f}x (target <= {TARGETS['forward_with_checks_over_alone']})")
+        print(f"  by launch size ({g['sms']} SMs): max programs | kernel GB/s | x PCIe | forward beside checks / alone")
+        for row in g["by_max_programs"]:
+            cap = "a page each" if row["max_programs"] is None else row["max_programs"]
+            print(f"    {cap!s:>12} | {row['kernel_gbps']:8.0f} | {row['kernel_over_pcie']:5.1f} | "
+                  f"{row['forward_with_checks_over_alone']:.4f}")
 
 
 def main(argv: list[str] | None = None) -> int:
