@@ -80,6 +80,7 @@ from hicache_harness.errors import InputError
 from hicache_harness.outputs import write_json
 from hicache_harness.provenance import command_line, git_commit, machine
 from hicache_cp.io.base import CopyEngine, Direction, TicketState, default_backend, make_engine
+from hicache_cp.io import checksum_gpu
 from hicache_cp.layout import KVLayout, Part
 
 #: Measured variants: label -> (backend name, engine options). The plain names are
@@ -128,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", choices=[m.value for m in Verify], default="off",
                         help="restore checks on the variants' engines (hicache_cp.checksum): their pools keep "
                              "checksums and every planned copy's ticket includes its checks (default off)")
+    parser.add_argument("--checksum-max-programs", type=int, metavar="N",
+                        help="cap the restore checks' kernel launches at N programs "
+                             "(hicache_cp.io.checksum_gpu.MAX_PROGRAMS; default: the library's)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
@@ -507,6 +511,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     global _VERIFY
     _VERIFY = Verify(getattr(args, "verify", "off"))
+    if getattr(args, "checksum_max_programs", None) is not None:
+        checksum_gpu.MAX_PROGRAMS = args.checksum_max_programs  # read when each engine's checks are built
     sizes = [int(x) for x in str(args.pages).split(",") if x]
     names = [x for x in str(args.backends).split(",") if x]
     page_bytes = int(args.page_bytes)
@@ -515,6 +521,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "command": command_line("bench-io"),
         "verify_restores": _VERIFY.value,
+        "checksum_max_programs": checksum_gpu.MAX_PROGRAMS,
         "commit": git_commit(),
         "machine": torch.cuda.get_device_name(),
         "host": machine(),
