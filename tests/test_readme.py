@@ -299,8 +299,8 @@ def _row(section: str, label: str) -> list[str]:
 
 #: The device runs the README's engine tables quote (its pages name them; the README names no commit).
 #: The engine run, the race's runs (one per workload) and the vLLM run the README quotes.
-ENGINE_RESULTS = ("sglang-engine-deepseek-h100-8943ce9.json", ("sglang-race-h100-f4d083a.json", "sglang-race-h100-97f0990.json"),
-                  "vllm-race-h100-4a4ee96.json")  # fmt: skip
+ENGINE_RESULTS = ("sglang-engine-llama-h100-4e3b13c.json", ("sglang-race-h100-f4d083a.json", "sglang-race-h100-97f0990.json"),
+                  "vllm-race-h100-4e3b13c.json")  # fmt: skip
 
 
 def test_readme_engine_tables_are_their_files_numbers() -> None:
@@ -317,6 +317,10 @@ def test_readme_engine_tables_are_their_files_numbers() -> None:
     assert _row(section, "prompt tokens from host / computed") == [
         f"{m['host_tokens']:,} / {m['computed_tokens']:,}" for m in cols]  # fmt: skip
     assert all(m["greedy_identical_to_none"] for m in cols)
+    checked = cols[0]["restore_checks"]
+    assert _row(section, "restored pages checksummed / failed")[0] == (
+        f"{sum(checked['checked_pages'].values()):,} / "
+        f"{sum(n for parts in checked['failures'].values() for n in parts.values()):,}")  # {tier: {part: n}}
 
     race = {wl: rows for name in files[1]
             for wl, rows in json.loads((ROOT / "bench" / "results" / name).read_text())["workloads"].items()}
