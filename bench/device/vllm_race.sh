@@ -21,7 +21,7 @@
 #   diag    our connector alone twice more: --profile (the start-up's and the batch's top functions,
 #           -> vllm-profile.{json,log}) and --extra verify_restores=off (-> vllm-nocheck.json)
 #   variant our connector alone once more with VARIANT_EXTRA, settings as --extra takes them
-#           (default backup_submits_per_forward=2; -> vllm-variant.json)
+#           (default backup_submits_per_forward=2; -> $VARIANT_NAME.json, default vllm-variant)
 # Every step has its own timeout; a failed step does not stop the next. Exit: the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -83,7 +83,7 @@ if want variant; then
   step "our connector alone with ${VARIANT_EXTRA:=backup_submits_per_forward=2}"
   # shellcheck disable=SC2086 - VARIANT_EXTRA is a list of KEY=VALUE
   timeout "${DIAG_TIMEOUT:-150}" $PY bench/engines/vllm_race.py --configs hicache --no-prime \
-    $(printf -- "--extra %s " $VARIANT_EXTRA) --timeout 140 --json "$DEST/vllm-variant.json" 2>&1 | tail -16
+    $(printf -- "--extra %s " $VARIANT_EXTRA) --timeout 140 --json "$DEST/${VARIANT_NAME:-vllm-variant}.json" 2>&1 | tail -16
   keep "${PIPESTATUS[0]}"
 fi
 echo "exit $rc"
