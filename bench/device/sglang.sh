@@ -33,8 +33,8 @@
 #   race     hicache-cp bench-sglang: radix / hicache-cp / SGLang's HiCache on the shared trace and the
 #            embedded workload, MLA and DSA pools (RACE_ARGS adds flags; it gets what the deadline
 #            leaves, and its JSON is written after each workload)         -> sglang-race-*.json
-#   engine   bench/engines/sglang_engine.py for each of ENGINE_MODELS (default "deepseek"; "llama" too)
-#                                                                           -> sglang-engine-<model>-*.json
+#   engine   bench/engines/sglang_engine.py for each of ENGINE_MODELS (default "deepseek"; "llama" too),
+#            ENGINE_ARGS added to its flags           -> sglang-engine-<model>[-$ENGINE_TAG]-*.json
 #   smoke    setup, then every step small (import subset, jit on MLA page_first, race of 20 requests on
 #            8 layers, engine --quick on deepseek)
 # A whole call stops starting steps DEADLINE seconds (default 570) after it began; each step's timeout
@@ -137,8 +137,9 @@ if want engine; then
   if [ "$SMOKE" = 1 ]; then models=deepseek; quick=--quick; fi
   for m in $models; do
     # shellcheck disable=SC2086
-    run "sglang-engine-$m-$TAG" "${ENGINE_TIMEOUT:-420}" "$PY" bench/engines/sglang_engine.py --model "$m" $quick \
-      --timeout "${ENGINE_MODE_TIMEOUT:-150}" --json "$DEST/sglang-engine-$m-$TAG.json" ${ENGINE_ARGS:-}
+    name=sglang-engine-$m${ENGINE_TAG:+-$ENGINE_TAG}-$TAG
+    run "$name" "${ENGINE_TIMEOUT:-420}" "$PY" bench/engines/sglang_engine.py --model "$m" $quick \
+      --timeout "${ENGINE_MODE_TIMEOUT:-150}" --json "$DEST/$name.json" ${ENGINE_ARGS:-}
   done
 fi
 
