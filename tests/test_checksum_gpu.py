@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -210,6 +211,57 @@ def test_a_forward_writing_into_loaded_slots_is_never_decided_done(ordered: bool
             assert load.state is LoadState.ABORTED and cache.stats()["verify_failures_l2_target_kv"] >= 1
         else:
             assert (load.state is LoadState.DONE) == right, (load.state, right)
+        cache.release(m.last_node)
+        cache.drain()
+        cache.check_invariants()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("pin, write", [(True, False), (True, True), (False, False)])
+def test_a_pinned_loads_checks_follow_its_forward_not_the_work_queued_after_it(pin: bool, write: bool) -> None:
+    """Under overlap scheduling SGLang queues the next forward behind the one that read a
+    load, and its own stream waits for it, before it decides the load. Pinned once its
+    forward is enqueued (`HiCache.loads_read`), the load's checks follow that forward only:
+    the load is decided while the next forward still runs, and a write the forward made
+    into the loaded slots is still seen. Unpinned, they also wait for the next forward."""
+    from hicache_harness.engines.synthetic import ReferenceServer
+    from hicache_cp.ops import LoadState
+
+    cache = _cuda_cache()
+    with cache:
+        server = ReferenceServer(cache)
+        prompt = np.arange(8 * 16, dtype=np.int64)
+        server.serve(0, prompt)
+        cache.evict_device()
+        m = cache.match_prefix(prompt, request=1)
+        load = cache.load_back(m)
+        assert load is not None
+        for model in (Model.TARGET, Model.DRAFT):  # the forward reads every layer
+            for layer in range(cache.layout.num_layers(model)):
+                load.wait_layer(layer, model)
+        if write:  # the forward writes into slots the load filled
+            target = torch.from_numpy(load.device_pages[2:6].copy()).cuda()
+            cache.device_pool.buffer(Part.TARGET_KV)[1].index_fill_(0, target, 7)
+        if pin:
+            cache.loads_read([load])
+        torch.cuda._sleep(3_000_000_000)  # the next forward, about 1-2 s
+        later = torch.cuda.Event()
+        later.record()
+        deadline = time.monotonic() + (10.0 if pin else 0.3)
+        while load.active and time.monotonic() < deadline:
+            cache.poll()
+            time.sleep(0.001)
+        if pin:
+            assert not later.query(), "the next forward ended before the load was decided"
+            assert load.state is (LoadState.ABORTED if write else LoadState.DONE), load.state
+        else:
+            assert load.active and not later.query()  # its checks wait behind the next forward
+            later.synchronize()
+            while load.active:
+                cache.settle()
+            assert load.state is LoadState.DONE
+        torch.cuda.synchronize()
         cache.release(m.last_node)
         cache.drain()
         cache.check_invariants()

@@ -69,8 +69,9 @@ class RecordingFence(ForwardFence):
 
 
 def _record_submissions(s: SGLangPrefillServer) -> list[tuple[str, str]]:
-    """Every copy the plug-in submits, with where: inside the forward (its start or its
-    layers), behind the fence, or neither (on the scheduler thread, unordered)."""
+    """Every copy the plug-in submits, and every pin of its loads' checks ("pin"), with
+    where: inside the forward (its start or its layers), behind the fence, or neither
+    (on the scheduler thread, unordered)."""
     fence = RecordingFence()
     s.tree_cache.fence = fence
     in_forward = {"on": False}
@@ -88,6 +89,13 @@ def _record_submissions(s: SGLangPrefillServer) -> list[tuple[str, str]]:
             return _real(plan, *args, **kwargs)
 
         setattr(engine, name, wrapped)
+    real_pin = engine.pin_checks_order
+
+    def pin(plans):  # type: ignore[no-untyped-def]
+        seen.append(("pin", where()))
+        return real_pin(plans)
+
+    engine.pin_checks_order = pin
     real_forward = s.run_forward
 
     def forward(reqs):  # type: ignore[no-untyped-def]
@@ -106,7 +114,9 @@ def test_every_copy_is_ordered_inside_the_forward_or_behind_it(make_cpu_server) 
     thread works while the previous forward still runs on the forward stream. Every H2D
     (a load) is submitted at the forward's start, on its stream, and every D2H is
     submitted by the forward's layer hooks or, from the scheduler thread (a checkpoint,
-    the flush), behind the fence: none is ordered only behind the schedule stream."""
+    the flush), behind the fence: none is ordered only behind the schedule stream. The
+    loads' checks are pinned behind their forward the same way, never on the schedule
+    stream (where SGLang queues a wait for the next forward before deciding them)."""
     s = make_cpu_server(chunk_tokens=2 * PAGE, overlap=True)
     system = prompt(60, 2, tail=0)
     a, b = system + prompt(61, 3), system + prompt(62, 3)
@@ -118,8 +128,24 @@ def test_every_copy_is_ordered_inside_the_forward_or_behind_it(make_cpu_server) 
     s.run_until_idle()
     s.settle()
     assert ("h2d", "forward") in seen and ("d2h", "forward") in seen and ("d2h", "fence") in seen
+    assert any(what == "pin" for what, _ in seen), seen
     assert [x for x in seen if x[1] == "scheduler"] == [], seen
     assert all(where == "forward" for direction, where in seen if direction == "h2d")
+    clean(s)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_whole_hit_pins_its_loads_checks_behind_its_forward(make_cpu_server, overlap: bool) -> None:
+    """A request whose every whole page is in L2 (a load, nothing to back up) is the last
+    forward before its checkpoint: its loads' checks are pinned behind that forward from
+    the scheduler thread, through the fence, not on the schedule stream."""
+    s = make_cpu_server(overlap=overlap)
+    tokens = in_l2_only(s, 64)
+    seen = _record_submissions(s)
+    r = serve(s, tokens)
+    assert r.host_hit_length == 5 * PAGE
+    assert ("h2d", "forward") in seen and not any(what == "d2h" for what, _ in seen), seen
+    assert [where for what, where in seen if what == "pin"] in (["fence"], ["forward"]), seen
     clean(s)
 
 

@@ -322,6 +322,12 @@ class HiCache:
         self._state.debug_check()
         return op
 
+    def loads_read(self, loads: Iterable[LoadOp]) -> None:
+        """Every kernel of the forward that reads `loads` is enqueued on the caller's
+        current stream: their restore checks follow that forward, not what is queued
+        after it (`CopyEngine.pin_checks_order`). Never blocks."""
+        self.engine.pin_checks_order([op.plan for op in loads if op.plan is not None])
+
     def reserve_host_copy(
         self, tokens: np.ndarray, device_pages: np.ndarray, after: Sequence[LoadOp] = ()
     ) -> list[BackupOp]:

@@ -37,7 +37,7 @@ import abc
 import time
 import enum
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +129,11 @@ class CopyPlan:
     #: an owner whose forward never writes a page it is loading and that waits for the
     #: checks before the forward ends (vLLM's worker, `integrations.vllm.worker`).
     checks_follow_compute: bool = True
+    #: Loads whose checks follow compute: the point of the compute stream where the work
+    #: that reads the pages ends (`CopyEngine.pin_checks_order`; a backend's event). Once
+    #: set, the checks follow it instead of whatever the caller's stream holds when they
+    #: launch (a scheduler may have queued its next forward there by then).
+    checks_after: Any = None
 
     @property
     def num_pages(self) -> int:
@@ -198,6 +203,12 @@ class CopyEngine(abc.ABC):
             exc.submitted += [t for tickets in out for t in tickets if t is not None]
             raise
         return out
+
+    def pin_checks_order(self, plans: Iterable[CopyPlan]) -> None:
+        """The work that reads the pages of these loads is all enqueued on the caller's
+        current stream: their checks that follow compute follow the stream as it is now
+        (`CopyPlan.checks_after`; the first pin of a plan holds). Never blocks. Default:
+        nothing (a backend whose checks follow no stream)."""
 
     def _prepare(self, plan: CopyPlan) -> None:
         """Backend hook of `plan`: check and precompute whatever every layer shares."""

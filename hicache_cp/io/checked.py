@@ -5,12 +5,14 @@ checksums ran (`hicache_cp.io.verify` says what a check is; this module says whe
                   (`checksum_gpu`) reads the same device pages and writes their
                   checksums into the host pool's checksum arena (pinned, in place)
     load (H2D)    once the layer's copy landed, the kernel checksums what is in the
-                  device pages now, after the work the caller's stream had queued
-                  (the forward so far: a write that raced the load into the same
-                  slots is seen; unless the plan says its owner never writes a page
-                  it loads, `CopyPlan.checks_follow_compute`), into the engine's
-                  pinned landed array; when it has run, the host compares with the
-                  stored checksums
+                  device pages now, after the work that reads them (the forward: a
+                  write that raced the load into the same slots is seen), into the
+                  engine's pinned landed array; when it has run, the host compares
+                  with the stored checksums. That work is the caller's stream up to
+                  where the owner pinned it once the forward was enqueued
+                  (`pin_checks_order`), else up to the checks' launch; none for an
+                  owner whose forward never writes a page it loads
+                  (`CopyPlan.checks_follow_compute`)
 
 The kernels are launched lazily, from the tickets' `query`/`wait` (the cache's
 poll and settle: control paths, never the layer hook), on a stream of their
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,12 +150,8 @@ class GpuChecks:
         previous = sync.enter()
         event = sync.event()
         try:
-            if direction is Direction.H2D and any(job.plan.checks_follow_compute for job in jobs):
-                # after what the caller's stream queued so far (the forward)
-                order = sync.event()
-                engine._drv.event_record(order, sync.current_stream())
-                engine._drv.stream_wait_event(self.handle, order)
-                sync.give_back(order)
+            if direction is Direction.H2D:
+                self._follow_compute([job.plan for job in jobs if job.plan.checks_follow_compute])
             for group in _consecutive(jobs):
                 self._launch_group(direction, group)
             engine._drv.event_record(event, self.handle)
@@ -167,6 +166,31 @@ class GpuChecks:
         self._jobs_of[event] = jobs
         for job in jobs:
             job.launched, job.event = True, event
+
+    def _follow_compute(self, plans: list[CopyPlan]) -> None:
+        """The checks stream waits for the compute that reads these loads: the point each
+        plan was pinned at, or what the caller's stream queued so far (the forward)."""
+        pinned = {id(p.checks_after): p.checks_after for p in plans if p.checks_after is not None}
+        for event in pinned.values():
+            self.stream.wait_event(event)
+        if all(p.checks_after is not None for p in plans):
+            return
+        engine, sync = self.engine, self.engine._sync
+        order = sync.event()
+        engine._drv.event_record(order, sync.current_stream())
+        engine._drv.stream_wait_event(self.handle, order)
+        sync.give_back(order)
+
+    def pin_order(self, plans: Iterable[CopyPlan]) -> None:
+        """`CopyEngine.pin_checks_order`: one event on the caller's current stream, for
+        every plan not pinned yet."""
+        todo = [p for p in plans if p.direction is Direction.H2D and p.checks_follow_compute and p.checks_after is None]
+        if not todo:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        for plan in todo:
+            plan.checks_after = event
 
     def _launch_group(self, direction: Direction, jobs: list[CheckJob]) -> None:
         first = jobs[0]
@@ -347,6 +371,11 @@ class CheckedSubmissions:
         if checks is None:
             return out
         return [checks.wrap(plan, parts, layer, tickets) for (parts, layer), tickets in zip(jobs, out)]
+
+    def pin_checks_order(self, plans: Iterable[CopyPlan]) -> None:
+        checks = self._checks_on()
+        if checks is not None:
+            checks.pin_order(plans)
 
     def warm_up(self) -> None:
         """The checks' state made and their kernel compiled now, while `verify` is on."""

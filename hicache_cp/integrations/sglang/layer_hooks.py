@@ -28,7 +28,8 @@ model (the target's pool and the MTP draft's pools each get their own), and
                                            engine call per op, overlapped with what follows
     finish()                               the layers not submitted yet (each model's last
                                            group, or all under a full CUDA-graph replay)
-                                           are submitted after the forward
+                                           are submitted after the forward, and the loads'
+                                           restore checks pinned behind it (`HiCache.loads_read`)
 
 Only hooks that arrive in layer order are evidence that earlier layers were
 written. SGLang's full prefill CUDA-graph replay calls `wait_until(last
@@ -160,13 +161,18 @@ class ForwardCopies:
                 self._submit(fwd, model, upto)
 
     def finish(self) -> None:
-        """Submit what the hooks did not (after the forward; idempotent). On CUDA the
-        caller's current stream must follow the forward (the next forward's start, or
-        `fence.ForwardFence.behind_forward` on the scheduler thread)."""
+        """Submit what the hooks did not, and pin the forward's loads' restore checks
+        behind it (after the forward; idempotent). On CUDA the caller's current stream
+        must follow the forward and nothing enqueued after it (the next forward's start,
+        or `fence.ForwardFence.behind_forward` on the scheduler thread): under overlap
+        scheduling SGLang queues the next forward, and its own stream waits for it,
+        before it processes this forward's results."""
         fwd = self._current
         if fwd is None or fwd.finished:
             return
         fwd.finished = True
+        if fwd.loads:
+            self.cache.loads_read(fwd.loads)
         missing = sum(self._layers[m] - fwd.submitted[m] for m in Model) if fwd.backups else 0
         if missing:
             self.fallback_layers += missing
@@ -176,9 +182,10 @@ class ForwardCopies:
 
     @property
     def unfinished(self) -> bool:
-        """The current forward still has backup layers to submit after it."""
+        """The current forward still has work after it: backup layers to submit, or its
+        loads' checks to pin."""
         fwd = self._current
-        return fwd is not None and not fwd.finished and bool(fwd.backups)
+        return fwd is not None and not fwd.finished and bool(fwd.backups or fwd.loads)
 
     # ---- helpers ------------------------------------------------------------------------
 

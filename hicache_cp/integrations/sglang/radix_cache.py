@@ -489,8 +489,8 @@ class HiCacheCpRadixCache(RadixCache):
         return allocator.alloc(n)
 
     def _finish_forward(self) -> None:
-        """The finished forward's remaining backup layers, from the scheduler thread:
-        ordered behind the forward stream (`fence`)."""
+        """The finished forward's remaining backup layers and its loads' check order, from
+        the scheduler thread: behind the forward stream (`fence`)."""
         if self.copies.unfinished:
             with self.fence.behind_forward():
                 self.copies.finish()
