@@ -91,7 +91,7 @@ class GpuChecks:
         self.stream = torch.cuda.Stream(engine.device_index)
         self.handle = int(self.stream.cuda_stream)
         self.tables = checksum_gpu.DeviceTables(
-            engine.layout, engine.device_pool.layer_ptr, engine.device, checksum_gpu.MAX_PROGRAMS
+            engine.layout, engine.device_pool.layer_ptr, engine.device, checksum_gpu.max_programs(engine.device)
         )
         dev = engine.device_pool.physical_pages
         units = sum(p.num_slots for p in engine.layout.parts) * dev
@@ -184,7 +184,8 @@ class GpuChecks:
     def pin_order(self, plans: Iterable[CopyPlan]) -> None:
         """`CopyEngine.pin_checks_order`: one event on the caller's current stream, for
         every plan not pinned yet."""
-        todo = [p for p in plans if p.direction is Direction.H2D and p.checks_follow_compute and p.checks_after is None]
+        todo = [p for p in plans
+                if p.direction is Direction.H2D and p.checks_follow_compute and p.checks_after is None]  # fmt: skip
         if not todo:
             return
         event = torch.cuda.Event()

@@ -37,8 +37,10 @@ from hicache_cp.layout import KVLayout, Part
 
 #: Words (8 bytes) a program reads per step.
 BLOCK = 1024
-#: The engines' `DeviceTables.max_programs` (None: a program a page and slot).
-MAX_PROGRAMS: int | None = None
+#: Programs a checksum launch of the engines uses per SM of its device (None: a program
+#: a page and slot): fewer leave the SMs' other slots to the forward beside the checks, and
+#: below a few per SM the kernel falls short of the link's rate (docs/integrity.md, Cost).
+PROGRAMS_PER_SM: int | None = 8
 
 
 @functools.lru_cache(maxsize=1)
@@ -100,7 +102,9 @@ class DeviceTables:
     `max_programs`: at most this many programs a launch, and at least one a slot
     (None: one a page and slot)."""
 
-    def __init__(self, layout: KVLayout, layer_ptr: Any, device: torch.device, max_programs: int | None = None) -> None:
+    def __init__(
+        self, layout: KVLayout, layer_ptr: Any, device: torch.device, max_programs: int | None = None
+    ) -> None:
         if max_programs is not None and max_programs < 1:
             raise ValueError(f"max_programs must be >= 1 or None, got {max_programs}")
         self.device = device
@@ -114,6 +118,13 @@ class DeviceTables:
             ptrs = np.array([layer_ptr(p.part, slot) for slot in range(p.num_slots)], dtype=np.int64)
             salts = checksum.salts(p.part, p.layer_ids, p.page_bytes)
             self.parts[p.part] = PartTables(torch.from_numpy(ptrs).to(device), _int64(salts).to(device), p.page_bytes // 8)
+
+
+def max_programs(device: torch.device) -> int | None:
+    """The engines' `DeviceTables.max_programs` on `device` (`PROGRAMS_PER_SM`)."""
+    if PROGRAMS_PER_SM is None:
+        return None
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch(

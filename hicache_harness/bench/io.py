@@ -129,9 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", choices=[m.value for m in Verify], default="off",
                         help="restore checks on the variants' engines (hicache_cp.checksum): their pools keep "
                              "checksums and every planned copy's ticket includes its checks (default off)")
-    parser.add_argument("--checksum-max-programs", type=int, metavar="N",
-                        help="cap the restore checks' kernel launches at N programs "
-                             "(hicache_cp.io.checksum_gpu.MAX_PROGRAMS; default: the library's)")
+    parser.add_argument("--checksum-programs-per-sm", type=int, metavar="N",
+                        help="the restore checks' kernel launches at N programs per SM, 0 for one per page "
+                             "(hicache_cp.io.checksum_gpu.PROGRAMS_PER_SM; default: the library's)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
@@ -511,8 +511,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     global _VERIFY
     _VERIFY = Verify(getattr(args, "verify", "off"))
-    if getattr(args, "checksum_max_programs", None) is not None:
-        checksum_gpu.MAX_PROGRAMS = args.checksum_max_programs  # read when each engine's checks are built
+    per_sm = getattr(args, "checksum_programs_per_sm", None)
+    if per_sm is not None and per_sm < 0:
+        raise InputError(f"--checksum-programs-per-sm must be >= 0 (0: a program a page), got {per_sm}")
+    if per_sm is not None:
+        checksum_gpu.PROGRAMS_PER_SM = per_sm or None  # read when each engine's checks are built
     sizes = [int(x) for x in str(args.pages).split(",") if x]
     names = [x for x in str(args.backends).split(",") if x]
     page_bytes = int(args.page_bytes)
@@ -521,7 +524,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "command": command_line("bench-io"),
         "verify_restores": _VERIFY.value,
-        "checksum_max_programs": checksum_gpu.MAX_PROGRAMS,
+        "checksum_programs_per_sm": checksum_gpu.PROGRAMS_PER_SM,
         "commit": git_commit(),
         "machine": torch.cuda.get_device_name(),
         "host": machine(),

@@ -16,8 +16,8 @@ GPU (when CUDA is there, the checks as `hicache_cp.io.checked` runs them):
 * a compute-bound forward (bf16 matmuls, about `--forward-ms`) alone and beside
   the checks of a load of those pages on the checks' stream: the forward's own
   GPU time with them over without (target: <= 1.01);
-* both again with the kernel's launches capped at 8, 2 and 1 times the SM count
-  (`checksum_gpu.DeviceTables.max_programs`; the default's row comes first).
+* both again with the kernel's launches at one program a page and at 8, 2 and 1
+  programs per SM (`checksum_gpu.PROGRAMS_PER_SM`; the library's row comes first).
 
 Output: a table, and JSON with the provenance (commit, machine, command).
 """
@@ -110,8 +110,8 @@ def numpy_throughput(pages: int, page_bytes: int) -> float:
 
 def gpu_costs(pages: int, page_bytes: int, layers: int, forward_ms: float) -> dict[str, Any]:
     """The kernel's throughput against the PCIe link, and a forward beside the checks, for
-    the library's default launch and for launches capped at a few multiples of the SM
-    count (`DeviceTables.max_programs`), interleaved run by run."""
+    the library's launches and for others of one program a page or a few per SM
+    (`checksum_gpu.PROGRAMS_PER_SM`), each beside its own forward-alone baseline."""
     import torch
 
     from hicache_harness.bench.io import _Gate, _median_ms, _median_timings, measure_peak
@@ -126,10 +126,10 @@ def gpu_costs(pages: int, page_bytes: int, layers: int, forward_ms: float) -> di
     out = torch.empty((layers, pages + 1), dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    caps: list[int | None] = [checksum_gpu.MAX_PROGRAMS, None, 8 * sms, 2 * sms, sms]
-    caps = list(dict.fromkeys(caps))  # the default first, once
+    per_sm = list(dict.fromkeys([checksum_gpu.PROGRAMS_PER_SM, None, 8, 2, 1]))  # the library's first, once
 
-    def tables(cap: int | None) -> Any:
+    def tables(n: int | None) -> Any:
+        cap = None if n is None else n * sms
         return checksum_gpu.DeviceTables(layout, lambda part, slot: buf[slot].data_ptr(), buf.device, cap)
 
     def launch(t: Any) -> None:  # one load's checks: every page of every layer, on their own stream
@@ -156,19 +156,19 @@ def gpu_costs(pages: int, page_bytes: int, layers: int, forward_ms: float) -> di
 
     nbytes = layers * pages * page_bytes
     rows = []
-    for cap in caps:
-        t = tables(cap)
+    for n in per_sm:
+        t = tables(n)
         checks_ms, _ = _median_ms(gate, lambda: checks(t))
         alone = _median_timings(gate, lambda: forward(None))[3]  # beside each variant: the machine drifts
         beside = _median_timings(gate, lambda: forward(t))[3]
         gbps = nbytes / (checks_ms * 1e-3) / 1e9
-        rows.append({"max_programs": cap, "kernel_ms": checks_ms, "kernel_gbps": gbps,
+        rows.append({"programs_per_sm": n, "kernel_ms": checks_ms, "kernel_gbps": gbps,
                      "kernel_over_pcie": gbps / peak["peak_h2d_gbps"], "forward_alone_ms": alone,
                      "forward_with_checks_ms": beside, "forward_with_checks_over_alone": beside / alone})  # fmt: skip
     default = rows[0]
     return {
         "device": torch.cuda.get_device_name(), "sms": sms, **peak, **default, "kernel_bytes": nbytes,
-        "checks_bytes_beside_forward": nbytes, "by_max_programs": rows,
+        "checks_bytes_beside_forward": nbytes, "by_programs_per_sm": rows,
     }
 
 
@@ -205,9 +205,9 @@ def _print_table(r: dict[str, Any]) -> None:
               f"({g['peak_h2d_gbps']:.1f} GB/s; target >= {TARGETS['kernel_over_pcie']:.0f}x)")
         print(f"  forward {g['forward_alone_ms']:.2f} ms alone, {g['forward_with_checks_ms']:.2f} ms beside a load's "
               f"checks: {g['forward_with_checks_over_alone']:.4f}x (target <= {TARGETS['forward_with_checks_over_alone']})")
-        print(f"  by launch size ({g['sms']} SMs): max programs | kernel GB/s | x PCIe | forward beside checks / alone")
-        for row in g["by_max_programs"]:
-            cap = "a page each" if row["max_programs"] is None else row["max_programs"]
+        print(f"  by launch size ({g['sms']} SMs): programs per SM | kernel GB/s | x PCIe | forward beside checks / alone")
+        for row in g["by_programs_per_sm"]:
+            cap = "a page each" if row["programs_per_sm"] is None else row["programs_per_sm"]
             print(f"    {cap!s:>12} | {row['kernel_gbps']:8.0f} | {row['kernel_over_pcie']:5.1f} | "
                   f"{row['forward_with_checks_over_alone']:.4f}")
 
