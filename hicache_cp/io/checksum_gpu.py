@@ -15,8 +15,9 @@ many programs a launch, each taking every k-th page of its slot): for a page it
 streams the page's 64-bit words in blocks of `BLOCK`, accumulates
 A_j * x_j + B_j * (x_j >> 32) in uint64 lanes (wrapping mod 2**64 like numpy),
 sums the lanes, XORs the (part, layer) salt and applies fmix64. Fewer programs
-leave the SMs' other slots to the forward's kernels beside them. One pass over the pages' bytes; the multipliers (16 bytes per word of
-a page, shared by every page) stay in the GPU's L2 cache. The result is
+leave the SMs' other slots to the forward's kernels beside them. One pass over
+the pages' bytes; the multipliers (16 bytes per word of a page, shared by every
+page) stay in the GPU's L2 cache. The result is
 bit-identical to `checksum.checksums` (tests/test_checksum_gpu.py).
 
 Triton is imported when the first kernel is built, so CPU installs never need it.
@@ -49,10 +50,9 @@ def _kernel() -> Any:
     import triton.language as tl
 
     # Only `words` (the loop bound) and the tensors' alignment select a compiled variant:
-    # the first slot, the output's address and its row length change from launch to launch
-    # (an op's first landed layer, a direction's output), and each variant would be
-    # compiled in whichever step first launched it.
-    # The page count `n` changes from launch to launch too.
+    # the first slot, the page count, the output's address and its row length change from
+    # launch to launch (an op's first landed layer, its pages, a direction's output), and
+    # each variant would be compiled in whichever step first launched it.
     @triton.jit(do_not_specialize=["slot0", "n", "out_base", "out_row"])
     def checksum_pages(layer_ptrs, slot0, pages, n, out_base, out_row, out_index, mult_a, mult_b, salts, words,
                        BLOCK: tl.constexpr):  # fmt: skip
