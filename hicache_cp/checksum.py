@@ -185,7 +185,7 @@ def raw_sums(pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
     if out is None:
         out = np.empty(pages.shape[:-1], dtype=np.uint64)
-    if pages.strides[-1] != 1 or any(s % 8 for s in pages.strides[:-1]):
+    if pages.strides[-1] != 1 or pages.strides[0] % 8 or pages.strides[-2] % 8:  # ndim is 2 or 3
         pages = np.ascontiguousarray(pages)
     words = page_bytes // 8
     if words * out.size <= _SMALL_WORDS:  # a few small pages: one matmul over the 32-bit words
@@ -237,11 +237,14 @@ def finalise(raw: np.ndarray, row_salts: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class LayoutSalts:
     """Every (part, slot) of a layout as one row of a table: part p's slot s is row
-    `offsets[p] + s`, and `salts[row]` is that row's `salt`."""
+    `offsets[p] + s`, and `salts[row]` is that row's `salt`; `row_of[(p, layer)]` is
+    the row of p's logical `layer`, `part_at[row]` the part a row belongs to."""
 
     offsets: dict[Part, int]
     salts: np.ndarray  # uint64 [rows], read-only
     rows: int
+    row_of: dict[tuple[Part, int], int]
+    part_at: tuple[Part, ...]
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,12 +252,16 @@ def layout_salts(layout: KVLayout) -> LayoutSalts:
     """The salts of every (part, slot) of `layout`, as rows of one table (memoised)."""
     offsets: dict[Part, int] = {}
     rows: list[np.ndarray] = []
+    row_of: dict[tuple[Part, int], int] = {}
+    part_at: list[Part] = []
     for p in layout.parts:
-        offsets[p.part] = sum(len(r) for r in rows)
+        offsets[p.part] = len(part_at)
         rows.append(salts(p.part, p.layer_ids, p.page_bytes))
+        row_of.update({(p.part, layer): len(part_at) + slot for slot, layer in enumerate(p.layer_ids)})
+        part_at += [p.part] * p.num_slots
     table = np.concatenate(rows)
     table.flags.writeable = False
-    return LayoutSalts(offsets, table, len(table))
+    return LayoutSalts(offsets, table, len(table), row_of, tuple(part_at))
 
 
 def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:

@@ -89,6 +89,43 @@ def test_backup_stores_the_checksum_of_every_copied_page(path: str, pages: str) 
 
 
 @pytest.mark.parametrize("pages", PAGE_LISTS)
+def test_a_backup_checked_layer_by_layer_stores_what_a_whole_op_stores(path: str, pages: str) -> None:
+    """Each layer waited for before the next is submitted: every check covers some rows of
+    the op's table (not all of them, as a whole op's does), and stores the same checksums."""
+    device_pages, host_pages = PAGE_LISTS[pages]
+    whole = backed_up(device_pages, host_pages)
+    engine = make()
+    with closing(whole), closing(engine):
+        plan = engine.plan(Direction.D2H, device_pages, host_pages)
+        for model in Model:
+            for layer in range(engine.layout.num_layers(model)):
+                parts = tuple(p.part for p in engine.layout.parts_of(model) if layer in p.layer_ids)
+                for t in engine.submit_layer(plan, parts, layer):
+                    t.wait()
+        for p in engine.layout.parts:
+            for layer in p.layer_ids:
+                slot = p.slot(layer)
+                want = checksum.checksums(engine.device_pool.layer_view(p.part, slot)[device_pages], p.part, layer)
+                assert np.array_equal(engine.host_pool.sums(p.part)[slot, host_pages], want), (p.part, layer)
+                assert np.array_equal(whole.host_pool.sums(p.part)[slot, host_pages], want), (p.part, layer)
+
+
+def test_the_checksum_table_rows_are_the_parts_slots() -> None:
+    """`HostPool.sums_table` row `offsets[part] + slot` is `sums(part)[slot]` (the same
+    memory), and `layout_salts` names each row's part, layer and salt alike."""
+    with closing(make()) as engine:
+        table, rows = engine.host_pool.sums_table(), checksum.layout_salts(engine.layout)
+        assert len(table) == rows.rows == len(rows.part_at)
+        for p in engine.layout.parts:
+            for layer in p.layer_ids:
+                row = rows.row_of[p.part, layer]
+                assert row == rows.offsets[p.part] + p.slot(layer) and rows.part_at[row] is p.part
+                assert rows.salts[row] == checksum.salt(p.part, layer, p.page_bytes)
+                table[row, 1] = row + 1
+                assert engine.host_pool.sums(p.part)[p.slot(layer), 1] == row + 1
+
+
+@pytest.mark.parametrize("pages", PAGE_LISTS)
 def test_a_load_fails_exactly_the_layer_whose_bytes_differ(path: str, pages: str) -> None:
     device_pages, host_pages = PAGE_LISTS[pages]
     with closing(backed_up(device_pages, host_pages)) as engine:
