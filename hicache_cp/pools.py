@@ -107,7 +107,7 @@ class DevicePool:
     def part_view(self, part: Part) -> np.ndarray | None:
         """numpy view [slots, physical_pages, page_bytes] of a part given (or made) as one
         tensor, on a host-memory pool; None otherwise (then `layer_view` per slot)."""
-        return self._part_views.get(part) if not self.is_cuda else None
+        return self._part_views.get(part)  # none on CUDA
 
     def poison(self, pages: np.ndarray) -> None:
         """Overwrite this rank's share of logical `pages` with `POISON_BYTE` in every part

@@ -145,6 +145,37 @@ def test_a_load_fails_exactly_the_layer_whose_bytes_differ(path: str, pages: str
         assert checked == {"l2": units} and mismatched == {("l2", bad.part.value): 1}
 
 
+@pytest.mark.parametrize("by_layer", [False, True])
+def test_a_load_fails_each_corrupt_layer_of_any_part(path: str, by_layer: bool) -> None:
+    """Two corrupt layers of two parts (their table rows in another order than their
+    tickets): exactly their tickets fail, whether one check covers the whole op or each
+    layer is checked alone."""
+    device_pages, host_pages = PAGE_LISTS["scattered"]
+    with closing(backed_up(device_pages, host_pages)) as engine:
+        corrupt = [(engine.layout.parts[0], 1), (engine.layout.parts[-1], engine.layout.parts[-1].layer_ids[0])]
+        for p, layer in corrupt:
+            engine.host_pool.layer_view(p.part, p.slot(layer))[host_pages[3], 5] ^= 0x01
+        targets = np.setdiff1d(np.arange(1, 2 * PAGES + 8), device_pages)[:PAGES]
+        plan, failed = engine.plan(Direction.H2D, targets, host_pages), []
+        tickets: list[Any] = []
+        for model in Model:
+            for layer in range(engine.layout.num_layers(model)):
+                parts = tuple(p.part for p in engine.layout.parts_of(model) if layer in p.layer_ids)
+                mine = [t for t in engine.submit_layer(plan, parts, layer) if t is not None]
+                tickets += mine
+                for t in mine if by_layer else []:
+                    t._future.exception()  # landed before the next layer is submitted
+                    t.query()
+        for t in tickets:
+            try:
+                t.wait()
+            except CopyFailed:
+                failed.append((t.part, t.layer))
+        assert sorted(failed, key=str) == sorted([(p.part, layer) for p, layer in corrupt], key=str)
+        _, mismatched = engine.integrity.snapshot()
+        assert mismatched == {("l2", p.part.value): 1 for p, _ in corrupt}
+
+
 def test_a_forward_waiting_for_its_first_layer_leaves_the_later_copies_checked(path: str) -> None:
     """The forward waits for layer 0 of a load while the later layers are still copying:
     that wait checks only what landed, and every later layer is still checked when it

@@ -123,7 +123,7 @@ FAULTS: list[Fault] = [
           "rows = dev[device_pages[::-1]]\n", ("tests/test_io_engine.py",), "a backup writes pages to the wrong slots"),
     # ---- the cpu backend's restore checks (io/verify.py HostChecks)
     Fault("cpu-check-batch-never-hashes", "hicache_cp/io/verify.py",
-          "todo = sorted({r for r in rows if r not in self._hashed})", "todo = []",
+          "todo = sorted(distinct - self._hashed)", "todo = []",
           ("tests/test_io_cpu_checks.py", "tests/test_restore_checks.py"),
           "a copy hashed in batches stores or compares whatever its op's table held"),
     Fault("cpu-check-run-view-off-by-one", "hicache_cp/io/verify.py", "slice(first, first + n) if one_run",

@@ -96,8 +96,8 @@ class CpuTicket(CopyTicket):
         for each of its tickets in turn)."""
         if not self._verified:
             assert self._checks is not None
-            for t in self._checks.pending:
-                t._future.exception()  # blocks until that copy is done
+            # blocks until the last one is done: one worker runs them in submission order
+            self._checks.pending[-1]._future.exception()
         exc = self._checked()
         if exc is not None:
             raise CopyFailed(f"{self.describe()} failed: {exc}") from exc

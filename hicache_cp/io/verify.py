@@ -174,40 +174,56 @@ class HostChecks:
                 else:
                     landed.append(t)
             tickets = landed
+        if tickets:
+            self._check(tickets)
+
+    def _check(self, tickets: list[Any]) -> None:
+        """Check landed copies: hash what their worker did not, finalise, then store (a
+        backup) or compare (a load) and give each ticket its verdict."""
         if not len(self.device_pages):
             for t in tickets:
                 t.checked(None)
             return
-        if not tickets:
-            return
         row_of = self._salts.row_of
         rows = [row_of[t.part, t.layer] for t in tickets]
-        todo = sorted({r for r in rows if r not in self._hashed})
+        distinct = set(rows)
+        todo = sorted(distinct - self._hashed)
         if todo:
             self._hash_device(todo)
-        self._hashed.difference_update(rows)
-        whole = not self.pending and len(rows) == self._salts.rows and len(set(rows)) == len(rows)
+        self._hashed -= distinct
         index: np.ndarray | slice
-        if whole:  # every row, none in flight: finalise the table in place, rows in table order
+        whole = not self.pending and len(rows) == len(distinct) == self._salts.rows
+        if whole:  # every row once, none in flight: the table in place, sums row r is table row r
             index, sums = slice(None), checksum.finalise(self._raw, self._salts.salts)
-            order = sorted(range(len(rows)), key=rows.__getitem__)
-            tickets = [tickets[i] for i in order]
-        else:
+        else:  # sums row i is tickets[i]'s
             index = np.asarray(rows, dtype=np.int64)
             sums = checksum.finalise(self._raw[index], self._salts.salts[index])
             index = index[:, None]
         table, hp = self.engine.host_pool.sums_table(), self.host_pages
         if self.d2h:
             table[index, hp] = sums
-            for t in tickets:
-                t.checked(None)
-            return
-        self.engine.integrity.count_checked("l2", len(self.device_pages) * len(tickets))
-        bad = sums != table[index, hp]
-        wrong = bad.any(axis=1).tolist() if bad.any() else [False] * len(tickets)
-        for t, failed, got in zip(tickets, wrong, sums):
-            t.checked(compare(self.engine, t.part, t.layer, got, hp, self.device_pages, self.request, counted=True)
-                      if failed else None)  # fmt: skip
+            errors: dict[int, IntegrityError | None] = {}
+        else:
+            self.engine.integrity.count_checked("l2", len(self.device_pages) * len(tickets))
+            errors = self._mismatches(tickets, rows if whole else None, sums, sums != table[index, hp])
+        for k, t in enumerate(tickets):
+            t.checked(errors.get(k))
+
+    def _mismatches(
+        self, tickets: list[Any], rows: list[int] | None, sums: np.ndarray, bad: np.ndarray,
+    ) -> dict[int, IntegrityError | None]:
+        """A load's failed tickets (by index) and their errors (`compare`, in ticket order),
+        from `bad` (sums != stored, a row per ticket, or per table row when `rows` gives
+        each ticket's)."""
+        if not bad.any():
+            return {}
+        at = {r: k for k, r in enumerate(rows)} if rows is not None else None  # table row -> ticket index
+        errors: dict[int, IntegrityError | None] = {}
+        for k, i in sorted((at[i] if at is not None else i, i) for i in np.flatnonzero(bad.any(axis=1)).tolist()):
+            t = tickets[k]
+            errors[k] = compare(self.engine, t.part, t.layer, sums[i], self.host_pages, self.device_pages, self.request,
+                                counted=True)  # fmt: skip
+        return errors
 
     def _hash_device(self, rows: list[int]) -> None:
         """The raw sums of the op's device pages of table `rows` (ascending, distinct): one
