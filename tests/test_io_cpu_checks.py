@@ -239,3 +239,17 @@ def test_with_the_checks_off_no_checksum_work_runs(path: str, monkeypatch) -> No
         for t in copy_op(engine, Direction.H2D, device_pages + 1, host_pages):
             t.wait()
         assert not engine.host_pool.has_checksums
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64, 65, 300])
+def test_pages_are_one_run_exactly_when_each_follows_the_last(n: int) -> None:
+    from hicache_cp.io.verify import _run_start
+
+    run = np.arange(7, 7 + n, dtype=np.int64)
+    swapped, gap = run.copy(), run.copy()
+    swapped[[0, -1]] = swapped[[-1, 0]]
+    gap[n // 2 :] += 1
+    for pages in (run, swapped, gap, run[::-1].copy(), np.full(n, 7, dtype=np.int64)):
+        want = int(pages[0]) if bool((np.diff(pages) == 1).all()) else None
+        assert _run_start(pages) == want, pages
+    assert _run_start(np.empty(0, dtype=np.int64)) is None
