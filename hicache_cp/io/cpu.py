@@ -96,8 +96,8 @@ class CpuTicket(CopyTicket):
         for each of its tickets in turn)."""
         if not self._verified:
             assert self._checks is not None
-            # blocks until the last one is done: one worker runs them in submission order
-            self._checks.pending[-1]._future.exception()
+            if self._checks.pending:  # the last one done: one worker runs them in submission order
+                self._checks.pending[-1]._future.exception()
         exc = self._checked()
         if exc is not None:
             raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
