@@ -185,7 +185,7 @@ FAULTS: list[Fault] = [
     Fault("env-below-toml", "hicache_cp/config.py", "        values.update(env_values)\n",
           "        values = {**env_values, **values}\n", ("tests/test_config_sources.py",),
           "the environment no longer beats the TOML file"),
-    Fault("keys-parent-ignored", "hicache_cp/keys.py", "+ np.uint64(parent)", "+ np.uint64(0)",
+    Fault("keys-parent-ignored", "hicache_cp/keys.py", "g += np.uint64(parent)", "g += np.uint64(0)",
           ("tests/test_radix.py",), "a prefix-hash chain does not continue from its parent"),
     # ---- PD: exact counts, nothing truncated, drain before reclaim (rule 9)
     Fault("pd-done-with-missing-layers", "hicache_cp/pd/sender.py",
