@@ -36,8 +36,8 @@ Strength, per page (two byte strings of the same length, P = false match):
   checksum moved together to the wrong place fail.
 
 Cost: two 64-bit multiply-adds per 8 bytes. numpy (`raw_sums`) runs as
-integer sums of products over cache-sized steps (a few small pages: one
-matrix-vector product over their 32-bit words), over pages given as rows or
+integer sums of products over cache-sized steps (up to a MiB of pages: one
+sum of products over their 32-bit words), over pages given as rows or
 as a [layers, pages, page_bytes] view of a pool; the GPU kernel is a single
 pass over the pages (docs/integrity.md has the measurements).
 """
@@ -65,9 +65,11 @@ SALT_SEED = 0x49_4E_54_45_47_52_49_54  # "INTEGRIT"
 #: high halves (as many bytes again) stay in one core's L2 cache.
 _STEP_BYTES = 1 << 19
 #: At most this many 64-bit words in all: one matrix-vector product over the 32-bit words
-#: (the lowest fixed cost); above it einsum's sums of products over the 64-bit words and
-#: their high halves (about twice matmul's speed on integers).
-_SMALL_WORDS = 4096
+#: (the lowest fixed cost). Up to `_MID_WORDS`: one einsum over the 32-bit words (numpy
+#: casts them to 64 bits in buffered chunks; faster than matmul once past its fixed cost).
+#: Above it, steps of einsum over the 64-bit words and their high halves (`_STEP_BYTES`).
+_SMALL_WORDS = 2048
+_MID_WORDS = 1 << 17
 
 
 class Verify(enum.Enum):
@@ -155,7 +157,7 @@ _WORD_MULTS: dict[int, np.ndarray] = {}
 def _word_multipliers(words: int) -> np.ndarray:
     """The multilinear form's M_i over the 32-bit words of a page of `words` 64-bit words
     (M_2j = A_j, M_2j+1 = A_j * 2**32 + B_j): uint64 [2 * words], read-only (memoised;
-    for pages of at most `_SMALL_WORDS` words)."""
+    for pages of at most `_MID_WORDS` words)."""
     m = _WORD_MULTS.get(words)
     if m is None:
         a, b = multipliers(words)
@@ -173,7 +175,8 @@ def raw_sums(pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     [layers, n, page_bytes] view of a pool's buffer needs no gather) -> uint64 [...],
     written into `out` when given (then returned).
 
-    O(bytes), no per-page Python work: per step of about `_STEP_BYTES` of pages,
+    O(bytes), no per-page Python work: up to `_MID_WORDS` words, one integer sum of
+    products over the 32-bit words; above, per step of about `_STEP_BYTES` of pages,
     one pass for the high halves and two integer sums of products (uint64
     products and sums wrap mod 2**64), so a step's pages and its scratch stay in
     a core's L2 cache. Allocates O(min(bytes, _STEP_BYTES)) scratch; numpy
@@ -185,11 +188,16 @@ def raw_sums(pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
     if out is None:
         out = np.empty(pages.shape[:-1], dtype=np.uint64)
-    if pages.strides[-1] != 1 or any(s % 8 for s in pages.strides[:-1]):
+    if pages.strides[-1] != 1 or pages.strides[0] % 8 or pages.strides[-2] % 8:  # ndim is 2 or 3
         pages = np.ascontiguousarray(pages)
     words = page_bytes // 8
-    if words * out.size <= _SMALL_WORDS:  # a few small pages: one matmul over the 32-bit words
-        np.matmul(pages.view(np.uint32), _word_multipliers(words), out=out)
+    total = words * out.size
+    if total <= _MID_WORDS:  # one pass over the 32-bit words
+        halves, m = pages.view(np.uint32), _word_multipliers(words)
+        if total <= _SMALL_WORDS:
+            np.matmul(halves, m, out=out)
+        else:
+            np.einsum("...j,j->...", halves, m, out=out)
         return out
     x = pages.view(np.uint64)
     a, b = multipliers(words)
@@ -237,11 +245,14 @@ def finalise(raw: np.ndarray, row_salts: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class LayoutSalts:
     """Every (part, slot) of a layout as one row of a table: part p's slot s is row
-    `offsets[p] + s`, and `salts[row]` is that row's `salt`."""
+    `offsets[p] + s`, and `salts[row]` is that row's `salt`; `row_of[(p, layer)]` is
+    the row of p's logical `layer`, `part_at[row]` the part a row belongs to."""
 
     offsets: dict[Part, int]
     salts: np.ndarray  # uint64 [rows], read-only
     rows: int
+    row_of: dict[tuple[Part, int], int]
+    part_at: tuple[Part, ...]
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,12 +260,16 @@ def layout_salts(layout: KVLayout) -> LayoutSalts:
     """The salts of every (part, slot) of `layout`, as rows of one table (memoised)."""
     offsets: dict[Part, int] = {}
     rows: list[np.ndarray] = []
+    row_of: dict[tuple[Part, int], int] = {}
+    part_at: list[Part] = []
     for p in layout.parts:
-        offsets[p.part] = sum(len(r) for r in rows)
+        offsets[p.part] = len(part_at)
         rows.append(salts(p.part, p.layer_ids, p.page_bytes))
+        row_of.update({(p.part, layer): len(part_at) + slot for slot, layer in enumerate(p.layer_ids)})
+        part_at += [p.part] * p.num_slots
     table = np.concatenate(rows)
     table.flags.writeable = False
-    return LayoutSalts(offsets, table, len(table))
+    return LayoutSalts(offsets, table, len(table), row_of, tuple(part_at))
 
 
 def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:

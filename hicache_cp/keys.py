@@ -35,15 +35,18 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _P = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible mod 2**64
 _P_INV = np.uint64(pow(int(_P), -1, 1 << 64))
 _POSITION_SEED = 0x5EED_CAFE
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def _splitmix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser of a uint64 array (array products wrap silently: no errstate)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
+    """splitmix64's finaliser of a uint64 array, in place; returns `x` (array products
+    wrap silently: no errstate)."""
+    x ^= x >> _S30
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
 
 
 @functools.lru_cache(maxsize=16)
@@ -67,8 +70,9 @@ def page_hashes(tokens: np.ndarray, page_size: int) -> np.ndarray:
     # A random odd multiplier per position, summed (mod 2**64), then mixed: two pages
     # collide only if their token differences cancel under the multipliers, which has
     # probability about 2**-64 for unrelated pages.
-    summed = (pages * _position_multipliers(page_size)).sum(axis=1, dtype=np.uint64)
-    return _splitmix(summed ^ np.uint64(page_size))
+    summed = pages @ _position_multipliers(page_size)  # the sum of products, mod 2**64
+    summed ^= np.uint64(page_size)
+    return _splitmix(summed)
 
 
 def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.ndarray:
@@ -83,8 +87,12 @@ def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.nda
         return g
     p_pow, p_inv_pow = _powers(n)
     # x_i = P**(i+1) * (parent + sum_{j<=i} g_j * P**-(j+1)); array products wrap silently
-    acc = np.cumsum(g * p_inv_pow, dtype=np.uint64) + np.uint64(parent)
-    return acc * p_pow
+    g *= p_inv_pow
+    np.cumsum(g, out=g)
+    if parent:
+        g += np.uint64(parent)
+    g *= p_pow
+    return g
 
 
 class PrefixHashMemo:
@@ -110,17 +118,20 @@ class PrefixHashMemo:
         known = self._shared_pages(tokens, n)
         if known < n:
             tail = np.asarray(tokens[known * ps : n * ps], dtype=np.int64)
-            parent = int(self._hashes[known - 1]) if known else 0
-            hashes = np.concatenate([self._hashes[:known], prefix_hashes(tail, ps, parent)])
+            if known:
+                fresh = prefix_hashes(tail, ps, int(self._hashes[known - 1]))
+                hashes = np.concatenate([self._hashes[:known], fresh])
+                self._tokens = np.concatenate([self._tokens[: known * ps], tail])
+            else:  # nothing shared: the new pages alone (a copy: the caller's tokens may change)
+                hashes, self._tokens = prefix_hashes(tail, ps), tail.copy()
             hashes.flags.writeable = False
-            self._tokens = np.concatenate([self._tokens[: known * ps], tail])
             self._hashes = hashes
         return self._hashes[:n]
 
     def _shared_pages(self, tokens: np.ndarray, n: int) -> int:
         """How many of the first `n` pages of `tokens` are the memo's first pages."""
         m = min(n, len(self._hashes)) * self.page_size
-        if not m:
+        if not m or tokens[0] != self._tokens[0]:  # another prompt: no page to compare
             return 0
         differ = np.flatnonzero(np.asarray(tokens[:m]) != self._tokens[:m])
         return (m if not len(differ) else int(differ[0])) // self.page_size

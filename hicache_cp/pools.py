@@ -71,6 +71,8 @@ class DevicePool:
         self._layers = _layer_tensors(layout, physical_pages, buffers)
         self.device = next(iter(self._layers.values()))[0].device
         self._views = {} if self.is_cuda else {p: [t.numpy() for t in ts] for p, ts in self._layers.items()}
+        self._part_views = {} if self.is_cuda else {
+            p: b.numpy() for p, b in self.buffers.items() if isinstance(b, torch.Tensor)}  # fmt: skip
 
     @property
     def is_cuda(self) -> bool:
@@ -101,6 +103,11 @@ class DevicePool:
         if self.is_cuda:
             raise TypeError("layer_view is for host-memory device pools; CUDA engines use layer()")
         return self._views[part][slot]
+
+    def part_view(self, part: Part) -> np.ndarray | None:
+        """numpy view [slots, physical_pages, page_bytes] of a part given (or made) as one
+        tensor, on a host-memory pool; None otherwise (then `layer_view` per slot)."""
+        return self._part_views.get(part)  # none on CUDA
 
     def poison(self, pages: np.ndarray) -> None:
         """Overwrite this rank's share of logical `pages` with `POISON_BYTE` in every part
@@ -165,6 +172,7 @@ class HostPool:
         #: (`sums`), pinned like the data so GPU kernels write it in place.
         self.sums_arena: HostArena | None = None
         self._sums: dict[Part, np.ndarray] = {}
+        self._sums_table: np.ndarray | None = None
         self.shared = regions is not None  # the arenas are regions of a shared segment
         if not memory:
             return
@@ -180,6 +188,7 @@ class HostPool:
                                             name=f"L2 checksums rank {rank}")  # fmt: skip
                 flat = np.split(self.sums_arena.numpy().view(np.uint64), np.cumsum(sizes)[:-1])
                 self._sums = {p.part: t.reshape(p.num_slots, physical_pages) for p, t in zip(layout.parts, flat)}
+                self._sums_table = self.sums_arena.numpy().view(np.uint64).reshape(sum(sizes) // physical_pages, -1)
             for p in layout.parts:  # numpy views wait for their arena to be whole
                 self._views[p.part] = self.arenas[p.part].numpy().reshape(p.num_slots, physical_pages, p.page_bytes)
         except BaseException:
@@ -218,6 +227,15 @@ class HostPool:
         (KeyError without a checksum arena)."""
         return self._sums[part]
 
+    def sums_table(self) -> np.ndarray:
+        """Every part's stored checksums as one table, in place: uint64 [rows,
+        physical_pages], the parts' slots in layout order (row `offsets[part] + slot` of
+        `checksum.layout_salts`; `sums(part)` is a block of its rows). KeyError without a
+        checksum arena."""
+        if self._sums_table is None:
+            raise KeyError("no checksum arena")
+        return self._sums_table
+
     def sums_address(self, part: Part) -> int:
         """Address (host = device under UVA) of `sums(part)`'s first entry."""
         return int(self._sums[part].ctypes.data)
@@ -255,6 +273,7 @@ class HostPool:
     def close(self) -> None:
         self._views.clear()
         self._sums.clear()
+        self._sums_table = None
         for arena in self.arenas.values():
             arena.close()
         if self.sums_arena is not None:

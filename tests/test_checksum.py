@@ -151,6 +151,23 @@ def test_raw_sums_of_a_layers_view_equal_each_layers_checksums(pages: int, page_
     assert int(got[0, 0]) == reference(view[0, 0].tobytes(), Part.TARGET_KV, 7)
 
 
+@pytest.mark.parametrize("words", [8, 64, 512])
+def test_the_three_paths_of_raw_sums_agree(words: int) -> None:
+    # Page counts just under and over each path's bound in total words (matrix-vector
+    # product, one einsum over the 32-bit words, steps): every page as it hashes alone.
+    sizes = {checksum._SMALL_WORDS // words, checksum._SMALL_WORDS // words + 1,
+             checksum._MID_WORDS // words, checksum._MID_WORDS // words + 1}  # fmt: skip
+    for n in sorted(sizes):
+        block = np.random.default_rng(n).integers(0, 256, (n, 8 * words), dtype=np.uint8)
+        whole = checksum.raw_sums(block)
+        alone = [int(checksum.raw_sums(block[i : i + 1])[0]) for i in (0, n // 2, n - 1)]
+        assert [int(whole[i]) for i in (0, n // 2, n - 1)] == alone, n
+        last = int(checksum.checksums(block[-1:], Part.DRAFT_KV, 2)[0])
+        assert last == reference(block[-1].tobytes(), Part.DRAFT_KV, 2)
+        layers = checksum.raw_sums(block[: n // 2 * 2].reshape(2, n // 2, 8 * words))
+        assert np.array_equal(layers.reshape(-1), whole[: n // 2 * 2]), n
+
+
 def test_raw_sums_takes_two_or_three_axes() -> None:
     with pytest.raises(ValueError, match="pages must be"):
         checksum.raw_sums(np.zeros((1, 1, 1, 8), np.uint8))

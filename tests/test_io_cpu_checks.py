@@ -89,6 +89,43 @@ def test_backup_stores_the_checksum_of_every_copied_page(path: str, pages: str) 
 
 
 @pytest.mark.parametrize("pages", PAGE_LISTS)
+def test_a_backup_checked_layer_by_layer_stores_what_a_whole_op_stores(path: str, pages: str) -> None:
+    """Each layer waited for before the next is submitted: every check covers some rows of
+    the op's table (not all of them, as a whole op's does), and stores the same checksums."""
+    device_pages, host_pages = PAGE_LISTS[pages]
+    whole = backed_up(device_pages, host_pages)
+    engine = make()
+    with closing(whole), closing(engine):
+        plan = engine.plan(Direction.D2H, device_pages, host_pages)
+        for model in Model:
+            for layer in range(engine.layout.num_layers(model)):
+                parts = tuple(p.part for p in engine.layout.parts_of(model) if layer in p.layer_ids)
+                for t in engine.submit_layer(plan, parts, layer):
+                    t.wait()
+        for p in engine.layout.parts:
+            for layer in p.layer_ids:
+                slot = p.slot(layer)
+                want = checksum.checksums(engine.device_pool.layer_view(p.part, slot)[device_pages], p.part, layer)
+                assert np.array_equal(engine.host_pool.sums(p.part)[slot, host_pages], want), (p.part, layer)
+                assert np.array_equal(whole.host_pool.sums(p.part)[slot, host_pages], want), (p.part, layer)
+
+
+def test_the_checksum_table_rows_are_the_parts_slots() -> None:
+    """`HostPool.sums_table` row `offsets[part] + slot` is `sums(part)[slot]` (the same
+    memory), and `layout_salts` names each row's part, layer and salt alike."""
+    with closing(make()) as engine:
+        table, rows = engine.host_pool.sums_table(), checksum.layout_salts(engine.layout)
+        assert len(table) == rows.rows == len(rows.part_at)
+        for p in engine.layout.parts:
+            for layer in p.layer_ids:
+                row = rows.row_of[p.part, layer]
+                assert row == rows.offsets[p.part] + p.slot(layer) and rows.part_at[row] is p.part
+                assert rows.salts[row] == checksum.salt(p.part, layer, p.page_bytes)
+                table[row, 1] = row + 1
+                assert engine.host_pool.sums(p.part)[p.slot(layer), 1] == row + 1
+
+
+@pytest.mark.parametrize("pages", PAGE_LISTS)
 def test_a_load_fails_exactly_the_layer_whose_bytes_differ(path: str, pages: str) -> None:
     device_pages, host_pages = PAGE_LISTS[pages]
     with closing(backed_up(device_pages, host_pages)) as engine:
@@ -106,6 +143,37 @@ def test_a_load_fails_exactly_the_layer_whose_bytes_differ(path: str, pages: str
         checked, mismatched = engine.integrity.snapshot()
         units = sum(p.num_slots for p in engine.layout.parts) * PAGES
         assert checked == {"l2": units} and mismatched == {("l2", bad.part.value): 1}
+
+
+@pytest.mark.parametrize("by_layer", [False, True])
+def test_a_load_fails_each_corrupt_layer_of_any_part(path: str, by_layer: bool) -> None:
+    """Two corrupt layers of two parts (their table rows in another order than their
+    tickets): exactly their tickets fail, whether one check covers the whole op or each
+    layer is checked alone."""
+    device_pages, host_pages = PAGE_LISTS["scattered"]
+    with closing(backed_up(device_pages, host_pages)) as engine:
+        corrupt = [(engine.layout.parts[0], 1), (engine.layout.parts[-1], engine.layout.parts[-1].layer_ids[0])]
+        for p, layer in corrupt:
+            engine.host_pool.layer_view(p.part, p.slot(layer))[host_pages[3], 5] ^= 0x01
+        targets = np.setdiff1d(np.arange(1, 2 * PAGES + 8), device_pages)[:PAGES]
+        plan, failed = engine.plan(Direction.H2D, targets, host_pages), []
+        tickets: list[Any] = []
+        for model in Model:
+            for layer in range(engine.layout.num_layers(model)):
+                parts = tuple(p.part for p in engine.layout.parts_of(model) if layer in p.layer_ids)
+                mine = [t for t in engine.submit_layer(plan, parts, layer) if t is not None]
+                tickets += mine
+                for t in mine if by_layer else []:
+                    t._future.exception()  # landed before the next layer is submitted
+                    t.query()
+        for t in tickets:
+            try:
+                t.wait()
+            except CopyFailed:
+                failed.append((t.part, t.layer))
+        assert sorted(failed, key=str) == sorted([(p.part, layer) for p, layer in corrupt], key=str)
+        _, mismatched = engine.integrity.snapshot()
+        assert mismatched == {("l2", p.part.value): 1 for p, _ in corrupt}
 
 
 def test_a_forward_waiting_for_its_first_layer_leaves_the_later_copies_checked(path: str) -> None:
@@ -171,3 +239,17 @@ def test_with_the_checks_off_no_checksum_work_runs(path: str, monkeypatch) -> No
         for t in copy_op(engine, Direction.H2D, device_pages + 1, host_pages):
             t.wait()
         assert not engine.host_pool.has_checksums
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64, 65, 300])
+def test_pages_are_one_run_exactly_when_each_follows_the_last(n: int) -> None:
+    from hicache_cp.io.verify import _run_start
+
+    run = np.arange(7, 7 + n, dtype=np.int64)
+    swapped, gap = run.copy(), run.copy()
+    swapped[[0, -1]] = swapped[[-1, 0]]
+    gap[n // 2 :] += 1
+    for pages in (run, swapped, gap, run[::-1].copy(), np.full(n, 7, dtype=np.int64)):
+        want = int(pages[0]) if bool((np.diff(pages) == 1).all()) else None
+        assert _run_start(pages) == want, pages
+    assert _run_start(np.empty(0, dtype=np.int64)) is None

@@ -62,3 +62,31 @@ def test_shared_pages_are_not_hashed_again(monkeypatch: pytest.MonkeyPatch) -> N
 def test_more_pages_than_tokens_is_refused() -> None:
     with pytest.raises(ValueError, match="3 pages asked of 9 tokens"):
         PrefixHashMemo(PS).first(np.arange(9), 3)
+
+
+def _reference(tokens: np.ndarray, page_size: int, parent: int = 0) -> list[int]:
+    """The prefix hashes by their definition, in Python integers: g_i = splitmix64(sum of
+    token * position multiplier, ^ page_size), x_i = x_{i-1} * P + g_i (mod 2**64)."""
+    mask, mults = (1 << 64) - 1, [int(m) for m in keys._position_multipliers(page_size)]
+
+    def splitmix(z: int) -> int:
+        z ^= z >> 30
+        z = (z * 0xBF58476D1CE4E5B9) & mask
+        z ^= z >> 27
+        z = (z * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    out, x = [], parent
+    for i in range(len(tokens) // page_size):
+        page = tokens[i * page_size : (i + 1) * page_size]
+        g = splitmix((sum((int(t) & mask) * m for t, m in zip(page, mults)) & mask) ^ page_size)
+        x = (x * 0x9E3779B97F4A7C15 + g) & mask
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("parent", [0, 0xFEDCBA9876543210])
+def test_prefix_hashes_follow_their_definition(page_size: int, parent: int) -> None:
+    tokens = np.random.default_rng(page_size).integers(-(2**40), 2**40, 37 * page_size + 3)
+    assert prefix_hashes(tokens, page_size, parent).tolist() == _reference(tokens, page_size, parent)

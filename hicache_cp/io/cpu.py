@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache_cp import checksum
 from hicache_cp.io import verify
 from hicache_cp.io.base import CopyEngine, CopyFailed, CopyPlan, CopyTicket, Direction, TicketState, register_backend
 from hicache_cp.layout import Part
@@ -67,12 +68,6 @@ class CpuTicket(CopyTicket):
         """`HostChecks` ran this copy's check (`error`: its failure, None when it passed)."""
         self._verified, self._failed = True, error
 
-    def copy_state(self) -> bool | None:
-        """True: the copy landed, False: it failed, None: in flight."""
-        if not self._future.done():
-            return None
-        return self._future.exception() is None
-
     def _checked(self) -> BaseException | None:
         """The copy's error, else its check's (run now if it has not run)."""
         exc = self._future.exception()
@@ -101,8 +96,8 @@ class CpuTicket(CopyTicket):
         for each of its tickets in turn)."""
         if not self._verified:
             assert self._checks is not None
-            for t in self._checks.pending:
-                t._future.exception()  # blocks until that copy is done
+            if self._checks.pending:  # the last one done: one worker runs them in submission order
+                self._checks.pending[-1]._future.exception()
         exc = self._checked()
         if exc is not None:
             raise CopyFailed(f"{self.describe()} failed: {exc}") from exc
@@ -133,6 +128,7 @@ class CpuCopyEngine(CopyEngine):
             raise ValueError("the cpu io backend needs a host-memory device pool; use 'direct' (or 'auto')")
         self.fault = fault
         self.landed = landed
+        self._salts: checksum.LayoutSalts | None = None  # the checks' table rows, once asked for
         self._workers = {
             d: cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hicache-{d.value}") for d in Direction
         }
@@ -150,7 +146,9 @@ class CpuCopyEngine(CopyEngine):
         self, direction: Direction, device_pages: np.ndarray, host_pages: np.ndarray, check: np.ndarray | None,
         request: Any,
     ) -> verify.HostChecks:
-        return verify.HostChecks(self, direction, device_pages, host_pages, check, request, CpuTicket.copy_state)
+        if self._salts is None:
+            self._salts = checksum.layout_salts(self.layout)
+        return verify.HostChecks(self, direction, device_pages, host_pages, check, request, self._salts)
 
     def _submit(
         self, direction: Direction, part: Part, layer: int, device_pages: np.ndarray, host_pages: np.ndarray,
@@ -163,10 +161,20 @@ class CpuCopyEngine(CopyEngine):
         if checks is None and verify.active(self):  # an unplanned copy: checks of its own
             checks = self._checks(direction, device_pages, host_pages, None, None)
         on_worker = checks if checks is not None and nbytes >= WORKER_CHECK_BYTES else None
-        future = self._workers[direction].submit(
-            self._copy, direction, part, layer, slot, dev, host, device_pages, host_pages, on_worker
-        )
+        copy = (direction, part, layer, slot, dev, host, device_pages, host_pages, on_worker)
+        worker = self._workers[direction]
+        future = worker.submit(self._copy, *copy) if checks is None else worker.submit(self._reported, checks, *copy)
         return CpuTicket(future, direction, part, layer, nbytes, checks)
+
+    def _reported(self, checks: verify.HostChecks, *copy: Any) -> None:
+        """`_copy(*copy)` on the worker, its end reported to the op's `checks` (landed or
+        failed, `HostChecks.finished`); a failure still fails the copy's future."""
+        try:
+            self._copy(*copy)
+        except BaseException:
+            checks.finished(False)
+            raise
+        checks.finished(True)
 
     def _copy(
         self,

@@ -95,21 +95,21 @@ class HostChecks:
     table of them, one row per (part, slot) (`checksum.layout_salts`), either on the
     copy's worker right after the copy (`hash_copied`, `hash_landed`: large copies,
     from the bytes the copy has at hand) or, for the copies that were not, in batches
-    on the asking thread (`run`: one pass per part over every such layer, straight
-    from the device pages, a view when they are one run). `run` then salts and
-    finalises every done copy's sums at once: a backup stores them (the device pages
-    it copied stay as they were until it is decided), a load compares them with the
-    stored ones (`compare`: each failed layer's ticket gets its IntegrityError).
+    on the asking thread (`run`: one pass per block of consecutive slots of a part,
+    straight from the device pages, a view when they are one run). `run` then salts
+    and finalises every done copy's sums at once: a backup stores them (the device
+    pages it copied stay as they were until it is decided), a load compares them with
+    the stored ones (`compare`: each failed layer's ticket gets its IntegrityError).
 
-    `done(ticket)` says whether a ticket's copy finished without error (None: not yet);
-    tickets, appended to `pending` in submission order, have `part`, `layer` and a
-    `checked(error)` callback. `run` runs on the asking thread,
-    the `hash_*` calls on the op's copy worker (one direction, so one worker): a
-    copy's raw sums are read only once its copy is done."""
+    Tickets, appended to `pending` in submission order, have `part`, `layer` and a
+    `checked(error)` callback. The op's copies run in that order on one worker (one
+    direction), which reports each one's end with `finished` after its copy and its
+    hash there: a copy's raw sums are read only once it is reported. `run` runs on
+    the asking thread."""
 
     def __init__(
         self, engine: CopyEngine, direction: Any, device_pages: np.ndarray, host_pages: np.ndarray,
-        check: np.ndarray | None, request: Any, done: Callable[[Any], bool | None],
+        check: np.ndarray | None, request: Any, salts: checksum.LayoutSalts,
     ) -> None:
         self.engine = engine
         self.d2h = direction.value == "d2h"
@@ -117,16 +117,16 @@ class HostChecks:
         self.device_pages, self.host_pages = device_pages[rows], host_pages[rows]
         n = len(self.device_pages)
         # the checked device pages as a slice when they are one run (a view, no gather)
-        first = int(self.device_pages[0]) if n else 0
-        one_run = n > 0 and int(self.device_pages[-1]) - first == n - 1 and bool(
-            (np.diff(self.device_pages) == 1).all())  # fmt: skip
-        self._device_rows: np.ndarray | slice = slice(first, first + n) if one_run else self.device_pages
+        first = _run_start(self.device_pages)
+        self._device_rows: np.ndarray | slice = self.device_pages if first is None else slice(first, first + n)
         self.request = request
-        self._done = done  # True: landed, False: failed, None: in flight
         self.pending: list[Any] = []
-        self._salts = checksum.layout_salts(engine.layout)
-        self._raw = np.empty((self._salts.rows, n), dtype=np.uint64)  # row: (part, slot)
+        self._salts = salts
+        self._raw = np.empty((salts.rows, n), dtype=np.uint64)  # row: (part, slot)
         self._hashed: set[int] = set()  # rows hashed on the copy's worker
+        self._finished = 0  # copies the worker reported, landed or failed
+        self._failed: set[int] = set()  # their submission indices, of those that failed
+        self._taken = 0  # copies that left `pending`
 
     def hash_copied(self, part: Part, slot: int, rows: np.ndarray) -> None:
         """On the copy worker, after a backup's copy: the raw sums of the device pages'
@@ -143,79 +143,124 @@ class HostChecks:
             checksum.raw_sums(layer_view[self._device_rows], out=self._raw[row])
         self._hashed.add(row)
 
+    def finished(self, landed: bool) -> None:
+        """On the copy worker, once per copy in submission order, after the copy and its
+        hash there: whether it landed (False: it failed)."""
+        if not landed:
+            self._failed.add(self._finished)
+        self._finished += 1  # last: `run` reads a copy's outcome once this counts it
+
     def copied(self) -> bool:
-        """Whether every copy of `pending` is done (they finish in submission order)."""
-        return not self.pending or self._done(self.pending[-1]) is not None
+        """Whether every copy of `pending` is done."""
+        return self._finished - self._taken >= len(self.pending)
 
     def run(self) -> None:
         """Check every copy of `pending` that is done, finalising all their sums in one
-        pass. O(done copies): the copies of an op (one direction) finish in the order
-        they were submitted, which is `pending`'s."""
-        by_part: dict[Part, list[Any]] = {}
-        done = 0
-        for t in self.pending:
-            state = self._done(t)
-            if state is None:
-                break
-            done += 1
-            if state:
-                by_part.setdefault(t.part, []).append(t)
-            else:
-                t.checked(None)  # its copy failed: that is its error
+        pass. O(done copies + their pages): the copies of an op finish in the order they
+        were submitted, which is `pending`'s."""
+        done = min(self._finished - self._taken, len(self.pending))
+        if not done:
+            return
+        tickets = self.pending[:done]
         del self.pending[:done]
+        first, self._taken = self._taken, self._taken + done
+        if self._failed:
+            landed = []
+            for i, t in enumerate(tickets, first):
+                if i in self._failed:
+                    t.checked(None)  # its copy failed: that is its error
+                else:
+                    landed.append(t)
+            tickets = landed
+        if tickets:
+            self._check(tickets)
+
+    def _check(self, tickets: list[Any]) -> None:
+        """Check landed copies: hash what their worker did not, finalise, then store (a
+        backup) or compare (a load) and give each ticket its verdict."""
         if not len(self.device_pages):
-            for group in by_part.values():
-                for t in group:
-                    t.checked(None)
+            for t in tickets:
+                t.checked(None)
             return
-        groups: list[tuple[Part, list[Any], list[int]]] = []
-        rows: list[int] = []
-        for part, group in by_part.items():
-            layout, offset = self.engine.layout.part(part), self._salts.offsets[part]
-            slots = [layout.slot(t.layer) for t in group]
-            todo = [s for s in slots if offset + s not in self._hashed]
-            if todo:
-                self._hash_device(part, todo, offset)
-            groups.append((part, group, slots))
-            rows += [offset + s for s in slots]
-        if not rows:
+        row_of = self._salts.row_of
+        rows = [row_of[t.part, t.layer] for t in tickets]
+        distinct = set(rows)
+        todo = sorted(distinct - self._hashed)
+        if todo:
+            self._hash_device(todo)
+        self._hashed -= distinct
+        index: np.ndarray | slice
+        whole = not self.pending and len(rows) == len(distinct) == self._salts.rows
+        if whole:  # every row once, none in flight: the table in place, sums row r is table row r
+            index, sums = slice(None), checksum.finalise(self._raw, self._salts.salts)
+        else:  # sums row i is tickets[i]'s
+            index = np.asarray(rows, dtype=np.int64)
+            sums = checksum.finalise(self._raw[index], self._salts.salts[index])
+            index = index[:, None]
+        table, hp = self.engine.host_pool.sums_table(), self.host_pages
+        if self.d2h:
+            table[index, hp] = sums
+            errors: dict[int, IntegrityError | None] = {}
+        else:
+            self.engine.integrity.count_checked("l2", len(self.device_pages) * len(tickets))
+            errors = self._mismatches(tickets, rows if whole else None, sums, sums != table[index, hp])
+        if not errors:
+            for t in tickets:
+                t.checked(None)
             return
-        index = np.asarray(rows, dtype=np.int64)
-        sums = checksum.finalise(self._raw[index], self._salts.salts[index])
-        if not self.d2h:
-            self.engine.integrity.count_checked("l2", len(self.device_pages) * len(rows))
-        hp, at = self.host_pages, 0
-        for part, group, slots in groups:
-            part_sums, at = sums[at : at + len(slots)], at + len(slots)
-            block = _run_of(slots)
-            table_rows = block if block is not None else np.asarray(slots, dtype=np.int64)[:, None]
-            stored = self.engine.host_pool.sums(part)
-            if self.d2h:
-                stored[table_rows, hp] = part_sums
-                for t in group:
-                    t.checked(None)
-                continue
-            bad = part_sums != stored[table_rows, hp]
-            for t, wrong, got in zip(group, bad, part_sums):
-                t.checked(compare(self.engine, part, t.layer, got, hp, self.device_pages, self.request, counted=True)
-                          if wrong.any() else None)  # fmt: skip
+        for k, t in enumerate(tickets):
+            t.checked(errors.get(k))
 
-    def _hash_device(self, part: Part, slots: list[int], offset: int) -> None:
-        """The raw sums of the op's device pages of `slots` of `part` (table rows `offset`
-        + slot): one pass over a [slots, n, page_bytes] view when the part is one buffer
-        and the slots are consecutive (no gather when the pages are one run), else per slot."""
-        pool, pages = self.engine.device_pool, self._device_rows
-        buf = pool.buffers.get(part)
-        block = _run_of(slots)
-        if hasattr(buf, "numpy") and block is not None:
-            out = self._raw[offset + block.start : offset + block.stop]
-            checksum.raw_sums(buf.numpy()[block, pages], out=out)  # type: ignore[union-attr]
-            return
-        for slot in slots:
-            checksum.raw_sums(pool.layer_view(part, slot)[pages], out=self._raw[offset + slot])
+    def _mismatches(
+        self, tickets: list[Any], rows: list[int] | None, sums: np.ndarray, bad: np.ndarray,
+    ) -> dict[int, IntegrityError | None]:
+        """A load's failed tickets (by index) and their errors (`compare`, in ticket order),
+        from `bad` (sums != stored, a row per ticket, or per table row when `rows` gives
+        each ticket's)."""
+        if not bad.any():
+            return {}
+        at = {r: k for k, r in enumerate(rows)} if rows is not None else None  # table row -> ticket index
+        errors: dict[int, IntegrityError | None] = {}
+        for k, i in sorted((at[i] if at is not None else i, i) for i in np.flatnonzero(bad.any(axis=1)).tolist()):
+            t = tickets[k]
+            errors[k] = compare(self.engine, t.part, t.layer, sums[i], self.host_pages, self.device_pages, self.request,
+                                counted=True)  # fmt: skip
+        return errors
+
+    def _hash_device(self, rows: list[int]) -> None:
+        """The raw sums of the op's device pages of table `rows` (ascending, distinct): one
+        pass over a [slots, n, page_bytes] view per block of consecutive slots of a part
+        that is one buffer (no gather when the pages are one run), else per slot."""
+        pool, pages, part_at = self.engine.device_pool, self._device_rows, self._salts.part_at
+        i = 0
+        while i < len(rows):
+            lo, part = rows[i], part_at[rows[i]]
+            j = i + 1
+            while j < len(rows) and rows[j] == lo + j - i and part_at[rows[j]] is part:
+                j += 1
+            slot, buf = lo - self._salts.offsets[part], pool.part_view(part)
+            if buf is not None:
+                checksum.raw_sums(_pages_of(buf[slot : slot + j - i], pages, 1), out=self._raw[lo : lo + j - i])
+            else:
+                for k in range(j - i):
+                    checksum.raw_sums(_pages_of(pool.layer_view(part, slot + k), pages, 0), out=self._raw[lo + k])
+            i = j
 
 
-def _run_of(slots: list[int]) -> slice | None:
-    """`slots` as a slice when they are consecutive and ascending, else None."""
-    lo = slots[0]
-    return slice(lo, lo + len(slots)) if slots == list(range(lo, lo + len(slots))) else None
+def _pages_of(view: np.ndarray, pages: np.ndarray | slice, axis: int) -> np.ndarray:
+    """`pages` of `view` along its pages' `axis`: a view for a slice, else a gather."""
+    if isinstance(pages, slice):
+        return view[:, pages] if axis else view[pages]
+    return view.take(pages, axis=axis)  # `take` gathers with less overhead than fancy indexing
+
+
+def _run_start(pages: np.ndarray) -> int | None:
+    """The first of `pages` when they are one ascending run of consecutive ids, else None.
+    O(n): a few pages compare as Python ints (cheaper than numpy's fixed cost)."""
+    n = len(pages)
+    if not n or int(pages[-1]) - int(pages[0]) != n - 1:
+        return None
+    first = int(pages[0])
+    if n <= 64:
+        return first if pages.tolist() == list(range(first, first + n)) else None
+    return first if bool((pages[1:] - pages[:-1] == 1).all()) else None
