@@ -90,10 +90,10 @@ SAMPLE_EVERY = 8
 def fmix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser (a bijection of uint64), element-wise on a uint64 array
     (a new array; array products wrap silently)."""
-    return _mix(np.array(x, dtype=np.uint64))
+    return fmix64_in_place(np.array(x, dtype=np.uint64))
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def fmix64_in_place(x: np.ndarray) -> np.ndarray:
     """`fmix64` of the uint64 array `x` in place; returns `x`."""
     x ^= x >> _S30
     x *= _M1
@@ -239,7 +239,7 @@ def finalise(raw: np.ndarray, row_salts: np.ndarray) -> np.ndarray:
     """The checksums of pages whose `raw_sums` are `raw` (uint64 [rows, n]), row i salted
     with `row_salts[i]` (`LayoutSalts.salts` rows), computed in place; returns `raw`."""
     raw ^= row_salts[:, None]
-    return _mix(raw)
+    return fmix64_in_place(raw)
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:
     """The checksum of each page (uint8 [n, page_bytes]) as `part`'s `layer`: uint64 [n]."""
     x = raw_sums(pages)
     x ^= salt(part, layer, pages.shape[1])
-    return _mix(x)
+    return fmix64_in_place(x)
 
 
 def checksums_by_layer(pages: np.ndarray, part: Part, layers: list[int], n: int) -> np.ndarray:

@@ -26,27 +26,14 @@ import hashlib
 
 import numpy as np
 
+from hicache_cp.checksum import fmix64_in_place
 from hicache_cp.tables import GrowingTables
 
 HASH_BYTES = 16  # chain_hashes' digest size
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _P = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible mod 2**64
 _P_INV = np.uint64(pow(int(_P), -1, 1 << 64))
 _POSITION_SEED = 0x5EED_CAFE
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-def _splitmix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser of a uint64 array, in place; returns `x` (array products
-    wrap silently: no errstate)."""
-    x ^= x >> _S30
-    x *= _M1
-    x ^= x >> _S27
-    x *= _M2
-    x ^= x >> _S31
-    return x
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,7 +59,7 @@ def page_hashes(tokens: np.ndarray, page_size: int) -> np.ndarray:
     # probability about 2**-64 for unrelated pages.
     summed = pages @ _position_multipliers(page_size)  # the sum of products, mod 2**64
     summed ^= np.uint64(page_size)
-    return _splitmix(summed)
+    return fmix64_in_place(summed)  # splitmix64's finaliser
 
 
 def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.ndarray:

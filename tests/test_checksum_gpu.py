@@ -137,6 +137,19 @@ def _cuda_cache(**cfg):  # type: ignore[no-untyped-def]
     return HiCache(config, device="cuda")
 
 
+def _a_load(cache):  # type: ignore[no-untyped-def]
+    """A prompt of 8 pages served, gone from L1, matched and loaded back: (prompt, match, load)."""
+    from hicache_harness.engines.synthetic import ReferenceServer
+
+    prompt = np.arange(8 * 16, dtype=np.int64)
+    ReferenceServer(cache).serve(0, prompt)
+    cache.evict_device()
+    m = cache.match_prefix(prompt, request=1)
+    load = cache.load_back(m)
+    assert load is not None
+    return prompt, m, load
+
+
 @gpu
 @needs_cuda
 def test_backups_store_the_checksums_of_what_they_copied_and_a_flip_is_caught() -> None:
@@ -175,21 +188,14 @@ def test_a_forward_writing_into_loaded_slots_is_never_decided_done(ordered: bool
     the copy on another stream, either the copy's bytes win (the load is right and
     DONE) or the check sees the write: a load is DONE only with the right bytes."""
     from hicache_harness import integrity
-    from hicache_harness.engines.synthetic import ReferenceServer
     from hicache_cp.keys import prefix_hashes
     from hicache_cp.ops import LoadState
 
     cache = _cuda_cache()
     with cache:
-        server = ReferenceServer(cache)
-        prompt = np.arange(8 * 16, dtype=np.int64)
-        server.serve(0, prompt)
-        cache.evict_device()
-        m = cache.match_prefix(prompt, request=1)
+        prompt, m, load = _a_load(cache)
         side = torch.cuda.Stream()
         buf = cache.device_pool.buffer(Part.TARGET_KV)
-        load = cache.load_back(m)
-        assert load is not None
         target = torch.from_numpy(load.device_pages[2:6].copy()).cuda()
         if ordered:
             for model in (Model.TARGET, Model.DRAFT):
@@ -225,18 +231,11 @@ def test_a_pinned_loads_checks_follow_its_forward_not_the_work_queued_after_it(p
     forward is enqueued (`HiCache.loads_read`), the load's checks follow that forward only:
     the load is decided while the next forward still runs, and a write the forward made
     into the loaded slots is still seen. Unpinned, they also wait for the next forward."""
-    from hicache_harness.engines.synthetic import ReferenceServer
     from hicache_cp.ops import LoadState
 
     cache = _cuda_cache()
     with cache:
-        server = ReferenceServer(cache)
-        prompt = np.arange(8 * 16, dtype=np.int64)
-        server.serve(0, prompt)
-        cache.evict_device()
-        m = cache.match_prefix(prompt, request=1)
-        load = cache.load_back(m)
-        assert load is not None
+        _, m, load = _a_load(cache)
         for model in (Model.TARGET, Model.DRAFT):  # the forward reads every layer
             for layer in range(cache.layout.num_layers(model)):
                 load.wait_layer(layer, model)
