@@ -34,6 +34,7 @@ from hicache_harness.outputs import write_json
 from hicache_harness.provenance import git_commit, machine
 from hicache_harness.replay import command
 
+_REPO = Path(__file__).resolve().parents[2]
 TIMED = {"run": (verify.HostChecks, "run"), "init": (verify.HostChecks, "__init__"),
          "identity": (lifecycle.Lifecycle, "identity")}  # fmt: skip
 
@@ -52,7 +53,8 @@ def _timed(totals: dict[str, float], key: str, f: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", type=Path, default=Path("../shared/traces/synthetic_trace.jsonl"))
+    ap.add_argument("--trace", type=Path, default=_REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl",
+                    help="Mooncake-format trace (default: the shared one beside the repository)")
     ap.add_argument("--l2-fraction", type=float, default=0.1)
     ap.add_argument("--rounds", type=int, default=3, help="timed replays after one untimed (default 3)")
     ap.add_argument("--json", type=Path)
