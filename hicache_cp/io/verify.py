@@ -19,7 +19,7 @@ completes (`hicache_cp.io.checked`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -198,34 +198,26 @@ class HostChecks:
             sums = checksum.finalise(self._raw[index], self._salts.salts[index])
             index = index[:, None]
         table, hp = self.engine.host_pool.sums_table(), self.host_pages
+        errors: dict[int, IntegrityError | None] = {}
         if self.d2h:
             table[index, hp] = sums
-            errors: dict[int, IntegrityError | None] = {}
         else:
             self.engine.integrity.count_checked("l2", len(self.device_pages) * len(tickets))
-            errors = self._mismatches(tickets, rows if whole else None, sums, sums != table[index, hp])
-        if not errors:
-            for t in tickets:
-                t.checked(None)
-            return
+            errors = self._mismatches(tickets, rows if whole else range(len(tickets)), sums, sums != table[index, hp])
         for k, t in enumerate(tickets):
             t.checked(errors.get(k))
 
     def _mismatches(
-        self, tickets: list[Any], rows: list[int] | None, sums: np.ndarray, bad: np.ndarray,
+        self, tickets: list[Any], sums_row: Sequence[int], sums: np.ndarray, bad: np.ndarray,
     ) -> dict[int, IntegrityError | None]:
-        """A load's failed tickets (by index) and their errors (`compare`, in ticket order),
-        from `bad` (sums != stored, a row per ticket, or per table row when `rows` gives
-        each ticket's)."""
-        if not bad.any():
+        """A load's failed tickets (by index) and their errors (`compare`): ticket k's
+        checksums are row `sums_row[k]` of `sums`, `bad` is sums != stored."""
+        bad_rows = bad.any(axis=1)
+        if not bad_rows.any():
             return {}
-        at = {r: k for k, r in enumerate(rows)} if rows is not None else None  # table row -> ticket index
-        errors: dict[int, IntegrityError | None] = {}
-        for k, i in sorted((at[i] if at is not None else i, i) for i in np.flatnonzero(bad.any(axis=1)).tolist()):
-            t = tickets[k]
-            errors[k] = compare(self.engine, t.part, t.layer, sums[i], self.host_pages, self.device_pages, self.request,
-                                counted=True)  # fmt: skip
-        return errors
+        return {k: compare(self.engine, t.part, t.layer, sums[i], self.host_pages, self.device_pages, self.request,
+                           counted=True)
+                for k, (t, i) in enumerate(zip(tickets, sums_row)) if bad_rows[i]}  # fmt: skip
 
     def _hash_device(self, rows: list[int]) -> None:
         """The raw sums of the op's device pages of table `rows` (ascending, distinct): one
