@@ -29,6 +29,9 @@ class MatchResult:
     l3_len: int = 0  # of those, pages an L3 prefetch fetched for this request (cache.tier3)
     l3_checked: bool = False  # the L3 continuation was looked up (prefetch ran)
     request: object = None  # what the match is for (a request id): named in the ops' warnings
+    #: The page position from which the host copies' identity was checked (`match_prefix`'s
+    #: `checked_from`: an engine that owns L1 loads nothing below its own prefix).
+    checked_from: int = 0
 
     def __post_init__(self) -> None:
         self.host_len = sum(n.num_pages for n in self.host_nodes)

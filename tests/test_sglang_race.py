@@ -12,6 +12,7 @@ Small pools here: latent 64 + rope 16 (160 B a token a layer), 4 layers.
 from __future__ import annotations
 
 import threading
+import time
 from array import array
 from dataclasses import replace
 from pathlib import Path
@@ -82,6 +83,27 @@ def test_the_clock_times_outermost_calls_on_its_thread_only() -> None:
     assert clock.total() > 0
 
 
+def test_the_clock_tells_a_calls_own_cpu_time_from_its_waiting() -> None:
+    """A call that sleeps (as one waiting for the GIL or a host sync does) has wall time
+    but almost no CPU time on the scheduler thread; one that computes has both."""
+
+    class Cache:
+        def waits(self) -> None:
+            time.sleep(0.05)
+
+        def computes(self) -> None:
+            end = time.thread_time() + 0.05
+            while time.thread_time() < end:
+                pass
+
+    cache, clock = Cache(), SchedulerClock()
+    clock.wrap(cache, ("waits", "computes"), "tree")
+    cache.waits()
+    cache.computes()
+    assert clock.seconds["tree.waits"][0] >= 0.05 and clock.cpu_seconds["tree.waits"] < 0.02
+    assert clock.cpu_seconds["tree.computes"] >= 0.05
+
+
 @pytest.mark.parametrize("pools", ["mla", "dsa"])
 def test_hicache_cp_serves_the_evicted_prefix_from_host_with_every_byte_right(pools: str, tmp_path: Path) -> None:
     rows = {b: run_backend(spec(b, pools=pools), STREAM, tokens_per_block=64, workdir=tmp_path / b)
@@ -93,6 +115,7 @@ def test_hicache_cp_serves_the_evicted_prefix_from_host_with_every_byte_right(po
         # one request at a time, none aborted: every prompt token came from one place
         assert row["device_hit_tokens"] + row["host_hit_tokens"] + row["computed_tokens"] == row["prompt_tokens"]
         assert row["tree_cache_ms_per_request"] > 0 and "tree.match_prefix" in row["calls"]
+        assert 0 < row["tree_cache_cpu_ms_per_request"] <= row["tree_cache_ms_per_request"] * 1.01
         assert row["idle_rounds"] == 0  # no round admitted nothing while a request waited (no stall)
     radix, ours = rows["radix"], rows["hicache-cp"]
     assert radix["host_hit_tokens"] == 0 and radix["device_hit_tokens"] == 0  # the prefix was evicted

@@ -70,6 +70,11 @@ class EngineL1:
                 f"load_into: pages [{first_position}, {first_position + n}) are not inside the matched "
                 f"host continuation [{start}, {start + match.host_len})"
             )
+        if first_position < match.checked_from:
+            raise ValueError(
+                f"load_into: page {first_position} is below the match's checked_from ({match.checked_from}): "
+                "the identity of those host copies was not checked"
+            )
         host = match.host_pages[lo : lo + n]
         op = LoadOp(s.layout, device_pages, host, first_position, self.lifecycle._local_pages(device_pages), s.rank)
         op.request = match.request

@@ -240,12 +240,17 @@ class HiCache:
 
     # ---- lookup ------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: np.ndarray, request: object = None, *, count: bool = True) -> MatchResult:
+    def match_prefix(
+        self, tokens: np.ndarray, request: object = None, *, count: bool = True, checked_from: int = 0
+    ) -> MatchResult:
         """Longest cached prefix of `tokens`: device pages, then committed host pages.
         `request` (an id) names the request in the warnings of its loads and backups.
         `count=False` leaves the request out of the hit metrics (L3's share included): an
         engine that matches a request several times before admitting it, and owns L1,
-        counts it once itself (`metrics.record_match`).
+        counts it once itself (`metrics.record_match`). `checked_from`: an engine that
+        owns L1 and holds the first `checked_from` pages itself loads none of them, so
+        the host copies' identity is checked from there on only (`load_into` refuses
+        to load below it).
 
         Side effects: may split a node (the match ends on a boundary), ticks the
         clock, updates hit counts, locks the path to `last_node`, and under
@@ -257,7 +262,7 @@ class HiCache:
         request used yet count as L3 hits (`m.l3_len`), once per landed copy;
         the other host pages count as L2 hits.
         """
-        m = self._prefixes.match_prefix(tokens, count)
+        m = self._prefixes.match_prefix(tokens, count, checked_from)
         m.request = request
         if self._tier3 is not None and count:
             self._tier3.claim(m)

@@ -69,6 +69,9 @@ class Lifecycle:
                 rank=s.rank,
             )
         first = match.host_nodes[0].first_position
+        if first < match.checked_from:
+            raise ValueError(f"load_back: the match was checked from page {match.checked_from} only (load_into's "
+                             f"checked_from), its continuation starts at {first}")  # fmt: skip
         pages = self.evictor.alloc_device(n, first)
         if pages is None:
             s.metrics.loads_skipped += 1

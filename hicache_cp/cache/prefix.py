@@ -30,11 +30,11 @@ class Prefixes:
         self.s = state
         self.lifecycle = lifecycle
 
-    def match_prefix(self, tokens: np.ndarray, count: bool = True) -> MatchResult:
+    def match_prefix(self, tokens: np.ndarray, count: bool = True, checked_from: int = 0) -> MatchResult:
         """See `HiCache.match_prefix`."""
         s = self.s
         s.clock += 1
-        m, used = self._find(tokens)
+        m, used = self._find(tokens, checked_from)
         for node in used:
             node.hit_count += 1
             node.last_access = s.clock
@@ -55,8 +55,9 @@ class Prefixes:
         m, _ = self._find(tokens)
         return m
 
-    def _find(self, tokens: np.ndarray) -> tuple[MatchResult, list[Node]]:
-        """The match of `tokens`, its last node locked, and the path it uses."""
+    def _find(self, tokens: np.ndarray, checked_from: int = 0) -> tuple[MatchResult, list[Node]]:
+        """The match of `tokens`, its last node locked, and the path it uses; the host
+        copies' identity checked from page position `checked_from` on."""
         s = self.s
         pages = whole_pages(tokens, s.layout.page_size)
         path = s.tree.match(pages)
@@ -77,8 +78,8 @@ class Prefixes:
             else:
                 break
             last = node
-        if host_nodes and self.lifecycle.verifying:
-            found = self._first_stale(pages, host_nodes)
+        if host_nodes and self.lifecycle.verifying and host_nodes[-1].end_position > checked_from:
+            found = self._first_stale(pages, host_nodes, checked_from)
             if found is not None:
                 stop, stale = found
                 node = host_nodes[stop]
@@ -88,26 +89,32 @@ class Prefixes:
         used = path[: path.index(last) + 1] if last is not s.tree.root else []
         s.tree.lock(last)
         dev = np.concatenate(device) if device else np.empty(0, dtype=np.int64)
-        return MatchResult(pages, len(pages) // s.layout.page_size, dev, host_nodes, last, waits), used
+        m = MatchResult(pages, len(pages) // s.layout.page_size, dev, host_nodes, last, waits)
+        m.checked_from = checked_from
+        return m, used
 
-    def _first_stale(self, tokens: np.ndarray, host_nodes: list[Node]) -> tuple[int, np.ndarray] | None:
-        """The first node of the host continuation whose L2 pages hold another copy
-        than the tree names (`HostPool.tags`: freed and reused, or dropped): its
-        index and those pages; None when every copy is the one named. Tags are
-        replicated: every rank decides alike. O(tokens matched), in numpy: one
-        comparison for the whole continuation (its nodes' positions are contiguous)."""
-        first = host_nodes[0].first_position
+    def _first_stale(self, tokens: np.ndarray, host_nodes: list[Node], start: int) -> tuple[int, np.ndarray] | None:
+        """The first node of the host continuation whose L2 pages from page position
+        `start` on hold another copy than the tree names (`HostPool.tags`: freed and
+        reused, or dropped): its index and those pages; None when every copy checked
+        is the one named. Tags are replicated: every rank decides alike. O(tokens
+        checked), in numpy: one comparison for the whole continuation (its nodes'
+        positions are contiguous)."""
+        k = next(i for i, node in enumerate(host_nodes) if node.end_position > start)
+        first = max(host_nodes[k].first_position, start)
         tags = self.lifecycle.identity(tokens, first, host_nodes[-1].end_position)
         assert tags is not None
-        held: list[np.ndarray] = [node.host_pages for node in host_nodes]  # type: ignore[misc]
+        held: list[np.ndarray] = [node.host_pages for node in host_nodes[k:]]  # type: ignore[misc]
+        held[0] = held[0][first - host_nodes[k].first_position :]
         stale = self.s.host_pool.stale_tags(held[0] if len(held) == 1 else np.concatenate(held), tags)
         if not len(stale):
             return None
-        for i, node in enumerate(host_nodes):  # the node of the first stale page
-            lo = node.first_position - first
+        for i in range(k, len(host_nodes)):  # the node of the first stale page
+            node = host_nodes[i]
+            lo = node.first_position - first  # negative for a node `start` cuts
             if stale[0] < lo + node.num_pages:
                 mine = stale[stale < lo + node.num_pages] - lo
-                return i, held[i][mine]
+                return i, node.host_pages[mine]  # type: ignore[index]
         raise AssertionError(f"stale page {stale[0]} outside the continuation of {len(tags)} pages")
 
     def _drop_stale(self, node: Node, stale: np.ndarray) -> None:

@@ -130,10 +130,14 @@ class SchedulerClock:
 
     A call made from inside another timed call (the tree cache calling its own
     `lock`, a hook reached from `checkpoint`) counts in the outer one only;
-    calls from other threads are not timed.
+    calls from other threads are not timed. `cpu_seconds` is the same calls' CPU
+    time on the scheduler thread (`time.thread_time`): what a call computes, while
+    its wall time also holds what it waits for (the GIL held by another thread, a
+    host sync).
     """
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
     _thread: int = field(default_factory=threading.get_ident)
     _depth: int = 0
 
@@ -146,16 +150,19 @@ class SchedulerClock:
 
     def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         bucket = self.seconds.setdefault(key, [])
+        cpu = self.cpu_seconds
+        cpu.setdefault(key, 0.0)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self._depth or threading.get_ident() != self._thread:
                 return fn(*args, **kwargs)
             self._depth += 1
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 bucket.append(time.perf_counter() - t0)
+                cpu[key] += time.thread_time() - c0
                 self._depth -= 1
 
         return timed

@@ -233,8 +233,9 @@ class HiCacheCpRadixCache(RadixCache):
             return base
         whole = len(params.key) // self.page_size * self.page_size  # SGLang's page_aligned, without its copy
         tokens = np.frombuffer(params.key.raw_token_ids(), dtype=np.int64, count=whole)
-        m = self.cache.match_prefix(tokens, count=False)  # SGLang matches a request again each round
         device_pages = base.device_prefix_len // self.page_size
+        # SGLang matches a request again each round; it loads nothing below its device prefix
+        m = self.cache.match_prefix(tokens, count=False, checked_from=device_pages)
         self.counts.matched(handle, len(tokens), device_pages)
         if m.host_len <= device_pages:
             self.cache.release(m.last_node)

@@ -147,8 +147,9 @@ class SchedulerSide:
         bs = self.plan.block_size
         self.stats.lookups += 1
         tokens = st.tokens(request.num_tokens)
-        m = self.cache.match_prefix(tokens, count=False)  # vLLM looks a waiting request up again each step
         local = num_computed_tokens // bs
+        # vLLM looks a waiting request up again each step; it loads nothing below its own prefix
+        m = self.cache.match_prefix(tokens, count=False, checked_from=local)
         st.lookup = (len(tokens), local)
         end = min(m.device_len + m.host_len, (request.num_tokens - 1) // bs)
         if end <= local:
