@@ -89,9 +89,8 @@ class Prefixes:
         used = path[: path.index(last) + 1] if last is not s.tree.root else []
         s.tree.lock(last)
         dev = np.concatenate(device) if device else np.empty(0, dtype=np.int64)
-        m = MatchResult(pages, len(pages) // s.layout.page_size, dev, host_nodes, last, waits)
-        m.checked_from = checked_from
-        return m, used
+        n = len(pages) // s.layout.page_size
+        return MatchResult(pages, n, dev, host_nodes, last, waits, checked_from=checked_from), used
 
     def _first_stale(self, tokens: np.ndarray, host_nodes: list[Node], start: int) -> tuple[int, np.ndarray] | None:
         """The first node of the host continuation whose L2 pages from page position
