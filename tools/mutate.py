@@ -249,7 +249,8 @@ FAULTS: list[Fault] = [
           "        return False",
           ("tests/test_sglang_radix.py",), "SGLang reuses slots a copy is still reading or writing"),
     Fault("sglang-counts-every-probe", "hicache_cp/integrations/sglang/radix_cache.py",
-          "m = self.cache.match_prefix(tokens, count=False)", "m = self.cache.match_prefix(tokens)",
+          "match_prefix(tokens, count=False, checked_from=device_pages)",
+          "match_prefix(tokens, checked_from=device_pages)",
           ("tests/test_sglang_metrics.py",), "a request SGLang matches each scheduling round is counted each time"),
     Fault("sglang-unwritten-backup-commits", "hicache_cp/integrations/sglang/radix_cache.py",
           "unwritten = [op for op in flow.backups if op.active and op.missing_layers()]",
@@ -257,7 +258,7 @@ FAULTS: list[Fault] = [
           ("tests/test_sglang_radix.py",), "a backup of layers the forward never wrote stays to commit garbage"),
     # ---- vLLM connector
     Fault("vllm-counts-every-lookup", "hicache_cp/integrations/vllm/scheduler.py",
-          "m = self.cache.match_prefix(tokens, count=False)", "m = self.cache.match_prefix(tokens)",
+          "match_prefix(tokens, count=False, checked_from=local)", "match_prefix(tokens, checked_from=local)",
           ("tests/test_vllm_metrics.py",), "a request vLLM looks up again each step is counted each time"),
     Fault("vllm-full-hit-computes-nothing", "hicache_cp/integrations/vllm/scheduler.py",
           "end = min(m.device_len + m.host_len, (request.num_tokens - 1) // bs)",
