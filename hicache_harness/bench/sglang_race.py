@@ -317,7 +317,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['pools']} | {r['backend']} | {r['device_hit_tokens']:,} / {r['host_hit_tokens']:,} / "
             f"{r['computed_tokens']:,} | {r['bytes_h2d'] / 1e6:.0f} / {r['bytes_d2h'] / 1e6:.0f} | "
-            f"{r['tree_cache_ms_per_request']:.3f} ({frac('tree_cache_cpu_ms_per_request')}) | {frac('exposed_load_fraction')} / {frac('exposed_backup_fraction')} | "
+            f"{r['tree_cache_ms_per_request']:.3f} ({frac('tree_cache_cpu_ms_per_request')}) | "
+            f"{frac('exposed_load_fraction')} / {frac('exposed_backup_fraction')} | "
             f"{r['mismatched_bytes']:,} ({r['checked_bytes']:,}) | {r['tree_core'] or '-'} |"
         )
     return "\n".join(lines)
