@@ -92,30 +92,26 @@ def test_a_match_checks_host_copies_identity_from_checked_from_on():
     and no load may read them; a stale copy from `checked_from` on still stops the match."""
     config = Config(model="tiny", page_size=PS, l1_pages=64, io_backend="cpu")  # the injected bug leaks a page
     with HiCache(config) as cache:
-        _stale_below_and_above_checked_from(cache)
+        a = np.arange(4 * PS)
+        (op,) = cache.reserve_host_copy(a, np.array([1, 2, 3, 4]))
+        run_layers(cache, [op])
+        cache.settle()
+        m = cache.match_prefix(a)
+        held = m.host_pages.copy()
+        cache.release(m.last_node)
+        cache.host_pool.tags[held[1]] ^= np.uint64(1)  # page 1's L2 page now holds another copy
 
+        m = cache.match_prefix(a, count=False, checked_from=2)
+        assert (m.host_len, m.checked_from) == (4, 2)  # page 1 is the engine's own: not checked, not loaded
+        assert cache.stats().get("verify_failures_l2_identity", 0) == 0
+        with pytest.raises(ValueError, match="checked_from"):
+            cache.load_into(m, np.array([9, 10, 11]), 1)
+        load = cache.load_into(m, np.array([9, 10]), 2)
+        cache.settle()
+        assert load.state is LoadState.DONE
+        cache.release(m.last_node)
 
-def _stale_below_and_above_checked_from(cache: HiCache) -> None:
-    a = np.arange(4 * PS)
-    (op,) = cache.reserve_host_copy(a, np.array([1, 2, 3, 4]))
-    run_layers(cache, [op])
-    cache.settle()
-    m = cache.match_prefix(a)
-    held = m.host_pages.copy()
-    cache.release(m.last_node)
-    cache.host_pool.tags[held[1]] ^= np.uint64(1)  # page 1's L2 page now holds another copy
-
-    m = cache.match_prefix(a, count=False, checked_from=2)
-    assert (m.host_len, m.checked_from) == (4, 2)  # page 1 is the engine's own: not checked, not loaded
-    assert cache.stats().get("verify_failures_l2_identity", 0) == 0
-    with pytest.raises(ValueError, match="checked_from"):
-        cache.load_into(m, np.array([9, 10, 11]), 1)
-    load = cache.load_into(m, np.array([9, 10]), 2)
-    cache.settle()
-    assert load.state is LoadState.DONE
-    cache.release(m.last_node)
-
-    m = cache.match_prefix(a, count=False, checked_from=1)
-    assert m.host_len == 0  # the node holding page 1 is stale from page 1 on: the match stops before it
-    assert cache.stats()["verify_failures_l2_identity"] == 1
-    cache.release(m.last_node)
+        m = cache.match_prefix(a, count=False, checked_from=1)
+        assert m.host_len == 0  # the node holding page 1 is stale from page 1 on: the match stops before it
+        assert cache.stats()["verify_failures_l2_identity"] == 1
+        cache.release(m.last_node)
