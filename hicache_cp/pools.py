@@ -183,12 +183,14 @@ class HostPool:
                 region = regions[p.part] if regions is not None else None
                 self.arenas[p.part] = HostArena(p.bytes_per_page * physical_pages, pin=pin, name=name, memory=region)
             if checksums or sums_region is not None:
-                sizes = [p.num_slots * physical_pages for p in layout.parts]
-                self.sums_arena = HostArena(8 * sum(sizes), pin=pin, background=False, memory=sums_region,
+                rows = sum(p.num_slots for p in layout.parts)
+                self.sums_arena = HostArena(8 * rows * physical_pages, pin=pin, background=False, memory=sums_region,
                                             name=f"L2 checksums rank {rank}")  # fmt: skip
-                flat = np.split(self.sums_arena.numpy().view(np.uint64), np.cumsum(sizes)[:-1])
-                self._sums = {p.part: t.reshape(p.num_slots, physical_pages) for p, t in zip(layout.parts, flat)}
-                self._sums_table = self.sums_arena.numpy().view(np.uint64).reshape(sum(sizes) // physical_pages, -1)
+                self._sums_table = table = self.sums_arena.numpy().view(np.uint64).reshape(rows, physical_pages)
+                first = 0
+                for p in layout.parts:  # each part's rows, a block of the table
+                    self._sums[p.part] = table[first : first + p.num_slots]
+                    first += p.num_slots
             for p in layout.parts:  # numpy views wait for their arena to be whole
                 self._views[p.part] = self.arenas[p.part].numpy().reshape(p.num_slots, physical_pages, p.page_bytes)
         except BaseException:

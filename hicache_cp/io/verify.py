@@ -27,7 +27,7 @@ import numpy as np
 from hicache_cp import checksum
 from hicache_cp.checksum import Verify
 from hicache_cp.errors import INTEGRITY_MARK, IntegrityError
-from hicache_cp.io.base import CopyFailed
+from hicache_cp.io.base import CopyFailed, Direction
 from hicache_cp.layout import Part
 
 if TYPE_CHECKING:
@@ -108,11 +108,11 @@ class HostChecks:
     the asking thread."""
 
     def __init__(
-        self, engine: CopyEngine, direction: Any, device_pages: np.ndarray, host_pages: np.ndarray,
+        self, engine: CopyEngine, direction: Direction, device_pages: np.ndarray, host_pages: np.ndarray,
         check: np.ndarray | None, request: Any, salts: checksum.LayoutSalts,
     ) -> None:
         self.engine = engine
-        self.d2h = direction.value == "d2h"
+        self.d2h = direction is Direction.D2H
         rows = slice(None) if self.d2h else checked_rows(check, len(device_pages))
         self.device_pages, self.host_pages = device_pages[rows], host_pages[rows]
         n = len(self.device_pages)
