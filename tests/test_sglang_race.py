@@ -27,7 +27,7 @@ from hicache_harness.sglang.env import import_sglang  # noqa: E402
 
 import_sglang()  # SGLang's configs package, on a CPU torch too (see hicache_harness.sglang.env)
 
-from hicache_harness.bench.sglang_race import run_backend, table  # noqa: E402
+from hicache_harness.bench.sglang_race import breakdown_table, run_backend, table  # noqa: E402
 from hicache_harness.bench.sglang_race_forward import token_bytes_torch  # noqa: E402
 from hicache_harness.bench.sglang_race_server import RaceServer, RaceSpec, SchedulerClock  # noqa: E402
 from hicache_harness.sglang.kv_bytes import prefix_hashes, token_bytes  # noqa: E402
@@ -83,6 +83,27 @@ def test_the_clock_times_outermost_calls_on_its_thread_only() -> None:
     assert clock.total() > 0
 
 
+def test_the_clock_breaks_an_outer_call_down_into_the_inner_calls_it_makes() -> None:
+    class Cache:
+        def outer(self) -> None:
+            self.inner()
+            self.inner()
+
+        def inner(self) -> None:
+            pass
+
+    cache, clock = Cache(), SchedulerClock()
+    clock.wrap(cache, ("outer",), "tree")
+    clock.wrap_inner(cache, ("inner",), "cache")
+    cache.outer()
+    other = threading.Thread(target=cache.outer)
+    other.start()
+    other.join()
+    assert len(clock.inner_seconds["cache.inner"]) == 2  # both nested calls, none from the other thread
+    assert list(clock.seconds) == ["tree.outer"]  # the outermost calls' total is not counted twice
+    assert clock.inner_cpu_seconds["cache.inner"] >= 0
+
+
 def test_the_clock_tells_a_calls_own_cpu_time_from_its_waiting() -> None:
     """A call that sleeps (as one waiting for the GIL or a host sync does) has wall time
     but almost no CPU time on the scheduler thread; one that computes has both."""
@@ -125,6 +146,21 @@ def test_hicache_cp_serves_the_evicted_prefix_from_host_with_every_byte_right(po
     assert "hook.wait_until" in ours["calls"] and ours["hook_ms_per_request"] > 0
     assert ours["host_pool_bytes"] <= ours["host_bytes_spec"]
     assert "| hicache-cp |" in table(list(rows.values()))
+
+
+def test_the_breakdown_times_hicache_cps_inner_calls_within_its_outer_ones(tmp_path: Path) -> None:
+    row = run_backend(spec("hicache-cp", breakdown=True), STREAM, tokens_per_block=64, workdir=tmp_path)
+    assert "error" not in row, (row.get("error"), row.get("traceback"))
+    inner, outer = row["inner_calls"], row["calls"]
+    for name in ("copies.begin", "copies.reached", "cache.poll", "cache.match_prefix", "cache.reserve_host_copy",
+                 "cache.on_layers_end", "cache.load_into"):  # fmt: skip
+        assert inner[name]["calls"] > 0, name
+    # the hooks' time holds the layer hook's; one load was planned, the backups' layers submitted
+    assert inner["copies.reached"]["total_ms"] <= outer["hook.wait_until"]["total_ms"]
+    assert inner["copies.reached"]["calls"] == outer["hook.wait_until"]["calls"]
+    assert inner["cache.engine.submit_layer"]["calls"] + inner["cache.engine.submit_layers"]["calls"] > 0
+    text = breakdown_table([row])
+    assert "|   cache.poll |" in text and "| hook.wait_until |" in text
 
 
 def test_a_variant_serves_under_its_switch_interval_and_engine_options(tmp_path: Path) -> None:

@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", type=Path, metavar="DIR",
                    help="cProfile each backend's serving into DIR/<workload>-<pools>-<backend>.prof "
                         "(start-up and calibration left out)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the calls inside the tree cache (each backend's copy engine or controller, "
+                        "its cache's poll and hooks), at any depth, as the row's inner_calls")
     p.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an existing result and exit")
     p.add_argument("--switch-interval", type=float, metavar="S",
                    help="the interpreter's thread switch interval while serving (sys.setswitchinterval; "
@@ -226,6 +229,8 @@ def _measure(server: RaceServer, prompt_tokens: int, calibration: list[tuple[int
         "tree_cache_cpu_ms_per_request": sum(clock.cpu_seconds.values()) * 1e3 / requests,
         "hook_ms_per_request": sum(c["total_ms"] for k, c in calls.items() if k.startswith("hook.")) / requests,
         "calls": calls,
+        "inner_calls": {name: {**_stats(xs), "cpu_ms": clock.inner_cpu_seconds[name] * 1e3}
+                        for name, xs in clock.inner_seconds.items() if xs},
         "forwards": len(times), "forwards_with_load": waited,
         "forward_ms_total": float(sum(times)),
         "calibration": [{"new_tokens": n, "ms": ms} for n, ms in calibration],
@@ -283,7 +288,8 @@ def race(requests: Sequence[TraceRequest], args: argparse.Namespace, device: str
         for backend in args.backends:
             spec = RaceSpec(backend=backend, pools=pools, device=device, device_pages=pages, layers=args.layers,
                             host_ratio=args.host_ratio, sglang_layout=args.sglang_layout, tree_core=args.tree_core,
-                            matmuls=args.matmuls, dim=args.dim, check_bytes=not args.no_check)  # fmt: skip
+                            matmuls=args.matmuls, dim=args.dim, check_bytes=not args.no_check,
+                            breakdown=args.breakdown)  # fmt: skip
             print(f"   {pools} {backend} ...", flush=True)
             profile = None
             if args.profile is not None:
@@ -321,6 +327,19 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             f"{frac('exposed_load_fraction')} / {frac('exposed_backup_fraction')} | "
             f"{r['mismatched_bytes']:,} ({r['checked_bytes']:,}) | {r['tree_core'] or '-'} |"
         )
+    return "\n".join(lines)
+
+
+def breakdown_table(rows: Sequence[dict[str, Any]], top: int = 12) -> str:
+    """Each row's outermost calls and `--breakdown`'s inner calls, the costliest first, in ms a request."""
+    lines = ["| backend | call | calls | ms/request (CPU) | p50 us |", "|---|---|---|---|---|"]
+    for r in rows:
+        n = max(1, r.get("requests", 0))
+        for kind in ("calls", "inner_calls"):
+            ranked = sorted(r.get(kind, {}).items(), key=lambda kv: -kv[1]["total_ms"])[:top]
+            for name, c in ranked:
+                lines.append(f"| {r['backend']} | {'  ' * (kind == 'inner_calls')}{name} | {c['calls']:,} | "
+                             f"{c['total_ms'] / n:.3f} ({c['cpu_ms'] / n:.3f}) | {c['p50_us']:.1f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -379,6 +398,8 @@ def run(args: argparse.Namespace) -> int:
             rows = race(reqs, args, device, peaks, Path(tmp) / name)
             out["workloads"][name] = rows
             print(table(rows), flush=True)
+            if args.breakdown:
+                print(breakdown_table(rows), flush=True)
             if args.json:
                 write_json(args.json, out)  # after every workload: a run cut short keeps what it measured
     if args.json:

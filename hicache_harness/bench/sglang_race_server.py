@@ -69,6 +69,22 @@ TREE_CALLS = (
 )  # fmt: skip
 #: What the forward calls on the layer counter (the pools' get_key_buffer; the TP worker at forward start).
 HOOK_CALLS = ("wait_until", "set_consumer")
+#: `--breakdown`: per backend, (attribute path from the tree cache, methods) timed at any depth
+#: on the scheduler thread: where the tree cache's and the hooks' time goes.
+INNER_CALLS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "hicache-cp": (
+        ("copies", ("begin", "finish", "prepare", "reached")),
+        ("cache", ("poll", "match_prefix", "reserve_host_copy", "on_layers_end", "insert", "loads_read",
+                   "ensure_free", "load_into", "release")),
+        ("cache.engine", ("plan", "submit_layers", "submit_layer", "pin_checks_order")),
+    ),
+    "sglang-hicache": (
+        ("", ("insert", "_evict", "load_back", "_execute_kv_backup", "_drain_device_frees", "_drain_host_frees",
+              "writing_check", "loading_check")),
+        ("cache_controller", ("write", "load", "start_writing", "start_loading", "move_hybrid_indices",
+                              "allocate_host_transfers", "append_host_mem_release")),
+    ),
+}  # fmt: skip
 
 
 class Stalled(RuntimeError):
@@ -99,6 +115,7 @@ class RaceSpec:
     max_prefill_tokens: int = 16384
     context_len: int = 65536
     check_bytes: bool = True
+    breakdown: bool = False  # time the calls inside the tree cache too (INNER_CALLS)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -138,6 +155,10 @@ class SchedulerClock:
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
+    #: `wrap_inner`'s calls: every call on the scheduler thread, at any depth (the parts of
+    #: the outermost calls' time; never in `total`)
+    inner_seconds: dict[str, list[float]] = field(default_factory=dict)
+    inner_cpu_seconds: dict[str, float] = field(default_factory=dict)
     _thread: int = field(default_factory=threading.get_ident)
     _depth: int = 0
 
@@ -147,6 +168,31 @@ class SchedulerClock:
             fn = getattr(obj, name, None)
             if callable(fn):
                 setattr(obj, name, self._timed(f"{group}.{name}", fn))
+
+    def wrap_inner(self, obj: Any, names: Iterable[str], group: str) -> None:
+        """Time `obj`'s methods `names` (those it has) as `group.name` in `inner_seconds`:
+        each call on the scheduler thread, nested or not (where an outer call's time goes)."""
+        for name in names:
+            fn = getattr(obj, name, None)
+            if callable(fn):
+                setattr(obj, name, self._timed_inner(f"{group}.{name}", fn))
+
+    def _timed_inner(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        bucket = self.inner_seconds.setdefault(key, [])
+        cpu = self.inner_cpu_seconds
+        cpu.setdefault(key, 0.0)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._thread:
+                return fn(*args, **kwargs)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                bucket.append(time.perf_counter() - t0)
+                cpu[key] += time.thread_time() - c0
+
+        return timed
 
     def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         bucket = self.seconds.setdefault(key, [])
@@ -243,6 +289,12 @@ class RaceServer(SGLangPrefillServer):
         self.clock.wrap(self.tree_cache, TREE_CALLS, "tree")
         if self.target.layer_transfer_counter is not None:
             self.clock.wrap(self.target.layer_transfer_counter, HOOK_CALLS, "hook")
+        if spec.breakdown:
+            for path, names in INNER_CALLS.get(spec.backend, ()):
+                obj = self.tree_cache
+                for attr in filter(None, path.split(".")):
+                    obj = getattr(obj, attr)
+                self.clock.wrap_inner(obj, names, path or "tree")
         self.policy = SchedulePolicy(self.spec.schedule_policy, self.tree_cache, False, False, False)
         self.waiting: list[Any] = []
         self.chunked_req: Any = None
