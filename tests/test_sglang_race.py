@@ -94,7 +94,7 @@ def test_the_clock_breaks_an_outer_call_down_into_the_inner_calls_it_makes() -> 
 
     cache, clock = Cache(), SchedulerClock()
     clock.wrap(cache, ("outer",), "tree")
-    clock.wrap_inner(cache, ("inner",), "cache")
+    clock.wrap(cache, ("inner",), "cache", inner=True)
     cache.outer()
     other = threading.Thread(target=cache.outer)
     other.start()

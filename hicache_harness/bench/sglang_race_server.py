@@ -155,61 +155,38 @@ class SchedulerClock:
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
-    #: `wrap_inner`'s calls: every call on the scheduler thread, at any depth (the parts of
+    #: `wrap(..., inner=True)`'s calls: every call on the scheduler thread, at any depth (the parts of
     #: the outermost calls' time; never in `total`)
     inner_seconds: dict[str, list[float]] = field(default_factory=dict)
     inner_cpu_seconds: dict[str, float] = field(default_factory=dict)
     _thread: int = field(default_factory=threading.get_ident)
     _depth: int = 0
 
-    def wrap(self, obj: Any, names: Iterable[str], group: str) -> None:
-        """Time `obj`'s methods `names` (those it has) as `group.name`."""
+    def wrap(self, obj: Any, names: Iterable[str], group: str, inner: bool = False) -> None:
+        """Time `obj`'s methods `names` (those it has) as `group.name`; `inner`: in
+        `inner_seconds`, each call on the scheduler thread, nested or not (where an
+        outermost call's time goes)."""
         for name in names:
             fn = getattr(obj, name, None)
             if callable(fn):
-                setattr(obj, name, self._timed(f"{group}.{name}", fn))
+                setattr(obj, name, self._timed(f"{group}.{name}", fn, outermost=not inner))
 
-    def wrap_inner(self, obj: Any, names: Iterable[str], group: str) -> None:
-        """Time `obj`'s methods `names` (those it has) as `group.name` in `inner_seconds`:
-        each call on the scheduler thread, nested or not (where an outer call's time goes)."""
-        for name in names:
-            fn = getattr(obj, name, None)
-            if callable(fn):
-                setattr(obj, name, self._timed_inner(f"{group}.{name}", fn))
-
-    def _timed_inner(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        bucket = self.inner_seconds.setdefault(key, [])
-        cpu = self.inner_cpu_seconds
+    def _timed(self, key: str, fn: Callable[..., Any], outermost: bool) -> Callable[..., Any]:
+        seconds, cpu = (self.seconds, self.cpu_seconds) if outermost else (self.inner_seconds, self.inner_cpu_seconds)
+        bucket = seconds.setdefault(key, [])
         cpu.setdefault(key, 0.0)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != self._thread:
+            if (outermost and self._depth) or threading.get_ident() != self._thread:
                 return fn(*args, **kwargs)
+            self._depth += outermost
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 bucket.append(time.perf_counter() - t0)
                 cpu[key] += time.thread_time() - c0
-
-        return timed
-
-    def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        bucket = self.seconds.setdefault(key, [])
-        cpu = self.cpu_seconds
-        cpu.setdefault(key, 0.0)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth or threading.get_ident() != self._thread:
-                return fn(*args, **kwargs)
-            self._depth += 1
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                bucket.append(time.perf_counter() - t0)
-                cpu[key] += time.thread_time() - c0
-                self._depth -= 1
+                self._depth -= outermost
 
         return timed
 
@@ -294,7 +271,7 @@ class RaceServer(SGLangPrefillServer):
                 obj = self.tree_cache
                 for attr in filter(None, path.split(".")):
                     obj = getattr(obj, attr)
-                self.clock.wrap_inner(obj, names, path or "tree")
+                self.clock.wrap(obj, names, path or "tree", inner=True)
         self.policy = SchedulePolicy(self.spec.schedule_policy, self.tree_cache, False, False, False)
         self.waiting: list[Any] = []
         self.chunked_req: Any = None
