@@ -299,8 +299,8 @@ def _row(section: str, label: str) -> list[str]:
 
 #: The device runs the README's engine tables quote (its pages name them; the README names no commit).
 #: The engine run, the race's runs (one per workload) and the vLLM run the README quotes.
-ENGINE_RESULTS = ("sglang-engine-llama-h100-4e3b13c.json", ("sglang-race-h100-f4d083a.json", "sglang-race-h100-97f0990.json"),
-                  "vllm-race-h100-4e3b13c.json")  # fmt: skip
+ENGINE_RESULTS = ("sglang-engine-llama-run3-h200-ad4cab5.json", ("sglang-race-h100-f4d083a.json", "sglang-race-h100-97f0990.json"),
+                  "vllm-race-h200-ad4cab5.json")  # fmt: skip
 
 
 def test_readme_engine_tables_are_their_files_numbers() -> None:
