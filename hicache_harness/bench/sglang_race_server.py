@@ -35,7 +35,8 @@ changes:
 - the clock: `SchedulerClock` times, on the scheduler thread, every call the
   scheduler makes into the tree cache (`TREE_CALLS`) and into its layer
   counter from the forward (`HOOK_CALLS`), outermost calls only, the same
-  way for every backend.
+  way for every backend; with `breakdown`, the calls inside them too
+  (`INNER_CALLS`: each backend's copy engine or controller, its poll, its hooks).
 
 Host bytes: SGLang sizes its host pool as `--hicache-ratio` x the device
 pool's tokens (plus one padding page); `host_bytes` computes the same and
