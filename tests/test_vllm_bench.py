@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +103,9 @@ from hicache_cp.io.base import CopyFailed, CopyTicket, Direction, TicketState  #
 from hicache_cp.io.cpu import CpuCopyEngine  # noqa: E402
 
 BLOCK = 16
+#: Wall time of a step that schedules nothing (`Bench.run`): a real engine loop spends some, and
+#: without it fifty idle steps can spin by before the cpu engine's copy threads finish a save.
+IDLE_STEP_S = 0.002
 HEAD = 48  # MLA latent (32) + rope (16): one vector per token, float32
 INDEX_HEAD = 132  # V3.2 indexer key: 128 fp8 bytes + a 4-byte scale, per token
 TARGET_LAYERS = 2
@@ -568,6 +572,8 @@ class Bench:
             rec = self.step()
             if rec.scheduled:
                 records.append(rec)
+            else:  # an engine's idle step takes time too: the copy threads (GIL-bound on CPU) get to run
+                time.sleep(IDLE_STEP_S)
         raise AssertionError(f"requests still unfinished after {max_steps} steps: {list(self.sched.requests)}")
 
     def _index(self, blocks, pos: np.ndarray):
