@@ -37,7 +37,7 @@ def test_runs_pool_their_host_hits_and_count_the_runs_each_side_won() -> None:
     assert ours["half_from_host_ttft_p50_ms_pooled"] == pytest.approx((32.0 + 36.0) / 2)
     assert ours["half_from_host_ttft_p50_ms_by_run"] == [31.0, 37.0]
     assert ours["greedy_identical_to_none_by_run"] == [True, None]
-    assert summary["runs_at_most_sglang"] == 1
+    assert engine_runs.runs_at_most_sglang(summary) == 1
 
 
 def test_runs_of_different_commits_do_not_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -289,6 +289,11 @@ def serve_one(engine: Any, group: int, rnd: int, ids: list[int], new_tokens: int
             "computed_tokens": len(ids) - cached, "output_ids": list(last.get("output_ids", []))}  # fmt: skip
 
 
+def half_from_host(requests: list[dict[str, Any]]) -> list[float]:
+    """TTFTs of the requests with at least half their prompt from host (the bench's host hits)."""
+    return [q["ttft_ms"] for q in requests if q["host_tokens"] * 2 >= q["prompt_tokens"]]
+
+
 def summarise(rows: dict[str, dict[str, Any]]) -> None:
     """TTFT percentiles, token sources and greedy agreement with the `none` run, per mode."""
     reference = {(q["group"], q["round"]): q["output_ids"] for q in rows.get("none", {}).get("requests", [])}
@@ -297,7 +302,7 @@ def summarise(rows: dict[str, dict[str, Any]]) -> None:
         if not reqs:
             continue
         ttft = np.array([q["ttft_ms"] for q in reqs])
-        half = np.array([q["ttft_ms"] for q in reqs if q["host_tokens"] * 2 >= q["prompt_tokens"]])
+        half = np.array(half_from_host(reqs))
         row.update(
             ttft_p50_ms=float(np.percentile(ttft, 50)), ttft_p90_ms=float(np.percentile(ttft, 90)),
             half_from_host_requests=len(half),

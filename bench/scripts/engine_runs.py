@@ -24,16 +24,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "engines")]
 
 from hicache_harness.outputs import write_json  # noqa: E402
+from sglang_engine import half_from_host  # noqa: E402 - the engine bench's own rule for a host hit
 
 OURS, THEIRS = "hicache-cp", "sglang-hicache"
-
-
-def half_from_host(mode: dict[str, Any]) -> list[float]:
-    """TTFTs of the requests with at least half their prompt from host (sglang_engine.summarise's rule)."""
-    return [q["ttft_ms"] for q in mode.get("requests", []) if q["host_tokens"] * 2 >= q["prompt_tokens"]]
 
 
 def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -42,7 +38,7 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in modes:
         rows = [run["modes"][mode] for run in runs if mode in run["modes"]]
-        pooled = [t for row in rows for t in half_from_host(row)]
+        pooled = [t for row in rows for t in half_from_host(row.get("requests", []))]
         out[mode] = {
             "runs": len(rows),
             "half_from_host_ttft_p50_ms_by_run": [row.get("half_from_host_ttft_p50_ms") for row in rows],
@@ -50,10 +46,15 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "half_from_host_ttft_p50_ms_pooled": statistics.median(pooled) if pooled else None,
             "greedy_identical_to_none_by_run": [row.get("greedy_identical_to_none") for row in rows],
         }
-    if OURS in out and THEIRS in out:
-        pairs = zip(out[OURS]["half_from_host_ttft_p50_ms_by_run"], out[THEIRS]["half_from_host_ttft_p50_ms_by_run"])
-        out["runs_at_most_sglang"] = sum(1 for a, b in pairs if a is not None and b is not None and a <= b)
     return out
+
+
+def runs_at_most_sglang(modes: dict[str, Any]) -> int | None:
+    """Runs whose half-from-host p50 of hicache-cp was at most SGLang HiCache's (None: a mode is missing)."""
+    if OURS not in modes or THEIRS not in modes:
+        return None
+    pairs = zip(modes[OURS]["half_from_host_ttft_p50_ms_by_run"], modes[THEIRS]["half_from_host_ttft_p50_ms_by_run"])
+    return sum(1 for a, b in pairs if a is not None and b is not None and a <= b)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,21 +67,22 @@ def main(argv: list[str] | None = None) -> int:
     if len(ids) != 1:
         print(f"engine_runs: the runs are of different commits or machines: {sorted(ids)}", file=sys.stderr)
         return 2
-    summary = pool(runs)
-    for mode, row in summary.items():
-        if isinstance(row, dict):
-            by_run = ", ".join("-" if v is None else f"{v:.1f}" for v in row["half_from_host_ttft_p50_ms_by_run"])
-            pooled = row["half_from_host_ttft_p50_ms_pooled"]
-            print(f"{mode:15s} half-from-host TTFT p50 by run: {by_run}; pooled over "
-                  f"{row['half_from_host_requests_pooled']} requests: {'-' if pooled is None else f'{pooled:.1f}'} ms; "
-                  f"greedy == none: {row['greedy_identical_to_none_by_run']}")  # fmt: skip
-    if "runs_at_most_sglang" in summary:
-        print(f"runs where {OURS} <= {THEIRS}: {summary['runs_at_most_sglang']} of {len(runs)}")
+    modes = pool(runs)
+    for mode, row in modes.items():
+        by_run = ", ".join("-" if v is None else f"{v:.1f}" for v in row["half_from_host_ttft_p50_ms_by_run"])
+        pooled = row["half_from_host_ttft_p50_ms_pooled"]
+        print(f"{mode:15s} half-from-host TTFT p50 by run: {by_run}; pooled over "
+              f"{row['half_from_host_requests_pooled']} requests: {'-' if pooled is None else f'{pooled:.1f}'} ms; "
+              f"greedy == none: {row['greedy_identical_to_none_by_run']}")  # fmt: skip
+    won = runs_at_most_sglang(modes)
+    if won is not None:
+        print(f"runs where {OURS} <= {THEIRS}: {won} of {len(runs)}")
     if args.json:
         commit, machine = ids.pop()
         write_json(args.json, {"commit": commit, "machine": machine,
                                "command": "python bench/scripts/engine_runs.py " + " ".join(map(str, args.runs)),
-                               "runs": [str(path) for path in args.runs], "modes": summary})  # fmt: skip
+                               "runs": [str(path) for path in args.runs], "modes": modes,
+                               "runs_at_most_sglang": won})  # fmt: skip
     return 0
 
 
