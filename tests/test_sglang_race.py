@@ -192,6 +192,16 @@ def test_a_variant_serves_under_its_switch_interval_and_engine_options(tmp_path:
     assert f"{cpu_io.CpuCopyEngine.__name__}.__init__() got an unexpected keyword argument 'hook_worker_above'" in row["error"]
 
 
+def test_a_profiled_backend_writes_its_top_functions_as_text_beside_the_profile(tmp_path: Path) -> None:
+    """A device run's files come back only as text: the .txt names the tree cache's calls."""
+    prof = tmp_path / "embedded-mla-hicache-cp.prof"
+    row = run_backend(spec("hicache-cp"), STREAM[:2], tokens_per_block=64, workdir=tmp_path / "w", profile=prof)
+    assert "error" not in row and prof.stat().st_size > 0
+    text = prof.with_suffix(".txt").read_text()
+    assert "Ordered by: internal time" in text and "Ordered by: cumulative time" in text
+    assert "flush_pending_backups" in text
+
+
 def test_a_round_that_admits_nothing_fails_the_run_at_once(tmp_path: Path) -> None:
     """A prompt longer than the device pool is never admitted: the first round that admits
     nothing while it waits is a stall (nothing the race calls would change it), recorded as

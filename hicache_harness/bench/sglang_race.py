@@ -50,7 +50,9 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import io
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -97,8 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true", help="do not check bytes")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--profile", type=Path, metavar="DIR",
-                   help="cProfile each backend's serving into DIR/<workload>-<pools>-<backend>.prof "
-                        "(start-up and calibration left out)")
+                   help="cProfile each backend's serving on the scheduler thread into "
+                        "DIR/<workload>-<pools>-<backend>.prof, with its top functions as text beside it (.txt; "
+                        "start-up and calibration left out)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the calls inside the tree cache (each backend's copy engine or controller, "
                         "its cache's poll and hooks), at any depth, as the row's inner_calls")
@@ -109,6 +112,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-option", action="append", default=[], metavar="KEY=INT",
                    help="an option of hicache-cp's copy engine (repeatable), e.g. hook_worker_above=1000000: "
                         "backups issued on the scheduler thread instead of the issue worker")
+
+
+def _write_profile_text(profiler: cProfile.Profile, path: Path, top: int = 80) -> None:
+    """The profile's `top` functions by own time, then by cumulative time, as text (a
+    device run's files come back only as text)."""
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(top)
+    path.write_text(out.getvalue())
 
 
 def run_backend(
@@ -144,6 +157,7 @@ def run_backend(
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(profile)
+                _write_profile_text(profiler, profile.with_suffix(".txt"))
         row.update(_measure(server, prompt, calibration))
     except Exception as exc:  # noqa: BLE001 - the outcome is the record, with what was served
         row.update(failure_record(exc, "serve"))
