@@ -202,6 +202,27 @@ def test_a_profiled_backend_writes_its_top_functions_as_text_beside_the_profile(
     assert "flush_pending_backups" in text
 
 
+def test_a_setting_reaches_hicache_cps_config_and_its_row(tmp_path: Path) -> None:
+    from hicache_harness.bench.sglang_race_server import hicache_cp_env
+
+    s = spec("hicache-cp", settings=(("backup_submits_per_forward", "3"),))
+    assert hicache_cp_env(s)["HICACHE_BACKUP_SUBMITS_PER_FORWARD"] == "3"
+    seen: list[int] = []
+    real = RaceServer.run_until_idle
+
+    def watched(self: RaceServer) -> None:
+        seen.append(self.tree_cache.cache.config.backup_submits_per_forward)
+        real(self)
+
+    RaceServer.run_until_idle = watched  # type: ignore[method-assign]
+    try:
+        row = run_backend(s, STREAM[:1], tokens_per_block=64, workdir=tmp_path)
+    finally:
+        RaceServer.run_until_idle = real  # type: ignore[method-assign]
+    assert "error" not in row and row["settings"] == {"backup_submits_per_forward": "3"}
+    assert seen and set(seen) == {3}
+
+
 def test_a_round_that_admits_nothing_fails_the_run_at_once(tmp_path: Path) -> None:
     """A prompt longer than the device pool is never admitted: the first round that admits
     nothing while it waits is a stall (nothing the race calls would change it), recorded as
@@ -291,6 +312,8 @@ def test_mha_pools_are_written_and_checked_in_k_and_v(tmp_path: Path) -> None:
     (["--io-option", "hook_worker_above"], "--io-option 'hook_worker_above': expected KEY=INT"),
     (["--io-option", "chunk=big"], "--io-option 'chunk=big': expected KEY=INT"),
     (["--switch-interval", "0"], "--switch-interval 0.0: must be in (0, 1] seconds"),
+    (["--setting", "no_such_field=1"], "--setting 'no_such_field=1': expected FIELD=VALUE"),
+    (["--setting", "backup_submits_per_forward"], "--setting 'backup_submits_per_forward': expected FIELD=VALUE"),
 ])  # fmt: skip
 def test_bad_flags_exit_2_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from hicache_harness.cli import main

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import functools
 import io
 import json
@@ -64,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache_cp import Config
 from hicache_harness import checks
 from hicache_harness.bench.sglang_race_server import BACKENDS, POOLS, RaceServer, RaceSpec
 from hicache_harness.errors import InputError
@@ -105,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breakdown", action="store_true",
                    help="also time the calls inside the tree cache (each backend's copy engine or controller, "
                         "its cache's poll and hooks), at any depth, as the row's inner_calls")
+    p.add_argument("--setting", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a field of hicache-cp's Config for its tree cache (repeatable), as HICACHE_<FIELD> takes it, "
+                        "e.g. backup_submits_per_forward=4")
     p.add_argument("--tables", type=Path, metavar="JSON", help="print the tables of an existing result and exit")
     p.add_argument("--switch-interval", type=float, metavar="S",
                    help="the interpreter's thread switch interval while serving (sys.setswitchinterval; "
@@ -136,6 +141,8 @@ def run_backend(
         row["switch_interval_s"] = switch_interval
     if io_options and spec.backend == "hicache-cp":
         row["io_options"] = io_options
+    if spec.settings and spec.backend == "hicache-cp":
+        row["settings"] = dict(spec.settings)
     try:
         with _engine_options(io_options if spec.backend == "hicache-cp" else None):
             server = _build(spec, workdir, row)
@@ -303,7 +310,7 @@ def race(requests: Sequence[TraceRequest], args: argparse.Namespace, device: str
             spec = RaceSpec(backend=backend, pools=pools, device=device, device_pages=pages, layers=args.layers,
                             host_ratio=args.host_ratio, sglang_layout=args.sglang_layout, tree_core=args.tree_core,
                             matmuls=args.matmuls, dim=args.dim, check_bytes=not args.no_check,
-                            breakdown=args.breakdown)  # fmt: skip
+                            breakdown=args.breakdown, settings=parse_settings(args))  # fmt: skip
             print(f"   {pools} {backend} ...", flush=True)
             profile = None
             if args.profile is not None:
@@ -368,9 +375,23 @@ def parse_io_options(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
+def parse_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """`--setting FIELD=VALUE` flags as (field, value) pairs (InputError naming the flag when
+    one is malformed or names no field of hicache-cp's Config)."""
+    fields = {f.name for f in dataclasses.fields(Config)}
+    out = []
+    for item in args.setting:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise InputError(f"--setting {item!r}: expected FIELD=VALUE with a field of hicache-cp's Config")
+        out.append((key, value))
+    return tuple(out)
+
+
 def check_arguments(args: argparse.Namespace) -> str:
     """Every flag checked before any work (exit code 2 naming the flag); the device to use."""
     parse_io_options(args)
+    parse_settings(args)
     if args.switch_interval is not None and not 0 < args.switch_interval <= 1:
         raise InputError(f"--switch-interval {args.switch_interval}: must be in (0, 1] seconds")
     for flag in ("limit", "tokens_per_block", "device_pages", "layers", "host_ratio", "matmuls", "dim"):

@@ -117,6 +117,7 @@ class RaceSpec:
     context_len: int = 65536
     check_bytes: bool = True
     breakdown: bool = False  # time the calls inside the tree cache too (INNER_CALLS)
+    settings: tuple[tuple[str, str], ...] = ()  # hicache-cp's Config fields set for the run (HICACHE_<FIELD>)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -225,10 +226,12 @@ def build_race_pools(spec: RaceSpec) -> Pools:
 
 
 def hicache_cp_env(spec: RaceSpec) -> dict[str, str]:
-    """hicache-cp's settings for the race: SGLang's host bytes; on CPU the cpu engine, unpinned."""
+    """hicache-cp's settings for the race: SGLang's host bytes; on CPU the cpu engine, unpinned;
+    then the spec's own `settings`."""
     env = {"HICACHE_HOST_BUDGET_BYTES": str(spec.host_bytes)}
     if spec.device == "cpu":
         env.update(HICACHE_IO_BACKEND="cpu", HICACHE_PIN_HOST="false")
+    env.update((f"HICACHE_{key.upper()}", value) for key, value in spec.settings)
     return env
 
 
