@@ -10,7 +10,7 @@
 #   base       as shipped
 #   span       --io-option hook_span_inline=64: a run of backup layers issued by the hook in one driver call
 #   gil        --switch-interval 0.0002: the scheduler thread waits less for the GIL
-#   nocheck    HICACHE_VERIFY_RESTORES=off: no restore checks
+#   nocheck    --setting verify_restores=off: no restore checks
 # Results: $DEST/sglang-variants-<gpu>-<commit>.{log,json} (the JSON: bench/device/variants.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +19,7 @@ RACE_ARGS=${RACE_ARGS:-"--workloads embedded --pools mla --limit 100 --tree-core
 VARIANTS=${VARIANTS:-"base||--backends hicache-cp sglang-hicache
 gil||--backends hicache-cp --switch-interval 0.0002
 span||--backends hicache-cp --io-option hook_span_inline=64
-nocheck|HICACHE_VERIFY_RESTORES=off|--backends hicache-cp"}
+nocheck||--backends hicache-cp --setting verify_restores=off"}
 TAG=$GPU-$COMMIT
 WORK=$(mktemp -d)
 LOG=$DEST/sglang-variants-$TAG.log
