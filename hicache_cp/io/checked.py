@@ -211,14 +211,11 @@ class GpuChecks:
         if plan.checksum_state is None:
             rows = verify.checked_rows(plan.check, plan.num_pages)
             cd, ch = plan.device_pages[rows], plan.host_pages[rows]
-            # One upload; each list starts 16-byte aligned, as the kernel was compiled for.
-            n, stride = plan.num_pages, plan.num_pages + plan.num_pages % 2
-            lists = np.zeros(2 * stride + len(cd), dtype=np.int64)
-            lists[:n], lists[stride : stride + n], lists[2 * stride :] = plan.device_pages, plan.host_pages, cd
+            lists, (d, h, c) = pack_lists(plan.device_pages, plan.host_pages, cd)
             with torch.cuda.stream(self.stream):  # pinned: no host wait (torch keeps it until copied)
-                up = torch.from_numpy(lists).pin_memory().to(self.device, non_blocking=True)
-            checked = up[2 * stride :]
-            plan.checksum_state = _PlanPages(up[:n], up[stride : stride + n], cd, ch, checked, checked)
+                up = torch.from_numpy(lists).pin_memory().to(self.device, non_blocking=True)  # one upload
+            checked = up[c]
+            plan.checksum_state = _PlanPages(up[d], up[h], cd, ch, checked, checked)
         return plan.checksum_state
 
     # -- completion ---------------------------------------------------------------------
@@ -298,6 +295,18 @@ class GpuChecks:
         self.stream.synchronize()
         self.landed.clear()
         self._landed_arena.close()
+
+
+def pack_lists(*lists: np.ndarray) -> tuple[np.ndarray, list[slice]]:
+    """`lists` in one int64 array, each starting at an even index (16-byte aligned once
+    the array is, as the checksum kernel is compiled for), and the slice of each."""
+    out = np.zeros(sum(len(a) + len(a) % 2 for a in lists), dtype=np.int64)
+    slices, at = [], 0
+    for a in lists:
+        out[at : at + len(a)] = a
+        slices.append(slice(at, at + len(a)))
+        at += len(a) + len(a) % 2
+    return out, slices
 
 
 def _consecutive(jobs: list[CheckJob]) -> list[list[CheckJob]]:
