@@ -18,10 +18,7 @@ and logical `layer`:
 and a seed, `multipliers`); `fmix64` is splitmix64's finaliser, a bijection.
 Written over the page's 32-bit words w_i (w_2j = low half of x_j, w_2j+1 =
 high half), raw is the multilinear form sum_i M_i * w_i mod 2**64 with
-M_2j = A_j and M_2j+1 = A_j * 2**32 + B_j, all odd. Zero words add nothing
-and a page's multipliers are the first ones of any longer page's, so a page
-padded with zero bytes to a longer length has the same raw sum (pages of
-several sizes can be hashed as one table of the largest size).
+M_2j = A_j and M_2j+1 = A_j * 2**32 + B_j, all odd.
 
 Strength, per page (two byte strings of the same length, P = false match):
 - a change confined to one 32-bit word is always detected (M_i is odd and a
@@ -249,16 +246,13 @@ def finalise(raw: np.ndarray, row_salts: np.ndarray) -> np.ndarray:
 class LayoutSalts:
     """Every (part, slot) of a layout as one row of a table: part p's slot s is row
     `offsets[p] + s`, and `salts[row]` is that row's `salt`; `row_of[(p, layer)]` is
-    the row of p's logical `layer`, `part_at[row]` the part a row belongs to and
-    `page_bytes[row]` its page size (`max_page_bytes` the largest)."""
+    the row of p's logical `layer`, `part_at[row]` the part a row belongs to."""
 
     offsets: dict[Part, int]
     salts: np.ndarray  # uint64 [rows], read-only
     rows: int
     row_of: dict[tuple[Part, int], int]
     part_at: tuple[Part, ...]
-    page_bytes: tuple[int, ...]
-    max_page_bytes: int
 
 
 @functools.lru_cache(maxsize=64)
@@ -268,16 +262,14 @@ def layout_salts(layout: KVLayout) -> LayoutSalts:
     rows: list[np.ndarray] = []
     row_of: dict[tuple[Part, int], int] = {}
     part_at: list[Part] = []
-    page_bytes: list[int] = []
     for p in layout.parts:
         offsets[p.part] = len(part_at)
         rows.append(salts(p.part, p.layer_ids, p.page_bytes))
         row_of.update({(p.part, layer): len(part_at) + slot for slot, layer in enumerate(p.layer_ids)})
         part_at += [p.part] * p.num_slots
-        page_bytes += [p.page_bytes] * p.num_slots
     table = np.concatenate(rows)
     table.flags.writeable = False
-    return LayoutSalts(offsets, table, len(table), row_of, tuple(part_at), tuple(page_bytes), max(page_bytes))
+    return LayoutSalts(offsets, table, len(table), row_of, tuple(part_at))
 
 
 def checksums(pages: np.ndarray, part: Part, layer: int) -> np.ndarray:

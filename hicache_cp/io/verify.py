@@ -37,11 +37,6 @@ logger = logging.getLogger(__name__)
 
 #: Failing pages named in a warning (the count is always exact).
 MAX_NAMED = 16
-#: An op whose pages of every (part, slot), padded to the largest page size, take at most
-#: this many bytes keeps them as one table (`HostChecks`): every row a batch checks is
-#: hashed in one pass (numpy's fixed cost once, not once per part; the padding costs
-#: little at this size), a backup's rows gathered there by its copies.
-TABLE_BYTES = 1 << 18
 
 
 def active(engine: CopyEngine) -> bool:
@@ -98,20 +93,13 @@ class HostChecks:
 
     Each copy's raw sums (`checksum.raw_sums`, uint64 per page) land in the op's
     table of them, one row per (part, slot) (`checksum.layout_salts`), either on the
-    copy's worker right after the copy (`hash_copied`, `hash_landed`: copies of at
-    least `worker_bytes`, from the bytes the copy has at hand) or, for the copies that
-    were not, in batches on the asking thread (`run`). A small op (its pages of every
-    row, padded with zeros to the largest page size, at most `TABLE_BYTES`) keeps a
-    table of those pages, [rows, n, max_page_bytes]: a backup's copies gather their
-    rows into it on their worker (`gathered`: the bytes they copied), a load's are
-    gathered into it on the asking thread (one pass per block of consecutive slots of
-    a part), and every row a batch needs is hashed in one pass per run of consecutive
-    rows (a whole op: one). A larger op is hashed per block of consecutive slots of a
-    part, straight from the device pages (a view when they are one run). `run` then
-    salts and finalises every done copy's sums at once: a backup stores them (the
-    device pages it copied stay as they were until it is decided), a load compares
-    them with the stored ones (`compare`: each failed layer's ticket gets its
-    IntegrityError).
+    copy's worker right after the copy (`hash_copied`, `hash_landed`: large copies,
+    from the bytes the copy has at hand) or, for the copies that were not, in batches
+    on the asking thread (`run`: one pass per block of consecutive slots of a part,
+    straight from the device pages, a view when they are one run). `run` then salts
+    and finalises every done copy's sums at once: a backup stores them (the device
+    pages it copied stay as they were until it is decided), a load compares them with
+    the stored ones (`compare`: each failed layer's ticket gets its IntegrityError).
 
     Tickets, appended to `pending` in submission order, have `part`, `layer` and a
     `checked(error)` callback. The op's copies run in that order on one worker (one
@@ -121,7 +109,7 @@ class HostChecks:
 
     def __init__(
         self, engine: CopyEngine, direction: Direction, device_pages: np.ndarray, host_pages: np.ndarray,
-        check: np.ndarray | None, request: Any, salts: checksum.LayoutSalts, worker_bytes: int = 0,
+        check: np.ndarray | None, request: Any, salts: checksum.LayoutSalts,
     ) -> None:
         self.engine = engine
         self.d2h = direction is Direction.D2H
@@ -135,24 +123,10 @@ class HostChecks:
         self.pending: list[Any] = []
         self._salts = salts
         self._raw = np.empty((salts.rows, n), dtype=np.uint64)  # row: (part, slot)
-        # the table of the op's pages (zeros past each row's page size), when it is small
-        # and some copy is not hashed on its worker: every copy of an op has len(device_pages) pages
-        table_bytes = salts.rows * n * salts.max_page_bytes
-        small = n and table_bytes <= TABLE_BYTES and len(device_pages) * min(salts.page_bytes) < worker_bytes
-        self._pages = np.zeros((salts.rows, n, salts.max_page_bytes), dtype=np.uint8) if small else None
         self._hashed: set[int] = set()  # rows hashed on the copy's worker
         self._finished = 0  # copies the worker reported, landed or failed
         self._failed: set[int] = set()  # their submission indices, of those that failed
         self._taken = 0  # copies that left `pending`
-
-    def gathered(self, part: Part, slot: int) -> np.ndarray | None:
-        """Where a backup's copy of `part`'s `slot`, not hashed on its worker, gathers its
-        device pages (uint8 [n, page_bytes], a view into the op's table of pages), for
-        `run` to hash in one pass with the others; None when the op keeps no table."""
-        if self._pages is None:
-            return None
-        row = self._salts.offsets[part] + slot
-        return self._pages[row, :, : self._salts.page_bytes[row]]
 
     def hash_copied(self, part: Part, slot: int, rows: np.ndarray) -> None:
         """On the copy worker, after a backup's copy: the raw sums of the device pages'
@@ -246,62 +220,23 @@ class HostChecks:
                 for k, (t, i) in enumerate(zip(tickets, sums_row)) if bad_rows[i]}  # fmt: skip
 
     def _hash_device(self, rows: list[int]) -> None:
-        """The raw sums of the op's device pages of table `rows` (ascending, distinct).
-        With a table of pages: a load's rows gathered into it, then one pass per run of
-        consecutive rows. Without: one pass over a [slots, n, page_bytes] view per block
-        of consecutive slots of a part that is one buffer (no gather when the pages are
-        one run), else per slot."""
-        table = self._pages
-        if table is not None:
-            if not self.d2h:  # a backup's copies gathered theirs (`gathered`)
-                for lo, hi in _blocks(rows, self._salts.part_at):
-                    self._gather(lo, hi, table[lo:hi, :, : self._salts.page_bytes[lo]])
-            for lo, hi in _blocks(rows):
-                checksum.raw_sums(table[lo:hi], out=self._raw[lo:hi])
-            return
-        pool, pages = self.engine.device_pool, self._device_rows
-        for lo, hi in _blocks(rows, self._salts.part_at):
-            part = self._salts.part_at[lo]
+        """The raw sums of the op's device pages of table `rows` (ascending, distinct): one
+        pass over a [slots, n, page_bytes] view per block of consecutive slots of a part
+        that is one buffer (no gather when the pages are one run), else per slot."""
+        pool, pages, part_at = self.engine.device_pool, self._device_rows, self._salts.part_at
+        i = 0
+        while i < len(rows):
+            lo, part = rows[i], part_at[rows[i]]
+            j = i + 1
+            while j < len(rows) and rows[j] == lo + j - i and part_at[rows[j]] is part:
+                j += 1
             slot, buf = lo - self._salts.offsets[part], pool.part_view(part)
             if buf is not None:
-                checksum.raw_sums(_pages_of(buf[slot : slot + hi - lo], pages, 1), out=self._raw[lo:hi])
+                checksum.raw_sums(_pages_of(buf[slot : slot + j - i], pages, 1), out=self._raw[lo : lo + j - i])
             else:
-                for k in range(hi - lo):
+                for k in range(j - i):
                     checksum.raw_sums(_pages_of(pool.layer_view(part, slot + k), pages, 0), out=self._raw[lo + k])
-
-    def _gather(self, lo: int, hi: int, out: np.ndarray) -> None:
-        """The checked device pages of table rows [lo, hi) (consecutive slots of one part)
-        into `out` (uint8 [hi - lo, n, page_bytes]): one copy when the part is one buffer."""
-        pool, pages, part = self.engine.device_pool, self._device_rows, self._salts.part_at[lo]
-        slot, buf = lo - self._salts.offsets[part], pool.part_view(part)
-        if buf is not None:
-            _pages_into(buf[slot : slot + hi - lo], pages, 1, out)
-        else:
-            for k in range(hi - lo):
-                _pages_into(pool.layer_view(part, slot + k), pages, 0, out[k])
-
-
-def _blocks(rows: list[int], part_at: Sequence[Any] | None = None) -> list[tuple[int, int]]:
-    """The maximal runs [lo, hi) of consecutive `rows` (ascending, distinct), each of one
-    part when `part_at` (a row's part) is given. O(len(rows))."""
-    out: list[tuple[int, int]] = []
-    i = 0
-    while i < len(rows):
-        lo = rows[i]
-        j = i + 1
-        while j < len(rows) and rows[j] == lo + j - i and (part_at is None or part_at[rows[j]] is part_at[lo]):
-            j += 1
-        out.append((lo, lo + j - i))
-        i = j
-    return out
-
-
-def _pages_into(view: np.ndarray, pages: np.ndarray | slice, axis: int, out: np.ndarray) -> None:
-    """`_pages_of(view, pages, axis)` copied into `out`, without a temporary array."""
-    if isinstance(pages, slice):
-        np.copyto(out, view[:, pages] if axis else view[pages])
-    else:
-        np.take(view, pages, axis=axis, out=out)
+            i = j
 
 
 def _pages_of(view: np.ndarray, pages: np.ndarray | slice, axis: int) -> np.ndarray:
