@@ -101,9 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true", help="do not check bytes")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--profile", type=Path, metavar="DIR",
-                   help="cProfile each backend's serving on the scheduler thread into "
-                        "DIR/<workload>-<pools>-<backend>.prof, with its top functions as text beside it (.txt; "
-                        "start-up and calibration left out)")
+                   help="cProfile each backend's serving into DIR/<workload>-<pools>-<backend>.prof, with its "
+                        "top functions as text beside it (.txt; start-up and calibration left out; Python 3.12's "
+                        "cProfile sees every thread)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the calls inside the tree cache (each backend's copy engine or controller, "
                         "its cache's poll and hooks), at any depth, as the row's inner_calls")
