@@ -314,6 +314,7 @@ def test_mha_pools_are_written_and_checked_in_k_and_v(tmp_path: Path) -> None:
     (["--switch-interval", "0"], "--switch-interval 0.0: must be in (0, 1] seconds"),
     (["--setting", "no_such_field=1"], "--setting 'no_such_field=1': expected FIELD=VALUE"),
     (["--setting", "backup_submits_per_forward"], "--setting 'backup_submits_per_forward': expected FIELD=VALUE"),
+    (["--setting", "backup_submits_per_forward=0"], "--setting 'backup_submits_per_forward=0': expected FIELD=VALUE"),
 ])  # fmt: skip
 def test_bad_flags_exit_2_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from hicache_harness.cli import main

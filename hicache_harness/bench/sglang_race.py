@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import dataclasses
 import functools
 import io
 import json
@@ -65,7 +64,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache_cp import Config
+from hicache_cp import Config, ConfigError
+from hicache_cp.config import STRICT_ENV
 from hicache_harness import checks
 from hicache_harness.bench.sglang_race_server import BACKENDS, POOLS, RaceServer, RaceSpec
 from hicache_harness.errors import InputError
@@ -304,13 +304,14 @@ def race(requests: Sequence[TraceRequest], args: argparse.Namespace, device: str
     longest = max(len(request_tokens(r, args.tokens_per_block)) for r in requests)
     # SGLang admits no prompt larger than its pool: the pool holds at least 1.25 of the longest.
     pages = max(args.device_pages, -(-longest * 5 // 4 // 64) + 2)
+    settings = parse_settings(args)
     rows = []
     for pools in args.pools:
         for backend in args.backends:
             spec = RaceSpec(backend=backend, pools=pools, device=device, device_pages=pages, layers=args.layers,
                             host_ratio=args.host_ratio, sglang_layout=args.sglang_layout, tree_core=args.tree_core,
                             matmuls=args.matmuls, dim=args.dim, check_bytes=not args.no_check,
-                            breakdown=args.breakdown, settings=parse_settings(args))  # fmt: skip
+                            breakdown=args.breakdown, settings=settings)  # fmt: skip
             print(f"   {pools} {backend} ...", flush=True)
             profile = None
             if args.profile is not None:
@@ -376,14 +377,18 @@ def parse_io_options(args: argparse.Namespace) -> dict[str, int]:
 
 
 def parse_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
-    """`--setting FIELD=VALUE` flags as (field, value) pairs (InputError naming the flag when
-    one is malformed or names no field of hicache-cp's Config)."""
-    fields = {f.name for f in dataclasses.fields(Config)}
+    """`--setting FIELD=VALUE` flags as (field, value) pairs, each put through hicache-cp's
+    own `HICACHE_<FIELD>` parsing (`Config.resolve`, unknown names refused): InputError
+    naming the flag when one is malformed or its field or value is not one the cache takes."""
     out = []
     for item in args.setting:
         key, sep, value = item.partition("=")
-        if not sep or key not in fields:
+        if not sep or not key:
             raise InputError(f"--setting {item!r}: expected FIELD=VALUE with a field of hicache-cp's Config")
+        try:
+            Config.resolve(env={f"HICACHE_{key.upper()}": value, STRICT_ENV: "1"})
+        except ConfigError as exc:
+            raise InputError(f"--setting {item!r}: expected FIELD=VALUE that hicache-cp's Config takes ({exc})") from None
         out.append((key, value))
     return tuple(out)
 
