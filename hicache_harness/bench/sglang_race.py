@@ -388,7 +388,8 @@ def parse_settings(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
         try:
             Config.resolve(env={f"HICACHE_{key.upper()}": value, STRICT_ENV: "1"})
         except ConfigError as exc:
-            raise InputError(f"--setting {item!r}: expected FIELD=VALUE that hicache-cp's Config takes ({exc})") from None
+            message = f"--setting {item!r}: expected FIELD=VALUE that hicache-cp's Config takes ({exc})"
+            raise InputError(message) from None
         out.append((key, value))
     return tuple(out)
 
