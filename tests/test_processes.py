@@ -11,7 +11,10 @@ all up and working, then ends the parent the three ways an operator does:
 
 and asserts, within 10 s: the exit code, no KeyboardInterrupt traceback, no
 process of the run alive, and no POSIX semaphore of the run left in
-/dev/shm (multiprocessing's `sem.mp-*`; one that no live process maps).
+/dev/shm (multiprocessing's `sem.mp-*` that a process of the run mapped
+while it ran, and that no live process maps now). Semaphores are told apart
+by who mapped them, not by when they appeared: on a shared host another
+process's leak can appear in /dev/shm during the run.
 """
 
 from __future__ import annotations
@@ -61,13 +64,13 @@ def _sems() -> set[str]:
     return {p.name for p in SHM.glob("sem.mp-*")} if SHM.is_dir() else set()
 
 
-def _mapped_sems() -> set[str]:
-    """sem.mp-* names some live process maps (so not left over: still in use)."""
+def _mapped_sems(pids: Iterable[int] | None = None) -> set[str]:
+    """sem.mp-* names that the processes `pids` (default: every live process) map."""
     out: set[str] = set()
-    for proc in psutil.process_iter():
+    for pid in (p.pid for p in psutil.process_iter()) if pids is None else pids:
         try:
-            maps = Path(f"/proc/{proc.pid}/maps").read_text()
-        except (OSError, psutil.Error):
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
             continue
         out.update(line.rsplit("/", 1)[-1] for line in maps.splitlines() if "/dev/shm/sem.mp-" in line)
     return out
@@ -137,7 +140,6 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
     out_json = tmp_path / "out.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "MC_LOG_LEVEL": "ERROR"}  # fmt: skip
-    before = _sems()
     cmd = [sys.executable, "-m", "hicache_harness", "replay", "--trace", str(trace), "--no-verify", "--json", str(out_json),
            *flags]  # fmt: skip
     err_path = tmp_path / "stderr.txt"  # a file, not a pipe: a child left behind would hold a pipe open
@@ -145,11 +147,13 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
         parent = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err,
                                   start_new_session=True)  # fmt: skip
     seen: dict[int, psutil.Process] = {}
+    owned: set[str] = set()  # semaphores a process of the run mapped
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             for p in _workers(_descendants(parent.pid)):
                 seen.setdefault(p.pid, p)
+            owned |= _mapped_sems([parent.pid, *seen])
             if len(_workers(_descendants(parent.pid))) >= expected_children:
                 break
             assert parent.poll() is None, f"the run ended before its children were up: {err_path.read_text()[-2000:]}"
@@ -163,6 +167,7 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
         time.sleep(1.0)  # into the work, every child past its start-up
         for p in _descendants(parent.pid):
             seen.setdefault(p.pid, p)
+        owned |= _mapped_sems([parent.pid, *seen])
         assert parent.poll() is None, "the run finished before the signal: make the trace longer"
         t0 = time.monotonic()
         if sig == signal.SIGINT:
@@ -187,7 +192,7 @@ def test_an_ended_parent_leaves_nothing(case: str, sig: signal.Signals, tmp_path
         assert not list(tmp_path.glob(".out.json.*")), "an interrupted run left a temporary file"
         stray: set[str] = set()
         while time.monotonic() - t0 < DEADLINE_S + 5:  # the resource tracker unlinks after the last child exits
-            stray = (_sems() - before) - _mapped_sems()
+            stray = (_sems() & owned) - _mapped_sems()
             if not stray:
                 break
             time.sleep(0.2)
