@@ -35,11 +35,14 @@ Strength, per page (two byte strings of the same length, P = false match):
   certainty (the salts differ and fmix64 is a bijection), so a page and its
   checksum moved together to the wrong place fail.
 
-Cost: two 64-bit multiply-adds per 8 bytes. numpy (`raw_sums`) runs as
-integer sums of products over cache-sized steps (up to a MiB of pages: one
-sum of products over their 32-bit words), over pages given as rows or
-as a [layers, pages, page_bytes] view of a pool; the GPU kernel is a single
-pass over the pages (docs/integrity.md has the measurements).
+Cost: two 64-bit multiply-adds per 8 bytes. On CPU, `raw_sums` and
+`finalise` run compiled (`hicache_cp._hashes`, built by setup.py where a C
+compiler is found: `NATIVE`), one call for a part's gather and sums; else in
+numpy, as integer sums of products over cache-sized steps (up to a MiB of
+pages: one sum of products over their 32-bit words). Both take pages given as
+rows or as a [layers, pages, page_bytes] view of a pool, optionally gathered
+by page index; the GPU kernel is a single pass over the pages
+(docs/integrity.md has the measurements).
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ import numpy as np
 
 from hicache_cp.layout import PART_ORDER, KVLayout, Part
 from hicache_cp.tables import GrowingTables
+
+try:  # the compiled passes (setup.py); without them numpy below computes the same bits
+    from hicache_cp import _hashes as native
+except ImportError:
+    native = None  # type: ignore[assignment]
+
+#: Whether this process hashes with the compiled passes (`hicache_cp._hashes`).
+NATIVE = native is not None
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -156,8 +167,8 @@ _WORD_MULTS: dict[int, np.ndarray] = {}
 
 def _word_multipliers(words: int) -> np.ndarray:
     """The multilinear form's M_i over the 32-bit words of a page of `words` 64-bit words
-    (M_2j = A_j, M_2j+1 = A_j * 2**32 + B_j): uint64 [2 * words], read-only (memoised;
-    for pages of at most `_MID_WORDS` words)."""
+    (M_2j = A_j, M_2j+1 = A_j * 2**32 + B_j): uint64 [2 * words], read-only (memoised
+    per page size)."""
     m = _WORD_MULTS.get(words)
     if m is None:
         a, b = multipliers(words)
@@ -169,25 +180,35 @@ def _word_multipliers(words: int) -> np.ndarray:
     return m
 
 
-def raw_sums(pages: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def raw_sums(pages: np.ndarray, out: np.ndarray | None = None, index: np.ndarray | None = None) -> np.ndarray:
     """The multilinear sums (before the salt) of each page of `pages`: uint8
-    [..., page_bytes] (pages along the last axis, which must be contiguous; a
-    [layers, n, page_bytes] view of a pool's buffer needs no gather) -> uint64 [...],
-    written into `out` when given (then returned).
+    [..., n, page_bytes] (a [layers, n, page_bytes] view of a pool's buffer needs no
+    gather) -> uint64 [..., n], or of the pages `index` (int page ids along the pages
+    axis) -> uint64 [..., len(index)]; written into `out` when given (then returned).
 
-    O(bytes), no per-page Python work: up to `_MID_WORDS` words, one integer sum of
-    products over the 32-bit words; above, per step of about `_STEP_BYTES` of pages,
-    one pass for the high halves and two integer sums of products (uint64
-    products and sums wrap mod 2**64), so a step's pages and its scratch stay in
-    a core's L2 cache. Allocates O(min(bytes, _STEP_BYTES)) scratch; numpy
-    releases the GIL inside each pass."""
+    O(bytes), no per-page Python work. Compiled (`NATIVE`, `out` C-contiguous): one
+    pass that gathers and sums, the GIL released for large inputs. numpy: the gather
+    first, then up to `_MID_WORDS` words one integer sum of products over the 32-bit
+    words; above, per step of about `_STEP_BYTES` of pages, one pass for the high
+    halves and two integer sums of products (uint64 products and sums wrap mod
+    2**64), so a step's pages and its scratch stay in a core's L2 cache. Allocates
+    O(min(bytes, _STEP_BYTES)) scratch; numpy releases the GIL inside each pass."""
     page_bytes = pages.shape[-1]
     if pages.ndim not in (2, 3):
         raise ValueError(f"pages must be [n, page_bytes] or [layers, n, page_bytes], got shape {pages.shape}")
     if page_bytes % 8:
         raise ValueError(f"page_bytes must be a multiple of 8, got {page_bytes}")
+    if pages.dtype != np.uint8:
+        raise ValueError(f"pages must be uint8, got {pages.dtype}")
+    if index is not None:
+        index = np.ascontiguousarray(index, dtype=np.int64)
     if out is None:
-        out = np.empty(pages.shape[:-1], dtype=np.uint64)
+        out = np.empty(pages.shape[:-1] if index is None else (*pages.shape[:-2], len(index)), dtype=np.uint64)
+    if native is not None and pages.strides[-1] == 1 and out.flags.c_contiguous:
+        native.raw_sums(pages, _word_multipliers(page_bytes // 8), out, index)
+        return out
+    if index is not None:
+        pages = pages.take(index, axis=-2)  # `take` gathers with less overhead than fancy indexing
     if pages.strides[-1] != 1 or pages.strides[0] % 8 or pages.strides[-2] % 8:  # ndim is 2 or 3
         pages = np.ascontiguousarray(pages)
     words = page_bytes // 8
@@ -238,6 +259,9 @@ def salted(raw: np.ndarray, part: Part, layers: list[int] | tuple[int, ...], pag
 def finalise(raw: np.ndarray, row_salts: np.ndarray) -> np.ndarray:
     """The checksums of pages whose `raw_sums` are `raw` (uint64 [rows, n]), row i salted
     with `row_salts[i]` (`LayoutSalts.salts` rows), computed in place; returns `raw`."""
+    if native is not None and raw.ndim == 2 and len(row_salts) == len(raw) and raw.flags.c_contiguous:
+        native.finalise(raw, np.ascontiguousarray(row_salts))
+        return raw
     raw ^= row_salts[:, None]
     return fmix64_in_place(raw)
 

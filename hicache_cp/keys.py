@@ -26,6 +26,7 @@ import hashlib
 
 import numpy as np
 
+from hicache_cp import checksum
 from hicache_cp.checksum import fmix64_in_place
 from hicache_cp.tables import GrowingTables
 
@@ -67,7 +68,12 @@ def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.nda
 
     `parent` continues a chain (the prefix hash of the page before `tokens`).
     Equal prefixes give equal hashes; a different page anywhere before
-    position i changes hash i."""
+    position i changes hash i. Compiled where `checksum.NATIVE` (one call), else numpy."""
+    if checksum.native is not None:
+        pages = _pages(tokens, page_size)
+        out = np.empty(len(pages), dtype=np.uint64)
+        checksum.native.prefix_hashes(np.ascontiguousarray(pages), _position_multipliers(page_size), int(parent), out)
+        return out
     g = page_hashes(tokens, page_size)
     n = len(g)
     if n == 0:

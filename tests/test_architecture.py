@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("hostmem", "hicache_cp", "hicache_harness")
 
 LAYERS: list[tuple[str, ...]] = [
-    ("hostmem",),
+    ("hostmem", "hicache_cp._hashes"),
     ("hicache_cp.errors", "hicache_cp.layout", "hicache_cp.keys", "hicache_cp.checksum", "hicache_cp.tables",
      "hicache_cp.cp", "hicache_cp.presets"),
     ("hicache_cp.radix", "hicache_cp.allocator", "hicache_cp.pools", "hicache_cp.metrics", "hicache_cp.node"),
@@ -34,9 +34,10 @@ MAX_LIBRARY_LINES = 600
 
 
 def _modules() -> dict[str, Path]:
+    """Every module by its dotted name: Python sources, and C sources (compiled modules, setup.py)."""
     out = {}
     for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
+        for path in [*(ROOT / pkg).rglob("*.py"), *(ROOT / pkg).rglob("*.c")]:
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -48,6 +49,8 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Project modules imported anywhere in the file (top level or in functions)."""
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
+    if path.suffix == ".c":  # a compiled module imports no project module
+        return out
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]

@@ -140,7 +140,7 @@ class HostChecks:
         checked device pages of `layer_view` (the layer, uint8 [pages, page_bytes])."""
         row = self._salts.offsets[part] + slot
         if len(self.device_pages):
-            checksum.raw_sums(layer_view[self._device_rows], out=self._raw[row])
+            _hash_pages(layer_view, self._device_rows, self._raw[row])
         self._hashed.add(row)
 
     def finished(self, landed: bool) -> None:
@@ -232,18 +232,20 @@ class HostChecks:
                 j += 1
             slot, buf = lo - self._salts.offsets[part], pool.part_view(part)
             if buf is not None:
-                checksum.raw_sums(_pages_of(buf[slot : slot + j - i], pages, 1), out=self._raw[lo : lo + j - i])
+                _hash_pages(buf[slot : slot + j - i], pages, self._raw[lo : lo + j - i])
             else:
                 for k in range(j - i):
-                    checksum.raw_sums(_pages_of(pool.layer_view(part, slot + k), pages, 0), out=self._raw[lo + k])
+                    _hash_pages(pool.layer_view(part, slot + k), pages, self._raw[lo + k])
             i = j
 
 
-def _pages_of(view: np.ndarray, pages: np.ndarray | slice, axis: int) -> np.ndarray:
-    """`pages` of `view` along its pages' `axis`: a view for a slice, else a gather."""
+def _hash_pages(view: np.ndarray, pages: np.ndarray | slice, out: np.ndarray) -> None:
+    """The raw sums of `pages` (a slice, or page ids) of `view` ([..., pages, page_bytes])
+    into `out`: a view of them for a slice, else gathered by the hash itself."""
     if isinstance(pages, slice):
-        return view[:, pages] if axis else view[pages]
-    return view.take(pages, axis=axis)  # `take` gathers with less overhead than fancy indexing
+        checksum.raw_sums(view[..., pages, :], out=out)
+    else:
+        checksum.raw_sums(view, out=out, index=pages)
 
 
 def _run_start(pages: np.ndarray) -> int | None:

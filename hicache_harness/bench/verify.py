@@ -6,8 +6,12 @@ CPU (always):
   `--rounds` interleaved rounds (off, all, sample, off, ...), on the trace and
   model given (default: the embedded workload, tiny model); the ratio of each
   mode's median wall time to off's (target: all <= 1.10). The byte oracle runs
-  in every mode (`--no-verify` turns it off in all of them);
-* the numpy checksum's throughput over `--pages` pages of `--page-bytes`.
+  in every mode (`--no-verify` turns it off in all of them). The checks hash
+  with the compiled passes where they are built (`checksum.NATIVE`; the JSON's
+  `hashes`); `--numpy-hashes` adds a fourth interleaved mode, `all_numpy`:
+  checks on, hashed with numpy;
+* the checksum's throughput over `--pages` pages of `--page-bytes`, numpy and
+  compiled.
 
 GPU (when CUDA is there, the checks as `hicache_cp.io.checked` runs them):
 
@@ -26,9 +30,11 @@ Output: a table, and JSON with the provenance (commit, machine, command).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--forward-ms", type=float, default=40.0, help="GPU time of the forward beside the checks")
     p.add_argument("--pairs", type=int, default=15, help="interleaved runs of the forward alone and beside (default 15)")
     p.add_argument("--skip-replay", action="store_true", help="only the throughput and GPU measurements")
+    p.add_argument("--numpy-hashes", action="store_true",
+                   help="also replay with the checks hashed by numpy (mode all_numpy), interleaved")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -65,20 +73,23 @@ def replay_walls(args: argparse.Namespace) -> dict[str, Any]:
 
     parser = argparse.ArgumentParser()
     command.add_arguments(parser)
-    walls: dict[str, list[float]] = {m: [] for m in MODES}
-    cpus: dict[str, list[float]] = {m: [] for m in MODES}
+    modes = (*MODES, "all_numpy") if args.numpy_hashes else MODES
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    cpus: dict[str, list[float]] = {m: [] for m in modes}
     facts: dict[str, Any] = {}
     for _ in range(args.rounds):
-        for mode in MODES:
-            argv = ["--model", args.model, "--set", f"verify_restores={mode}", "--device", "cpu"]
+        for mode in modes:
+            verify = mode.removesuffix("_numpy")
+            argv = ["--model", args.model, "--set", f"verify_restores={verify}", "--device", "cpu"]
             argv += ["--trace", str(args.trace)] if args.trace else []
             argv += ["--limit", str(args.limit)] if args.limit else []
             argv += ["--l2-fraction", str(args.l2_fraction)] if args.l2_fraction else []
             argv += ["--no-verify"] if args.no_verify else []
-            t0, c0 = time.perf_counter(), time.process_time()
-            report = command.replay(parser.parse_args(argv))
-            walls[mode].append(time.perf_counter() - t0)
-            cpus[mode].append(time.process_time() - c0)
+            with _hashes("numpy" if mode.endswith("_numpy") else None):
+                t0, c0 = time.perf_counter(), time.process_time()
+                report = command.replay(parser.parse_args(argv))
+                walls[mode].append(time.perf_counter() - t0)
+                cpus[mode].append(time.process_time() - c0)
             facts[mode] = {k: report.get(k) for k in ("hit_rate", "verified_pages", "verify_failures",
                                                        "integrity_checked_pages", "integrity_mismatches")}  # fmt: skip
     med = {m: statistics.median(w) for m, w in walls.items()}
@@ -94,19 +105,35 @@ def replay_walls(args: argparse.Namespace) -> dict[str, Any]:
         "replay_wall_s_median": {m: round(v, 4) for m, v in med.items()},
         "replay_all_over_off": round(med["all"] / med["off"], 4),
         "replay_sample_over_off": round(med["sample"] / med["off"], 4),
+        **({"replay_all_numpy_over_off": round(med["all_numpy"] / med["off"], 4),
+            "replay_cpu_all_numpy_over_off": round(cpu["all_numpy"] / cpu["off"], 4)} if args.numpy_hashes else {}),
         "replay_facts": facts,
     }
 
 
-def numpy_throughput(pages: int, page_bytes: int) -> float:
-    """GB/s of `checksum.checksums` on this core (median of 5)."""
+@contextlib.contextmanager
+def _hashes(kind: str | None) -> Iterator[None]:
+    """Hash with numpy inside the block when `kind` is "numpy" (the compiled passes are
+    `checksum.native`, which `checksum` and `keys` consult on every call); else as built."""
+    built = checksum.native
+    if kind == "numpy":
+        checksum.native = None
+    try:
+        yield
+    finally:
+        checksum.native = built
+
+
+def throughput(pages: int, page_bytes: int, kind: str | None = None) -> float:
+    """GB/s of `checksum.checksums` on this core (median of 5), hashed as `_hashes(kind)`."""
     data = np.random.default_rng(0).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
-    checksum.checksums(data[:4], Part.TARGET_KV, 0)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        checksum.checksums(data, Part.TARGET_KV, 0)
-        times.append(time.perf_counter() - t0)
+    with _hashes(kind):
+        checksum.checksums(data[:4], Part.TARGET_KV, 0)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            checksum.checksums(data, Part.TARGET_KV, 0)
+            times.append(time.perf_counter() - t0)
     return data.nbytes / statistics.median(times) / 1e9
 
 
@@ -197,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"commit": git_commit(), "machine": machine(), "command": command_line("bench-verify")}
     if not args.skip_replay:
         result.update(replay_walls(args))
-    result["numpy_gbps"] = round(numpy_throughput(min(args.pages, 256), args.page_bytes), 3)
+    result["hashes"] = "compiled" if checksum.NATIVE else "numpy"
+    result["numpy_gbps"] = round(throughput(min(args.pages, 256), args.page_bytes, "numpy"), 3)
+    if checksum.NATIVE:
+        result["compiled_gbps"] = round(throughput(min(args.pages, 256), args.page_bytes), 3)
     import torch
 
     if torch.cuda.is_available():
@@ -219,7 +249,11 @@ def _print_table(r: dict[str, Any]) -> None:
               f"sample / off {r['replay_sample_over_off']:.3f}")
         print(f"  process CPU time: all / off {r['replay_cpu_all_over_off']:.3f}, "
               f"sample / off {r['replay_cpu_sample_over_off']:.3f}")
-    print(f"  numpy checksum {r['numpy_gbps']:.2f} GB/s (one core)")
+        if "replay_all_numpy_over_off" in r:
+            print(f"  checks hashed by numpy: all / off {r['replay_all_numpy_over_off']:.3f}, "
+                  f"process CPU {r['replay_cpu_all_numpy_over_off']:.3f}")
+    compiled = f", compiled {r['compiled_gbps']:.2f} GB/s" if "compiled_gbps" in r else " (compiled hashes not built)"
+    print(f"  checksum on one core: numpy {r['numpy_gbps']:.2f} GB/s{compiled}; the checks hashed {r['hashes']}")
     g = r.get("gpu")
     if g:
         print(f"  GPU {g['device']}: kernel {g['kernel_gbps']:.0f} GB/s = {g['kernel_over_pcie']:.1f}x the H2D link "
