@@ -15,7 +15,7 @@ The copy workers' hashing of large copies is not on that thread and not
 counted. To compare two commits, run it from each checkout (the library comes
 from the working directory, its commit into the JSON):
 
-    PYTHONPATH=$PWD python bench/scripts/verify_thread_time.py [--trace T] [--rounds 3] [--json P]
+    PYTHONPATH=$PWD python bench/scripts/verify_thread_time.py [--trace T] [--rounds 3] [--numpy-hashes] [--json P]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hicache_cp import checksum
 from hicache_cp.cache import lifecycle
 from hicache_cp.io import verify
 from hicache_harness.outputs import write_json
@@ -57,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="Mooncake-format trace (default: the shared one beside the repository)")
     ap.add_argument("--l2-fraction", type=float, default=0.1)
     ap.add_argument("--rounds", type=int, default=3, help="timed replays after one untimed (default 3)")
+    ap.add_argument("--numpy-hashes", action="store_true", help="hash with numpy where the compiled hashes are built")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.numpy_hashes:  # `checksum` and `keys` consult `checksum.native` on every call
+        checksum.native = None
     if not args.trace.exists():
         print(f"verify_thread_time: no trace at {args.trace}", file=sys.stderr)
         return 2
@@ -77,12 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         command.replay(parser.parse_args(replay_argv))
         rounds.append({**totals, "total": sum(totals.values())})
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-    print(f"restore checks' thread CPU time a replay at {git_commit()} (median of {args.rounds}): "
+    hashes = "numpy" if checksum.native is None else "compiled"
+    print(f"restore checks' thread CPU time a replay at {git_commit()}, {hashes} hashes (median of {args.rounds}): "
           + ", ".join(f"{k} {v:.3f} s" for k, v in median.items()))  # fmt: skip
     if args.json:
         write_json(args.json, {"commit": git_commit(), "machine": machine(),
                                "command": "python bench/scripts/verify_thread_time.py " + " ".join(sys.argv[1:]),
-                               "replay": replay_argv, "rounds_s": rounds, "median_s": median})  # fmt: skip
+                               "replay": replay_argv, "hashes": hashes, "rounds_s": rounds, "median_s": median})  # fmt: skip
     return 0
 
 
