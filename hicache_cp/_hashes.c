@@ -2,9 +2,13 @@
  *
  *   raw_sums(pages, mults, out, index)   `checksum.raw_sums`: the pages' multilinear sums,
  *                                        the pages gathered by index
+ *   raw_sums_blocks(blocks, out, index, first)  `checksum.raw_sums_blocks`: raw_sums of
+ *                                        several blocks of rows in one call
  *   finalise(raw, salts)                 `checksum.finalise`: raw ^= its row's salt, then
  *                                        splitmix64's finaliser
  *   prefix_hashes(tokens, mults, parent, out)  `keys.prefix_hashes`
+ *   store(table, rows, cols, sums)       `checksum.store`: sums into a table of stored ones
+ *   mismatched(table, rows, cols, sums)  `checksum.mismatched`: whether any differs from it
  *
  * All are exact integer arithmetic mod 2**64 and give the numpy definitions' bits
  * (tests/test_hashes_native.py). They exist for the many small calls of the cpu
@@ -130,6 +134,80 @@ fail_p:
     return NULL;
 }
 
+/* raw_sums_blocks(blocks, out, index, first) -> None
+ *
+ * blocks: a tuple of (pages, mults, row): pages uint8 [k, N, page_bytes] (last axis
+ * contiguous), mults its `mults` as in raw_sums, row the first row of `out` it fills.
+ * out: uint64 [R, m], C-contiguous, writable. index: None (the pages first .. first + m - 1)
+ * or int64 [m] page ids. Row row + r of `out` gets the sums of the pages of pages[r].
+ */
+static PyObject *raw_sums_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "raw_sums_blocks(blocks: tuple, out, index, first) takes 4 arguments");
+        return NULL;
+    }
+    Py_ssize_t first = PyLong_AsSsize_t(args[3]);
+    if (first == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer ov, iv;
+    int have_index = args[2] != Py_None;
+    if (get(args[1], &ov, PyBUF_ND | PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE, "out") < 0) return NULL;
+    if (have_index && get(args[2], &iv, PyBUF_C_CONTIGUOUS, "index") < 0) {
+        PyBuffer_Release(&ov);
+        return NULL;
+    }
+    const int64_t *index = have_index ? (const int64_t *)iv.buf : NULL;
+    Py_ssize_t rows_out = ov.ndim == 2 ? ov.shape[0] : 0, m = ov.ndim == 2 ? ov.shape[1] : 0;
+    if (ov.ndim != 2 || ov.itemsize != 8 || (have_index && iv.len != m * 8)) {
+        PyErr_SetString(PyExc_ValueError, "out: not uint64 [rows, pages] (index: one id a column)");
+        goto done;
+    }
+    uint64_t *out = (uint64_t *)ov.buf;
+    for (Py_ssize_t b = 0; b < PyTuple_GET_SIZE(args[0]); b++) {
+        PyObject *block = PyTuple_GET_ITEM(args[0], b);
+        if (!PyTuple_Check(block) || PyTuple_GET_SIZE(block) != 3) {
+            PyErr_SetString(PyExc_TypeError, "a block is (pages, mults, row)");
+            goto done;
+        }
+        Py_ssize_t row = PyLong_AsSsize_t(PyTuple_GET_ITEM(block, 2));
+        if (row == -1 && PyErr_Occurred()) goto done;
+        Py_buffer pv, mv;
+        if (get(PyTuple_GET_ITEM(block, 0), &pv, PyBUF_STRIDES, "pages") < 0) goto done;
+        if (get(PyTuple_GET_ITEM(block, 1), &mv, PyBUF_C_CONTIGUOUS, "mults") < 0) {
+            PyBuffer_Release(&pv);
+            goto done;
+        }
+        int ok = pv.ndim == 3 && pv.itemsize == 1 && pv.strides[2] == 1 && pv.shape[2] % 8 == 0;
+        Py_ssize_t k = ok ? pv.shape[0] : 0, n = ok ? pv.shape[1] : 0, words32 = ok ? pv.shape[2] / 4 : 0;
+        if (!ok || mv.len < words32 * 8 || row < 0 || row + k > rows_out) {
+            PyErr_Format(PyExc_ValueError, "block %zd: not uint8 [k, N, page_bytes] for rows %zd.. of %zd", b, row,
+                         rows_out);
+        } else {
+            for (Py_ssize_t j = 0; j < m && !PyErr_Occurred(); j++) {
+                Py_ssize_t page = index ? (Py_ssize_t)index[j] : first + j;
+                if (page < 0 || page >= n)
+                    PyErr_Format(PyExc_IndexError, "block %zd: page %zd of %zd pages", b, page, n);
+            }
+            const unsigned char *base = (const unsigned char *)pv.buf;
+            for (Py_ssize_t r = 0; r < k && !PyErr_Occurred(); r++) {
+                const unsigned char *slab = base + r * pv.strides[0];
+                uint64_t *dst = out + (row + r) * m;
+                for (Py_ssize_t j = 0; j < m; j++) {
+                    Py_ssize_t page = index ? (Py_ssize_t)index[j] : first + j;
+                    dst[j] = page_sum(slab + page * pv.strides[1], words32, (const uint64_t *)mv.buf);
+                }
+            }
+        }
+        PyBuffer_Release(&mv);
+        PyBuffer_Release(&pv);
+        if (PyErr_Occurred()) goto done;
+    }
+done:
+    if (have_index) PyBuffer_Release(&iv);
+    PyBuffer_Release(&ov);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 static inline uint64_t fmix64(uint64_t x) {
     x ^= x >> 30;
     x *= 0xBF58476D1CE4E5B9ULL;
@@ -214,13 +292,119 @@ static PyObject *prefix_hashes(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* The table cells of store and mismatched: row i of `sums` (uint64 [len(rows), n],
+ * C-contiguous) against table[rows[i], cols[j]] (table: uint64 [R, C], C-contiguous;
+ * rows: None for every table row in order, else int64 [m]; cols: int64 [n]). */
+typedef struct {
+    Py_buffer tv, rv, cv, sv;
+    int have_rows;
+    Py_ssize_t m, n, width;
+} Cells;
+
+static void cells_release(Cells *c) {
+    PyBuffer_Release(&c->sv);
+    PyBuffer_Release(&c->cv);
+    if (c->have_rows) PyBuffer_Release(&c->rv);
+    PyBuffer_Release(&c->tv);
+}
+
+static int cells_get(PyObject *const *args, Py_ssize_t nargs, int writable, Cells *c) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "takes (table, rows, cols, sums)");
+        return -1;
+    }
+    c->have_rows = args[1] != Py_None;
+    if (get(args[0], &c->tv, PyBUF_ND | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0), "table") < 0)
+        return -1;
+    if (c->have_rows && get(args[1], &c->rv, PyBUF_C_CONTIGUOUS, "rows") < 0) {
+        PyBuffer_Release(&c->tv);
+        return -1;
+    }
+    if (get(args[2], &c->cv, PyBUF_C_CONTIGUOUS, "cols") < 0) {
+        if (c->have_rows) PyBuffer_Release(&c->rv);
+        PyBuffer_Release(&c->tv);
+        return -1;
+    }
+    if (get(args[3], &c->sv, PyBUF_C_CONTIGUOUS, "sums") < 0) {
+        PyBuffer_Release(&c->cv);
+        if (c->have_rows) PyBuffer_Release(&c->rv);
+        PyBuffer_Release(&c->tv);
+        return -1;
+    }
+    if (c->tv.ndim != 2 || c->tv.itemsize != 8) {
+        PyErr_SetString(PyExc_ValueError, "table: not a 2-D table of uint64");
+        goto fail;
+    }
+    Py_ssize_t height = c->tv.shape[0];
+    c->width = c->tv.shape[1];
+    c->n = c->cv.len / 8;
+    c->m = c->have_rows ? c->rv.len / 8 : height;
+    if (c->sv.len != c->m * c->n * 8) {
+        PyErr_SetString(PyExc_ValueError, "sums: not rows x cols uint64");
+        goto fail;
+    }
+    const int64_t *rows = c->have_rows ? (const int64_t *)c->rv.buf : NULL, *cols = (const int64_t *)c->cv.buf;
+    for (Py_ssize_t i = 0; rows && i < c->m; i++) {
+        if (rows[i] < 0 || rows[i] >= height) {
+            PyErr_Format(PyExc_IndexError, "rows: row %lld of %zd", (long long)rows[i], height);
+            goto fail;
+        }
+    }
+    for (Py_ssize_t j = 0; j < c->n; j++) {
+        if (cols[j] < 0 || cols[j] >= c->width) {
+            PyErr_Format(PyExc_IndexError, "cols: page %lld of %zd", (long long)cols[j], c->width);
+            goto fail;
+        }
+    }
+    return 0;
+fail:
+    cells_release(c);
+    return -1;
+}
+
+/* store(table, rows, cols, sums) -> None: table[rows[i], cols[j]] = sums[i, j]. */
+static PyObject *store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Cells c;
+    if (cells_get(args, nargs, 1, &c) < 0) return NULL;
+    uint64_t *table = (uint64_t *)c.tv.buf;
+    const uint64_t *sums = (const uint64_t *)c.sv.buf;
+    const int64_t *rows = c.have_rows ? (const int64_t *)c.rv.buf : NULL, *cols = (const int64_t *)c.cv.buf;
+    for (Py_ssize_t i = 0; i < c.m; i++) {
+        uint64_t *row = table + (rows ? rows[i] : i) * c.width;
+        for (Py_ssize_t j = 0; j < c.n; j++) row[cols[j]] = sums[i * c.n + j];
+    }
+    cells_release(&c);
+    Py_RETURN_NONE;
+}
+
+/* mismatched(table, rows, cols, sums) -> bool: whether any sums[i, j] != table[rows[i], cols[j]]. */
+static PyObject *mismatched(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Cells c;
+    if (cells_get(args, nargs, 0, &c) < 0) return NULL;
+    const uint64_t *table = (const uint64_t *)c.tv.buf, *sums = (const uint64_t *)c.sv.buf;
+    const int64_t *rows = c.have_rows ? (const int64_t *)c.rv.buf : NULL, *cols = (const int64_t *)c.cv.buf;
+    uint64_t differ = 0;
+    for (Py_ssize_t i = 0; i < c.m; i++) {
+        const uint64_t *row = table + (rows ? rows[i] : i) * c.width;
+        for (Py_ssize_t j = 0; j < c.n; j++) differ |= row[cols[j]] ^ sums[i * c.n + j];
+    }
+    cells_release(&c);
+    return PyBool_FromLong(differ != 0);
+}
+
 static PyMethodDef methods[] = {
     {"raw_sums", (PyCFunction)(void (*)(void))raw_sums, METH_FASTCALL,
      "raw_sums(pages, mults, out, index): the pages' multilinear sums into out"},
+    {"raw_sums_blocks", (PyCFunction)(void (*)(void))raw_sums_blocks, METH_FASTCALL,
+     "raw_sums_blocks(blocks, out, index, first): raw_sums of several blocks of rows into out"},
     {"finalise", (PyCFunction)(void (*)(void))finalise, METH_FASTCALL,
      "finalise(raw, salts): raw = fmix64(raw ^ salts[row]) in place"},
     {"prefix_hashes", (PyCFunction)(void (*)(void))prefix_hashes, METH_FASTCALL,
      "prefix_hashes(tokens, mults, parent, out): the pages' prefix hashes into out"},
+    {"store", (PyCFunction)(void (*)(void))store, METH_FASTCALL,
+     "store(table, rows, cols, sums): table[rows[i], cols[j]] = sums[i, j]"},
+    {"mismatched", (PyCFunction)(void (*)(void))mismatched, METH_FASTCALL,
+     "mismatched(table, rows, cols, sums): whether any sums[i, j] != table[rows[i], cols[j]]"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -35,8 +35,8 @@ Strength, per page (two byte strings of the same length, P = false match):
   certainty (the salts differ and fmix64 is a bijection), so a page and its
   checksum moved together to the wrong place fail.
 
-Cost: two 64-bit multiply-adds per 8 bytes. On CPU, `raw_sums` and
-`finalise` run compiled (`hicache_cp._hashes`, built by setup.py where a C
+Cost: two 64-bit multiply-adds per 8 bytes. On CPU, `raw_sums`, `finalise`,
+`store` and `mismatched` run compiled (`hicache_cp._hashes`, built by setup.py where a C
 compiler is found: `NATIVE`), one call for a part's gather and sums; else in
 numpy, as integer sums of products over cache-sized steps (up to a MiB of
 pages: one sum of products over their 32-bit words). Both take pages given as
@@ -165,7 +165,7 @@ def multipliers(words: int) -> tuple[np.ndarray, np.ndarray]:
 _WORD_MULTS: dict[int, np.ndarray] = {}
 
 
-def _word_multipliers(words: int) -> np.ndarray:
+def word_multipliers(words: int) -> np.ndarray:
     """The multilinear form's M_i over the 32-bit words of a page of `words` 64-bit words
     (M_2j = A_j, M_2j+1 = A_j * 2**32 + B_j): uint64 [2 * words], read-only (memoised
     per page size)."""
@@ -205,7 +205,7 @@ def raw_sums(pages: np.ndarray, out: np.ndarray | None = None, index: np.ndarray
     if out is None:
         out = np.empty(pages.shape[:-1] if index is None else (*pages.shape[:-2], len(index)), dtype=np.uint64)
     if native is not None and pages.strides[-1] == 1 and out.flags.c_contiguous:
-        native.raw_sums(pages, _word_multipliers(page_bytes // 8), out, index)
+        native.raw_sums(pages, word_multipliers(page_bytes // 8), out, index)
         return out
     if index is not None:
         pages = pages.take(index, axis=-2)  # `take` gathers with less overhead than fancy indexing
@@ -214,7 +214,7 @@ def raw_sums(pages: np.ndarray, out: np.ndarray | None = None, index: np.ndarray
     words = page_bytes // 8
     total = words * out.size
     if total <= _MID_WORDS:  # one pass over the 32-bit words
-        halves, m = pages.view(np.uint32), _word_multipliers(words)
+        halves, m = pages.view(np.uint32), word_multipliers(words)
         if total <= _SMALL_WORDS:
             np.matmul(halves, m, out=out)
         else:
@@ -228,6 +228,30 @@ def raw_sums(pages: np.ndarray, out: np.ndarray | None = None, index: np.ndarray
     else:  # pages, or whole layers, per step
         _einsum_steps(x, a, b, out)
     return out
+
+
+#: One block of rows for `raw_sums_blocks`: a [k, N, page_bytes] view of a buffer, the
+#: multipliers of its page size (`word_multipliers`) and the first row of `out` it fills.
+Block = tuple[np.ndarray, np.ndarray, int]
+
+
+def raw_sums_blocks(blocks: tuple[Block, ...], out: np.ndarray, pages: np.ndarray | slice) -> None:
+    """`raw_sums` of the same `pages` (page ids, or a slice: the pages of one run) of each
+    block's k rows, into rows [row, row + k) of `out` (uint64 [rows, len(pages)]).
+    Compiled (`NATIVE`, `out` C-contiguous): one call for every block; else a
+    `raw_sums` per block."""
+    if native is not None and out.flags.c_contiguous:
+        if isinstance(pages, slice):
+            native.raw_sums_blocks(blocks, out, None, pages.start)
+        else:
+            native.raw_sums_blocks(blocks, out, np.ascontiguousarray(pages, dtype=np.int64), 0)
+        return
+    for view, _, row in blocks:
+        rows = out[row : row + len(view)]
+        if isinstance(pages, slice):
+            raw_sums(view[:, pages], out=rows)
+        else:
+            raw_sums(view, out=rows, index=pages)
 
 
 def _einsum_steps(x: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
@@ -264,6 +288,31 @@ def finalise(raw: np.ndarray, row_salts: np.ndarray) -> np.ndarray:
         return raw
     raw ^= row_salts[:, None]
     return fmix64_in_place(raw)
+
+
+def store(table: np.ndarray, rows: np.ndarray | None, cols: np.ndarray, sums: np.ndarray) -> None:
+    """Keep checksums in a table of stored ones: table[rows[i], cols[j]] = sums[i, j]
+    (`rows` None: every row of the table, in order). Compiled where `NATIVE` (table,
+    rows, cols and sums C-contiguous), else numpy."""
+    if native is not None and _contiguous(table, rows, cols, sums):
+        native.store(table, rows, cols, sums)
+    else:
+        table[(slice(None) if rows is None else rows[:, None]), cols] = sums
+
+
+def mismatched(table: np.ndarray, rows: np.ndarray | None, cols: np.ndarray, sums: np.ndarray) -> bool:
+    """Whether any sums[i, j] differs from table[rows[i], cols[j]] (`rows` as in `store`)."""
+    if native is not None and _contiguous(table, rows, cols, sums):
+        return bool(native.mismatched(table, rows, cols, sums))
+    return bool((table[(slice(None) if rows is None else rows[:, None]), cols] != sums).any())
+
+
+def _contiguous(table: np.ndarray, rows: np.ndarray | None, cols: np.ndarray, sums: np.ndarray) -> bool:
+    """Whether the compiled `store` and `mismatched` take these as they are (their dtypes
+    and C order; they check sizes and bounds themselves)."""
+    return (table.dtype == sums.dtype == np.uint64 and cols.dtype == np.int64 and table.flags.c_contiguous
+            and sums.flags.c_contiguous and cols.flags.c_contiguous
+            and (rows is None or (rows.dtype == np.int64 and rows.flags.c_contiguous)))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def test_a_page_id_out_of_range_is_refused_not_read() -> None:
 def test_wrong_dtypes_and_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="must be uint8"):
         checksum.raw_sums(np.zeros((2, 8), dtype=np.int8))
-    mults = checksum._word_multipliers(1)
+    mults = checksum.word_multipliers(1)
     with pytest.raises(ValueError, match="not rows x pages"):
         checksum.native.raw_sums(np.zeros((2, 8), np.uint8), mults, np.empty(3, np.uint64), None)
     with pytest.raises(ValueError, match="fewer than page_bytes"):
@@ -133,3 +133,66 @@ def test_the_compiled_hashes_are_built_where_a_c_compiler_is() -> None:
     if shutil.which(cc) is None or not headers.exists():
         pytest.skip(f"no C compiler ({cc}) or no Python.h here")
     assert checksum.NATIVE, "a C compiler is here but hicache_cp._hashes is not built: pip install -e . again"
+
+
+@needs_compiled
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 30), st.integers(0, 12), st.booleans(), st.integers(0, 2**32 - 1))
+def test_store_and_mismatched_compiled_equal_numpy(height: int, width: int, n: int, all_rows: bool, seed: int) -> None:
+    """The stored-checksum table's cells: a store writes the same cells, and a compare
+    sees a difference exactly where numpy does (a single changed cell included)."""
+    rng = np.random.default_rng(seed)
+    table = rng.integers(0, 2**64, (height, width), dtype=np.uint64)
+    rows = None if all_rows else rng.integers(0, height, rng.integers(1, 2 * height), dtype=np.int64)
+    cols = rng.choice(width, size=min(n, width), replace=False).astype(np.int64)
+    sums = rng.integers(0, 2**64, (height if rows is None else len(rows), len(cols)), dtype=np.uint64)
+    if rows is not None:  # a row twice: the later write wins in both, so keep them equal
+        sums = sums[np.unique(rows, return_inverse=True)[1] if len(rows) else slice(None)]
+    got, want = table.copy(), table.copy()
+    checksum.store(got, rows, cols, sums)
+    _numpy(checksum.store, want, rows, cols, sums)
+    assert np.array_equal(got, want)
+    assert checksum.mismatched(got, rows, cols, sums) is _numpy(checksum.mismatched, got, rows, cols, sums) is False
+    if sums.size:
+        i, j = rng.integers(0, sums.shape[0]), rng.integers(0, sums.shape[1])
+        changed = sums.copy()
+        changed[i, j] ^= np.uint64(1) << np.uint64(rng.integers(0, 64))
+        assert checksum.mismatched(got, rows, cols, changed) is _numpy(checksum.mismatched, got, rows, cols, changed) is True
+
+
+@needs_compiled
+def test_store_and_mismatched_refuse_cells_outside_the_table() -> None:
+    table = np.zeros((2, 4), dtype=np.uint64)
+    with pytest.raises(IndexError, match="cols: page 4 of 4"):
+        checksum.store(table, None, np.array([0, 4]), np.zeros((2, 2), dtype=np.uint64))
+    with pytest.raises(IndexError, match="rows: row 2 of 2"):
+        checksum.mismatched(table, np.array([2]), np.array([0]), np.zeros((1, 1), dtype=np.uint64))
+    with pytest.raises(ValueError, match="sums: not rows x cols"):
+        checksum.store(table, None, np.array([0]), np.zeros((1, 1), dtype=np.uint64))
+
+
+@needs_compiled
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 40)), min_size=1, max_size=4), st.integers(1, 10),
+       st.booleans(), st.integers(0, 2**32 - 1))  # fmt: skip
+def test_raw_sums_blocks_compiled_equal_numpy(shapes: list[tuple[int, int]], n: int, run: bool, seed: int) -> None:
+    """Several blocks (rows of different page sizes) in one call: each row's pages, a run
+    (a slice) or gathered by id, as `raw_sums` gives them one block at a time."""
+    rng = np.random.default_rng(seed)
+    blocks, row = [], 0
+    for k, words in shapes:
+        buf = rng.integers(0, 256, (k + 1, n + 2, 8 * words), dtype=np.uint8)
+        view = buf[1:]  # rows strided by a whole slab, as a pool's slots are
+        blocks.append((view, checksum.word_multipliers(words), row))
+        row += k
+    pages = slice(1, n + 1) if run else rng.integers(0, n + 2, rng.integers(0, 2 * n), dtype=np.int64)
+    width = n if run else len(pages)
+    got, want = np.zeros((row, width), np.uint64), np.zeros((row, width), np.uint64)
+    checksum.raw_sums_blocks(tuple(blocks), got, pages)
+    _numpy(checksum.raw_sums_blocks, tuple(blocks), want, pages)
+    assert np.array_equal(got, want)
+    view, _, lo = blocks[-1]
+    alone = checksum.raw_sums(view[:, pages]) if run else checksum.raw_sums(view, index=pages)
+    assert np.array_equal(got[lo:], alone)
+    with pytest.raises(IndexError, match="page"):
+        checksum.raw_sums_blocks(tuple(blocks), np.zeros((row, 1), np.uint64), np.array([n + 2]))

@@ -19,6 +19,7 @@ completes (`hicache_cp.io.checked`).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -189,21 +190,22 @@ class HostChecks:
         if todo:
             self._hash_device(todo)
         self._hashed -= distinct
-        index: np.ndarray | slice
+        index: np.ndarray | None
         whole = not self.pending and len(rows) == len(distinct) == self._salts.rows
         if whole:  # every row once, none in flight: the table in place, sums row r is table row r
-            index, sums = slice(None), checksum.finalise(self._raw, self._salts.salts)
+            index, sums = None, checksum.finalise(self._raw, self._salts.salts)
         else:  # sums row i is tickets[i]'s
             index = np.asarray(rows, dtype=np.int64)
             sums = checksum.finalise(self._raw[index], self._salts.salts[index])
-            index = index[:, None]
         table, hp = self.engine.host_pool.sums_table(), self.host_pages
         errors: dict[int, IntegrityError | None] = {}
         if self.d2h:
-            table[index, hp] = sums
+            checksum.store(table, index, hp, sums)
         else:
             self.engine.integrity.count_checked("l2", len(self.device_pages) * len(tickets))
-            errors = self._mismatches(tickets, rows if whole else range(len(tickets)), sums, sums != table[index, hp])
+            if checksum.mismatched(table, index, hp, sums):
+                stored = table[:, hp] if index is None else table[index[:, None], hp]
+                errors = self._mismatches(tickets, rows if whole else range(len(tickets)), sums, sums != stored)
         for k, t in enumerate(tickets):
             t.checked(errors.get(k))
 
@@ -213,30 +215,54 @@ class HostChecks:
         """A load's failed tickets (by index) and their errors (`compare`): ticket k's
         checksums are row `sums_row[k]` of `sums`, `bad` is sums != stored."""
         bad_rows = bad.any(axis=1)
-        if not bad_rows.any():
-            return {}
         return {k: compare(self.engine, t.part, t.layer, sums[i], self.host_pages, self.device_pages, self.request,
                            counted=True)
                 for k, (t, i) in enumerate(zip(tickets, sums_row)) if bad_rows[i]}  # fmt: skip
 
     def _hash_device(self, rows: list[int]) -> None:
-        """The raw sums of the op's device pages of table `rows` (ascending, distinct): one
-        pass over a [slots, n, page_bytes] view per block of consecutive slots of a part
-        that is one buffer (no gather when the pages are one run), else per slot."""
-        pool, pages, part_at = self.engine.device_pool, self._device_rows, self._salts.part_at
-        i = 0
-        while i < len(rows):
-            lo, part = rows[i], part_at[rows[i]]
-            j = i + 1
-            while j < len(rows) and rows[j] == lo + j - i and part_at[rows[j]] is part:
-                j += 1
-            slot, buf = lo - self._salts.offsets[part], pool.part_view(part)
-            if buf is not None:
-                _hash_pages(buf[slot : slot + j - i], pages, self._raw[lo : lo + j - i])
-            else:
-                for k in range(j - i):
-                    _hash_pages(pool.layer_view(part, slot + k), pages, self._raw[lo + k])
-            i = j
+        """The raw sums of the op's device pages of table `rows` (ascending, distinct), in
+        one `checksum.raw_sums_blocks` (no gather when the pages are one run)."""
+        pool = self.engine.device_pool
+        by_rows = _BLOCKS.get(pool)
+        if by_rows is None:
+            by_rows = _BLOCKS.setdefault(pool, {})
+        key = tuple(rows)
+        blocks = by_rows.get(key)
+        if blocks is None:
+            if len(by_rows) > 256:  # a few row sets per layout; keep it bounded
+                by_rows.clear()
+            blocks = by_rows[key] = _blocks(pool, self._salts, rows)
+        checksum.raw_sums_blocks(blocks, self._raw, self._device_rows)
+
+
+#: Per device pool, its `_blocks` by table rows (the pool's buffers do not move).
+_BLOCKS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], tuple[checksum.Block, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _blocks(pool: Any, salts: checksum.LayoutSalts, rows: list[int]) -> tuple[checksum.Block, ...]:
+    """Table `rows` (ascending, distinct) of a host-memory device pool as blocks of
+    `checksum.raw_sums_blocks`: a [slots, pages, page_bytes] view per run of consecutive
+    slots of a part that is one buffer, else one per slot."""
+    out: list[checksum.Block] = []
+    i = 0
+    while i < len(rows):
+        lo, part = rows[i], salts.part_at[rows[i]]
+        j = i + 1
+        while j < len(rows) and rows[j] == lo + j - i and salts.part_at[rows[j]] is part:
+            j += 1
+        slot, buf = lo - salts.offsets[part], pool.part_view(part)
+        if buf is not None:
+            views = [buf[slot : slot + j - i]]
+        else:
+            views = [pool.layer_view(part, slot + k)[None] for k in range(j - i)]
+        row = lo
+        for view in views:
+            out.append((view, checksum.word_multipliers(view.shape[-1] // 8), row))
+            row += len(view)
+        i = j
+    return tuple(out)
 
 
 def _hash_pages(view: np.ndarray, pages: np.ndarray | slice, out: np.ndarray) -> None:
