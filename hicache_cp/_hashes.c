@@ -14,8 +14,9 @@
  * (tests/test_hashes_native.py). They exist for the many small calls of the cpu
  * backend's restore checks, where numpy's fixed cost per call is the cost: one call
  * here does what takes numpy five to ten. Arguments come through the buffer protocol;
- * the Python wrappers check dtypes and shapes, this module re-checks sizes. The GIL
- * is released while a call hashes more than a few pages.
+ * the Python wrappers check dtypes and shapes, this module re-checks sizes and bounds.
+ * raw_sums releases the GIL while it hashes more than a few pages (a copy worker's
+ * large copies); the others run on the thread that checks, on small inputs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -35,14 +35,15 @@ Strength, per page (two byte strings of the same length, P = false match):
   certainty (the salts differ and fmix64 is a bijection), so a page and its
   checksum moved together to the wrong place fail.
 
-Cost: two 64-bit multiply-adds per 8 bytes. On CPU, `raw_sums`, `finalise`,
-`store` and `mismatched` run compiled (`hicache_cp._hashes`, built by setup.py where a C
-compiler is found: `NATIVE`), one call for a part's gather and sums; else in
-numpy, as integer sums of products over cache-sized steps (up to a MiB of
-pages: one sum of products over their 32-bit words). Both take pages given as
-rows or as a [layers, pages, page_bytes] view of a pool, optionally gathered
-by page index; the GPU kernel is a single pass over the pages
-(docs/integrity.md has the measurements).
+Cost: two 64-bit multiply-adds per 8 bytes. On CPU, `raw_sums`,
+`raw_sums_blocks`, `finalise`, `store` and `mismatched` run compiled
+(`hicache_cp._hashes`, built by setup.py where a C compiler is found:
+`NATIVE`), one call for a part's gather and sums; else in numpy, as integer
+sums of products over cache-sized steps (up to a MiB of pages: one sum of
+products over their 32-bit words). Both take pages given as rows or as a
+[layers, pages, page_bytes] view of a pool, optionally gathered by page
+index; the GPU kernel is a single pass over the pages (docs/integrity.md has
+the measurements).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@
 
 The radix tree does not need these (it compares tokens exactly); they name
 pages where a hash is the key: the L3 store, the PD and integrity oracles.
-Both are pure numpy over [pages, page_size], no Python object per page:
-O(tokens) arithmetic plus O(pages) for the chain.
+Both are numpy over [pages, page_size], no Python object per page:
+O(tokens) arithmetic plus O(pages) for the chain (`prefix_hashes` in one
+compiled call where `checksum.NATIVE`, the same bits).
 
 The prefix hash is a polynomial chain x_i = x_{i-1} * P + g_i (mod 2**64)
 over the page hashes g_i, computed without a loop as

@@ -223,9 +223,7 @@ class HostChecks:
         """The raw sums of the op's device pages of table `rows` (ascending, distinct), in
         one `checksum.raw_sums_blocks` (no gather when the pages are one run)."""
         pool = self.engine.device_pool
-        by_rows = _BLOCKS.get(pool)
-        if by_rows is None:
-            by_rows = _BLOCKS.setdefault(pool, {})
+        by_rows = _BLOCKS.setdefault(pool, {})
         key = tuple(rows)
         blocks = by_rows.get(key)
         if blocks is None:
