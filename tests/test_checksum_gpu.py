@@ -1,8 +1,7 @@
 """The checksum kernel (`hicache_cp.io.checksum_gpu`) and the CUDA engines' restore checks.
 
 * On CPU: the Triton kernel in Triton's interpreter (TRITON_INTERPRET=1, a
-  subprocess) gives the bits numpy gives, through raw addresses as on the GPU;
-  a plan's page lists pack into one upload, each list aligned for the kernel.
+  subprocess) gives the bits numpy gives, through raw addresses as on the GPU.
 * On the GPU (marked `gpu`): the compiled kernel equals numpy, writing into
   device memory and into pinned host memory (the host pool's checksum arena);
   a HiCache on the `direct` backend stores every backup's checksums, catches a
@@ -265,19 +264,3 @@ def test_a_pinned_loads_checks_follow_its_forward_not_the_work_queued_after_it(p
         cache.release(m.last_node)
         cache.drain()
         cache.check_invariants()
-
-
-@pytest.mark.parametrize("lengths", [(3, 3, 3), (4, 4, 0), (1, 1, 1), (5, 5, 2), (0, 0, 0)])
-def test_a_plans_page_lists_pack_into_one_upload_each_list_16_byte_aligned(lengths: tuple[int, ...]) -> None:
-    """`GpuChecks` uploads a plan's device, host and checked lists as one array: each
-    comes back whole, starting at an even index (the kernel is compiled for 16-byte
-    aligned pointers), and nothing else is in its slice."""
-    from hicache_cp.io.checked import pack_lists
-
-    rng = np.random.default_rng(sum(lengths))
-    lists = [rng.integers(0, 1 << 40, size=n, dtype=np.int64) for n in lengths]
-    packed, slices = pack_lists(*lists)
-    assert packed.dtype == np.int64 and len(slices) == len(lists)
-    for a, sl in zip(lists, slices):
-        assert sl.start % 2 == 0 and np.array_equal(packed[sl], a)
-    assert all(a.stop <= b.start for a, b in zip(slices, slices[1:]))

@@ -211,11 +211,10 @@ class GpuChecks:
         if plan.checksum_state is None:
             rows = verify.checked_rows(plan.check, plan.num_pages)
             cd, ch = plan.device_pages[rows], plan.host_pages[rows]
-            lists, (d, h, c) = pack_lists(plan.device_pages, plan.host_pages, cd)
             with torch.cuda.stream(self.stream):  # pinned: no host wait (torch keeps it until copied)
-                up = torch.from_numpy(lists).pin_memory().to(self.device, non_blocking=True)  # one upload
-            checked = up[c]
-            plan.checksum_state = _PlanPages(up[d], up[h], cd, ch, checked, checked)
+                up = [torch.from_numpy(np.ascontiguousarray(a)).pin_memory().to(self.device, non_blocking=True)
+                      for a in (plan.device_pages, plan.host_pages, cd)]  # fmt: skip
+            plan.checksum_state = _PlanPages(up[0], up[1], cd, ch, up[2], up[2])
         return plan.checksum_state
 
     # -- completion ---------------------------------------------------------------------
@@ -295,18 +294,6 @@ class GpuChecks:
         self.stream.synchronize()
         self.landed.clear()
         self._landed_arena.close()
-
-
-def pack_lists(*lists: np.ndarray) -> tuple[np.ndarray, list[slice]]:
-    """`lists` in one int64 array, each starting at an even index (16-byte aligned once
-    the array is, as the checksum kernel is compiled for), and the slice of each."""
-    out = np.zeros(sum(len(a) + len(a) % 2 for a in lists), dtype=np.int64)
-    slices, at = [], 0
-    for a in lists:
-        out[at : at + len(a)] = a
-        slices.append(slice(at, at + len(a)))
-        at += len(a) + len(a) % 2
-    return out, slices
 
 
 def _consecutive(jobs: list[CheckJob]) -> list[list[CheckJob]]:
