@@ -48,8 +48,10 @@ the measurements).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +66,19 @@ except ImportError:
 
 #: Whether this process hashes with the compiled passes (`hicache_cp._hashes`).
 NATIVE = native is not None
+
+
+@contextlib.contextmanager
+def numpy_hashes() -> Iterator[None]:
+    """Inside the block this process hashes with numpy, the definitions, built or not
+    (`checksum` and `keys` consult `native` on every call): to compare the two paths.
+    Not for a running cache: it switches every thread."""
+    global native
+    built, native = native, None
+    try:
+        yield
+    finally:
+        native = built
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)

@@ -28,7 +28,6 @@ import hashlib
 import numpy as np
 
 from hicache_cp import checksum
-from hicache_cp.checksum import fmix64_in_place
 from hicache_cp.tables import GrowingTables
 
 HASH_BYTES = 16  # chain_hashes' digest size
@@ -61,7 +60,7 @@ def page_hashes(tokens: np.ndarray, page_size: int) -> np.ndarray:
     # probability about 2**-64 for unrelated pages.
     summed = pages @ _position_multipliers(page_size)  # the sum of products, mod 2**64
     summed ^= np.uint64(page_size)
-    return fmix64_in_place(summed)  # splitmix64's finaliser
+    return checksum.fmix64_in_place(summed)  # splitmix64's finaliser
 
 
 def prefix_hashes(tokens: np.ndarray, page_size: int, parent: int = 0) -> np.ndarray:

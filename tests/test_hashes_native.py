@@ -24,11 +24,8 @@ needs_compiled = pytest.mark.skipif(not checksum.NATIVE, reason="the compiled ha
 
 def _numpy(f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - a pass-through
     """`f(*args, **kwargs)` with `checksum` and `keys` hashing in numpy (the definitions)."""
-    built, checksum.native = checksum.native, None
-    try:
+    with checksum.numpy_hashes():
         return f(*args, **kwargs)
-    finally:
-        checksum.native = built
 
 
 @st.composite
@@ -90,6 +87,14 @@ def test_prefix_hashes_compiled_equal_numpy(page_size: int, length: int, parent:
     small = (tokens % (1 << 31)).astype(np.int32)
     want = _numpy(keys.prefix_hashes, small.astype(np.int64), page_size)
     assert np.array_equal(keys.prefix_hashes(small, page_size), want)
+
+
+def test_numpy_hashes_switches_to_numpy_inside_and_back_after() -> None:
+    built = checksum.native
+    with pytest.raises(RuntimeError), checksum.numpy_hashes():
+        assert checksum.native is None
+        raise RuntimeError("left by an exception")
+    assert checksum.native is built
 
 
 @needs_compiled

@@ -21,6 +21,7 @@ from the working directory, its commit into the JSON):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import sys
@@ -52,6 +53,23 @@ def _timed(totals: dict[str, float], key: str, f: Any) -> Any:
     return timed
 
 
+def _rounds(replay_argv: list[str], n: int) -> list[dict[str, float]]:
+    """The timed functions' thread CPU time in each of `n` replays, after an untimed one."""
+    totals = dict.fromkeys(TIMED, 0.0)
+    for key, (cls, name) in TIMED.items():
+        setattr(cls, name, _timed(totals, key, getattr(cls, name)))
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    command.replay(parser.parse_args(replay_argv))  # untimed: imports, first-use tables
+    rounds = []
+    for _ in range(n):
+        for key in totals:
+            totals[key] = 0.0
+        command.replay(parser.parse_args(replay_argv))
+        rounds.append({**totals, "total": sum(totals.values())})
+    return rounds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=_REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl",
@@ -61,27 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numpy-hashes", action="store_true", help="hash with numpy where the compiled hashes are built")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if args.numpy_hashes:  # `checksum` and `keys` consult `checksum.native` on every call
-        checksum.native = None
     if not args.trace.exists():
         print(f"verify_thread_time: no trace at {args.trace}", file=sys.stderr)
         return 2
-    totals = dict.fromkeys(TIMED, 0.0)
-    for key, (cls, name) in TIMED.items():
-        setattr(cls, name, _timed(totals, key, getattr(cls, name)))
-    parser = argparse.ArgumentParser()
-    command.add_arguments(parser)
     replay_argv = ["--model", "tiny", "--set", "verify_restores=all", "--device", "cpu", "--trace", str(args.trace),
                    "--l2-fraction", str(args.l2_fraction)]  # fmt: skip
-    command.replay(parser.parse_args(replay_argv))  # untimed: imports, first-use tables
-    rounds = []
-    for _ in range(args.rounds):
-        for key in totals:
-            totals[key] = 0.0
-        command.replay(parser.parse_args(replay_argv))
-        rounds.append({**totals, "total": sum(totals.values())})
+    with checksum.numpy_hashes() if args.numpy_hashes else contextlib.nullcontext():
+        rounds = _rounds(replay_argv, args.rounds)
     median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-    hashes = "numpy" if checksum.native is None else "compiled"
+    hashes = "numpy" if args.numpy_hashes or not checksum.NATIVE else "compiled"
     print(f"restore checks' thread CPU time a replay at {git_commit()}, {hashes} hashes (median of {args.rounds}): "
           + ", ".join(f"{k} {v:.3f} s" for k, v in median.items()))  # fmt: skip
     if args.json:

@@ -33,6 +33,7 @@ from hicache_cp.layout import Part
 
 if TYPE_CHECKING:
     from hicache_cp.io.base import CopyEngine
+    from hicache_cp.pools import DevicePool
 
 logger = logging.getLogger(__name__)
 
@@ -234,12 +235,12 @@ class HostChecks:
 
 
 #: Per device pool, its `_blocks` by table rows (the pool's buffers do not move).
-_BLOCKS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], tuple[checksum.Block, ...]]] = (
+_BLOCKS: weakref.WeakKeyDictionary[DevicePool, dict[tuple[int, ...], tuple[checksum.Block, ...]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _blocks(pool: Any, salts: checksum.LayoutSalts, rows: list[int]) -> tuple[checksum.Block, ...]:
+def _blocks(pool: DevicePool, salts: checksum.LayoutSalts, rows: list[int]) -> tuple[checksum.Block, ...]:
     """Table `rows` (ascending, distinct) of a host-memory device pool as blocks of
     `checksum.raw_sums_blocks`: a [slots, pages, page_bytes] view per run of consecutive
     slots of a part that is one buffer, else one per slot."""

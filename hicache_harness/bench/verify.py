@@ -34,7 +34,6 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +84,7 @@ def replay_walls(args: argparse.Namespace) -> dict[str, Any]:
             argv += ["--limit", str(args.limit)] if args.limit else []
             argv += ["--l2-fraction", str(args.l2_fraction)] if args.l2_fraction else []
             argv += ["--no-verify"] if args.no_verify else []
-            with _hashes("numpy" if mode.endswith("_numpy") else None):
+            with checksum.numpy_hashes() if mode.endswith("_numpy") else contextlib.nullcontext():
                 t0, c0 = time.perf_counter(), time.process_time()
                 report = command.replay(parser.parse_args(argv))
                 walls[mode].append(time.perf_counter() - t0)
@@ -111,23 +110,11 @@ def replay_walls(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-@contextlib.contextmanager
-def _hashes(kind: str | None) -> Iterator[None]:
-    """Hash with numpy inside the block when `kind` is "numpy" (the compiled passes are
-    `checksum.native`, which `checksum` and `keys` consult on every call); else as built."""
-    built = checksum.native
-    if kind == "numpy":
-        checksum.native = None
-    try:
-        yield
-    finally:
-        checksum.native = built
-
-
-def throughput(pages: int, page_bytes: int, kind: str | None = None) -> float:
-    """GB/s of `checksum.checksums` on this core (median of 5), hashed as `_hashes(kind)`."""
+def throughput(pages: int, page_bytes: int, numpy_only: bool = False) -> float:
+    """GB/s of `checksum.checksums` on this core (median of 5), hashed as built, or by
+    numpy (`checksum.numpy_hashes`)."""
     data = np.random.default_rng(0).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
-    with _hashes(kind):
+    with checksum.numpy_hashes() if numpy_only else contextlib.nullcontext():
         checksum.checksums(data[:4], Part.TARGET_KV, 0)
         times = []
         for _ in range(5):
@@ -225,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.skip_replay:
         result.update(replay_walls(args))
     result["hashes"] = "compiled" if checksum.NATIVE else "numpy"
-    result["numpy_gbps"] = round(throughput(min(args.pages, 256), args.page_bytes, "numpy"), 3)
+    result["numpy_gbps"] = round(throughput(min(args.pages, 256), args.page_bytes, numpy_only=True), 3)
     if checksum.NATIVE:
         result["compiled_gbps"] = round(throughput(min(args.pages, 256), args.page_bytes), 3)
     import torch
